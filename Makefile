@@ -1,0 +1,34 @@
+# Two commands for a fresh machine: `make demo` (the main job) and `make test` (the test suite).
+# Both create the virtual environment on first use; re-running them is cheap and idempotent.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: setup test demo bench evidence clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: the local CPU wheel; an unpinned torch may pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests functional_tests
+
+demo: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/nemo-is demo
+
+bench: setup
+	$(VENV)/bin/nemo-is bench
+
+evidence: setup
+	$(VENV)/bin/nemo-is evidence
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -1,0 +1,20 @@
+"""nemo-is-plugin: policy-gradient losses with independent, validated importance-sampling corrections.
+
+Public API: ``build_loss_fn(config)`` returns a loss called exactly like NeMo-RL's ClippedPGLossFn.
+"""
+
+from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
+from nemo_is_plugin.diagnostics import finalize_metrics
+from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss import ClippedPGLoss, LossInputs, build_loss_fn
+
+__all__ = [
+    "ClippedPGLoss",
+    "ClippedPGLossConfig",
+    "ConfigError",
+    "LossInputs",
+    "TokenLayout",
+    "build_loss_fn",
+    "finalize_metrics",
+]
+__version__ = "0.1.0"

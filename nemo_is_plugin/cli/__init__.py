@@ -1,0 +1,1 @@
+"""The ``nemo-is`` command line: one module per command, each exposing ``register(app)``."""

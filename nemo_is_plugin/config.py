@@ -1,0 +1,289 @@
+"""The loss configuration: NeMo-RL's ``loss_fn`` keys, plus independent IS / ratio / clip / KL / aggregation choices.
+
+This module imports without torch. It is the only place where defaults live. Every NeMo-RL ``ClippedPGLossConfig``
+key is accepted with NeMo-RL's name, type and default, so an existing NeMo-RL ``loss_fn`` section validates unchanged.
+The new fields default to ``None`` / off, in which case the loss reproduces NeMo-RL's ``ClippedPGLossFn``.
+
+Formulas (p = prev_logprobs, g = generation_logprobs, c = current log-probs, m = token mask, t = 1-based position among
+unmasked tokens):
+
+- ratio_level (policy ratio pi_theta / pi_old):
+    token            r_t = exp(c_t - p_t)                                   (PPO / GRPO)
+    sequence         r_i = exp(sum_t m_t (c_t - p_t) / sum_t m_t)           (GSPO; one ratio per sequence)
+    sequence_token   r_it = sg[r_i] * exp(c_t - sg[c_t])                    (GSPO-token; gradient through token t)
+    cumulative       r_it = exp(sg[sum_{j<=t} m_j (c_j - p_j)] + c_t - sg[c_t])   (CTPO cumprod)
+    cumulative_mean  as cumulative with the prefix sum divided by t         (CTPO geomean)
+- is_correction_level (IS weight pi_prev / pi_gen, always detached):
+    token            w_t = exp(p_t - g_t)
+    sequence         w_i = exp(sum_t m_t (p_t - g_t))                       (NeMo-RL GSPO default; collapses when long)
+    sequence_mean    w_i = exp(sum_t m_t (p_t - g_t) / sum_t m_t)          (PR #2269 geometric mean)
+    cumulative       w_it = exp(sum_{j<=t} m_j (p_j - g_j))                 (prefix correction; no framework has it)
+- log-space clip (CTPO), when log_ratio_clip_low/high are set:
+    clipped ratio = exp(clamp(log r, -eps_low * t^power, eps_high * t^power)); dual clip c_t = exp(eps_c * t^power).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+RatioLevel = Literal["token", "sequence", "sequence_token", "cumulative", "cumulative_mean"]
+ISCorrectionLevel = Literal["token", "sequence", "sequence_mean", "cumulative"]
+TruncationType = Literal["tis", "icepop", "seq-mask-tis", "seq-mis", "geo-rs"]
+KLType = Literal["k1", "k2", "k3"]
+KLGradient = Literal["estimator", "k2"]
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+# Truncation types that reject whole sequences instead of reweighting tokens; they may run without IS weights.
+REJECTION_TYPES = ("seq-mis", "geo-rs")
+
+
+class ConfigError(ValueError):
+    """Raised for a configuration contradiction; pydantic wraps it into a ValidationError naming the fields."""
+
+
+class ClippedPGLossConfig(BaseModel):
+    """Configuration of :class:`nemo_is_plugin.loss.ClippedPGLoss`.
+
+    The first block is NeMo-RL's ``ClippedPGLossConfig`` (commit 7ea279ab), unchanged. The second block holds the
+    plugin's independent choices; see ``docs/config.md`` for each formula.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    # ---- NeMo-RL keys (names, types and defaults as in NeMo-RL) ----
+    reference_policy_kl_penalty: float = 0.01
+    reference_policy_kl_type: str = "k3"
+    kl_input_clamp_value: Optional[float] = 20.0
+    kl_output_clamp_value: Optional[float] = 10.0
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.2
+    ratio_clip_c: Optional[float] = None
+    use_on_policy_kl_approximation: bool = False
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_type: Optional[str] = None
+    truncated_importance_sampling_ratio: Optional[float] = None
+    truncated_importance_sampling_ratio_min: Optional[float] = None
+    token_level_loss: bool = True
+    sequence_level_importance_ratios: bool = False
+    force_on_policy_ratio: bool = False
+    use_kl_in_reward: bool = False
+    disable_ppo_ratio: bool = False
+    use_cispo: bool = False
+    positive_example_nll_weight: float = 0.0
+
+    # ---- plugin choices (None / off reproduces NeMo-RL) ----
+    ratio_level: Optional[RatioLevel] = Field(
+        None, description="Policy-ratio level; None derives it from sequence_level_importance_ratios like NeMo-RL."
+    )
+    is_correction_level: Optional[ISCorrectionLevel] = Field(
+        None, description="IS-weight level; None derives it from sequence_level_importance_ratios like NeMo-RL."
+    )
+    log_ratio_clip_low: Optional[float] = Field(
+        None, gt=0, description="eps_low of the log-space clip: log r >= -eps_low * t^clip_position_power."
+    )
+    log_ratio_clip_high: Optional[float] = Field(
+        None, gt=0, description="eps_high of the log-space clip: log r <= eps_high * t^clip_position_power."
+    )
+    log_ratio_clip_c: Optional[float] = Field(
+        None, gt=0, description="Log-space dual clip: for A < 0 the loss is capped at -A * exp(eps_c * t^power)."
+    )
+    clip_position_power: float = Field(
+        0.0, description="p in the position-adaptive bounds eps * t^p (CTPO uses 0.5); 0 gives fixed bounds."
+    )
+    token_log_ratio_clamp: Optional[float] = Field(
+        None, gt=0, description="Clamp each token log-ratio c_t - p_t to +-value before building the ratio (CTPO: 20)."
+    )
+    max_log_ratio: Optional[float] = Field(
+        None, description="Upper cap on the log of the policy ratio after building it (CTPO: 10)."
+    )
+    importance_sampling_veto_threshold: Optional[float] = Field(
+        None, gt=0, lt=1, description="Reject a sequence if any token weight exp(p_t - g_t) is below this (veto)."
+    )
+    importance_sampling_batch_normalize: bool = Field(
+        False, description="Divide IS weights by their masked mean over the batch (after truncation)."
+    )
+    reference_policy_kl_gradient: KLGradient = Field(
+        "estimator", description="'k2': straight-through KL whose value is the chosen estimator and gradient is k2's."
+    )
+    loss_aggregation: Optional[LossAggregation] = Field(
+        None, description="Loss aggregation; None derives it from token_level_loss like NeMo-RL."
+    )
+    loss_aggregation_norm: Optional[float] = Field(
+        None, gt=0, description="Constant divisor per sequence for seq-mean-token-sum-norm (e.g. max response length)."
+    )
+
+    # ------------------------------------------------------------------ validation
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields)
+            unknown = [k for k in data if k not in known]
+            if unknown:
+                hints = []
+                for key in unknown:
+                    near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+                    hints.append(f"'{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+                raise ConfigError(
+                    "unknown loss_fn key(s): " + ", ".join(hints) + ". Valid keys are the NeMo-RL ClippedPGLossConfig "
+                    "keys and the plugin keys listed in docs/config.md."
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "ClippedPGLossConfig":
+        errors = [msg for msg in _contradictions(self) if msg]
+        if errors:
+            raise ConfigError("; ".join(errors))
+        return self
+
+    # ------------------------------------------------------------------ derived choices
+    @property
+    def effective_ratio_level(self) -> RatioLevel:
+        if self.ratio_level is not None:
+            return self.ratio_level
+        return "sequence" if self.sequence_level_importance_ratios else "token"
+
+    @property
+    def effective_is_level(self) -> ISCorrectionLevel:
+        if self.is_correction_level is not None:
+            return self.is_correction_level
+        return "sequence" if self.sequence_level_importance_ratios else "token"
+
+    @property
+    def effective_loss_aggregation(self) -> LossAggregation:
+        if self.loss_aggregation is not None:
+            return self.loss_aggregation
+        return "token-mean" if self.token_level_loss else "seq-mean-token-mean"
+
+    @property
+    def effective_kl_penalty(self) -> float:
+        """NeMo-RL puts the KL into the reward when use_kl_in_reward is set, so the loss's penalty is 0."""
+        return 0.0 if self.use_kl_in_reward else self.reference_policy_kl_penalty
+
+    @property
+    def uses_log_space_clip(self) -> bool:
+        return self.log_ratio_clip_low is not None or self.log_ratio_clip_high is not None
+
+
+def _contradictions(cfg: ClippedPGLossConfig) -> list[str]:
+    """Every contradiction NeMo-RL rejects, plus the plugin's own; each message names the fields and the fix."""
+    out: list[str] = []
+    tis = cfg.truncated_importance_sampling_type
+    lo, hi = cfg.truncated_importance_sampling_ratio_min, cfg.truncated_importance_sampling_ratio
+    gspo = cfg.sequence_level_importance_ratios
+
+    if cfg.reference_policy_kl_type not in ("k1", "k2", "k3"):
+        out.append(f"reference_policy_kl_type={cfg.reference_policy_kl_type!r} is not one of 'k1', 'k2', 'k3'")
+    if cfg.ratio_clip_c is not None and cfg.ratio_clip_c <= 1:
+        out.append(f"ratio_clip_c={cfg.ratio_clip_c} must be > 1 for dual clipping (or null to disable it)")
+    if gspo and cfg.token_level_loss:
+        out.append(
+            "sequence_level_importance_ratios=true (GSPO) requires token_level_loss=false; set token_level_loss: false"
+        )
+    if tis is not None:
+        if tis not in ("tis", "icepop", "seq-mask-tis", "seq-mis", "geo-rs"):
+            out.append(
+                f"truncated_importance_sampling_type={tis!r} is not one of 'tis', 'icepop', 'seq-mask-tis', "
+                "'seq-mis', 'geo-rs' (or null)"
+            )
+        if tis not in REJECTION_TYPES and not cfg.use_importance_sampling_correction:
+            out.append(
+                "truncated importance sampling is only supported when use_importance_sampling_correction is True: "
+                f"set use_importance_sampling_correction: true or truncated_importance_sampling_type: null"
+            )
+        if hi is None or hi <= 0:
+            out.append(
+                f"truncated_importance_sampling_type={tis!r} needs truncated_importance_sampling_ratio > 0 "
+                f"(got {hi})"
+            )
+        if tis in ("icepop", "seq-mask-tis", "seq-mis", "geo-rs") and lo is None:
+            out.append(f"truncated_importance_sampling_type={tis!r} needs truncated_importance_sampling_ratio_min")
+        if lo is not None and hi is not None and lo > hi:
+            out.append(
+                f"truncated_importance_sampling_ratio_min={lo} must be <= truncated_importance_sampling_ratio={hi}"
+            )
+        if tis == "seq-mask-tis" and gspo and cfg.is_correction_level is None:
+            out.append(
+                "seq-mask-tis is not supported with sequence_level_importance_ratios=true unless is_correction_level "
+                "is set explicitly (token or sequence_mean)"
+            )
+        if tis == "seq-mask-tis" and cfg.is_correction_level in ("sequence", "cumulative"):
+            out.append(
+                f"seq-mask-tis masks token weights by the sequence geometric mean; is_correction_level="
+                f"{cfg.is_correction_level!r} is not a token-wise weight: use 'token' or 'sequence_mean'"
+            )
+    elif lo is not None and cfg.truncated_importance_sampling_ratio is None:
+        out.append("truncated_importance_sampling_ratio_min is set but truncated_importance_sampling_type is null")
+
+    if cfg.use_cispo:
+        for flag, bad in (
+            ("disable_ppo_ratio", cfg.disable_ppo_ratio),
+            ("force_on_policy_ratio", cfg.force_on_policy_ratio),
+            ("sequence_level_importance_ratios", gspo),
+        ):
+            if bad:
+                out.append(f"use_cispo=true is incompatible with {flag}=true; turn one of them off")
+        if cfg.ratio_clip_c is not None:
+            out.append("use_cispo=true is incompatible with ratio_clip_c (dual clip); set ratio_clip_c: null")
+        if not cfg.token_level_loss:
+            out.append("use_cispo=true requires token_level_loss=true")
+        if cfg.ratio_level not in (None, "token"):
+            out.append(f"use_cispo=true uses the token ratio; ratio_level={cfg.ratio_level!r} is not allowed")
+        if cfg.uses_log_space_clip:
+            out.append("use_cispo=true clips in ratio space; unset log_ratio_clip_low/high")
+
+    if cfg.disable_ppo_ratio and cfg.ratio_level not in (None, "token"):
+        out.append(f"disable_ppo_ratio=true has no ratio; ratio_level={cfg.ratio_level!r} must be unset")
+    if cfg.force_on_policy_ratio and cfg.ratio_level not in (None, "token", "sequence"):
+        out.append(f"force_on_policy_ratio=true fixes the ratio to 1; ratio_level={cfg.ratio_level!r} must be unset")
+
+    low, high = cfg.log_ratio_clip_low, cfg.log_ratio_clip_high
+    if (low is None) != (high is None):
+        out.append("log_ratio_clip_low and log_ratio_clip_high must be set together (CTPO defaults: 0.025 and 0.05)")
+    if cfg.uses_log_space_clip:
+        if cfg.ratio_clip_c is not None:
+            out.append("log-space clipping uses log_ratio_clip_c for the dual clip; set ratio_clip_c: null")
+        if cfg.disable_ppo_ratio:
+            out.append("log_ratio_clip_low/high need a policy ratio; disable_ppo_ratio must be false")
+    elif cfg.log_ratio_clip_c is not None:
+        out.append("log_ratio_clip_c needs log_ratio_clip_low and log_ratio_clip_high")
+    if cfg.clip_position_power != 0.0 and not cfg.uses_log_space_clip:
+        out.append("clip_position_power scales the log-space bounds; set log_ratio_clip_low/high as well")
+
+    if cfg.loss_aggregation is not None:
+        token_agg = cfg.loss_aggregation == "token-mean"
+        if "token_level_loss" in cfg.model_fields_set and token_agg != cfg.token_level_loss:
+            out.append(
+                f"loss_aggregation={cfg.loss_aggregation!r} contradicts token_level_loss={cfg.token_level_loss}; "
+                "set only one of them"
+            )
+    if cfg.effective_loss_aggregation == "seq-mean-token-sum-norm" and cfg.loss_aggregation_norm is None:
+        out.append("loss_aggregation='seq-mean-token-sum-norm' needs loss_aggregation_norm (e.g. max response length)")
+    if cfg.loss_aggregation_norm is not None and cfg.effective_loss_aggregation != "seq-mean-token-sum-norm":
+        out.append("loss_aggregation_norm is only read by loss_aggregation='seq-mean-token-sum-norm'")
+
+    needs_is = cfg.importance_sampling_batch_normalize or cfg.is_correction_level is not None
+    if needs_is and not cfg.use_importance_sampling_correction and tis not in REJECTION_TYPES:
+        which = "is_correction_level" if cfg.is_correction_level is not None else "importance_sampling_batch_normalize"
+        out.append(f"{which} has no effect without use_importance_sampling_correction=true; enable it or unset {which}")
+    if cfg.reference_policy_kl_gradient == "k2" and cfg.effective_kl_penalty == 0:
+        out.append("reference_policy_kl_gradient='k2' needs a non-zero reference_policy_kl_penalty in the loss")
+    if cfg.max_log_ratio is not None and cfg.disable_ppo_ratio:
+        out.append("max_log_ratio caps the policy ratio; disable_ppo_ratio must be false")
+    return out
+
+
+def load_loss_config(config: "ClippedPGLossConfig | dict[str, Any]") -> ClippedPGLossConfig:
+    """Validate a NeMo-RL ``loss_fn`` mapping (or pass an existing config through)."""
+    if isinstance(config, ClippedPGLossConfig):
+        return config
+    if not isinstance(config, dict):
+        try:
+            config = dict(config)  # e.g. an OmegaConf DictConfig converted by the caller, or a Mapping
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"loss_fn config must be a mapping, got {type(config).__name__}") from exc
+    return ClippedPGLossConfig(**config)

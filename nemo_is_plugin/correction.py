@@ -1,0 +1,130 @@
+"""The IS correction of one batch: weight level -> truncation / masking / rejection -> optional batch normalisation.
+
+Two code paths, chosen by whether the IS level was set explicitly:
+
+- legacy (``is_correction_level`` unset): NeMo-RL's exact order of operations, including its float32 edge behaviour:
+  ``w = nan_to_num(exp(log w))`` (an overflowing weight becomes 0) and only then truncation;
+- explicit level: truncation and band tests are done on log w, so they are exact and finite for any input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from nemo_is_plugin import truncation as T
+from nemo_is_plugin.is_weights import finite_exp, is_log_weight
+from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.masked import EPS, where_mask
+
+SEQUENCE_LEVELS = ("sequence", "sequence_mean")
+
+
+@dataclass
+class ISCorrection:
+    """Result of :func:`compute_is_correction`; all token tensors have the layout's shape, all detached.
+
+    weights: final weights w_t (1 where IS is off but rejection masks apply; 0 on rejected tokens).
+    raw_weights: weights of the level before truncation / masking (for metrics).
+    log_weights: log w of the level (for metrics that need the exact value, e.g. chi-square).
+    out_of_band: bool, tokens whose weight the truncation type changed or tested out of band (``is_oob_ratio``).
+    rejected: bool, tokens zeroed by icepop, sequence masks, rejection or veto.
+    seq_out_of_band: [S] bool for seq-mask-tis (NeMo-RL normalises its ``is_oob_ratio`` by sequences), else None.
+    batch_norm_factor: the divisor of batch normalisation (1.0 when off).
+    """
+
+    weights: torch.Tensor
+    raw_weights: torch.Tensor
+    log_weights: torch.Tensor
+    out_of_band: torch.Tensor
+    rejected: torch.Tensor
+    seq_out_of_band: Optional[torch.Tensor]
+    batch_norm_factor: torch.Tensor
+
+
+@torch.no_grad()
+def compute_is_correction(
+    prev: torch.Tensor,
+    gen: torch.Tensor,
+    token_mask: torch.Tensor,
+    valid_mask: torch.Tensor,
+    layout: TokenLayout,
+    *,
+    level: str,
+    legacy: bool,
+    apply_weights: bool,
+    truncation: Optional[str],
+    low: Optional[float],
+    high: Optional[float],
+    veto_threshold: Optional[float],
+    batch_normalize: bool,
+) -> ISCorrection:
+    """Compute the IS weights of a batch.
+
+    Args:
+        prev, gen: Float[*T] training (prev) and rollout (generation) log-probs.
+        token_mask: Float[*T] token mask alone (sequence means divide by its count, as NeMo-RL does).
+        valid_mask: Float[*T] token_mask * sample_mask (tokens that enter sums).
+        level: token | sequence | sequence_mean | cumulative.
+        legacy: reproduce NeMo-RL's order of operations (level was derived, not set).
+        apply_weights: use_importance_sampling_correction; when False, weights are 1 except for rejections.
+        truncation: tis | icepop | seq-mask-tis | seq-mis | geo-rs | None.
+        low, high: truncation bounds on the weight.
+        veto_threshold: reject a sequence whose smallest token weight is below this.
+        batch_normalize: divide the final weights by their mean over valid tokens (sequence levels: over sequences).
+    """
+    # NeMo-RL sums the sequence log-weight over token_mask * sample_mask and the geometric mean over token_mask.
+    log_w = is_log_weight(level, prev, gen, valid_mask if level == "sequence" else token_mask, layout)
+    raw = finite_exp(log_w)
+    w = raw
+    oob = torch.zeros_like(raw, dtype=torch.bool)
+    keep = torch.ones_like(raw, dtype=torch.bool)
+    seq_oob = None
+
+    if truncation == "tis":
+        w, oob = T.tis(raw, low, high) if legacy else T.tis_log(log_w, low, high)
+    elif truncation == "icepop":
+        in_band = T.band_mask(raw, low, high) if legacy else T.band_mask_log(log_w, low, high)
+        oob, keep = ~in_band, in_band
+    elif truncation in ("seq-mask-tis", "seq-mis", "geo-rs"):
+        x = torch.nan_to_num(prev - gen, nan=0.0, posinf=0.0, neginf=0.0)
+        seq_log = layout.seq_sum(where_mask(x, token_mask))
+        if truncation != "seq-mis":  # geometric mean over the sequence
+            seq_log = seq_log / (layout.seq_sum(token_mask.to(x.dtype)) + EPS)
+        if legacy and truncation == "seq-mask-tis":
+            in_band = T.band_mask(torch.exp(seq_log), low, high)
+        else:
+            in_band = T.band_mask_log(seq_log, low, high)
+        seq_oob = ~in_band
+        keep = layout.to_tokens(in_band)
+        oob = ~keep
+    if veto_threshold is not None:
+        min_log = layout.seq_min(torch.where(token_mask != 0, prev - gen, torch.full_like(prev, float("inf"))))
+        keep = keep & layout.to_tokens(T.veto_keep(min_log, veto_threshold))
+
+    if not apply_weights:
+        w = torch.ones_like(raw)
+    w = torch.where(keep, w, torch.zeros_like(w))
+
+    factor = torch.ones((), dtype=w.dtype, device=w.device)
+    if batch_normalize:
+        factor = _batch_mean(w, valid_mask, layout, per_sequence=level in SEQUENCE_LEVELS)
+        w = w / torch.where(factor > EPS, factor, torch.ones_like(factor))
+    return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor)
+
+
+def _batch_mean(w: torch.Tensor, valid_mask: torch.Tensor, layout: TokenLayout, per_sequence: bool) -> torch.Tensor:
+    """Mean weight over valid tokens, or over valid sequences for sequence levels (verl's rollout_is_batch_normalize).
+
+    The mean spans this process's micro-batch and its CP shards (through the layout); not the DP-global batch.
+    """
+    sums = torch.stack([where_mask(w, valid_mask).sum(), valid_mask.sum().to(w.dtype)])
+    if per_sequence:
+        count = layout.seq_sum(valid_mask.to(w.dtype))
+        seq_w = layout.seq_sum(where_mask(w, valid_mask)) / (count + EPS)
+        has_tokens = (count > 0).to(w.dtype)
+        return seq_w.mul(has_tokens).sum() / (has_tokens.sum() + EPS)
+    sums = layout.reduce_metric_sums(sums)
+    return sums[0] / (sums[1] + EPS)

@@ -1,0 +1,54 @@
+"""Importance-sampling weights pi_prev / pi_gen that correct the training/rollout mismatch, at four levels.
+
+Notation: p = training-engine (prev) log-probs, g = rollout-engine (generation) log-probs, x_t = p_t - g_t,
+m = token mask, L = sum_t m_t. All weights are detached: they reweight the gradient, they are not optimised.
+
+==============  ==================================  ==============================================================
+level           log w                               note
+==============  ==================================  ==============================================================
+token           x_t                                 biased (ignores the prefix) but low variance
+sequence        sum_t m_t x_t                       unbiased; variance grows like (1+chi2)^L, collapses when long
+sequence_mean   sum_t m_t x_t / L                   geometric mean (NeMo-RL PR #2269); stable at any length
+cumulative      sum_{j<=t} m_j x_j                  unbiased prefix correction (CTPO Prop. 1 applied to pi_prev/mu)
+==============  ==================================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.masked import EPS, where_mask
+
+IS_LEVELS = ("token", "sequence", "sequence_mean", "cumulative")
+
+
+@torch.no_grad()
+def is_log_weight(
+    level: str, prev: torch.Tensor, gen: torch.Tensor, token_mask: torch.Tensor, layout: TokenLayout
+) -> torch.Tensor:
+    """log w at ``level`` as a token tensor (sequence levels are broadcast to every token of the sequence).
+
+    Args:
+        level: token | sequence | sequence_mean | cumulative.
+        prev, gen: Float[*T] log-probs of the training and rollout engines.
+        token_mask: Float[*T]; for sequence levels, the mask whose tokens enter the sum (NeMo-RL multiplies
+            token_mask by sample_mask here).
+    """
+    x = where_mask(prev - gen, token_mask)
+    if level == "token":
+        return prev - gen
+    if level == "sequence":
+        return layout.to_tokens(layout.seq_sum(x))
+    if level == "sequence_mean":
+        count = layout.seq_sum(token_mask.to(x.dtype))
+        return layout.to_tokens(layout.seq_sum(x) / (count + EPS))
+    if level == "cumulative":
+        return layout.prefix_sum(x)
+    raise ValueError(f"unknown IS correction level {level!r}; expected one of {IS_LEVELS}")
+
+
+@torch.no_grad()
+def finite_exp(log_w: torch.Tensor) -> torch.Tensor:
+    """exp(log w) with NeMo-RL's handling of non-finite weights: NaN and +-inf become 0."""
+    return torch.nan_to_num(torch.exp(log_w), nan=0.0, posinf=0.0, neginf=0.0)

@@ -1,0 +1,77 @@
+"""KL(pi_theta || pi_ref) estimators per token (Schulman's k1, k2, k3) with NeMo-RL's clamps and weights.
+
+With logr = log pi_ref - log pi_theta (= ref - c):  k1 = -logr,  k2 = logr^2 / 2,  k3 = exp(logr) - 1 - logr.
+All three are (nearly) unbiased *values* of the KL for samples from pi_theta, but as losses their gradients differ:
+E[grad k2] = grad KL, while E[grad k3] = -E[(pi_ref/pi_theta) grad log pi_theta] != grad KL (seed 003).
+
+``weights`` multiplies the estimator before the output clamp. NeMo-RL passes w = exp(c - sg[c]) (value 1, gradient
+grad c), which adds the score-function term k * grad log pi; with it, w * k3 has the unbiased expected gradient, and
+``use_on_policy_kl_approximation`` uses w = exp(c - g) instead. ``straight_through_k2`` keeps the value of the chosen
+estimator (weights and clamps included) and replaces the gradient by k2's pathwise gradient (c - ref) grad c, which is
+unbiased for tokens sampled from pi_theta (verl's ``k3+``, which is broken in verl b178a3cd).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+KL_TYPES = ("k1", "k2", "k3")
+
+
+def kl_estimate(logr: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """k1 / k2 / k3 of ``logr = ref - logprobs``. Float[*T] -> Float[*T]."""
+    if kl_type == "k1":
+        return -logr
+    if kl_type == "k2":
+        return torch.square(logr) / 2
+    if kl_type == "k3":
+        return torch.exp(logr) - 1 - logr
+    raise ValueError(f"reference_policy_kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    *,
+    kl_type: str,
+    input_clamp: Optional[float] = None,
+    output_clamp: Optional[float] = None,
+    weights: Optional[torch.Tensor] = None,
+    straight_through_k2: bool = False,
+) -> torch.Tensor:
+    """Per-token KL penalty.
+
+    Args:
+        logprobs: Float[*T] log pi_theta of the sampled tokens (requires grad for a loss).
+        ref_logprobs: Float[*T] log pi_ref (no grad).
+        kl_type: k1 | k2 | k3.
+        input_clamp: clamp of logr to +-value; where it is active the weight is detached (no gradient leaks).
+        output_clamp: clamp of the weighted estimate to +-value.
+        weights: Float[*T] per-token weight multiplied before the output clamp (see module docstring).
+        straight_through_k2: value of ``kl_type``, gradient of k2.
+    Returns:
+        Float[*T].
+    """
+    logr = ref_logprobs - logprobs
+    w = weights
+    if input_clamp is not None:
+        active = (logr < -input_clamp) | (logr > input_clamp)
+        logr = logr.clamp(-input_clamp, input_clamp)
+        if w is not None:
+            w = torch.where(active, w.detach(), w)
+    kl = kl_estimate(logr, kl_type)
+    if w is not None:
+        kl = w * kl
+    if straight_through_k2:
+        k2 = kl_estimate(logr, "k2")
+        kl = k2 + (kl - k2).detach()
+    if output_clamp is not None:
+        kl = kl.clamp(-output_clamp, output_clamp)
+    return kl
+
+
+def score_function_weight(logprobs: torch.Tensor) -> torch.Tensor:
+    """exp(c - sg[c]): value 1, gradient grad c; NeMo-RL's default KL weight. NaN/inf -> 0 as in NeMo-RL."""
+    return torch.nan_to_num(torch.exp(logprobs - logprobs.detach()), nan=0.0, posinf=0.0, neginf=0.0)

@@ -1,0 +1,125 @@
+"""Which sequence, and which position in it, each local token belongs to; sequence-level reductions over tokens.
+
+The loss math never assumes a `[B, T]` layout: it calls these methods, so the same code serves padded batches,
+packed (THD) batches and context-parallel shards (see ``distributed.context_parallel`` for the CP subclass).
+
+Shapes: a *token tensor* has the layout's ``shape`` (``[B, T]`` padded, ``[N]`` packed, or a CP shard of either);
+``S`` = ``num_seqs``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class TokenLayout:
+    """Single-process layout: every sequence is complete on this process.
+
+    Args:
+        seq_index: Long[*shape] sequence id in ``[0, num_seqs)`` of each token.
+        position: Long[*shape] 0-based position of each token in its (global) sequence.
+        num_seqs: number of sequences S.
+        padded: True when ``seq_index`` is the row index of a ``[S, T]`` tensor and ``position`` the column index;
+            enables the fast paths (``sum(-1)``, ``cumsum(-1)``).
+    """
+
+    def __init__(self, seq_index: torch.Tensor, position: torch.Tensor, num_seqs: int, *, padded: bool = False):
+        if seq_index.shape != position.shape:
+            raise ValueError(f"seq_index {tuple(seq_index.shape)} and position {tuple(position.shape)} differ")
+        self.seq_index = seq_index
+        self.position = position
+        self.num_seqs = int(num_seqs)
+        self.padded = padded
+        self._flat_seq = seq_index.reshape(-1)
+        # Sort key that orders tokens by (sequence, position); the identity for padded and THD layouts.
+        key = self._flat_seq * (int(position.max().item()) + 1 if position.numel() else 1) + position.reshape(-1)
+        self._order = None if bool((key[1:] >= key[:-1]).all()) else torch.argsort(key, stable=True)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def padded(cls, num_seqs: int, seq_len: int, device: torch.device | str | None = None) -> "TokenLayout":
+        """Layout of a padded ``[num_seqs, seq_len]`` token tensor."""
+        rows = torch.arange(num_seqs, device=device).unsqueeze(1).expand(num_seqs, seq_len)
+        cols = torch.arange(seq_len, device=device).unsqueeze(0).expand(num_seqs, seq_len)
+        return cls(rows, cols, num_seqs, padded=True)
+
+    @classmethod
+    def packed(cls, cu_seqlens: torch.Tensor | Sequence[int]) -> "TokenLayout":
+        """Layout of a packed ``[N]`` token tensor holding sequences ``cu_seqlens[i]:cu_seqlens[i+1]`` (THD)."""
+        cu = torch.as_tensor(cu_seqlens, dtype=torch.long)
+        lengths = cu[1:] - cu[:-1]
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
+        pos = torch.arange(int(cu[-1]), device=cu.device) - torch.repeat_interleave(cu[:-1], lengths)
+        return cls(seq, pos, len(lengths))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.seq_index.shape
+
+    # ------------------------------------------------------------------ reductions (overridden under CP)
+    def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sum. x: token tensor -> [S] (differentiable)."""
+        if self.padded:
+            return x.sum(-1)
+        out = x.new_zeros(self.num_seqs)
+        return out.index_add(0, self._flat_seq, x.reshape(-1))
+
+    @torch.no_grad()
+    def seq_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-sequence max (no grad); -inf for a sequence without tokens. -> [S]."""
+        return self._scatter_reduce(x, "amax", float("-inf"))
+
+    @torch.no_grad()
+    def seq_min(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-sequence min (no grad); +inf for a sequence without tokens. -> [S]."""
+        return self._scatter_reduce(x, "amin", float("inf"))
+
+    def prefix_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Inclusive prefix sum along each sequence, accumulated in float64. x, return: token tensor."""
+        return self._local_prefix_sum(x.double()).to(x.dtype)
+
+    def to_tokens(self, s: torch.Tensor) -> torch.Tensor:
+        """Broadcast a per-sequence tensor [S] to a token tensor."""
+        if self.padded:
+            return s.unsqueeze(-1).expand(self.shape)
+        return s[self.seq_index]
+
+    def replicated_share(self, x: torch.Tensor) -> torch.Tensor:
+        """This process's share of a value that every CP rank holds in full (x / cp_size under CP; x here)."""
+        return x
+
+    # Metric reductions: no-ops here; the CP layout all-reduces them over its group.
+    def reduce_metric_sums(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def reduce_metric_max(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def reduce_metric_min(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    # ------------------------------------------------------------------ helpers
+    def _scatter_reduce(self, x: torch.Tensor, reduce: str, empty: float) -> torch.Tensor:
+        out = torch.full((self.num_seqs,), empty, dtype=x.dtype, device=x.device)
+        return out.scatter_reduce(0, self._flat_seq, x.reshape(-1), reduce=reduce, include_self=True)
+
+    def _local_prefix_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Prefix sum over the tokens held here, restarting at each sequence (no communication)."""
+        if self.padded:
+            return torch.cumsum(x, dim=-1)
+        flat = x.reshape(-1)
+        if self._order is not None:
+            flat = flat[self._order]
+        total = torch.cumsum(flat, 0)
+        seq = self._flat_seq if self._order is None else self._flat_seq[self._order]
+        # Subtract the running total reached before each segment starts: a segment-wise cumsum without a loop.
+        starts = torch.ones_like(seq, dtype=torch.bool)
+        starts[1:] = seq[1:] != seq[:-1]
+        before = torch.where(starts, total - flat, torch.zeros_like(total))
+        offset_idx = torch.cummax(torch.where(starts, torch.arange(len(seq), device=seq.device), 0), 0).values
+        out = total - before[offset_idx]
+        if self._order is not None:
+            out = torch.empty_like(out).index_copy(0, self._order, out)
+        return out.reshape(x.shape)

@@ -1,0 +1,131 @@
+"""The loss's metrics: NeMo-RL's names and values, plus the IS, clip and mismatch statistics practitioners log.
+
+Every metric is this process's additive share (a local sum over a global count); names ending in ``_min`` / ``_max``
+are reduced with min / max. Under context parallelism :meth:`MetricBook.finish` reduces the shares over the CP group
+in one collective, so each CP rank returns the full-sequence metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nemo_is_plugin.correction import ISCorrection
+from nemo_is_plugin.diagnostics import POSITION_BUCKETS, bucket_names, mismatch_metric_sums
+from nemo_is_plugin.kl import kl_estimate
+from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.masked import EPS, where_mask
+from nemo_is_plugin.surrogate import SurrogateOut
+
+
+class MetricBook:
+    """Collects metric tensors during one loss call and turns them into floats at the end (one host sync)."""
+
+    def __init__(self, layout: TokenLayout, valid: torch.Tensor, n_tok: torch.Tensor, n_seq: torch.Tensor):
+        self.layout, self.valid, self.n_tok, self.n_seq = layout, valid, n_tok, n_seq
+        self.sums: dict[str, torch.Tensor] = {}
+        self.mins: dict[str, torch.Tensor] = {}
+        self.maxs: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ primitives
+    def add_sum(self, name: str, value: torch.Tensor) -> None:
+        """A local additive share."""
+        self.sums[name] = value.detach().double().reshape(())
+
+    def add_replicated_scalar(self, name: str, value: torch.Tensor) -> None:
+        """A value every CP rank holds in full (e.g. computed from per-sequence sums)."""
+        self.add_sum(name, self.layout.replicated_share(value.detach().double()))
+
+    def token_mean(self, name: str, values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
+        m = self.valid if mask is None else mask
+        self.add_sum(name, where_mask(values.detach().double(), m).sum() / (self.n_tok.double() + EPS))
+
+    def seq_mean(self, name: str, per_seq: torch.Tensor, sample_mask: torch.Tensor) -> None:
+        value = where_mask(per_seq.double(), sample_mask).sum() / (self.n_seq.double() + EPS)
+        self.add_replicated_scalar(name, value)
+
+    def min_max(self, name: str, values: torch.Tensor) -> None:
+        v = values.detach()
+        ok = self.valid != 0
+        self.mins[f"{name}_min"] = torch.where(ok, v, torch.full_like(v, float("inf"))).min().double()
+        self.maxs[f"{name}_max"] = torch.where(ok, v, torch.full_like(v, float("-inf"))).max().double()
+
+    # ------------------------------------------------------------------ metric groups
+    def policy_ratio(self, sur: SurrogateOut, sample_mask_tokens: torch.Tensor) -> None:
+        self.token_mean("probs_ratio", sur.ratio)
+        self.token_mean("probs_ratio_clamped", sur.clipped_ratio)
+        self.min_max("probs_ratio", sur.ratio)
+        self.min_max("probs_ratio_clamped", sur.clipped_ratio)
+        for name, flag in (("clip_fraction", sur.clipped), ("clip_fraction_low", sur.clipped_low),
+                           ("clip_fraction_high", sur.clipped_high), ("clip_fraction_dual", sur.dual_clipped)):
+            self.token_mean(name, flag.double())
+
+    def importance_weights(
+        self, corr: ISCorrection, w_metric: torch.Tensor, truncation: Optional[str], legacy_gspo: bool,
+        sample_mask: torch.Tensor,
+    ) -> None:
+        """``w_metric`` are the weights NeMo-RL reports (after truncation, even when IS correction is off)."""
+        seq_w = self.layout.seq_max(w_metric)
+        seq_w = torch.where(torch.isfinite(seq_w), seq_w, torch.zeros_like(seq_w))
+        if legacy_gspo:
+            # NeMo-RL's broadcast of [B, 1] weights against the [B] sample mask: sum_i w_i * sum_j s_j / N_seq.
+            bugged = seq_w.double().sum() * sample_mask.double().sum() / (self.n_seq.double() + EPS)
+            self.add_replicated_scalar("sampling_importance_ratio", bugged)
+        else:
+            self.token_mean("sampling_importance_ratio", w_metric)
+        # The corrected value: per-sequence mean for sequence levels, token mean otherwise.
+        self.seq_mean("sampling_importance_ratio_seq_mean", seq_w, sample_mask)
+        if truncation is not None:
+            if corr.seq_out_of_band is not None:
+                self.seq_mean("is_oob_ratio", corr.seq_out_of_band.double(), sample_mask)
+            else:
+                self.token_mean("is_oob_ratio", corr.out_of_band.double())
+        for prefix, w in (("is_weight", corr.weights), ("is_raw_weight", corr.raw_weights)):
+            self.token_mean(f"{prefix}_mean", w)
+            self.token_mean(f"{prefix}_sq_mean", w.double() ** 2)
+            self.min_max(prefix, w)
+        self.token_mean("is_truncated_fraction", (corr.out_of_band & ~corr.rejected).double())
+        self.token_mean("is_rejected_fraction", corr.rejected.double())
+        rejected_seq = self.layout.seq_max(where_mask(corr.rejected.double(), self.valid)) > 0
+        self.seq_mean("is_rejected_seq_fraction", rejected_seq.double(), sample_mask)
+
+    def mismatch(self, prev, gen, token_mask, sample_mask) -> None:
+        for name, value in mismatch_metric_sums(
+            prev, gen, token_mask, sample_mask, self.layout, self.n_tok, self.n_seq
+        ).items():
+            self.add_sum(name, value)
+
+    def clip_by_position(self, sur: SurrogateOut, positions: torch.Tensor) -> None:
+        clipped = (sur.clipped | sur.dual_clipped).double()
+        edges = list(POSITION_BUCKETS) + [float("inf")]
+        for name, lo, hi in zip(bucket_names(), edges[:-1], edges[1:]):
+            in_bucket = ((positions >= lo) & (positions < hi)).double()
+            self.token_mean(f"clip_frac/pos_{name}", clipped * in_bucket)
+            self.token_mean(f"token_frac/pos_{name}", in_bucket)
+
+    # ------------------------------------------------------------------ end
+    def finish(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for table, reduce in ((self.sums, self.layout.reduce_metric_sums), (self.mins, self.layout.reduce_metric_min),
+                              (self.maxs, self.layout.reduce_metric_max)):
+            if table:
+                values = reduce(torch.stack(list(table.values()))).tolist()
+                out.update(zip(table.keys(), values))
+        return out
+
+
+@torch.no_grad()
+def legacy_error_metrics(book: MetricBook, prev: torch.Tensor, gen: torch.Tensor, valid: torch.Tensor, kl_type: str):
+    """NeMo-RL's mismatch metrics: token_mult_prob_error, gen_kl_error, policy_kl_error, js_divergence_error.
+
+    The KL errors use ``reference_policy_kl_type`` without clamps, even when the KL penalty is 0 (NeMo-RL's
+    behaviour); the Jensen-Shannon error is 0.5 (k3(p - M) + k3(g - M)) with M = log((e^p + e^g) / 2).
+    """
+    book.token_mean("token_mult_prob_error", torch.exp(where_mask((gen - prev).abs(), valid)))
+    book.token_mean("gen_kl_error", kl_estimate(prev - gen, kl_type))
+    book.token_mean("policy_kl_error", kl_estimate(gen - prev, kl_type))
+    mix = torch.logaddexp(prev, gen) - torch.log(torch.tensor(2.0, dtype=prev.dtype))
+    # NeMo-RL's JS term is k3-shaped whatever the KL type (its golden values match k3 for k1/k2/k3 configs).
+    js = 0.5 * (kl_estimate(prev - mix, "k3") + kl_estimate(gen - mix, "k3"))
+    book.token_mean("js_divergence_error", js)

@@ -1,0 +1,86 @@
+"""Policy ratios pi_theta / pi_old at each level, returned in log space with the gradient structure of each method.
+
+Notation (token tensors of a :class:`~nemo_is_plugin.layout.TokenLayout`): c = current log-probs (requires grad),
+p = old (proximal) log-probs, m = token mask, d_t = c_t - p_t, sg = stop-gradient.
+
+=================  ============================================================  ==========================
+level              log r                                                           gradient flows to
+=================  ============================================================  ==========================
+token              d_t                                                             token t
+sequence           sum_t m_t d_t / sum_t m_t                    (GSPO)             every token of the sequence
+sequence_token     sg[sequence] + c_t - sg[c_t]                 (GSPO-token)       token t
+cumulative         sg[sum_{j<=t} m_j d_j] + c_t - sg[c_t]       (CTPO cumprod)     token t
+cumulative_mean    sg[sum_{j<=t} m_j d_j / n_t] + c_t - sg[c_t] (CTPO geomean)     token t
+=================  ============================================================  ==========================
+
+n_t = sum_{j<=t} m_j is the 1-based position among unmasked tokens (never below 1).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.masked import EPS, where_mask
+
+
+def token_log_ratio(curr: torch.Tensor, prev: torch.Tensor, clamp: Optional[float] = None) -> torch.Tensor:
+    """d_t = c_t - p_t, optionally clamped to +-clamp (CTPO and verl clamp at 20 before exponentiating)."""
+    d = curr - prev
+    return d if clamp is None else d.clamp(-clamp, clamp)
+
+
+def unmasked_positions(token_mask: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """n_t: 1-based count of unmasked tokens up to and including t (at least 1). Float token tensor, no grad."""
+    with torch.no_grad():
+        return layout.prefix_sum((token_mask != 0).to(torch.float64)).clamp_min(1.0)
+
+
+def sequence_mean_log_ratio(d: torch.Tensor, token_mask: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """[S] per-sequence mean of d over unmasked tokens, with NeMo-RL's ``+1e-8`` denominator."""
+    return layout.seq_sum(where_mask(d, token_mask)) / (layout.seq_sum(token_mask.to(d.dtype)) + EPS)
+
+
+def policy_log_ratio(
+    level: str,
+    curr: torch.Tensor,
+    prev: torch.Tensor,
+    token_mask: torch.Tensor,
+    layout: TokenLayout,
+    *,
+    token_clamp: Optional[float] = None,
+    max_log_ratio: Optional[float] = None,
+) -> torch.Tensor:
+    """log of the policy ratio at ``level`` (see module table). All arguments are token tensors; returns one.
+
+    Args:
+        level: token | sequence | sequence_token | cumulative | cumulative_mean.
+        curr: Float[*T] current log-probs (requires grad).
+        prev: Float[*T] old log-probs (detached by the caller).
+        token_mask: Float[*T] 1 on tokens that count.
+        token_clamp: clamp of each d_t before aggregation.
+        max_log_ratio: upper cap on the result (gradient 0 where capped), CTPO's ``min(., 10)``.
+    """
+    d = token_log_ratio(curr, prev, token_clamp)
+    if level == "token":
+        log_r = d
+    elif level == "sequence":
+        log_r = layout.to_tokens(sequence_mean_log_ratio(d, token_mask, layout))
+    else:
+        with torch.no_grad():
+            if level == "sequence_token":
+                anchor = layout.to_tokens(sequence_mean_log_ratio(d, token_mask, layout))
+            elif level in ("cumulative", "cumulative_mean"):
+                anchor = layout.prefix_sum(where_mask(d, token_mask))
+                if level == "cumulative_mean":
+                    anchor = anchor / unmasked_positions(token_mask, layout).to(anchor.dtype)
+                anchor = where_mask(anchor, token_mask)
+            else:
+                raise ValueError(f"unknown ratio level {level!r}")
+        # Value = anchor, gradient = d/dc_t of c_t: only the current token is pushed (straight-through form).
+        log_r = anchor + curr - curr.detach()
+    if max_log_ratio is not None:
+        log_r = log_r.clamp(max=max_log_ratio)
+    return log_r

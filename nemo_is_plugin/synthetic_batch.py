@@ -1,0 +1,44 @@
+"""A synthetic NeMo-RL batch with a controllable training/rollout mismatch, for examples and smoke checks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def synthetic_batch(
+    batch_size: int = 8,
+    seq_len: int = 256,
+    *,
+    mismatch_std: float = 0.02,
+    mismatch_mean: float = 0.0,
+    policy_drift: float = 0.05,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return ``(next_token_logprobs [B, S-1], data)`` with NeMo-RL's keys ([B, S] tensors, sample_mask [B]).
+
+    gen = prev + N(mismatch_mean, mismatch_std) per token (the rollout engine's error); curr = prev + N(0, drift).
+    Responses have random lengths and a 4-token prompt, masked out like NeMo-RL's token_mask.
+    """
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch_size, seq_len)
+    prev = -torch.rand(shape, generator=g, dtype=torch.float64) * 2.0 - 0.01
+    gen = prev - (mismatch_mean + mismatch_std * torch.randn(shape, generator=g, dtype=torch.float64))
+    ref = prev + 0.05 * torch.randn(shape, generator=g, dtype=torch.float64)
+    curr = prev + policy_drift * torch.randn(shape, generator=g, dtype=torch.float64)
+    lengths = torch.randint(seq_len // 4, seq_len - 4, (batch_size,), generator=g)
+    pos = torch.arange(seq_len).unsqueeze(0)
+    token_mask = ((pos >= 4) & (pos < 4 + lengths.unsqueeze(1))).to(dtype)
+    rewards = (torch.rand(batch_size, generator=g) > 0.5).to(dtype)
+    adv = (rewards - rewards.mean()).unsqueeze(1).expand(shape).contiguous()
+    clamp = lambda t: t.clamp(max=-1e-3).to(dtype)  # noqa: E731 - log-probs stay negative
+    data = {
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(batch_size, dtype=dtype),
+        "advantages": adv.to(dtype),
+        "prev_logprobs": clamp(prev),
+        "generation_logprobs": clamp(gen),
+        "reference_policy_logprobs": clamp(ref),
+        "rewards": rewards,
+    }
+    return clamp(curr)[:, 1:].contiguous(), data

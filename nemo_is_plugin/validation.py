@@ -1,0 +1,252 @@
+"""Cheap, up-front validation of the loss inputs, so that bad data fails with a message naming the tensor.
+
+The loss is called with NeMo-RL's signature: ``next_token_logprobs [B, S-1]`` and ``data`` holding ``[B, S]`` tensors
+that the loss slices ``[:, 1:]``. This module checks that contract before any math runs:
+
+- missing keys -> ``MissingInputError`` (a ``KeyError``) naming the key and the config option that needs it;
+- wrong container / dtype -> ``TypeError`` naming the tensor and the accepted dtypes;
+- wrong shape or device -> ``ValueError`` giving the expected shape in terms of ``B`` and ``S``;
+- bad values -> ``ValueError`` naming the tensor, how many elements are bad and the first one:
+  NaN or +-inf anywhere in a log-prob, advantage or reward tensor (padding included, because ``NaN * 0 = NaN``
+  poisons masked sums), log-probs above ``POSITIVE_LOGPROB_TOLERANCE[dtype]``, masks other than 0/1, negative or
+  non-finite global counts.
+
+Non-finite *IS weights* are not an input error: an ``exp`` of finite log-probs that overflows is zeroed by the loss,
+as NeMo-RL does (``nan_to_num(w, nan=0, posinf=0, neginf=0)``).
+
+Cost: two reductions per float tensor (max, min; NaN propagates through max), one per non-bool mask, and a single
+host synchronisation for all of them together. The per-element search for the offending entry only runs once an
+error has been found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+# How far above 0 a log-prob may be before it is an error, per dtype. log_softmax rounds: in float32 a near-certain
+# token can come out at +1e-6; half-precision log-probs computed from half-precision logits err by up to one ulp of
+# the logit (bf16 spacing is 0.0625 at |logit| in [8, 16)). Anything beyond that is a bug of the log-prob
+# computation (verl issue #2656: fused log-probs with mean +59), which must not train silently.
+POSITIVE_LOGPROB_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float64: 1e-4,
+    torch.float32: 1e-4,
+    torch.float16: 1e-2,
+    torch.bfloat16: 1e-1,
+}
+FLOAT_DTYPES = tuple(POSITIVE_LOGPROB_TOLERANCE)
+_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
+
+# data keys holding [B, S] log-probs, and the config option that makes the loss read them
+_LOGPROB_KEYS = {
+    "prev_logprobs": "needs_prev",
+    "generation_logprobs": "needs_generation",
+    "reference_policy_logprobs": "needs_reference",
+}
+_WHY = {
+    "prev_logprobs": "the policy ratio / IS weight (unset force_on_policy_ratio reads it)",
+    "generation_logprobs": "the IS weights and the mismatch metrics",
+    "reference_policy_logprobs": "the KL penalty (reference_policy_kl_penalty != 0 and use_kl_in_reward=false)",
+    "rewards": "positive_example_nll_weight > 0",
+    "token_mask": "every loss",
+    "sample_mask": "every loss",
+    "advantages": "every loss",
+}
+
+
+class MissingInputError(KeyError):
+    """A required ``data`` key is absent. ``str()`` gives the plain message (``KeyError`` would quote it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def validate_loss_inputs(
+    next_token_logprobs: Any,
+    data: Any,
+    global_valid_seqs: Any,
+    global_valid_toks: Any,
+    *,
+    needs_prev: bool,
+    needs_generation: bool,
+    needs_reference: bool,
+    needs_rewards: bool,
+) -> None:
+    """Raise a clear error if the inputs of ``ClippedPGLoss.__call__`` break NeMo-RL's contract.
+
+    Args:
+        next_token_logprobs: Float[B, S-1] current-policy log-probs (fp16/bf16/fp32/fp64).
+        data: mapping with ``token_mask [B, S]`` (bool/int/float 0-1), ``sample_mask [B]``, ``advantages [B, S]``
+            float, and, when the matching ``needs_*`` flag is set, ``prev_logprobs``, ``generation_logprobs``,
+            ``reference_policy_logprobs`` (Float[B, S]) and ``rewards [B]``. Column 0 of the ``[B, S]`` tensors is
+            never read by the loss and is not checked.
+        global_valid_seqs, global_valid_toks: 0-d tensors or numbers, finite and >= 0.
+        needs_*: whether the configured loss reads that tensor (unneeded keys are neither required nor checked).
+
+    Returns:
+        None. Raises ``TypeError``, ``ValueError`` or ``MissingInputError`` (a ``KeyError``).
+    """
+    x = next_token_logprobs
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"next_token_logprobs must be a torch.Tensor [B, S-1], got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"next_token_logprobs has shape {_shape(x)}, expected 2-D [B, S-1]")
+    _check_float_dtype("next_token_logprobs", x)
+    if not isinstance(data, Mapping):
+        raise TypeError(f"data must be a mapping of tensors (dict / BatchedDataDict), got {type(data).__name__}")
+
+    batch, s_minus_1 = x.shape
+    needed = {"token_mask", "sample_mask", "advantages"}
+    flags = {"needs_prev": needs_prev, "needs_generation": needs_generation, "needs_reference": needs_reference}
+    needed.update(k for k, flag in _LOGPROB_KEYS.items() if flags[flag])
+    if needs_rewards:
+        needed.add("rewards")
+    missing = sorted(k for k in needed if k not in data)
+    if missing:
+        raise MissingInputError(
+            "data is missing key(s) "
+            + ", ".join(f"'{k}' (needed by {_WHY[k]})" for k in missing)
+            + f"; present: {sorted(map(str, data.keys()))}"
+        )
+
+    # (name, tensor restricted to what the loss reads, kind) for the value checks below
+    checks: list[tuple[str, torch.Tensor, str]] = [("next_token_logprobs", x, "logprob")]
+    for key in ("token_mask", "advantages", *[k for k in _LOGPROB_KEYS if k in needed]):
+        t = _tensor(key, data[key], x)
+        if t.shape != (batch, s_minus_1 + 1):
+            raise ValueError(
+                f"data['{key}'] has shape {_shape(t)}, expected [B, S] = [{batch}, {s_minus_1 + 1}] "
+                f"(next_token_logprobs is [B, S-1] = [{batch}, {s_minus_1}])"
+            )
+        if key == "token_mask":
+            _check_mask_dtype(key, t)
+            checks.append((f"data['{key}']", t[:, 1:], "mask"))
+        else:
+            _check_float_dtype(f"data['{key}']", t)
+            checks.append((f"data['{key}']", t[:, 1:], "logprob" if key in _LOGPROB_KEYS else "finite"))
+    for key in ("sample_mask", "rewards") if needs_rewards else ("sample_mask",):
+        t = _tensor(key, data[key], x)
+        if t.shape != (batch,):
+            raise ValueError(
+                f"data['{key}'] has shape {_shape(t)}, expected [B] = [{batch}] "
+                f"(next_token_logprobs is [B, S-1] = [{batch}, {s_minus_1}])"
+            )
+        if key == "sample_mask":
+            _check_mask_dtype(key, t)
+            checks.append((f"data['{key}']", t, "mask"))
+        else:
+            if t.dtype == torch.bool or t.is_complex():
+                raise TypeError(f"data['rewards'] has dtype {t.dtype}, expected a real number dtype")
+            checks.append((f"data['{key}']", t, "finite"))
+
+    for name, count in (("global_valid_seqs", global_valid_seqs), ("global_valid_toks", global_valid_toks)):
+        checks.append((name, _count_tensor(name, count), "count"))
+    _check_values(checks)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(d) for d in t.shape) + "]"
+
+
+def _tensor(key: str, value: Any, ref: torch.Tensor) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"data['{key}'] must be a torch.Tensor, got {type(value).__name__}")
+    if value.device != ref.device:
+        raise ValueError(
+            f"data['{key}'] is on {value.device} but next_token_logprobs is on {ref.device}; move them together"
+        )
+    return value
+
+
+def _check_float_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}, expected {_DTYPE_NAMES}")
+
+
+def _check_mask_dtype(name: str, t: torch.Tensor) -> None:
+    if t.is_complex():
+        raise TypeError(f"data['{name}'] has dtype {t.dtype}, expected bool, an integer dtype or a float dtype (0/1)")
+
+
+def _reductions(t: torch.Tensor, kind: str) -> list[torch.Tensor]:
+    """Scalars, still on device, that reveal every bad value of ``t`` (empty tensors have none)."""
+    if t.numel() == 0:
+        return []
+    if kind == "count":
+        return [t.reshape(())]
+    if kind == "mask":
+        if t.dtype == torch.bool:
+            return []
+        return [((t != 0) & (t != 1)).any()]  # NaN != 0 and NaN != 1, so NaN is caught here too
+    # NaN propagates through max; +inf shows as max; -inf as min.
+    return [t.max(), t.min()]
+
+
+def _check_values(checks: list[tuple[str, torch.Tensor, str]]) -> None:
+    scalars: list[torch.Tensor] = []
+    spans: list[tuple[int, int]] = []
+    for _, t, kind in checks:
+        red = _reductions(t, kind)
+        spans.append((len(scalars), len(red)))
+        scalars.extend(red)
+    if not scalars:
+        return
+    dev = scalars[0].device
+    values = torch.stack([s.detach().to(device=dev, dtype=torch.float64) for s in scalars]).tolist()  # one sync
+    for (name, t, kind), (start, n) in zip(checks, spans):
+        if n == 0:
+            continue
+        v = values[start : start + n]
+        if kind == "count":
+            if not (v[0] == v[0] and abs(v[0]) != float("inf")):
+                raise ValueError(f"{name} = {v[0]} is not finite")
+            if v[0] < 0:
+                raise ValueError(f"{name} = {v[0]} is negative; it counts valid sequences/tokens over all DP ranks")
+            continue
+        if kind == "mask":
+            if v[0]:
+                raise ValueError(f"{name} must hold only 0 and 1; {_first_bad(name, t, (t != 0) & (t != 1))}")
+            continue
+        mx, mn = v
+        if mx != mx or mx == float("inf") or mn == float("-inf"):
+            nonfinite = ~torch.isfinite(t)
+            hint = " (masked positions included: NaN * 0 is NaN in masked sums, so fill padding with 0)"
+            raise ValueError(f"{name} contains NaN or inf; {_first_bad(name, t, nonfinite)}{hint}")
+        if kind == "logprob":
+            tol = POSITIVE_LOGPROB_TOLERANCE[t.dtype]
+            if mx > tol:
+                raise ValueError(
+                    f"{name} holds positive log-probs (max {mx:.6g} > tolerance {tol:g} for {t.dtype}); "
+                    f"log-probs must be <= 0: {_first_bad(name, t, t > tol)}"
+                )
+
+
+def _first_bad(name: str, t: torch.Tensor, bad: torch.Tensor) -> str:
+    """Human description of the bad entries; only called on the error path.
+
+    ``data[...]`` [B, S] tensors are checked as their ``[:, 1:]`` view; the index is given in [B, S] coordinates.
+    """
+    idx = bad.nonzero()
+    count = int(idx.shape[0])
+    first = [int(i) for i in idx[0]] if count else []
+    value = t[tuple(first)].item() if count else None
+    if name.startswith("data[") and len(first) == 2:
+        first[1] += 1
+    where = "[" + ", ".join(map(str, first)) + "]"
+    return f"{count} bad element(s), first at {where} = {value!r}"
+
+
+def _count_tensor(name: str, count: Any) -> torch.Tensor:
+    """The global count as a 0-d tensor (checked for type here, for value with the other reductions)."""
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1:
+            raise ValueError(f"{name} must be a scalar (0-d tensor or number), got shape {_shape(count)}")
+        if count.is_complex() or count.dtype == torch.bool:
+            raise TypeError(f"{name} has dtype {count.dtype}, expected a real number")
+        return count.detach()
+    if isinstance(count, (int, float)) and not isinstance(count, bool):
+        return torch.tensor(float(count), dtype=torch.float64)
+    raise TypeError(f"{name} must be a number or a 0-d tensor, got {type(count).__name__}")

@@ -1,0 +1,17 @@
+"""Loading the golden cases copied from the reference implementations (tests/data/golden/*/README.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+
+
+def load_cases(suite: str) -> list[dict]:
+    return [torch.load(p, weights_only=True) for p in sorted((GOLDEN / suite).glob("case_*.pt"))]
+
+
+def case_ids(cases: list[dict]) -> list[str]:
+    return [c.get("id") or c["description"][:40] for c in cases]
