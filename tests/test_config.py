@@ -1,0 +1,89 @@
+"""ClippedPGLossConfig: NeMo-RL compatibility, derived levels, and every contradiction rejected with a fix."""
+
+from pathlib import Path
+
+import pydantic
+import pytest
+from omegaconf import OmegaConf
+
+from nemo_is_plugin.config import ClippedPGLossConfig
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+
+NEMO_RL_DEFAULTS = {
+    "reference_policy_kl_penalty": 0.01, "reference_policy_kl_type": "k3", "kl_input_clamp_value": 20.0,
+    "kl_output_clamp_value": 10.0, "ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "ratio_clip_c": None,
+    "use_on_policy_kl_approximation": False, "use_importance_sampling_correction": False,
+    "truncated_importance_sampling_type": None, "truncated_importance_sampling_ratio": None,
+    "truncated_importance_sampling_ratio_min": None, "token_level_loss": True,
+    "sequence_level_importance_ratios": False, "force_on_policy_ratio": False, "use_kl_in_reward": False,
+    "disable_ppo_ratio": False, "use_cispo": False, "positive_example_nll_weight": 0.0,
+}
+
+
+def test_nemo_rl_keys_and_defaults():
+    cfg = ClippedPGLossConfig()
+    assert {k: getattr(cfg, k) for k in NEMO_RL_DEFAULTS} == NEMO_RL_DEFAULTS
+    assert ClippedPGLossConfig(**NEMO_RL_DEFAULTS).effective_ratio_level == "token"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_recipes_validate(path):
+    section = OmegaConf.to_container(OmegaConf.load(path)["loss_fn"], resolve=True)
+    ClippedPGLossConfig(**section)
+
+
+def test_derived_levels_follow_nemo_rl():
+    gspo = ClippedPGLossConfig(sequence_level_importance_ratios=True, token_level_loss=False)
+    assert (gspo.effective_ratio_level, gspo.effective_is_level) == ("sequence", "sequence")
+    assert gspo.effective_loss_aggregation == "seq-mean-token-mean"
+    decoupled = ClippedPGLossConfig(
+        sequence_level_importance_ratios=True, token_level_loss=False, is_correction_level="sequence_mean",
+        use_importance_sampling_correction=True,
+    )
+    assert (decoupled.effective_ratio_level, decoupled.effective_is_level) == ("sequence", "sequence_mean")
+    assert ClippedPGLossConfig(use_kl_in_reward=True).effective_kl_penalty == 0.0
+
+
+def test_unknown_key_names_nearest():
+    with pytest.raises(pydantic.ValidationError, match="did you mean 'is_correction_level'"):
+        ClippedPGLossConfig(is_corection_level="token")
+
+
+@pytest.mark.parametrize(
+    "kwargs, fields",
+    [
+        ({"log_ratio_clip_low": 0.02}, ["log_ratio_clip_low", "log_ratio_clip_high"]),
+        ({"clip_position_power": 0.5}, ["clip_position_power", "log_ratio_clip_low"]),
+        ({"log_ratio_clip_low": 0.02, "log_ratio_clip_high": 0.05, "ratio_clip_c": 3.0}, ["ratio_clip_c"]),
+        ({"log_ratio_clip_c": 0.05}, ["log_ratio_clip_c"]),
+        ({"is_correction_level": "sequence_mean"}, ["use_importance_sampling_correction"]),
+        ({"importance_sampling_batch_normalize": True}, ["importance_sampling_batch_normalize"]),
+        ({"loss_aggregation": "seq-mean-token-sum-norm"}, ["loss_aggregation_norm"]),
+        ({"loss_aggregation_norm": 100.0}, ["loss_aggregation_norm"]),
+        ({"loss_aggregation": "seq-mean-token-mean", "token_level_loss": True}, ["token_level_loss"]),
+        ({"reference_policy_kl_gradient": "k2", "reference_policy_kl_penalty": 0.0}, ["reference_policy_kl_penalty"]),
+        ({"use_cispo": True, "ratio_level": "cumulative"}, ["ratio_level"]),
+        ({"disable_ppo_ratio": True, "ratio_level": "sequence"}, ["ratio_level"]),
+        ({"truncated_importance_sampling_type": "geo-rs", "truncated_importance_sampling_ratio": 1.001},
+         ["truncated_importance_sampling_ratio_min"]),
+        ({"use_importance_sampling_correction": True, "is_correction_level": "cumulative",
+          "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio": 2.0,
+          "truncated_importance_sampling_ratio_min": 0.5}, ["is_correction_level"]),
+        ({"importance_sampling_veto_threshold": 1.5}, ["importance_sampling_veto_threshold"]),
+        ({"log_ratio_clip_low": -0.1, "log_ratio_clip_high": 0.05}, ["log_ratio_clip_low"]),
+    ],
+)
+def test_contradictions_rejected_naming_fields(kwargs, fields):
+    with pytest.raises(pydantic.ValidationError) as err:
+        ClippedPGLossConfig(**kwargs)
+    for field in fields:
+        assert field in str(err.value)
+
+
+def test_rejection_types_run_without_is_weights():
+    cfg = ClippedPGLossConfig(
+        truncated_importance_sampling_type="geo-rs", truncated_importance_sampling_ratio_min=0.999,
+        truncated_importance_sampling_ratio=1.001,
+    )
+    assert not cfg.use_importance_sampling_correction
