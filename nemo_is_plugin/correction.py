@@ -73,7 +73,8 @@ def compute_is_correction(
         truncation: tis | icepop | seq-mask-tis | seq-mis | geo-rs | None.
         low, high: truncation bounds on the weight.
         veto_threshold: reject a sequence whose smallest token weight is below this.
-        batch_normalize: divide the final weights by their mean over valid tokens (sequence levels: over sequences).
+        batch_normalize: divide the truncated weights by their mean over valid tokens (sequence levels: over
+            sequences), taken before masks and rejections as verl does.
     """
     # NeMo-RL sums the sequence log-weight over token_mask * sample_mask and the geometric mean over token_mask.
     log_w = is_log_weight(level, prev, gen, valid_mask if level == "sequence" else token_mask, layout)
@@ -106,12 +107,12 @@ def compute_is_correction(
 
     if not apply_weights:
         w = torch.ones_like(raw)
-    w = torch.where(keep, w, torch.zeros_like(w))
-
     factor = torch.ones((), dtype=w.dtype, device=w.device)
     if batch_normalize:
+        # As verl: the divisor is the mean of the truncated weights *before* masks and rejections.
         factor = _batch_mean(w, valid_mask, layout, per_sequence=level in SEQUENCE_LEVELS)
         w = w / torch.where(factor > EPS, factor, torch.ones_like(factor))
+    w = torch.where(keep, w, torch.zeros_like(w))
     return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor)
 
 

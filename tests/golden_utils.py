@@ -15,3 +15,13 @@ def load_cases(suite: str) -> list[dict]:
 
 def case_ids(cases: list[dict]) -> list[str]:
     return [c.get("id") or c["description"][:40] for c in cases]
+
+
+def load_named_cases(suite: str) -> list[dict]:
+    """Like :func:`load_cases`, with ``id`` set to the file stem (``case_007``) when the case has none."""
+    cases = []
+    for p in sorted((GOLDEN / suite).glob("case_*.pt")):
+        case = torch.load(p, weights_only=True)
+        case.setdefault("id", p.stem)
+        cases.append(case)
+    return cases
