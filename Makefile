@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: the local CPU wheel; an unpinned torch may pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	# verl for the adapter's functional test: its registry only; a full `.[verl]` would pull its whole training
+	# stack and downgrade omegaconf, so install it without dependencies plus the few its loss module imports.
+	$(PY) -m pip install -q --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0" codetiming cloudpickle orjson
+	$(PY) -m pip install -q "transformers>=5.5.3,<5.11,!=5.6.0"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -5,7 +5,8 @@ All three are (nearly) unbiased *values* of the KL for samples from pi_theta, bu
 E[grad k2] = grad KL, while E[grad k3] = -E[(pi_ref/pi_theta) grad log pi_theta] != grad KL (seed 003).
 
 ``weights`` multiplies the estimator before the output clamp. NeMo-RL passes w = exp(c - sg[c]) (value 1, gradient
-grad c), which adds the score-function term k * grad log pi; with it, w * k3 has the unbiased expected gradient, and
+grad c), which adds the score-function term k * grad log pi; with it, w * k1 and w * k3 have unbiased expected
+gradients but w * k2 does not (its expectation is grad E[k2]; measured in docs/evidence.md), and
 ``use_on_policy_kl_approximation`` uses w = exp(c - g) instead. ``straight_through_k2`` keeps the value of the chosen
 estimator (weights and clamps included) and replaces the gradient by k2's pathwise gradient (c - ref) grad c, which is
 unbiased for tokens sampled from pi_theta (verl's ``k3+``, which is broken in verl b178a3cd).

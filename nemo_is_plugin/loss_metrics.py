@@ -66,16 +66,20 @@ class MetricBook:
         sample_mask: torch.Tensor,
     ) -> None:
         """``w_metric`` are the weights NeMo-RL reports (after truncation, even when IS correction is off)."""
-        seq_w = self.layout.seq_max(w_metric)
-        seq_w = torch.where(torch.isfinite(seq_w), seq_w, torch.zeros_like(seq_w))
         if legacy_gspo:
-            # NeMo-RL's broadcast of [B, 1] weights against the [B] sample mask: sum_i w_i * sum_j s_j / N_seq.
+            # NeMo-RL's broadcast of [B, 1] weights against the [B] sample mask: sum_i w_i * sum_j s_j / N_seq, over
+            # every row i, masked or not. The sequence weight is constant along its row, padding included.
+            seq_w = self.layout.seq_max(w_metric)
+            seq_w = torch.where(torch.isfinite(seq_w), seq_w, torch.zeros_like(seq_w))
             bugged = seq_w.double().sum() * sample_mask.double().sum() / (self.n_seq.double() + EPS)
             self.add_replicated_scalar("sampling_importance_ratio", bugged)
         else:
             self.token_mean("sampling_importance_ratio", w_metric)
-        # The corrected value: per-sequence mean for sequence levels, token mean otherwise.
-        self.seq_mean("sampling_importance_ratio_seq_mean", seq_w, sample_mask)
+        # The corrected value: mean over sequences of each sequence's masked mean weight (its weight, for sequence
+        # levels); independent of padding.
+        count = self.layout.seq_sum(self.valid.double())
+        per_seq = self.layout.seq_sum(where_mask(w_metric.double(), self.valid)) / (count + EPS)
+        self.seq_mean("sampling_importance_ratio_seq_mean", per_seq, sample_mask)
         if truncation is not None:
             if corr.seq_out_of_band is not None:
                 self.seq_mean("is_oob_ratio", corr.seq_out_of_band.double(), sample_mask)
