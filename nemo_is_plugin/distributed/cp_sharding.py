@@ -1,0 +1,171 @@
+"""Which tokens of each sequence a context-parallel rank holds, and the shard / gather maps.
+
+Two orders, both cutting every sequence into equal chunks:
+
+- ``load_balanced`` (Megatron / NeMo-RL default): ``2*cp`` chunks, rank r holds chunks r and 2cp-1-r, in that order,
+  so causal-attention work is balanced. A sequence's length must be a multiple of ``2*cp``.
+- ``contiguous``: ``cp`` chunks, rank r holds chunk r. Length a multiple of ``cp``.
+
+Padded batches ``[B, S]`` are sharded along the sequence dim to ``[B, S/cp]``. Packed (THD) batches ``[N]`` with
+``cu_seqlens_padded`` (each sequence already padded to a multiple of ``2*cp``, as Megatron requires) are sharded
+sequence by sequence to ``[N/cp]``, the local sequences keeping their order: local ``cu_seqlens = cu_seqlens_padded /
+cp``.
+
+No Python loop over sequences: the maps are built with ``repeat_interleave`` and integer arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple, Optional, Sequence
+
+import torch
+
+from nemo_is_plugin.distributed.collectives import all_gather
+from nemo_is_plugin.distributed.groups import ProcessGroup, group_size
+
+CPOrder = Literal["load_balanced", "contiguous"]
+CP_ORDERS: tuple[str, ...] = ("load_balanced", "contiguous")
+
+
+class LocalTokens(NamedTuple):
+    """The local tokens of a CP rank, each a long ``[n_local]`` tensor in local (storage) order.
+
+    ``seq``: sequence id; ``position``: 0-based position in the global sequence; ``chunk``: global chunk id within
+    the sequence (0..num_chunks-1); ``global_index``: index into the global packed ``[N]`` tensor.
+    """
+
+    seq: torch.Tensor
+    position: torch.Tensor
+    chunk: torch.Tensor
+    global_index: torch.Tensor
+
+
+def num_chunks(cp_size: int, order: CPOrder) -> int:
+    """Chunks each sequence is cut into."""
+    _check_order(order)
+    return 2 * cp_size if order == "load_balanced" else cp_size
+
+
+def local_chunk_ids(cp_rank: int, cp_size: int, order: CPOrder) -> tuple[int, ...]:
+    """Global chunk ids held by ``cp_rank``, in local order."""
+    _check_order(order)
+    return (cp_rank, 2 * cp_size - 1 - cp_rank) if order == "load_balanced" else (cp_rank,)
+
+
+def local_tokens(
+    lengths: torch.Tensor | Sequence[int], cp_rank: int, cp_size: int, order: CPOrder = "load_balanced"
+) -> LocalTokens:
+    """Local tokens of ``cp_rank`` for sequences of (padded) ``lengths [n]`` laid out back to back.
+
+    Raises ValueError if a length is not a multiple of the number of chunks.
+    """
+    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    n_chunks = num_chunks(cp_size, order)
+    if bool((lengths % n_chunks != 0).any()):
+        raise ValueError(
+            f"{order} context parallelism over {cp_size} ranks needs every sequence length to be a multiple of "
+            f"{n_chunks}; got lengths {lengths.tolist()} (pad each sequence, as Megatron does)"
+        )
+    chunk_len = lengths // n_chunks
+    ids = torch.tensor(local_chunk_ids(cp_rank, cp_size, order), dtype=torch.long, device=lengths.device)
+    local_len = chunk_len * len(ids)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), local_len)
+    local_start = torch.cumsum(local_len, 0) - local_len
+    k = torch.arange(int(local_len.sum()), device=lengths.device) - local_start[seq]
+    c = chunk_len[seq]
+    which = torch.div(k, c, rounding_mode="floor")  # 0 or 1: first or second local chunk
+    chunk = ids[which]
+    position = chunk * c + (k - which * c)
+    global_start = torch.cumsum(lengths, 0) - lengths
+    return LocalTokens(seq, position, chunk, global_start[seq] + position)
+
+
+def padded_local_positions(seq_len: int, cp_rank: int, cp_size: int, order: CPOrder = "load_balanced") -> torch.Tensor:
+    """Global positions ``Long[S/cp]`` held by ``cp_rank`` along the sequence dim of a padded ``[B, S]`` batch."""
+    return local_tokens([seq_len], cp_rank, cp_size, order).position
+
+
+def shard_padded(
+    x: torch.Tensor, cp_rank: int, cp_size: int, order: CPOrder = "load_balanced", dim: int = 1
+) -> torch.Tensor:
+    """``x [B, S, ...]`` -> this rank's ``[B, S/cp, ...]`` (along ``dim``)."""
+    if cp_size == 1:
+        return x
+    pos = padded_local_positions(x.shape[dim], cp_rank, cp_size, order).to(x.device)
+    return x.index_select(dim, pos)
+
+
+def shard_packed(
+    x: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | Sequence[int],
+    cp_rank: int,
+    cp_size: int,
+    order: CPOrder = "load_balanced",
+    dim: int = 0,
+) -> torch.Tensor:
+    """Packed ``x [N, ...]`` (sequences at ``cu_seqlens_padded``) -> this rank's ``[N/cp, ...]`` (along ``dim``)."""
+    if cp_size == 1:
+        return x
+    cu = torch.as_tensor(cu_seqlens_padded, dtype=torch.long)
+    idx = local_tokens(cu[1:] - cu[:-1], cp_rank, cp_size, order).global_index.to(x.device)
+    return x.index_select(dim, idx)
+
+
+def local_cu_seqlens(cu_seqlens_padded: torch.Tensor | Sequence[int], cp_size: int) -> torch.Tensor:
+    """``cu_seqlens`` of the local packed shard: every (padded) sequence keeps 1/cp of its tokens."""
+    return torch.div(torch.as_tensor(cu_seqlens_padded, dtype=torch.long), cp_size, rounding_mode="floor")
+
+
+def _gather(x: torch.Tensor, cp_group: Optional[ProcessGroup], dim: int, index_of_rank) -> torch.Tensor:
+    """All-gather the shards along ``dim`` (differentiable) and put every token back at its global index."""
+    size = group_size(cp_group)
+    if size == 1:
+        return x
+    stacked = all_gather(x, cp_group, dim=dim)  # rank-major: [shard_0 | shard_1 | ...]
+    where = torch.cat([index_of_rank(r) for r in range(size)]).to(x.device)
+    inverse = torch.empty_like(where)
+    inverse[where] = torch.arange(len(where), device=where.device)
+    return stacked.index_select(dim, inverse)
+
+
+def gather_padded(
+    x: torch.Tensor, cp_group: Optional[ProcessGroup], order: CPOrder = "load_balanced", dim: int = 1
+) -> torch.Tensor:
+    """Inverse of ``shard_padded``: ``[B, S/cp, ...]`` on every rank -> ``[B, S, ...]`` on every rank."""
+    size = group_size(cp_group)
+    seq_len = x.shape[dim] * size
+    return _gather(x, cp_group, dim, lambda r: padded_local_positions(seq_len, r, size, order))
+
+
+def gather_packed(
+    x: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | Sequence[int],
+    cp_group: Optional[ProcessGroup],
+    order: CPOrder = "load_balanced",
+    dim: int = 0,
+) -> torch.Tensor:
+    """Inverse of ``shard_packed``: ``[N/cp, ...]`` on every rank -> ``[N, ...]`` on every rank."""
+    cu = torch.as_tensor(cu_seqlens_padded, dtype=torch.long)
+    size = group_size(cp_group)
+    return _gather(x, cp_group, dim, lambda r: local_tokens(cu[1:] - cu[:-1], r, size, order).global_index)
+
+
+def _check_order(order: str) -> None:
+    if order not in CP_ORDERS:
+        raise ValueError(f"unknown context-parallel order {order!r}; expected one of {CP_ORDERS}")
+
+
+__all__ = [
+    "CPOrder",
+    "CP_ORDERS",
+    "LocalTokens",
+    "gather_packed",
+    "gather_padded",
+    "local_chunk_ids",
+    "local_cu_seqlens",
+    "local_tokens",
+    "num_chunks",
+    "padded_local_positions",
+    "shard_packed",
+    "shard_padded",
+]

@@ -1,0 +1,147 @@
+"""TP=2 (2 gloo ranks, spawned once): both fused log-prob paths with a vocab-sharded LM head equal the single-process
+naive reference for every ratio level x IS level: loss, metrics, the full hidden-state gradient on every rank and each
+rank's rows of the weight gradient (fp32: 1e-5 relative). Also sequence parallelism, entropy + temperature, bf16.
+
+Each rank rebuilds the same seeded problem, holds rows ``[r V/2, (r+1) V/2)`` of the LM head and passes the explicit
+group; the reference runs on the full head in the same process.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nemo_is_plugin import build_loss_fn
+from nemo_is_plugin.bench.paths import naive_logprobs
+from nemo_is_plugin.bench.problem import make_problem, vocab_shard
+from nemo_is_plugin.distributed.collectives import all_reduce_sum
+from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
+from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+
+from ._spawn import run_checks
+from .test_fused_linear_loss import IS_LEVELS, RATIO_LEVELS, assert_metrics_close, level_config, problem, rel_err, run
+
+WORLD = 2
+CHUNK = 5
+GROUPS: dict[str, object] = {}
+
+
+def setup_workers(rank: int, world_size: int) -> None:
+    GROUPS["tp"] = dist.new_group(list(range(world_size)))
+
+
+def _tp():
+    group = GROUPS["tp"]
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def fused_tp(h, w_shard, t):
+    return fused_linear_logprobs(h, w_shard, t, GROUPS["tp"], chunk_size=CHUNK)
+
+
+def from_logits_tp(h, w_shard, t):
+    """Megatron's layout: the column-parallel LM head gives local logits; the hidden states' gradient is the sum of
+    the ranks' partial gradients (copy_to_tensor_model_parallel_region's backward, written out here)."""
+    h_tp = _CopyToTP.apply(h, GROUPS["tp"])
+    return vocab_parallel_logprobs(h_tp @ w_shard.t(), t, GROUPS["tp"], chunk_size=CHUNK)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward, all-reduce SUM backward (Megatron's copy_to_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_sum(grad, ctx.group), None
+
+
+def _level_check(ratio_level: str, is_level: str):
+    def check(rank: int, world: int) -> None:
+        _, tp_rank, tp_size = _tp()
+        p, cfg = problem(vocab=38), level_config(ratio_level, is_level)
+        ref_loss, ref_metrics, ref_dx, ref_dw = run(p, naive_logprobs, cfg)
+        w_shard = vocab_shard(p.weight, tp_rank, tp_size)
+        ref_dw_shard = vocab_shard(ref_dw, tp_rank, tp_size)
+        for fn in (fused_tp, from_logits_tp):
+            loss, metrics, dx, dw = run(p, fn, cfg, weight=w_shard)
+            assert rel_err(loss, ref_loss) < 1e-5, fn.__name__
+            assert_metrics_close(metrics, ref_metrics)
+            assert rel_err(dx, ref_dx) < 1e-5, fn.__name__
+            assert rel_err(dw, ref_dw_shard) < 1e-5, fn.__name__
+
+    return check
+
+
+def check_sequence_parallel(rank: int, world: int) -> None:
+    """Hidden states sharded over TP along tokens: all-gathered forward, reduce-scattered gradient."""
+    group, tp_rank, tp_size = _tp()
+    p = make_problem(2, 9, 16, 38, seed=3)
+    x, t = p.hidden.reshape(-1, 16), p.target.reshape(-1)  # 16 tokens
+    coef = torch.randn(t.shape, generator=torch.Generator().manual_seed(4))
+    n_local = x.shape[0] // tp_size
+    x_local = x[tp_rank * n_local : (tp_rank + 1) * n_local].clone().requires_grad_(True)
+    w_shard = vocab_shard(p.weight, tp_rank, tp_size).clone().requires_grad_(True)
+    lp = fused_linear_logprobs(x_local, w_shard, t, group, chunk_size=CHUNK, sequence_parallel=True)
+    (lp * coef).sum().backward()
+
+    xr, wr = x.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
+    ref = naive_logprobs(xr, wr, t)
+    (ref * coef).sum().backward()
+    assert rel_err(lp.detach(), ref.detach()) < 1e-5
+    assert rel_err(x_local.grad, xr.grad[tp_rank * n_local : (tp_rank + 1) * n_local]) < 1e-5
+    assert rel_err(w_shard.grad, vocab_shard(wr.grad, tp_rank, tp_size)) < 1e-5
+
+
+def check_entropy_and_temperature(rank: int, world: int) -> None:
+    group, tp_rank, tp_size = _tp()
+    p = make_problem(2, 9, 16, 38, seed=5, logit_std=6.0)  # large logits: the shards' maxima differ
+    g = torch.Generator().manual_seed(6)
+    c_lp, c_h = torch.randn(p.target.shape, generator=g), torch.randn(p.target.shape, generator=g)
+    h = p.hidden.clone().requires_grad_(True)
+    w = vocab_shard(p.weight, tp_rank, tp_size).clone().requires_grad_(True)
+    lp, ent = fused_linear_logprobs(h, w, p.target, group, chunk_size=CHUNK, temperature=0.8, with_entropy=True)
+    ((lp * c_lp).sum() + (ent * c_h).sum()).backward()
+
+    hr, wr = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
+    logp = torch.log_softmax(hr @ wr.t() / 0.8, dim=-1)
+    ref_lp, ref_h = logp.gather(-1, p.target.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    ((ref_lp * c_lp).sum() + (ref_h * c_h).sum()).backward()
+    assert (lp <= 0).all()
+    assert rel_err(lp.detach(), ref_lp.detach()) < 1e-5 and rel_err(ent.detach(), ref_h.detach()) < 1e-5
+    assert rel_err(h.grad, hr.grad) < 1e-5
+    assert rel_err(w.grad, vocab_shard(wr.grad, tp_rank, tp_size)) < 1e-5
+
+
+def check_bf16(rank: int, world: int) -> None:
+    _, tp_rank, tp_size = _tp()
+    p, cfg = problem(dtype=torch.bfloat16, seed=1, vocab=38), level_config("cumulative", "cumulative")
+    ref_loss, ref_metrics, ref_dx, ref_dw = run(p, naive_logprobs, cfg, p.hidden.float(), p.weight.float())
+    loss, metrics, dx, dw = run(p, fused_tp, cfg, weight=vocab_shard(p.weight, tp_rank, tp_size))
+    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.bfloat16
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert_metrics_close(metrics, ref_metrics)
+    assert rel_err(dx, ref_dx) < 1e-2 and rel_err(dw, vocab_shard(ref_dw, tp_rank, tp_size)) < 1e-2
+
+
+CHECKS = [(f"levels[{r}-{i}]", _level_check(r, i)) for r, i in itertools.product(RATIO_LEVELS, IS_LEVELS)] + [
+    ("sequence_parallel", check_sequence_parallel),
+    ("entropy_and_temperature", check_entropy_and_temperature),
+    ("bf16", check_bf16),
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_checks(__name__, WORLD)
+
+
+@pytest.mark.parametrize("name", [name for name, _ in CHECKS])
+def test_fused_linear_tp2(results, name):
+    assert results[name] is None, results[name]
