@@ -1,0 +1,177 @@
+"""The plugin's loss as a NeMo-RL ``LossFunction``; enabling it in NeMo-RL is one line in ``grpo.setup``.
+
+    # nemo_rl/algorithms/grpo.py, setup():   loss_fn = ClippedPGLossFn(loss_config)   becomes
+    from nemo_is_plugin.adapters.nemo_rl import build_loss_fn
+    loss_fn = build_loss_fn(master_config)          # reads master_config["loss_fn"] only
+
+What NeMo-RL's workers rely on (see :mod:`nemo_is_plugin.adapters.protocol`) and how this class provides it:
+
+- ``loss_type``: TOKEN_LEVEL for ``token-mean`` aggregation, SEQUENCE_LEVEL for the per-sequence aggregations;
+- ``input_type``: LOGPROB (the worker computes ``next_token_logprobs``, TP/CP-exact), or LOGIT (the worker hands over
+  this rank's ``logits [B, S/CP, V/TP]`` and the loss runs through the plugin's LOGIT entry point,
+  :class:`~nemo_is_plugin.distributed.logit_loss.LogitClippedPGLoss`: chunked vocab-parallel log-probs, CP-sharded
+  sequences kept sharded). The groups come from the call's ``vocab_parallel_group`` / ``context_parallel_group``
+  keywords when the host passes them, else from ``groups`` given at construction;
+- ``metric_normalizations``: the global count each metric was divided by (TOKENS / SEQUENCES / NONE), so that the
+  split API (every micro-batch called with ``global_valid_* = 1``, rescaled once per step) rescales each metric
+  correctly; extrema, ``num_valid_samples`` and ``positive_nll_loss`` are NONE;
+- ``reference_policy_kl_penalty`` (the effective beta: 0 with ``use_kl_in_reward``), ``use_fused_linear_logprobs``;
+- picklable for Ray: the state is the validated config, the input type and how to find the groups; a process group
+  never travels (pass ``groups="parallel_state"`` to resolve them from megatron-core inside the worker).
+
+Loss and metrics are linear in ``1 / global_valid_*`` (NeMo-RL's rule), so micro-batching, DP sharding, NeMo-RL's
+``SequencePackingLossWrapper`` (one call per packed sequence, metrics summed) and the split API all reproduce the
+direct call. Note that NeMo-RL's packing wrapper min/max-reduces only ``probs_ratio{,_clamped}_{min,max}`` and sums
+every other key: the plugin's other ``*_min``/``*_max`` metrics are only meaningful when the host reduces every
+``_min``/``_max`` name with min/max, as ``grpo_train``'s metric reduction does.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+
+from nemo_is_plugin.adapters.normalizers import loss_type_of, metric_normalizer, probe_metric_names
+from nemo_is_plugin.adapters.protocol import LossInputType, MetricNormalizer
+from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.distributed.groups import ParallelGroups
+from nemo_is_plugin.registry import DEFAULT_LOSS_NAME, build_loss
+
+PARALLEL_STATE = "parallel_state"  # groups sentinel: read megatron-core's groups inside the worker
+GroupsSpec = Union[None, str, ParallelGroups]
+
+
+class NeMoRLLossFn:
+    """A registered plugin loss (default ``nemo_is.clipped_pg``) behind NeMo-RL's ``LossFunction`` protocol.
+
+    Args:
+        config: the ``loss_fn`` mapping (optionally with ``name``) or a validated ``ClippedPGLossConfig``.
+        input_type: ``"logprob"`` (default) or ``"logit"``, or NeMo-RL's ``LossInputType`` member.
+        groups: LOGIT only: the TP / CP groups of the logits when the host does not pass them per call. None = one
+            process; a ``ParallelGroups``; or ``"parallel_state"`` = megatron-core's, looked up at the first call.
+        cp_order: LOGIT only: the CP order of the logits ("load_balanced", Megatron's, or "contiguous").
+        host_divides_by_cp: LOGIT only: NeMo-RL's Megatron worker divides the loss by the CP size (its losses are
+            replicated over CP); the LOGIT loss of a CP rank covers only its own tokens, so it is multiplied back.
+        logprob_chunk_size: LOGIT only: tokens per fp32 chunk of the log-prob kernel.
+    """
+
+    use_fused_linear_logprobs = False
+
+    def __init__(
+        self,
+        config: Union[ClippedPGLossConfig, Mapping[str, Any], None] = None,
+        *,
+        input_type: Any = "logprob",
+        groups: GroupsSpec = None,
+        cp_order: str = "load_balanced",
+        host_divides_by_cp: bool = True,
+        logprob_chunk_size: int = 1024,
+    ):
+        if isinstance(config, ClippedPGLossConfig):
+            name, section = DEFAULT_LOSS_NAME, config.model_dump(exclude_unset=True)
+        else:
+            section = dict(config or {})
+            name = section.get("name", DEFAULT_LOSS_NAME)
+        self._section = {**section, "name": name}
+        self.input_type = LossInputType(input_type.value if hasattr(input_type, "value") else str(input_type).lower())
+        if self.input_type not in (LossInputType.LOGPROB, LossInputType.LOGIT):
+            raise ValueError(f"input_type must be LOGPROB or LOGIT, got {self.input_type}")
+        if not (groups is None or groups == PARALLEL_STATE or isinstance(groups, ParallelGroups)):
+            raise ValueError(f"groups must be None, a ParallelGroups or {PARALLEL_STATE!r}, got {groups!r}")
+        self._groups_spec = groups
+        self._logit_options = {"cp_order": cp_order, "host_divides_by_cp": host_divides_by_cp,
+                               "chunk_size": logprob_chunk_size}
+        self._build()
+
+    def _build(self) -> None:
+        self.loss = build_loss(self._section)
+        self.config: ClippedPGLossConfig = self.loss.config
+        self._logit_loss, self._resolved_groups = None, None
+        if self.input_type == LossInputType.LOGIT:
+            from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
+
+            self._logit_loss = LogitClippedPGLoss(self.loss, **self._logit_options)
+        self.loss_type = loss_type_of(self.config)
+        self.reference_policy_kl_penalty = self.config.effective_kl_penalty
+        advertised = getattr(self.loss, "metric_normalizations", None)
+        if advertised is not None:  # the loss knows best; map its values onto the host's enum
+            self.metric_normalizations = {
+                k: MetricNormalizer(getattr(v, "value", v)) for k, v in dict(advertised).items()
+            }
+        else:
+            self.metric_normalizations = {n: metric_normalizer(n, self.config) for n in probe_metric_names(self.loss)}
+
+    # ------------------------------------------------------------------ pickling (Ray)
+    def __getstate__(self) -> dict[str, Any]:
+        if isinstance(self._groups_spec, ParallelGroups) and self._groups_spec != ParallelGroups():
+            raise TypeError(
+                "a NeMoRLLossFn holding process groups cannot be pickled; build it with "
+                f"groups={PARALLEL_STATE!r} to look the groups up inside the worker"
+            )
+        return {"section": self._section, "input_type": self.input_type.value, "groups": self._groups_spec,
+                "logit": self._logit_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._section, self._groups_spec, self._logit_options = state["section"], state["groups"], state["logit"]
+        self.input_type = LossInputType(state["input_type"])
+        self._build()
+
+    # ------------------------------------------------------------------ the call
+    def _groups(self) -> ParallelGroups:
+        if self._groups_spec == PARALLEL_STATE:
+            if self._resolved_groups is None:  # resolved once, in the worker; the spec stays picklable
+                self._resolved_groups = ParallelGroups.from_parallel_state()
+            return self._resolved_groups
+        return self._groups_spec or ParallelGroups()
+
+    def __call__(
+        self,
+        next_token_logprobs: Optional[torch.Tensor] = None,
+        data: Optional[Mapping[str, Any]] = None,
+        global_valid_seqs: Any = None,
+        global_valid_toks: Any = None,
+        *,
+        logits: Optional[torch.Tensor] = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if data is None or global_valid_seqs is None or global_valid_toks is None:
+            raise TypeError("NeMoRLLossFn needs data, global_valid_seqs and global_valid_toks")
+        if self.input_type == LossInputType.LOGIT:
+            # Positional callers (e.g. NeMo-RL's DraftLossWrapper) pass the logits first.
+            logits = logits if logits is not None else next_token_logprobs
+            if logits is None:
+                raise TypeError("input_type=LOGIT: pass logits=[B, S/CP, V/TP]")
+            groups = self._groups()
+            kwargs.setdefault("vocab_parallel_group", groups.tp)
+            kwargs.setdefault("context_parallel_group", groups.cp)
+            return self._logit_loss(logits, data, global_valid_seqs, global_valid_toks, **kwargs)
+        elif next_token_logprobs is None:
+            raise TypeError("input_type=LOGPROB: pass next_token_logprobs=[B, S-1]")
+        return self.loss(
+            next_token_logprobs=next_token_logprobs, data=data,
+            global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks,
+        )
+
+
+def build_loss_fn(
+    config: Union[str, "os.PathLike[str]", Mapping[str, Any], ClippedPGLossConfig],
+    overrides: Sequence[str] = (),
+    *,
+    section: str = "loss_fn",
+    input_type: Any = "logprob",
+    groups: GroupsSpec = None,
+) -> NeMoRLLossFn:
+    """The NeMo-RL loss for a master config (path, mapping or OmegaConf), of which only ``section`` is read.
+
+    A bare ``loss_fn`` mapping or a ``ClippedPGLossConfig`` is accepted too. ``overrides`` are CLI-style dotted
+    overrides of the whole config (``loss_fn.is_correction_level=sequence_mean``), see :mod:`nemo_is_plugin.recipes`.
+    """
+    if isinstance(config, ClippedPGLossConfig):
+        if overrides:
+            raise ValueError("overrides apply to YAML / mapping configs, not to a validated ClippedPGLossConfig")
+        return NeMoRLLossFn(config, input_type=input_type, groups=groups)
+    from nemo_is_plugin.recipes import to_loss_mapping
+
+    return NeMoRLLossFn(to_loss_mapping(config, overrides, section), input_type=input_type, groups=groups)

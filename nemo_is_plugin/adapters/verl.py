@@ -1,0 +1,273 @@
+"""The plugin's loss in verl's own policy-loss registry (``verl.trainer.ppo.core_algos.register_policy_loss``).
+
+verl selects its policy loss with ``actor_rollout_ref.actor.policy_loss.loss_mode`` and calls it as
+
+    pg_loss, pg_metrics = policy_loss_fn(old_log_prob=, log_prob=, advantages=, response_mask=,  # [B, T] each
+                                         loss_agg_mode=, config=ActorConfig, rollout_is_weights=[B, T] | None)
+
+(``verl/workers/utils/losses.py::ppo_loss``, verl 0.9.1; verl <= 0.5 returned a 4-tuple instead of the dict, which
+:class:`VerlPolicyLoss` also produces when the installed verl does). Names translate as: ``log_prob`` -> current
+log-probs, ``old_log_prob`` -> prev (pi_old), ``response_mask`` -> token mask, rollout log-probs -> generation.
+
+Configuration. verl's actor settings give the defaults -- ``clip_ratio_low/high`` -> ``ratio_clip_min/max``,
+``clip_ratio_c`` -> ``ratio_clip_c`` (verl always dual-clips), ``loss_agg_mode`` -> ``loss_aggregation``,
+``loss_scale_factor`` -> ``loss_aggregation_norm``, verl's +-20 log-ratio clamp -> ``token_log_ratio_clamp`` -- so the
+loss with no plugin keys *is* verl's ``vanilla``. The plugin's keys come from the config bound at registration, or,
+for the entry-point registration, from the recipe named by ``$NEMO_IS_LOSS_CONFIG`` (its ``loss_fn`` section, or
+``$NEMO_IS_LOSS_SECTION``); explicitly set plugin keys win over verl's. verl adds its KL loss itself
+(``actor.use_kl_loss``), so ``reference_policy_kl_penalty`` must be 0 here.
+
+Rollout weights vs rollout log-probs. verl computes ``rollout_is_weights`` itself (``algorithm.rollout_correction``:
+token or sequence level, truncated, optionally batch-normalised) and passes only those; the plugin computes its
+weights from the rollout log-probs. Two cases, by who owns the correction:
+
+- plugin IS off (``use_importance_sampling_correction: false``, no rejection type, no veto): verl owns it. verl's
+  weights multiply the per-token loss, exactly as in verl's own losses (none given: weight 1).
+- plugin IS on (or a rejection / veto configured): the plugin owns it and needs log mu. It uses ``rollout_log_probs``
+  when the caller passes them; otherwise it recovers ``log mu = old_log_prob - log w`` from verl's weights, which is
+  exact only for *raw token ratios*: ``rollout_is: token``, ``rollout_is_threshold`` above any ratio (e.g. ``1e9``),
+  no batch normalisation, no RS (verl's ``+-20`` clamp of log w is never reached in practice). Weights that are 0 on a
+  valid token cannot be raw ratios and raise. Without either input the call raises.
+
+In both cases the weights enter as ``generation_logprobs = old_log_prob - log w`` on valid tokens (masked tokens:
+``old_log_prob``), and the loss runs on pre-aligned tensors through ``ClippedPGLoss.compute``.
+
+Normalisation follows verl's ``agg_loss``: with ``config.global_batch_info`` (``dp_size``, ``batch_num_tokens``,
+``global_batch_size``) the loss is this micro-batch's sum / (global count / dp_size); without it, local counts.
+Metrics are returned per micro-batch (verl averages them): prefixed ``actor/nemo_is/``, renormalised to this
+micro-batch's own counts, plus verl's ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and ``actor/ppo_kl``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from nemo_is_plugin.adapters.normalizers import renormalize
+from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
+
+VERL_LOSS_NAME = "nemo_is.clipped_pg"
+CONFIG_ENV = "NEMO_IS_LOSS_CONFIG"
+SECTION_ENV = "NEMO_IS_LOSS_SECTION"
+METRIC_PREFIX = "actor/nemo_is/"
+VERL_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+VERL_LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp in every ratio loss
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    """A field of verl's ActorConfig (dataclass with .get), an OmegaConf node or a dict; ``default`` when absent."""
+    if config is None:
+        return default
+    getter = getattr(config, "get", None)
+    value = getter(key, default) if callable(getter) else getattr(config, key, default)
+    return default if value is None else value
+
+
+def _user_keys(config: Any, section: str) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, ClippedPGLossConfig):
+        return config.model_dump(exclude_unset=True)
+    from nemo_is_plugin.recipes import to_loss_mapping
+
+    keys = to_loss_mapping(config, section=section)
+    keys.pop("name", None)
+    return keys
+
+
+def verl_config(user: Mapping[str, Any], actor: Any, loss_agg_mode: str, horizon: int, weights_only: bool
+                ) -> ClippedPGLossConfig:
+    """The loss config for one verl call: verl's actor settings, overlaid by the user's explicit plugin keys.
+
+    ``weights_only``: verl's weights multiply the loss (plugin IS off), so IS is switched on at token level with no
+    truncation, which makes the plugin's weight exactly verl's.
+    """
+    if loss_agg_mode not in VERL_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not supported by {VERL_LOSS_NAME}; use one of "
+                         f"{', '.join(VERL_AGG_MODES)}")
+    clip = _get(actor, "clip_ratio", 0.2)
+    base: dict[str, Any] = {
+        "ratio_clip_min": _get(actor, "clip_ratio_low", clip),
+        "ratio_clip_max": _get(actor, "clip_ratio_high", clip),
+        "reference_policy_kl_penalty": 0.0,
+    }
+    if not {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user) and not user.get("use_cispo"):
+        base["ratio_clip_c"] = _get(actor, "clip_ratio_c", 3.0)
+    if "token_log_ratio_clamp" not in user:
+        base["token_log_ratio_clamp"] = VERL_LOG_RATIO_CLAMP
+    if not {"loss_aggregation", "token_level_loss"} & set(user):
+        base["loss_aggregation"] = loss_agg_mode
+        base["token_level_loss"] = loss_agg_mode == "token-mean"
+    merged = {**base, **user}
+    agg = merged.get("loss_aggregation") or ("token-mean" if merged.get("token_level_loss", True) else None)
+    if agg == "seq-mean-token-sum-norm" and merged.get("loss_aggregation_norm") is None:
+        merged["loss_aggregation_norm"] = float(_get(actor, "loss_scale_factor", horizon))
+    if weights_only:
+        merged.update(use_importance_sampling_correction=True, is_correction_level="token")
+    cfg = ClippedPGLossConfig(**merged)
+    if cfg.effective_kl_penalty != 0:
+        raise ValueError("verl adds the KL loss itself (actor_rollout_ref.actor.use_kl_loss / kl_loss_coef): set "
+                         "reference_policy_kl_penalty: 0 in the plugin's config")
+    if cfg.positive_example_nll_weight != 0:
+        raise ValueError("positive_example_nll_weight needs per-sample rewards, which verl's policy loss does not get")
+    return cfg
+
+
+def _owns_correction(cfg: ClippedPGLossConfig) -> bool:
+    """Whether the plugin's config needs log mu (its own IS weights, a rejection or a veto)."""
+    return (cfg.use_importance_sampling_correction or cfg.truncated_importance_sampling_type in REJECTION_TYPES
+            or cfg.importance_sampling_veto_threshold is not None)
+
+
+def generation_logprobs(old: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``old - log w`` on valid tokens, ``old`` elsewhere: the rollout log-probs that make exp(old - gen) = w.
+
+    A weight of 0 (icepop / rejection in verl) becomes the smallest positive normal weight, ~1e-38 in float32.
+    """
+    w = weights.detach().to(old.dtype)
+    log_w = torch.log(w.clamp_min(torch.finfo(old.dtype).tiny))
+    return old.detach() - torch.where(mask, log_w, torch.zeros_like(log_w))
+
+
+def _returns_tuple() -> bool:
+    """verl <= 0.5 policy losses returned (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower); later a metrics dict."""
+    try:
+        from verl.trainer.ppo import core_algos
+    except ImportError:  # called outside verl (tests, custom trainers): the current dict form
+        return False
+    vanilla = getattr(core_algos, "compute_policy_loss_vanilla", None)
+    ann = str(inspect.signature(vanilla).return_annotation) if vanilla is not None else "dict"
+    return "dict" not in ann and "tuple" in ann
+
+
+class VerlPolicyLoss:
+    """The plugin's ClippedPGLoss with verl's ``PolicyLossFn`` signature (see the module docstring).
+
+    Args:
+        config: plugin keys -- a ``loss_fn`` mapping, a whole master config (only ``section`` is read), a recipe path,
+            or a ``ClippedPGLossConfig`` (its explicitly set fields). None: read ``$NEMO_IS_LOSS_CONFIG`` at the first
+            call (so a registration at import time reads no file), else verl's settings only.
+        section: the section of a master config / recipe to read.
+    """
+
+    def __init__(self, config: Union[None, str, "os.PathLike[str]", Mapping[str, Any], ClippedPGLossConfig] = None,
+                 *, section: str = "loss_fn"):
+        self._source, self._section = config, section
+        self._user: Optional[dict[str, Any]] = None
+        self._losses: dict[tuple, Any] = {}
+        self._tuple: Optional[bool] = None
+
+    @property
+    def user_keys(self) -> dict[str, Any]:
+        if self._user is None:
+            source = self._source if self._source is not None else os.environ.get(CONFIG_ENV) or None
+            self._user = _user_keys(source, os.environ.get(SECTION_ENV, self._section) if self._source is None
+                                    else self._section)
+        return self._user
+
+    def resolve(self, actor: Any, loss_agg_mode: str, horizon: int, weights_only: bool = False):
+        """The ``ClippedPGLoss`` for these verl settings (cached per distinct setting)."""
+        from nemo_is_plugin.loss import ClippedPGLoss
+
+        # The response length matters only as seq-mean-token-sum-norm's default divisor; keep it out of the key
+        # otherwise, so that variable-length micro-batches share one loss.
+        if loss_agg_mode != "seq-mean-token-sum-norm" or _get(actor, "loss_scale_factor") is not None:
+            horizon = 0
+        key = (loss_agg_mode, horizon, weights_only, _get(actor, "clip_ratio"), _get(actor, "clip_ratio_low"),
+               _get(actor, "clip_ratio_high"), _get(actor, "clip_ratio_c"), _get(actor, "loss_scale_factor"))
+        if key not in self._losses:
+            self._losses[key] = ClippedPGLoss(verl_config(self.user_keys, actor, loss_agg_mode, horizon, weights_only))
+        return self._losses[key]
+
+    def __call__(
+        self,
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: Optional[torch.Tensor] = None,
+        rollout_log_probs: Optional[torch.Tensor] = None,
+        **_: Any,
+    ):
+        from nemo_is_plugin.layout import TokenLayout
+        from nemo_is_plugin.loss import LossInputs
+
+        mask = response_mask.bool()
+        b, t = log_prob.shape
+        user_owned = self.resolve(config, loss_agg_mode, t).config
+        owns = _owns_correction(user_owned)
+        weights_only = not owns and rollout_is_weights is not None
+        loss_fn = self.resolve(config, loss_agg_mode, t, weights_only) if weights_only else self.resolve(
+            config, loss_agg_mode, t)
+        if owns and rollout_log_probs is not None:
+            gen = rollout_log_probs.detach().to(old_log_prob.dtype)
+        elif owns and rollout_is_weights is not None:
+            if bool(((rollout_is_weights <= 0) & mask).any()):
+                raise ValueError("the plugin's IS correction reads verl's rollout_is_weights as raw token ratios, but "
+                                 "some valid tokens have weight 0: set algorithm.rollout_correction.rollout_is=token, "
+                                 "a huge rollout_is_threshold (e.g. 1e9), no rollout_rs, or pass rollout_log_probs")
+            gen = generation_logprobs(old_log_prob, mask, rollout_is_weights)
+        elif owns:
+            raise ValueError(f"{VERL_LOSS_NAME}: the plugin's IS correction / rejection needs the rollout log-probs: "
+                             "enable verl's token-level rollout_is with a huge threshold (raw ratios) or pass "
+                             "rollout_log_probs; or set use_importance_sampling_correction: false to let verl correct")
+        elif weights_only:
+            gen = generation_logprobs(old_log_prob, mask, rollout_is_weights)
+        else:
+            gen = old_log_prob.detach()
+
+        m = mask.to(log_prob.dtype)
+        local_toks, local_seqs = float(m.sum()), float((m.sum(-1) > 0).sum())
+        n_tok, n_seq = self._global_counts(config, loss_agg_mode, local_toks, local_seqs)
+        inputs = LossInputs(
+            curr_logprobs=log_prob, prev_logprobs=old_log_prob, generation_logprobs=gen, reference_logprobs=None,
+            advantages=advantages, token_mask=m, sample_mask=torch.ones(b, dtype=m.dtype, device=m.device),
+            global_valid_seqs=n_seq, global_valid_toks=n_tok,
+        )
+        loss, metrics = loss_fn.compute(inputs, TokenLayout.padded(b, t, device=log_prob.device))
+        local = renormalize(metrics, loss_fn.config, tokens=(n_tok, local_toks), seqs=(n_seq, local_seqs))
+        with torch.no_grad():
+            ppo_kl = float(((old_log_prob - log_prob) * m).sum() / (m.sum() + 1e-8))
+        if self._tuple is None:
+            self._tuple = _returns_tuple()
+        if self._tuple:
+            return (loss, torch.tensor(local.get("clip_fraction", 0.0)), torch.tensor(ppo_kl),
+                    torch.tensor(local.get("clip_fraction_dual", 0.0)))
+        out = {f"{METRIC_PREFIX}{k}": v for k, v in local.items()}
+        out.update({"actor/pg_clipfrac": local.get("clip_fraction", 0.0), "actor/ppo_kl": ppo_kl,
+                    "actor/pg_clipfrac_lower": local.get("clip_fraction_dual", 0.0)})
+        return loss, out
+
+    @staticmethod
+    def _global_counts(config: Any, agg: str, local_toks: float, local_seqs: float) -> tuple[float, float]:
+        """verl's ``agg_loss`` divisors: ``global / dp_size`` from ``global_batch_info``, else the local counts."""
+        info = dict(_get(config, "global_batch_info", {}) or {})
+        dp = int(info.get("dp_size") or 1)
+        toks, seqs = info.get("batch_num_tokens"), info.get("global_batch_size")
+        if dp > 1 and toks is None and agg == "token-mean":
+            raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+        if dp > 1 and seqs is None and agg != "token-mean":
+            raise ValueError("global_batch_size is required when dp_size > 1")
+        n_tok = float(toks) / dp if toks is not None else local_toks
+        n_seq = float(seqs) / dp if seqs is not None else local_seqs
+        return n_tok, n_seq
+
+
+def register_verl_loss(name: str = VERL_LOSS_NAME, config: Any = None, *, section: str = "loss_fn") -> VerlPolicyLoss:
+    """Register the plugin's loss under ``name`` in verl's ``POLICY_LOSS_REGISTRY``; returns the registered callable.
+
+    verl must be importable (``pip install nemo-is-plugin[verl]``). Re-registering a name replaces it (verl's
+    decorator overwrites), so module reloads are harmless.
+    """
+    try:
+        from verl.trainer.ppo.core_algos import register_policy_loss
+    except ImportError as exc:
+        raise ImportError("register_verl_loss needs verl (pip install 'nemo-is-plugin[verl]')") from exc
+    fn = VerlPolicyLoss(config, section=section)
+    register_policy_loss(name)(fn)
+    return fn

@@ -1,0 +1,16 @@
+"""verl plugin hook: importing this module registers ``nemo_is.clipped_pg`` in verl's policy-loss registry.
+
+verl (>= 0.9) imports every entry point of its ``verl.plugins`` group at ``import verl`` (in the driver and in every Ray
+worker), so with this package's entry point
+
+    [project.entry-points."verl.plugins"]
+    nemo_is = "nemo_is_plugin.adapters.verl_plugin"
+
+a verl run selects the loss with one config entry, ``actor_rollout_ref.actor.policy_loss.loss_mode=nemo_is.clipped_pg``.
+The plugin's own keys are read lazily from the recipe named by ``$NEMO_IS_LOSS_CONFIG`` (see adapters/verl.py).
+Older verl: set ``VERL_USE_EXTERNAL_MODULES=nemo_is_plugin.adapters.verl_plugin`` instead.
+"""
+
+from nemo_is_plugin.adapters.verl import register_verl_loss
+
+register_verl_loss()

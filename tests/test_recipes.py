@@ -1,0 +1,165 @@
+"""YAML recipes -> ClippedPGLossConfig through OmegaConf: sections, inheritance, overrides, interpolation, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.recipes import (
+    RecipeError,
+    load_loss_config,
+    load_loss_spec,
+    load_yaml,
+    loss_section,
+    to_loss_mapping,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" / "examples").glob("*.yaml"))
+
+MASTER = """
+grpo:
+  max_len: 4096
+policy:
+  broken: ${oc.env:NEMO_IS_SURELY_UNSET_VAR}
+loss_fn:
+  name: nemo_is.clipped_pg
+  use_importance_sampling_correction: true
+  ratio_clip_min: 0.2
+  ratio_clip_max: ${.ratio_clip_min}
+  token_level_loss: false
+  loss_aggregation: seq-mean-token-sum-norm
+  loss_aggregation_norm: ${grpo.max_len}
+"""
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def master(tmp_path) -> Path:
+    return _write(tmp_path, "master.yaml", MASTER)
+
+
+def test_master_config_reads_only_loss_fn_and_resolves_interpolations(master):
+    spec = load_loss_spec(master)
+    assert spec.name == "nemo_is.clipped_pg"
+    cfg = spec.config
+    # ${.ratio_clip_min} is relative, ${grpo.max_len} reaches outside the section; policy.broken is never resolved.
+    assert cfg.ratio_clip_max == 0.2 and cfg.loss_aggregation_norm == 4096.0
+    assert cfg.effective_loss_aggregation == "seq-mean-token-sum-norm"
+    assert cfg.is_correction_level is None
+
+
+def test_one_line_override_changes_only_that_field(master):
+    base = load_loss_config(master)
+    changed = load_loss_config(master, ["loss_fn.is_correction_level=sequence_mean"])
+    assert changed.is_correction_level == "sequence_mean" and changed.effective_is_level == "sequence_mean"
+    assert base.model_dump() | {"is_correction_level": "sequence_mean"} == changed.model_dump()
+
+
+def test_overrides_parse_values_like_a_cli(master):
+    cfg = load_loss_config(master, ["loss_fn.ratio_clip_c=3", "loss_fn.use_importance_sampling_correction=false",
+                                    "loss_fn.kl_input_clamp_value=null", "grpo.max_len=100"])
+    assert cfg.ratio_clip_c == 3.0 and cfg.use_importance_sampling_correction is False
+    assert cfg.kl_input_clamp_value is None
+    assert cfg.loss_aggregation_norm == 100.0  # an override elsewhere flows through the interpolation
+
+
+def test_override_syntax_add_force_delete(master):
+    cfg = load_yaml(master, ["+grpo.extra=1", "++grpo.max_len=8", "++grpo.new=2", "~policy.broken"])
+    assert cfg.grpo.extra == 1 and cfg.grpo.max_len == 8 and cfg.grpo.new == 2 and "broken" not in cfg.policy
+    with pytest.raises(RecipeError, match=r"'grpo.max_len' already exists"):
+        load_yaml(master, ["+grpo.max_len=1"])
+    with pytest.raises(RecipeError, match="cannot delete 'grpo.nope'"):
+        load_yaml(master, ["~grpo.nope"])
+    with pytest.raises(RecipeError, match="not of the form key=value"):
+        load_yaml(master, ["grpo.max_len"])
+
+
+def test_unknown_override_key_is_refused_with_a_hint(master):
+    with pytest.raises(RecipeError, match=r"'loss_fn.ratio_clip_mn' is not in the config \(did you mean "
+                                          r"'loss_fn.ratio_clip_min'\?\); use \+loss_fn.ratio_clip_mn"):
+        load_yaml(master, ["loss_fn.ratio_clip_mn=0.3"])
+    # a loss field absent from the file is still a known key
+    assert load_loss_config(master, ["loss_fn.clip_position_power=0.0"]).clip_position_power == 0.0
+
+
+def test_invalid_values_name_the_file_section_and_key(master):
+    with pytest.raises(RecipeError, match=r"(?s)master.yaml: invalid 'loss_fn' section.*is_correction_level"):
+        load_loss_config(master, ["loss_fn.is_correction_level=bogus"])
+    with pytest.raises(RecipeError, match=r"unknown loss_fn key\(s\): 'foo'"):
+        load_loss_config(master, ["+loss_fn.foo=1"])
+
+
+def test_defaults_inheritance_child_wins(tmp_path):
+    _write(tmp_path, "base.yaml", "loss_fn:\n  ratio_clip_min: 0.1\n  ratio_clip_max: 0.3\n")
+    _write(tmp_path, "mid.yaml", "defaults: base.yaml\nloss_fn:\n  ratio_clip_max: 0.4\n")
+    child = _write(tmp_path, "child.yaml", "defaults: [mid.yaml]\nloss_fn:\n  ratio_clip_c: 3.0\n")
+    cfg = load_loss_config(child)
+    assert (cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.ratio_clip_c) == (0.1, 0.4, 3.0)
+
+
+def test_cyclic_and_hydra_style_defaults_are_refused(tmp_path):
+    _write(tmp_path, "a.yaml", "defaults: b.yaml\nx: 1\n")
+    b = _write(tmp_path, "b.yaml", "defaults: a.yaml\ny: 1\n")
+    with pytest.raises(RecipeError, match="cyclic 'defaults' chain"):
+        load_yaml(b)
+    hydra = _write(tmp_path, "h.yaml", "defaults:\n  - trainer: base\nloss_fn: {}\n")
+    with pytest.raises(RecipeError, match="'defaults' must be a path or a list of paths"):
+        load_yaml(hydra)
+
+
+def test_bare_section_file_and_empty_section(tmp_path):
+    bare = _write(tmp_path, "bare.yaml", "name: nemo_is.clipped_pg\nratio_clip_min: 0.15\n")
+    spec = load_loss_spec(bare)
+    assert spec.name == "nemo_is.clipped_pg" and spec.config.ratio_clip_min == 0.15
+    empty = _write(tmp_path, "empty.yaml", "policy: {a: 1}\nloss_fn:\n")
+    assert load_loss_config(empty) == ClippedPGLossConfig()
+
+
+def test_missing_section_lists_top_level_keys(tmp_path):
+    path = _write(tmp_path, "nolo.yaml", "grpo: {a: 1}\npolicy: {b: 2}\n")
+    with pytest.raises(RecipeError, match=r"no 'loss_fn' section in the config \(top-level keys: grpo, policy\)"):
+        load_loss_config(path)
+
+
+def test_other_section_paths_and_sources(master):
+    cfg = OmegaConf.create({"actor": {"policy_loss": {"nemo_is": {"ratio_clip_min": 0.05}}}})
+    assert load_loss_config(cfg, section="actor.policy_loss.nemo_is").ratio_clip_min == 0.05
+    changed = load_loss_config(cfg, ["actor.policy_loss.nemo_is.ratio_clip_min=0.5"], "actor.policy_loss.nemo_is")
+    assert changed.ratio_clip_min == 0.5 and cfg.actor.policy_loss.nemo_is.ratio_clip_min == 0.05  # caller untouched
+    assert load_loss_config({"loss_fn": {"ratio_clip_min": 0.07}}).ratio_clip_min == 0.07
+    assert to_loss_mapping(master)["loss_aggregation_norm"] == 4096
+    assert to_loss_mapping(None) == {}
+    with pytest.raises(RecipeError, match="cannot resolve 'policy'"):
+        loss_section(load_yaml(master), "policy")
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_yaml(tmp_path / "nope.yaml")
+    with pytest.raises(RecipeError, match="must be a YAML mapping"):
+        load_yaml(_write(tmp_path, "list.yaml", "- 1\n- 2\n"))
+    with pytest.raises(RecipeError, match="a recipe is a YAML path or a mapping"):
+        load_yaml(3)
+
+
+def test_env_interpolation_with_default(tmp_path, monkeypatch):
+    path = _write(tmp_path, "env.yaml", "loss_fn:\n  ratio_clip_min: ${oc.env:NEMO_IS_TEST_CLIP,0.25}\n")
+    assert load_loss_config(path).ratio_clip_min == 0.25
+    monkeypatch.setenv("NEMO_IS_TEST_CLIP", "0.125")
+    assert load_loss_config(path).ratio_clip_min == 0.125
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_recipe_in_configs_loads(recipe):
+    spec = load_loss_spec(recipe)
+    assert isinstance(spec.config, ClippedPGLossConfig)
+    assert spec.name == "nemo_is.clipped_pg"
