@@ -51,7 +51,7 @@ class ClippedPGLossConfig(BaseModel):
     plugin's independent choices; see ``docs/config.md`` for each formula.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     # ---- NeMo-RL keys (names, types and defaults as in NeMo-RL) ----
     reference_policy_kl_penalty: float = 0.01
@@ -135,6 +135,10 @@ class ClippedPGLossConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "ClippedPGLossConfig":
+        # token_level_loss follows an explicit loss_aggregation unless the user set both (then they must agree), so
+        # that a model_dump() reloads unchanged.
+        if self.loss_aggregation is not None and "token_level_loss" not in self.model_fields_set:
+            self.__dict__["token_level_loss"] = self.loss_aggregation == "token-mean"
         errors = [msg for msg in _contradictions(self) if msg]
         if errors:
             raise ConfigError("; ".join(errors))
@@ -193,7 +197,7 @@ def _contradictions(cfg: ClippedPGLossConfig) -> list[str]:
         if tis not in REJECTION_TYPES and not cfg.use_importance_sampling_correction:
             out.append(
                 "truncated importance sampling is only supported when use_importance_sampling_correction is True: "
-                f"set use_importance_sampling_correction: true or truncated_importance_sampling_type: null"
+                "set use_importance_sampling_correction: true or truncated_importance_sampling_type: null"
             )
         if hi is None or hi <= 0:
             out.append(

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from nemo_is_plugin import truncation as T
-from nemo_is_plugin.is_weights import finite_exp, is_log_weight
+from nemo_is_plugin.is_weights import MAX_LOG_WEIGHT, finite_exp, is_log_weight
 from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.masked import EPS, where_mask
 
@@ -78,6 +78,8 @@ def compute_is_correction(
     """
     # NeMo-RL sums the sequence log-weight over token_mask * sample_mask and the geometric mean over token_mask.
     log_w = is_log_weight(level, prev, gen, valid_mask if level == "sequence" else token_mask, layout)
+    if not legacy:
+        log_w = log_w.clamp(max=MAX_LOG_WEIGHT)
     raw = finite_exp(log_w)
     w = raw
     oob = torch.zeros_like(raw, dtype=torch.bool)
@@ -111,7 +113,7 @@ def compute_is_correction(
     if batch_normalize:
         # As verl: the divisor is the mean of the truncated weights *before* masks and rejections.
         factor = _batch_mean(w, valid_mask, layout, per_sequence=level in SEQUENCE_LEVELS)
-        w = w / torch.where(factor > EPS, factor, torch.ones_like(factor))
+        w = w / torch.where(factor > 0, factor, torch.ones_like(factor))
     w = torch.where(keep, w, torch.zeros_like(w))
     return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor)
 
@@ -121,11 +123,12 @@ def _batch_mean(w: torch.Tensor, valid_mask: torch.Tensor, layout: TokenLayout, 
 
     The mean spans this process's micro-batch and its CP shards (through the layout); not the DP-global batch.
     """
+    # Counts are integers: clamp_min(1) (not +1e-8) keeps on-policy weights exactly 1 after normalisation.
     sums = torch.stack([where_mask(w, valid_mask).sum(), valid_mask.sum().to(w.dtype)])
     if per_sequence:
         count = layout.seq_sum(valid_mask.to(w.dtype))
-        seq_w = layout.seq_sum(where_mask(w, valid_mask)) / (count + EPS)
+        seq_w = layout.seq_sum(where_mask(w, valid_mask)) / count.clamp_min(1)
         has_tokens = (count > 0).to(w.dtype)
-        return seq_w.mul(has_tokens).sum() / (has_tokens.sum() + EPS)
+        return seq_w.mul(has_tokens).sum() / has_tokens.sum().clamp_min(1)
     sums = layout.reduce_metric_sums(sums)
-    return sums[0] / (sums[1] + EPS)
+    return sums[0] / sums[1].clamp_min(1)

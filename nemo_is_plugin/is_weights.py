@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.masked import EPS, where_mask
+from nemo_is_plugin.masked import where_mask
 
 IS_LEVELS = ("token", "sequence", "sequence_mean", "cumulative")
 
@@ -42,13 +42,28 @@ def is_log_weight(
         return layout.to_tokens(layout.seq_sum(x))
     if level == "sequence_mean":
         count = layout.seq_sum(token_mask.to(x.dtype))
-        return layout.to_tokens(layout.seq_sum(x) / (count + EPS))
+        return layout.to_tokens(layout.seq_sum(x) / count.clamp_min(1))
     if level == "cumulative":
         return layout.prefix_sum(x)
     raise ValueError(f"unknown IS correction level {level!r}; expected one of {IS_LEVELS}")
+
+
+# Explicit levels saturate log w here (w <= e^30 ~ 1e13): larger weights only come from mismatches far beyond any
+# truncation bound, and summing them would overflow a float32 loss. Legacy (NeMo-RL) levels keep NeMo-RL's rule.
+MAX_LOG_WEIGHT = 30.0
 
 
 @torch.no_grad()
 def finite_exp(log_w: torch.Tensor) -> torch.Tensor:
     """exp(log w) with NeMo-RL's handling of non-finite weights: NaN and +-inf become 0."""
     return torch.nan_to_num(torch.exp(log_w), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def exp_or_zero(log_w: torch.Tensor) -> torch.Tensor:
+    """exp(log w) where it is finite, else 0 — NeMo-RL's nan_to_num value, but with a zero (not NaN) gradient where
+    the exponential overflows. Differentiable."""
+    ok = torch.isfinite(log_w) & (log_w < torch.finfo(log_w.dtype).max) & (
+        torch.exp(log_w.detach()).isfinite()
+    )
+    safe = torch.where(ok, log_w, torch.zeros_like(log_w))
+    return torch.where(ok, torch.exp(safe), torch.zeros_like(log_w))

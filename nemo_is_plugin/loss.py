@@ -19,6 +19,7 @@ import torch
 from nemo_is_plugin.aggregation import aggregate
 from nemo_is_plugin.config import ClippedPGLossConfig, load_loss_config
 from nemo_is_plugin.correction import compute_is_correction
+from nemo_is_plugin.is_weights import exp_or_zero
 from nemo_is_plugin.kl import kl_penalty, score_function_weight
 from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss_metrics import MetricBook, legacy_error_metrics
@@ -133,7 +134,7 @@ class ClippedPGLoss:
         kl_loss = torch.zeros((), dtype=dtype, device=c.device)
         if beta != 0:
             if cfg.use_on_policy_kl_approximation:
-                w_kl = torch.nan_to_num(torch.exp(c - g), nan=0.0, posinf=0.0, neginf=0.0)
+                w_kl = exp_or_zero(c - g)
             else:
                 w_kl = score_function_weight(c)
             kl_tok = kl_penalty(
@@ -152,14 +153,7 @@ class ClippedPGLoss:
 
         # 4. IS correction.
         trunc = cfg.truncated_importance_sampling_type
-        corr = compute_is_correction(
-            p, g, tm, valid, layout,
-            level=cfg.effective_is_level, legacy=cfg.is_correction_level is None,
-            apply_weights=cfg.use_importance_sampling_correction, truncation=trunc,
-            low=cfg.truncated_importance_sampling_ratio_min, high=cfg.truncated_importance_sampling_ratio,
-            veto_threshold=cfg.importance_sampling_veto_threshold,
-            batch_normalize=cfg.importance_sampling_batch_normalize,
-        )
+        corr = compute_is_correction(p, g, tm, valid, layout, **is_correction_kwargs(cfg))
 
         # 5. Actor loss.
         actor_loss = reduce(corr.weights * sur.loss)
@@ -184,7 +178,11 @@ class ClippedPGLoss:
             legacy_gspo=cfg.sequence_level_importance_ratios and cfg.is_correction_level is None,
         )
         book.add_replicated_scalar("num_valid_samples", sm.sum().double())
-        ent = -where_mask(torch.exp(c.detach() - g) * c.detach(), valid).sum() / (n_tok + EPS)
+        # NeMo-RL's value, including its inf when exp(c - g) overflows (golden 088); a certain token (c = 0)
+        # contributes 0 rather than inf * 0 = NaN.
+        cd = c.detach()
+        ent_tok = torch.where(cd == 0, torch.zeros_like(cd), torch.exp(cd - g) * cd)
+        ent = -where_mask(ent_tok, valid).sum() / (n_tok + EPS)
         book.add_sum("approx_entropy", ent)
         book.add_sum("positive_nll_loss", nll.detach())
         book.mismatch(p, g, tm, sm)
@@ -212,6 +210,20 @@ class ClippedPGLoss:
         return ratio_clip_surrogate(
             log_r, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max, dual_clip=cfg.ratio_clip_c
         )
+
+
+def is_correction_kwargs(cfg: ClippedPGLossConfig) -> dict[str, Any]:
+    """The one binding of config fields to :func:`~nemo_is_plugin.correction.compute_is_correction`'s arguments."""
+    return dict(
+        level=cfg.effective_is_level,
+        legacy=cfg.is_correction_level is None,
+        apply_weights=cfg.use_importance_sampling_correction,
+        truncation=cfg.truncated_importance_sampling_type,
+        low=cfg.truncated_importance_sampling_ratio_min,
+        high=cfg.truncated_importance_sampling_ratio,
+        veto_threshold=cfg.importance_sampling_veto_threshold,
+        batch_normalize=cfg.importance_sampling_batch_normalize,
+    )
 
 
 def _as_scalar(x: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:

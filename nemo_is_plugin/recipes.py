@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
 from nemo_is_plugin.registry import DEFAULT_LOSS_NAME, NAME_KEY, split_name
@@ -58,7 +60,10 @@ def _load_file(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
         raise RecipeError(f"cyclic 'defaults' chain: {' -> '.join(str(p) for p in (*seen, path))}")
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
-    cfg = OmegaConf.load(path)
+    try:
+        cfg = OmegaConf.load(path)
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:  # malformed YAML or interpolation grammar
+        raise RecipeError(f"{path}: not a readable YAML recipe: {exc}") from exc
     if not isinstance(cfg, DictConfig):
         raise RecipeError(f"{path}: a recipe must be a YAML mapping, got a {type(cfg).__name__}")
     parents = cfg.pop(_DEFAULTS_KEY, None)

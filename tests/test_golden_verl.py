@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from golden_utils import case_ids, load_named_cases
+from nemo_is_plugin.is_weights import MAX_LOG_WEIGHT
 from nemo_is_plugin import build_loss_fn, finalize_metrics
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.correction import compute_is_correction
@@ -353,11 +354,11 @@ def deviations(case: dict) -> dict[str, str]:
     if bool((x * m > 20).any()):
         out["chi2_token"] = "verl clamps token log-ratios at 20; the plugin does not"
         if params["rollout_is"] == "token":
-            out["rollout_is_mean"] = out["rollout_is_max"] = out["chi2_token"]
+            out["rollout_is_mean"] = out["rollout_is_max"] = "verl clamps log-ratios at 20; the plugin saturates at 30"
     if bool((S > 20).any()):
         out["chi2_seq"] = "verl clamps sequence log-ratio sums at 20; the plugin does not"
         if params["rollout_is"] == "sequence":
-            out["rollout_is_mean"] = out["rollout_is_max"] = out["chi2_seq"]
+            out["rollout_is_mean"] = out["rollout_is_max"] = "verl clamps log-ratios at 20; the plugin saturates at 30"
     empty = m.sum(-1) == 0
     if bool(empty.any()):
         out.setdefault("chi2_seq", "verl counts an empty row as exp(0) - 1; the plugin leaves it out of the sum")
@@ -382,7 +383,9 @@ def plugin_intended(case: dict, name: str) -> float:
         return float((m * torch.exp(2 * x)).sum()) / n_tok - 1.0
     if name == "chi2_seq":  # E_seq over global_valid_seqs = B of exp(2 S), rows without tokens left out of the sum
         return float(torch.exp(2 * S)[has].sum()) / B - 1.0
-    w = torch.exp(x) if case["params"]["rollout_is"] == "token" else torch.exp(S).unsqueeze(-1).expand_as(x)
+    # Explicit IS levels saturate log w at MAX_LOG_WEIGHT (30); verl clamps at 20.
+    log_w = x if case["params"]["rollout_is"] == "token" else S.unsqueeze(-1).expand_as(x)
+    w = torch.exp(log_w.clamp(max=MAX_LOG_WEIGHT))
     if name == "rollout_is_mean":
         return float((m * w).sum()) / n_tok
     if name == "rollout_is_max":

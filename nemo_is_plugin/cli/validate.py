@@ -17,7 +17,6 @@ def validate(
     mismatch_std: float = typer.Option(0.02, help="Std of the per-token rollout/training log-prob mismatch."),
 ) -> None:
     """Validate RECIPE and print its loss and metrics on a synthetic batch with a rollout/training mismatch."""
-    import torch
     from rich.console import Console
     from rich.table import Table
 

@@ -19,7 +19,6 @@ Every moment is a finite sum over K actions, so the predictions are exact; the z
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 

@@ -1,0 +1,143 @@
+"""Rich tables of an :class:`Analysis` and its :class:`Recommendation` for the terminal."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from nemo_is_plugin.diagnose.analysis import Analysis, WeightStats
+from nemo_is_plugin.diagnose.recommend import Criteria, Recommendation
+
+_MISMATCH_COLUMNS = (
+    ("k1", "mismatch_kl_k1"),
+    ("k3", "mismatch_kl_k3"),
+    ("log-ppl diff", "log_ppl_diff"),
+    ("|log-ppl diff|", "log_ppl_abs_diff"),
+    ("chi2 token", "chi2_token"),
+    ("chi2 seq", "chi2_seq"),
+    ("max |p-g|", "max_abs_log_ratio"),
+)
+
+
+def fmt(x: Optional[float], pct: bool = False) -> str:
+    """Compact number: '-' for missing/NaN, 'inf', 3 significant digits, or a percentage."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if pct:
+        return f"{x:.1%}"
+    return f"{x:.3g}"
+
+
+def mismatch_table(a: Analysis) -> Table:
+    t = Table(title="Training/rollout mismatch by response length (valid tokens)", title_justify="left")
+    t.add_column("length", style="bold")
+    t.add_column("responses", justify="right")
+    t.add_column("tokens", justify="right")
+    for head, _ in _MISMATCH_COLUMNS:
+        t.add_column(head, justify="right")
+    for b, m in zip(a.bins, a.mismatch_by_bin):
+        t.add_row(b.label, *_mismatch_cells(m))
+    t.add_section()
+    t.add_row("all", *_mismatch_cells(a.mismatch))
+    return t
+
+
+def _mismatch_cells(m: dict[str, float]) -> list[str]:
+    return [str(int(m["responses"])), str(int(m["tokens"])), *[fmt(m.get(k)) for _, k in _MISMATCH_COLUMNS]]
+
+
+def settings_table(a: Analysis, rec: Optional[Recommendation] = None) -> Table:
+    t = Table(title="IS weights per setting, all lengths (token-weighted)", title_justify="left")
+    t.add_column("setting", no_wrap=True)
+    for head in ("mean", "std", "min", "max", "ESS", "truncated", "masked"):
+        t.add_column(head, justify="right")
+    if rec is not None:
+        t.add_column("verdict")
+    for r in a.settings:
+        o = r.overall
+        cells = [r.setting.name, fmt(o.mean), fmt(o.std), fmt(o.min), fmt(o.max), fmt(o.ess),
+                 fmt(o.truncated, True), fmt(o.masked, True)]
+        style = None
+        if rec is not None:
+            fails = rec.failures.get(r.setting.name, [])
+            cells.append(Text("ok", style="green") if not fails else Text(fails[0], style="red"))
+            style = "bold" if r.setting.name == rec.name else None
+        t.add_row(*cells, style=style)
+    return t
+
+
+def by_length_table(a: Analysis, criteria: Criteria = Criteria()) -> Table:
+    """Settings x length bins; each cell: mean weight, ESS, and % of tokens truncated or masked."""
+    t = Table(title="IS weights by response length: mean / ESS / truncated+masked", title_justify="left")
+    t.add_column("setting", no_wrap=True)
+    for b, m in zip(a.bins, a.mismatch_by_bin):
+        t.add_column(f"{b.label}\n({int(m['responses'])} resp)", justify="right")
+    for r in a.settings:
+        t.add_row(r.setting.name, *[_cell(st, criteria) for st in r.by_bin])
+    return t
+
+
+def _cell(st: WeightStats, c: Criteria) -> Text:
+    if not st.n_tokens:
+        return Text("-")
+    cut = st.truncated + st.masked
+    bad = st.ess < c.min_ess or not c.mean_band[0] <= st.mean <= c.mean_band[1] or st.masked > c.max_masked
+    return Text(f"{fmt(st.mean)} / {fmt(st.ess)} / {fmt(cut, True)}", style="red" if bad else "")
+
+
+def detail_table(a: Analysis, name: str) -> Table:
+    """Every statistic of one setting, one row per length bin."""
+    r = a.result(name)
+    t = Table(title=f"{name}: weights by response length", title_justify="left")
+    for head in ("length", "responses", "tokens", "mean", "std", "min", "max", "ESS", "truncated", "masked", "saturated"):
+        t.add_column(head, justify="left" if head == "length" else "right")
+    for label, st in [(b.label, s) for b, s in zip(a.bins, r.by_bin)] + [("all", r.overall)]:
+        t.add_row(label, str(st.n_responses), str(st.n_tokens), fmt(st.mean), fmt(st.std), fmt(st.min), fmt(st.max),
+                  fmt(st.ess), fmt(st.truncated, True), fmt(st.masked, True), fmt(st.saturated, True))
+    return t
+
+
+def recommendation_panel(rec: Recommendation) -> Panel:
+    yaml = "loss_fn:\n" + "\n".join(f"  {k}: {_yaml(v)}" for k, v in rec.loss_fn.items())
+    head = Text(("Recommended: " if rec.ok else "Least bad (no setting is healthy): ") + rec.name, style="bold")
+    body = Group(head, *[Text(f"- {r}") for r in rec.reasons], Text(""), Text(yaml, style="cyan"))
+    return Panel(body, title="recommendation", border_style="green" if rec.ok else "red")
+
+
+def _yaml(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    return str(v)
+
+
+def render(
+    a: Analysis,
+    rec: Recommendation,
+    console: Optional[Console] = None,
+    *,
+    detail: bool = False,
+    criteria: Criteria = Criteria(),
+) -> None:
+    """Print the whole report: header, mismatch, per-setting, by-length tables, recommendation."""
+    console = console or Console()
+    console.print(
+        f"[bold]{a.source}[/bold]: {a.num_responses} responses, {a.num_tokens} tokens, weights computed in {a.dtype}"
+    )
+    console.print(mismatch_table(a))
+    console.print(settings_table(a, rec))
+    console.print(by_length_table(a, criteria))
+    if detail:
+        for r in a.settings:
+            console.print(detail_table(a, r.setting.name))
+    for name, reason in a.skipped:
+        console.print(f"[dim]skipped {name}: {reason}[/dim]")
+    console.print(recommendation_panel(rec))
