@@ -54,6 +54,30 @@ class LossInputs:
     global_valid_toks: torch.Tensor | float
     rewards: Optional[torch.Tensor] = None
 
+    @classmethod
+    def from_tokens(
+        cls,
+        curr_logprobs: torch.Tensor,
+        tokens: Mapping[str, torch.Tensor],
+        data: Mapping[str, torch.Tensor],
+        global_valid_seqs: torch.Tensor | float,
+        global_valid_toks: torch.Tensor | float,
+    ) -> "LossInputs":
+        """Build from token tensors under NeMo-RL's keys (``tokens``, already aligned with ``curr_logprobs``) and the
+        per-sequence entries of ``data`` (``sample_mask``, optional ``rewards``)."""
+        return cls(
+            curr_logprobs=curr_logprobs,
+            prev_logprobs=tokens.get("prev_logprobs"),
+            generation_logprobs=tokens["generation_logprobs"],
+            reference_logprobs=tokens.get("reference_policy_logprobs"),
+            advantages=tokens["advantages"],
+            token_mask=tokens["token_mask"],
+            sample_mask=data["sample_mask"],
+            global_valid_seqs=global_valid_seqs,
+            global_valid_toks=global_valid_toks,
+            rewards=data.get("rewards"),
+        )
+
 
 class ClippedPGLoss:
     """Clipped policy-gradient loss with independent ratio level, IS correction, clip space, KL and aggregation.
@@ -90,18 +114,7 @@ class ClippedPGLoss:
         curr = next_token_logprobs
         if layout is None:
             layout = TokenLayout.padded(curr.shape[0], curr.shape[1], device=curr.device)
-        inputs = LossInputs(
-            curr_logprobs=curr,
-            prev_logprobs=sliced.get("prev_logprobs"),
-            generation_logprobs=sliced["generation_logprobs"],
-            reference_logprobs=sliced.get("reference_policy_logprobs"),
-            advantages=sliced["advantages"],
-            token_mask=sliced["token_mask"],
-            sample_mask=data["sample_mask"],
-            global_valid_seqs=global_valid_seqs,
-            global_valid_toks=global_valid_toks,
-            rewards=data.get("rewards"),
-        )
+        inputs = LossInputs.from_tokens(curr, sliced, data, global_valid_seqs, global_valid_toks)
         return self.compute(inputs, layout)
 
     # ------------------------------------------------------------------ the loss on aligned token tensors

@@ -86,18 +86,7 @@ def logit_loss_inputs(
     curr, entropy = out if with_entropy else (out, None)
     local = {k: _local(next_token_aligned(data[k], width), layout) for k in TOKEN_KEYS if k in data}
     shape = layout.shape
-    inputs = LossInputs(
-        curr_logprobs=curr.reshape(shape),
-        prev_logprobs=local.get("prev_logprobs"),
-        generation_logprobs=local["generation_logprobs"],
-        reference_logprobs=local.get("reference_policy_logprobs"),
-        advantages=local["advantages"],
-        token_mask=local["token_mask"],
-        sample_mask=data["sample_mask"],
-        global_valid_seqs=global_valid_seqs,
-        global_valid_toks=global_valid_toks,
-        rewards=data.get("rewards"),
-    )
+    inputs = LossInputs.from_tokens(curr.reshape(shape), local, data, global_valid_seqs, global_valid_toks)
     return inputs, layout, None if entropy is None else entropy.reshape(shape)
 
 
