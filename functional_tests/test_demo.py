@@ -9,9 +9,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -111,15 +108,8 @@ def test_megatron_moe_tp2_sequence_parallel_matches_tp1():
 
 # ---------------------------------------------------------------------------------------------- the quick run
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("demo")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "nemo_is_plugin.cli.main", "demo", "--quick", "--output-dir", str(out)],
-        env=env, capture_output=True, text=True, timeout=480,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+def quick_run(demo_quick_run) -> Path:
+    return demo_quick_run
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """``nemo-is diagnose`` end to end, through the installed entry point (a subprocess, as a user runs it).
 
-1. On a dump written by the main job (``nemo-is demo``), when the demo offers a quick mode (``--quick`` or
-   ``--smoke`` in its help); skipped otherwise, with the reason.
+1. On the dump written by the main job (``nemo-is demo --quick``, the run shared with test_demo.py).
 2. On a synthetic dump with a realistic mismatch (always runs): the table is printed and both plots are written.
 """
 
@@ -13,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from nemo_is_plugin.diagnose import synthetic_records, write_dump
 
@@ -39,23 +37,9 @@ def _check_diagnose(dump: Path, out: Path) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
-def _demo_quick_flag() -> str | None:
-    res = _run("demo", "--help", timeout=120)
-    if res.returncode != 0:
-        return None
-    return next((flag for flag in ("--quick", "--smoke") if flag in res.stdout), None)
-
-
-@pytest.mark.slow
-def test_diagnose_on_a_dump_from_the_demo(tmp_path):
-    flag = _demo_quick_flag()
-    if flag is None:
-        pytest.skip("`nemo-is demo` has no --quick/--smoke mode in this build; see test_diagnose_on_a_synthetic_dump")
-    run_dir = tmp_path / "demo"
-    res = _run("demo", flag, "--output-dir", str(run_dir))
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert (run_dir / "rollouts.jsonl").is_file(), sorted(p.name for p in run_dir.iterdir())
-    report = _check_diagnose(run_dir, tmp_path / "diag")  # a run directory is accepted as is
+def test_diagnose_on_a_dump_from_the_demo(demo_quick_run, tmp_path):
+    assert (demo_quick_run / "rollouts.jsonl").is_file(), sorted(p.name for p in demo_quick_run.iterdir())
+    report = _check_diagnose(demo_quick_run, tmp_path / "diag")  # a run directory is accepted as is
     assert report["num_responses"] > 0
 
 
