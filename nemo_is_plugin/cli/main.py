@@ -24,13 +24,7 @@ def _root() -> None:
 COMMAND_MODULES = ("validate", "demo", "diagnose", "bench", "evidence")
 
 for _name in COMMAND_MODULES:
-    try:
-        _module = importlib.import_module(f"nemo_is_plugin.cli.{_name}")
-    except ModuleNotFoundError as exc:  # a command whose module is not installed in this build
-        if exc.name != f"nemo_is_plugin.cli.{_name}":
-            raise
-        continue
-    _module.register(app)
+    importlib.import_module(f"nemo_is_plugin.cli.{_name}").register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -32,7 +32,9 @@ arrive sharded over the sequence, are all-gathered over TP in the forward, and t
 
 Precision: on CPU each chunk is computed in fp32 (a bf16 GEMM there is ~100x slower than fp32); a bf16 weight is
 upcast once per forward and once per backward (an extra ``V/TP x H`` fp32 buffer, independent of the token count).
-On other devices the GEMMs run in the input dtype and the chunk's logits are upcast to fp32 before the softmax.
+On other devices the GEMMs run in the input dtype with fp32 outputs (``mm_fp32``); softmax statistics, ``dz`` and the
+``dW`` accumulator are fp32 everywhere. ``backend="triton"`` (CUDA, opt-in, see :mod:`kernels.triton_logprob`) runs the
+forward as one kernel that never writes logits, and the backward's elementwise pass as one kernel per chunk.
 """
 
 from __future__ import annotations
@@ -91,14 +93,20 @@ def chunk_logits(x: torch.Tensor, weight: torch.Tensor, inv_temperature: float, 
     z = out[: x.shape[0]]
     if weight.dtype == z.dtype:
         torch.mm(x, weight.t(), out=z)
-    else:  # GPU bf16: fp32 GEMM output where torch offers it, so the recomputed z matches the forward's fp32 lse
-        try:
-            z.copy_(torch.mm(x, weight.t(), out_dtype=z.dtype))
-        except (RuntimeError, TypeError):
-            z.copy_(torch.mm(x, weight.t()))
+    else:  # GPU bf16: fp32 GEMM output, so the recomputed z matches the forward's fp32 lse
+        z.copy_(mm_fp32(x, weight.t()))
     if inv_temperature != 1.0:
         z.mul_(inv_temperature)
     return z
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of low-precision operands with an fp32 result: cuBLAS's ``out_dtype`` where torch has it (CUDA,
+    torch >= 2.8), else the low-precision result upcast (one extra rounding of each output)."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return torch.mm(a, b).float()
 
 
 def _workspace(rows: int, cols: int, dtype: torch.dtype, device: torch.device, count: int) -> list[torch.Tensor]:
@@ -144,8 +152,9 @@ class _FusedLinearLogprob(torch.autograd.Function):
         buf, *scratch = _workspace(rows, w.shape[0], lse.dtype, x.device, n_scratch)
 
         grad_x = torch.empty(x.shape, dtype=dtype, device=x.device) if need_x else None
-        # fp32 accumulator across chunks (a bf16 running sum would lose the small per-chunk contributions)
-        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
+        # fp32 accumulator across chunks (a bf16 running sum would lose the small per-chunk contributions); the first
+        # chunk's GEMM writes it (zero-filling then adding a V x H buffer cost 0.9x a GEMM at DeepSeek-V3's shape)
+        grad_w = None
         for sl in chunk_slices(x.shape[0], ctx.chunk_size):
             x_c = x[sl].to(dtype)
             z = chunk_logits(x_c, w, ctx.inv_temperature, buf)
@@ -160,11 +169,13 @@ class _FusedLinearLogprob(torch.autograd.Function):
             dz = dz.to(dtype)  # no-op on CPU; bf16 operands for the GPU GEMMs
             if need_x:
                 torch.mm(dz, w, out=grad_x[sl])
-            if need_w and dtype == grad_w.dtype:
-                grad_w.addmm_(dz.t(), x_c)
-            elif need_w:  # low-precision GEMM (fp32 accumulate inside), chunk sums added in fp32
-                grad_w.add_(torch.mm(dz.t(), x_c))
+            if need_w and dtype == lse.dtype:
+                grad_w = torch.mm(dz.t(), x_c) if grad_w is None else grad_w.addmm_(dz.t(), x_c)
+            elif need_w:  # low-precision GEMM, fp32 output, chunk sums accumulated in fp32
+                grad_w = mm_fp32(dz.t(), x_c) if grad_w is None else grad_w.add_(mm_fp32(dz.t(), x_c))
         del buf, scratch
+        if need_w and grad_w is None:  # no tokens
+            grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
 
         if need_x and ctx.reduce_grad_hidden:
             grad_x = all_reduce_sum(grad_x, ctx.tp_group)  # each rank holds its vocab shard's share of dX
@@ -178,10 +189,13 @@ def _chunked_partials(x, w, local_t, owned, chunk_size, inv_temperature, with_en
     dtype = w.dtype
     rows = min(chunk_size, x.shape[0])
     buf, *scratch = _workspace(rows, w.shape[0], acc_dtype(dtype), x.device, 2 if with_entropy else 1)
-    parts = []
+    parts: list[SoftmaxPartials] = []
     for sl in chunk_slices(x.shape[0], chunk_size):
         z = chunk_logits(x[sl].to(dtype), w, inv_temperature, buf)
         parts.append(chunk_partials_(z, local_t[sl], owned[sl], with_entropy, *scratch))
+    if not parts:  # no tokens
+        empty = buf.new_empty(0)
+        return SoftmaxPartials(empty, empty, empty, empty if with_entropy else None)
     return SoftmaxPartials(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
 
 
@@ -239,4 +253,7 @@ def fused_linear_logprobs(
     return (logprob, entropy) if with_entropy else logprob
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "chunk_logits", "compute_dtype", "default_chunk_size", "fused_linear_logprobs"]
+__all__ = [
+    "BACKENDS", "DEFAULT_CHUNK_BYTES", "chunk_logits", "compute_dtype", "default_chunk_size", "fused_linear_logprobs",
+    "mm_fp32",
+]

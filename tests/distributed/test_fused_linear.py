@@ -142,6 +142,16 @@ def test_extra_memory_is_one_chunk_not_tokens_by_vocab():
     assert peaks[256][0] - peaks[64][0] < 64 * 192  # growth with N is O(N) bytes, not O(N V) = 1.5 MB here
 
 
+def test_empty_batch():
+    x, w, _ = _inputs(n=(0,), seed=9)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    lp, ent = fused_linear_logprobs(x, w, torch.zeros(0, dtype=torch.long), with_entropy=True)
+    assert lp.shape == (0,) and ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_default_chunk_size_bounds_the_workspace():
     assert default_chunk_size(151936) == 441  # 256 MiB / (4 B x 151936)
     assert default_chunk_size(10**9) == 1

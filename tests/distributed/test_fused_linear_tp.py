@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.paths import naive_logprobs
 from nemo_is_plugin.bench.problem import make_problem, vocab_shard
 from nemo_is_plugin.distributed.collectives import all_reduce_sum

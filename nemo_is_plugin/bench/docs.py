@@ -1,0 +1,143 @@
+"""Writes ``docs/performance.md`` (+ ``docs/img/perf_*.png``, ``docs/img/perf_results.json``) from one result dict.
+
+Everything numeric in the page comes from the result; the prose explains the method and is the same every run.
+Regenerate with ``nemo-is bench --write-docs`` from the repository root.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nemo_is_plugin.bench.plots import plot_memory, plot_ratios
+from nemo_is_plugin.bench.report import MIB, markdown_table, memory_fit, table_cells, targets, write_json
+
+METHOD = """\
+## What is measured
+
+For every model shape (H, V from the models' `config.json`, research/performance.md section 6) and path:
+
+- **forward**: token log-probs under `no_grad` (the old-policy / reference pass);
+- **forward+backward**: log-probs -> `ClippedPGLoss` (GRPO clip, token-level TIS, k3 KL) -> `backward()` into the
+  hidden states and the LM-head weight;
+- **/ mm**: time divided by the bare forward GEMM `hidden @ W.T` of the same shape, timed in the same rounds as the
+  paths (every round times every job once; each job keeps its best round). Limits: 1x for a forward; 3x for a
+  forward+backward that keeps the logits (naive), 4x for one that recomputes them (1 forward + 1 recompute + 2
+  gradient GEMMs);
+- **GFLOP/s**: effective, counting 8NHV for forward+backward whatever a path executes (Liger's convention);
+- **peak MiB**: the high-water mark of tensor bytes allocated above the inputs, tracked by a `TorchDispatchMode` that
+  counts every new storage an op returns and uncounts it when freed (`nemo_is_plugin/bench/memory.py`). It includes
+  saved activations, workspaces and the gradients (dW alone is V x H x 4 bytes: 1187 MiB at H=2048, V=151936);
+  it excludes BLAS-internal buffers. **RSS** is the process's peak resident memory above the start of the same run
+  (`/proc/self/clear_refs` + `VmHWM`), a cross-check that includes allocator effects;
+- **max dlogp err** and **grad rel err**: against a float64 reference on the first tokens: max absolute log-prob error,
+  and the max relative error of `d(-mean logp)/d hidden` (Liger: of its loss gradient at ratio 1, which is the same).
+
+Paths:
+
+| path | what it is |
+|---|---|
+| matmul | the bare LM-head GEMM (forward) and its 3-GEMM autograd (forward+backward): the limit |
+| naive | full logits, fp32 `log_softmax` kept for backward, gather (NeMo-RL's `DistributedLogprob`) |
+| from_logits | full logits, then chunked online-lse log-prob, recomputing backward (`vocab_parallel.py`) |
+| fused_linear | hidden states + LM-head shard, chunked: no [tokens x vocab] beyond one chunk (`fused_linear.py`) |
+| liger | `LigerFusedLinearGRPOLoss`, its own GRPO loss, grads inside its forward (`compiled=False`) |
+| loss | the loss epilogue alone: `ClippedPGLoss` forward+backward on given log-probs |
+"""
+
+CAVEATS = """\
+## Reading the numbers
+
+- This is a shared 2-core CPU: absolute times carry +-20% noise from other processes; ratios measured in the same run
+  are the comparable quantity. Token counts are scaled down (one 256-token GEMM at H=2048, V=151936 is 160 GFLOP).
+  At 256 tokens the fused path's default chunk (256 MiB of fp32 logits: 441 tokens at V=151936) holds every token;
+  the memory sweep (up to 3072 tokens, 7 chunks) runs the chunk loop.
+- On CPU everything is GEMM-bound (the softmax passes over [N, V] cost a fraction of a GEMM), and the naive
+  forward+backward does 3 GEMMs to the recomputing paths' 4: on a CPU the fused forward+backward can only be slower
+  than the naive one, by up to the recompute GEMM (the targets table gives the measured time ratio). On a GPU the
+  naive path's cost is the memory traffic of the [N, V] logits (~2x the GEMM time at H=2048, research/performance.md
+  section 7), which the fused path does not have; that comparison needs a GPU run. The "no" rows of the targets
+  table for "forward+backward faster than naive" are this CPU effect.
+- Liger runs with `compiled=False` and loops over the batch rows with 2048-token x 4096-vocab tiles; on this CPU its
+  many small GEMMs and the gradients it computes inside the forward cost several times the bare GEMM. It is
+  GPU-oriented code; the column is a correctness and memory reference more than a speed one here.
+- Memory: the fused path's peak is one chunk of fp32 logits (256 MiB by default) + dW + dX (H x 4 bytes per token) +
+  4-8 bytes per token (lse, entropy); nothing grows like tokens x vocab. The naive path holds three [N, V] fp32
+  buffers in its backward (scatter of the gather's gradient, the saved log-softmax, its gradient): 3 x V x 4 bytes
+  per token once N > H/2 (below that its peak is one [N, V] buffer + dW, which is why the sweep starts at 512 tokens
+  and the extrapolation uses its two largest points). The 8192-token column is that linear fit, not a measurement:
+  the naive path would need ~14 GiB there, more than this shared machine can spare.
+- dW (V x H fp32) is part of every path's peak here. Megatron's gradient-accumulation fusion writes it into the
+  preallocated `main_grad` instead; the fused path does not do that yet (a follow-up), so its peak above counts it.
+- **GPU**: this benchmark runs on CPU. The H100 target (>= 600 effective TFLOP/s forward+backward) has not been
+  measured: no GPU was available when this page was generated.
+"""
+
+
+def _target_lines(results: dict) -> str:
+    lines = ["| target | measured | holds |", "|---|---|---|"]
+    for t in targets(results):
+        lines.append(f"| {t['target']} | {t['value']:.3g} | {'yes' if t['ok'] else '**no**'} |")
+    return "\n".join(lines)
+
+
+def _memory_lines(results: dict) -> str:
+    sweep, fits = results["memory_sweep"], memory_fit(results)
+    if not sweep:
+        return "(not run: `--no-memory-sweep`)"
+    tokens = sorted({p["tokens"] for p in sweep})
+    paths = list(dict.fromkeys(p["path"] for p in sweep))
+    target = results["config"]["extrapolate_tokens"]
+    headers = ["path"] + [f"{n} tok" for n in tokens] + ["bytes/token", f"{target} tok (extrapolated)"]
+    cells = []
+    for path in paths:
+        by_n = {p["tokens"]: p["peak_bytes"] for p in sweep if p["path"] == path}
+        fit = fits.get(path)
+        cells.append([path] + [f"{by_n[n] / MIB:,.0f}" if n in by_n else "-" for n in tokens] + (
+            [f"{fit['bytes_per_token']:,.0f}", f"{fit['extrapolated'] / MIB:,.0f}"] if fit else ["-", "-"]))
+    return markdown_table(headers, cells)
+
+
+def render_markdown(results: dict, img_prefix: str = "img/") -> str:
+    cfg, machine = results["config"], results["machine"]
+    headers, cells = table_cells(results)
+    h, v = cfg["memory_shape"]
+    skipped = "".join(f"\n- `{name}` skipped: {why}" for name, why in results.get("skipped", {}).items())
+    return f"""# Performance of the log-prob + loss path
+
+Generated by `nemo-is bench --write-docs` ({machine['date']}; {machine['cpu']}, torch {machine['torch']},
+{machine['threads']} thread(s); {cfg['tokens']} tokens per shape in {cfg['batch']} sequences, TP shard 1/{cfg['tp']},
+chunk size {cfg['chunk_size'] or 'default'}, best of {cfg['repeats']} timing round(s) after a memory-tracked warm-up).
+Raw results: [`img/perf_results.json`]({img_prefix}perf_results.json).{skipped}
+
+## Results
+
+{markdown_table(headers, cells)}
+
+![time ratios]({img_prefix}perf_ratios.png)
+
+## Peak memory vs tokens (forward + loss + backward, H={h}, V={v}, MiB above the inputs)
+
+{_memory_lines(results)}
+
+![memory]({img_prefix}perf_memory.png)
+
+## Targets (issue 6, checkable on CPU)
+
+{_target_lines(results)}
+
+{METHOD}
+{CAVEATS}"""
+
+
+def write_docs(results: dict, docs_dir: Path) -> list[Path]:
+    """Write the page, its two figures and the raw JSON under ``docs_dir``; returns the paths written."""
+    img = docs_dir / "img"
+    written = [write_json(results, img / "perf_results.json"), plot_ratios(results, img / "perf_ratios.png")]
+    if results["memory_sweep"]:
+        written.append(plot_memory(results, img / "perf_memory.png"))
+    page = docs_dir / "performance.md"
+    page.write_text(render_markdown(results))
+    return written + [page]
+
+
+__all__ = ["render_markdown", "write_docs"]

@@ -1,0 +1,76 @@
+"""The two benchmark figures (matplotlib, Agg backend): time ratios per model and path, and peak memory vs tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nemo_is_plugin.bench.report import MIB, TARGET_FWD, TARGET_FWDBWD, derived_rows, memory_fit
+
+PATH_COLORS = {"naive": "#c0504d", "from_logits": "#f79646", "fused_linear": "#4f81bd", "liger": "#9bbb59",
+               "matmul": "#7f7f7f"}
+
+
+def plot_ratios(results: dict, path: Path) -> Path:
+    """Grouped bars: forward and forward+backward time / bare forward GEMM, per model, one bar per path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in derived_rows(results) if r["path"] != "loss"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / len(paths)
+    for ax, kind, target, title in ((axes[0], "fwd", TARGET_FWD, "forward (no grad)"),
+                                    (axes[1], "fwdbwd", TARGET_FWDBWD, "forward + PG loss + backward")):
+        for j, p in enumerate(paths):
+            vals = [next((r[f"{kind}_ratio"] for r in rows if r["model"] == m and r["path"] == p), None) or 0.0
+                    for m in models]
+            xs = [i + (j - (len(paths) - 1) / 2) * width for i in range(len(models))]
+            ax.bar(xs, vals, width, label=p, color=PATH_COLORS.get(p))
+        ax.axhline(target, color="k", ls="--", lw=1, label="target")
+        ax.set_xticks(range(len(models)), models, rotation=15)
+        ax.set_ylabel("time / bare LM-head GEMM")
+        ax.set_title(f"{title}; target {target}x")
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.suptitle(f"CPU fp32, {results['config']['tokens']} tokens per shape ({results['machine']['cpu']})", fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))  # room for the shared legend below the axes
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_memory(results: dict, path: Path) -> Path:
+    """Peak forward+backward memory above the inputs vs tokens (log-log), with the linear fit's extrapolation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep, fits = results["memory_sweep"], memory_fit(results)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for p in dict.fromkeys(s["path"] for s in sweep):
+        pts = sorted((s["tokens"], s["peak_bytes"] / MIB) for s in sweep if s["path"] == p)
+        ax.plot(*zip(*pts), "o-", label=p, color=PATH_COLORS.get(p))
+        if p in fits:
+            f = fits[p]
+            ax.plot([f["tokens"], f["target_tokens"]], [f["measured"] / MIB, f["extrapolated"] / MIB], ":",
+                    color=PATH_COLORS.get(p))
+    h, v = results["config"]["memory_shape"]
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("peak MiB above inputs (fwd + loss + bwd)")
+    ax.set_title(f"H={h}, V={v}; dotted: linear extrapolation", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["plot_memory", "plot_ratios"]

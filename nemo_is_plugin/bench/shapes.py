@@ -1,0 +1,89 @@
+"""Benchmark shapes (research/performance.md section 6, config.json values) and the run configuration.
+
+Token counts are scaled to this 2-core CPU: at H=2048, V=151936 one fp32 LM-head GEMM over 256 tokens is ~160 GFLOP
+(about 1.5 s here); the full 8 x 9k tokens would take ~45 TFLOP per GEMM. Results are reported as ratios to the bare
+GEMM measured in the same run, which is what carries over to other token counts and machines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    vocab: int
+
+    def flops_per_token(self) -> int:
+        """Forward LM-head FLOPs per token, 2 H V."""
+        return 2 * self.hidden * self.vocab
+
+
+MODEL_SHAPES = (
+    ModelShape("Qwen3-30B-A3B", 2048, 151936),
+    ModelShape("Qwen3.5-35B-A3B", 2048, 248320),
+    ModelShape("DeepSeek-V3", 7168, 129280),
+    ModelShape("gpt-oss-20b", 2880, 201088),
+)
+QUICK_SHAPES = (ModelShape("tiny-a", 64, 4096), ModelShape("tiny-b", 96, 6144))
+
+PATHS = ("naive", "from_logits", "fused_linear", "liger")
+
+
+@dataclass
+class BenchConfig:
+    """What one ``nemo-is bench`` run measures.
+
+    Attributes:
+        shapes: model shapes of the main table.
+        tokens: tokens per measurement (split over ``batch`` sequences).
+        batch: sequences (rows of the RL batch; Liger loops over them).
+        tp: vocab shards; the benchmark runs one rank's local work, V/tp rows of the head (collectives on [N]
+            vectors only, negligible next to the GEMMs, not included).
+        chunk_size: tokens per chunk of the chunked paths; None = their defaults (256 MiB of fp32 logits per chunk
+            for fused_linear, 1024 tokens for from_logits).
+        repeats: timing rounds after the memory-tracked warm-up (each round times every job once); best reported.
+        paths: which paths to run (``PATHS``); the bare matmul always runs.
+        ref_tokens: tokens of the float64 reference used for the error columns.
+        memory_tokens: token counts of the memory-scaling sweep (empty: no sweep). The two largest feed the linear
+            extrapolation, so they must lie past the naive path's regime change: below ~H/2 tokens its peak is one
+            [N, V] buffer + dW (V x H), above it three [N, V] buffers (scatter, log-softmax output and its gradient).
+        memory_shape: (H, V) of the sweep.
+        extrapolate_tokens: the token count the sweep's linear fit is extrapolated to.
+        threads: torch intra-op threads.
+    """
+
+    shapes: tuple[ModelShape, ...] = MODEL_SHAPES
+    tokens: int = 256
+    batch: int = 2
+    tp: int = 1
+    chunk_size: int | None = None
+    repeats: int = 3
+    paths: tuple[str, ...] = PATHS
+    ref_tokens: int = 16
+    memory_tokens: tuple[int, ...] = (512, 1024, 2048, 3072)
+    memory_shape: tuple[int, int] = (2048, 151936)
+    extrapolate_tokens: int = 8192
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.paths if p not in PATHS]
+        if unknown:
+            raise ValueError(f"unknown path(s) {unknown}; choose from {list(PATHS)}")
+        if self.tokens % self.batch or any(n % self.batch for n in self.memory_tokens):
+            raise ValueError(f"token counts must be multiples of batch={self.batch}")
+        if self.ref_tokens > self.tokens:
+            raise ValueError(f"ref_tokens={self.ref_tokens} exceeds tokens={self.tokens}")
+
+    @classmethod
+    def quick(cls, **overrides) -> "BenchConfig":
+        """Seconds-long run on tiny shapes (smoke tests, CI)."""
+        base = dict(shapes=QUICK_SHAPES, tokens=64, chunk_size=16, memory_tokens=(32, 64, 128),
+                    memory_shape=(64, 4096), extrapolate_tokens=1024, ref_tokens=8)
+        base.update(overrides)
+        return cls(**base)
+
+
+__all__ = ["BenchConfig", "MODEL_SHAPES", "ModelShape", "PATHS", "QUICK_SHAPES"]
