@@ -46,7 +46,9 @@ import torch
 from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_sum
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
 from nemo_is_plugin.distributed.vocab_parallel import (
+    DEFAULT_CHUNK_BYTES,
     SoftmaxPartials,
+    default_chunk_size,
     finalize_partials,
     local_vocab_range,
     localize_target,
@@ -56,15 +58,6 @@ from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, logits_grad_
 from nemo_is_plugin.kernels.triton_logprob import fused_partials, logits_grad_triton_, triton_usable
 
 BACKENDS = ("torch", "triton")
-
-# Budget of one chunk's fp32 logits; 256 MiB keeps 256-1024 tokens per chunk at V/TP = 64k-250k (GEMM-efficient).
-DEFAULT_CHUNK_BYTES = 256 * 2**20
-
-
-def default_chunk_size(vocab_local: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Tokens per chunk such that the chunk's fp32 logits ``[chunk, vocab_local]`` fit in ``chunk_bytes`` (>= 1)."""
-    return max(1, chunk_bytes // (4 * vocab_local))
-
 
 def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     """dtype the GEMMs run in: fp32 on CPU (bf16/fp16 CPU GEMMs are ~100x slower), the input dtype elsewhere."""

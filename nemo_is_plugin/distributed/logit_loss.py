@@ -27,7 +27,7 @@ import torch
 from nemo_is_plugin.distributed.context_parallel import cp_layout
 from nemo_is_plugin.distributed.cp_sharding import CPOrder
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank, group_size
-from nemo_is_plugin.distributed.vocab_parallel import DEFAULT_CHUNK_SIZE, vocab_parallel_logprobs
+from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
 from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import TOKEN_KEYS, ClippedPGLoss, LossInputs
 from nemo_is_plugin.masked import EPS, where_mask
@@ -56,7 +56,7 @@ def logit_loss_inputs(
     cp_group: Optional[ProcessGroup] = None,
     cp_order: CPOrder = "load_balanced",
     cu_seqlens_padded: Optional[torch.Tensor | Sequence[int]] = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: Optional[int] = None,
     with_entropy: bool = False,
 ) -> tuple[LossInputs, TokenLayout, Optional[torch.Tensor]]:
     """Build (LossInputs, CP layout, entropy or None) for this rank's tokens. See the module docstring for shapes."""
@@ -107,7 +107,7 @@ class LogitClippedPGLoss:
         loss: ClippedPGLoss,
         *,
         cp_order: CPOrder = "load_balanced",
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: Optional[int] = None,
         log_entropy: bool = False,
         host_divides_by_cp: bool = False,
     ):

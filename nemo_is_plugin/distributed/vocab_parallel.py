@@ -36,7 +36,14 @@ import torch
 from nemo_is_plugin.distributed.collectives import all_reduce_max, all_reduce_sum
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
 
-DEFAULT_CHUNK_SIZE = 1024
+# Budget of one chunk's fp32 logits; 256 MiB keeps 256-1024 tokens per chunk at V/TP = 64k-250k (GEMM-efficient),
+# and bounds the chunk temporaries whatever the vocabulary (a fixed 1024 tokens would be 0.6 GB each at V = 152k).
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+def default_chunk_size(vocab_local: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk such that the chunk's fp32 logits ``[chunk, vocab_local]`` fit in ``chunk_bytes`` (>= 1)."""
+    return max(1, chunk_bytes // (4 * max(vocab_local, 1)))
 
 
 class SoftmaxPartials(NamedTuple):
@@ -204,7 +211,7 @@ def vocab_parallel_logprobs(
     target: torch.Tensor,
     tp_group: Optional[ProcessGroup] = None,
     *,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: Optional[int] = None,
     with_entropy: bool = False,
 ):
     """Log-prob of ``target`` under softmax(logits) with the vocab sharded over ``tp_group``.
@@ -213,7 +220,8 @@ def vocab_parallel_logprobs(
         logits: ``[..., V/TP]`` this rank's vocab shard (any float dtype; upcast to fp32 one chunk at a time).
         target: long ``[...]`` global token ids (an id outside ``[0, V)`` gives ``-lse``).
         tp_group: the vocab-parallel group; None = the whole vocab is local.
-        chunk_size: tokens per fp32 chunk; bounds the extra memory to O(chunk_size x V/TP).
+        chunk_size: tokens per fp32 chunk; bounds the extra memory to O(chunk_size x V/TP). None: the chunk whose
+            fp32 logits take DEFAULT_CHUNK_BYTES (see default_chunk_size).
         with_entropy: also return the full-vocab entropy per token.
 
     Returns:
@@ -222,6 +230,8 @@ def vocab_parallel_logprobs(
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree on [...] dims")
+    if chunk_size is None:
+        chunk_size = default_chunk_size(logits.shape[-1])
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     logprob, entropy = _VocabParallelLogprob.apply(logits, target, tp_group, chunk_size, with_entropy)
