@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	# stack and downgrade omegaconf, so install it without dependencies plus the few its loss module imports.
 	$(PY) -m pip install -q --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0" codetiming cloudpickle orjson
 	$(PY) -m pip install -q "transformers>=5.5.3,<5.11,!=5.6.0"
+	# triton runs the GPU log-prob kernel in its CPU interpreter (tests/distributed/test_fused_linear_triton.py).
+	$(PY) -m pip install -q "triton==3.9.0"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
