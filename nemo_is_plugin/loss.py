@@ -161,8 +161,10 @@ class ClippedPGLoss:
         else:
             book.add_sum("kl_penalty", torch.zeros((), dtype=torch.float64))
 
-        # 3. Policy ratio and surrogate.
-        sur = self._surrogate(c, p, adv, tm, layout)
+        # 3. Policy ratio and surrogate. n_t (1-based position among unmasked tokens) serves the log-space clip and
+        # the clip-rate-by-position metrics.
+        positions = unmasked_positions(tm, layout)
+        sur = self._surrogate(c, p, adv, tm, layout, positions)
 
         # 4. IS correction.
         trunc = cfg.truncated_importance_sampling_type
@@ -183,7 +185,7 @@ class ClippedPGLoss:
 
         # 7. Metrics.
         book.add_sum("loss", loss.detach())
-        book.policy_ratio(sur, layout.to_tokens(sm))
+        book.policy_ratio(sur)
         # NeMo-RL reports the truncated weights even when the correction is not applied to the loss.
         w_metric = corr.weights if cfg.use_importance_sampling_correction else corr.raw_weights
         book.importance_weights(
@@ -199,10 +201,10 @@ class ClippedPGLoss:
         book.add_sum("approx_entropy", ent)
         book.add_sum("positive_nll_loss", nll.detach())
         book.mismatch(p, g, tm, sm)
-        book.clip_by_position(sur, unmasked_positions(tm, layout))
+        book.clip_by_position(sur, positions)
         return loss, book.finish()
 
-    def _surrogate(self, c, p, adv, tm, layout):
+    def _surrogate(self, c, p, adv, tm, layout, positions):
         cfg = self.config
         if cfg.disable_ppo_ratio:
             return reinforce_surrogate(c, adv, dual_clip=cfg.ratio_clip_c)
@@ -217,7 +219,7 @@ class ClippedPGLoss:
             return cispo_surrogate(log_r, c, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max)
         if cfg.uses_log_space_clip:
             return log_space_clip_surrogate(
-                log_r, adv, unmasked_positions(tm, layout), eps_low=cfg.log_ratio_clip_low,
+                log_r, adv, positions, eps_low=cfg.log_ratio_clip_low,
                 eps_high=cfg.log_ratio_clip_high, eps_c=cfg.log_ratio_clip_c, power=cfg.clip_position_power,
             )
         return ratio_clip_surrogate(

@@ -52,7 +52,7 @@ class MetricBook:
         self.maxs[f"{name}_max"] = torch.where(ok, v, torch.full_like(v, float("-inf"))).max().double()
 
     # ------------------------------------------------------------------ metric groups
-    def policy_ratio(self, sur: SurrogateOut, sample_mask_tokens: torch.Tensor) -> None:
+    def policy_ratio(self, sur: SurrogateOut) -> None:
         self.token_mean("probs_ratio", sur.ratio)
         self.token_mean("probs_ratio_clamped", sur.clipped_ratio)
         self.min_max("probs_ratio", sur.ratio)
