@@ -16,23 +16,10 @@ from typing import Any, Callable
 import torch
 
 from nemo_is_plugin.demo import model as mdl
+from nemo_is_plugin.distributed.data_parallel import combine_metrics
 from nemo_is_plugin.demo.task import PAD, sft_batch
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
-
-
-def _reduce_metrics(total: dict[str, float], new: dict[str, Any]) -> None:
-    """Accumulate micro-batch metrics per the plugin's contract: sums, except *_min / *_max."""
-    for key, value in new.items():
-        v = float(value.item() if isinstance(value, torch.Tensor) else value)
-        if key not in total:
-            total[key] = v
-        elif key.endswith("_min"):
-            total[key] = min(total[key], v)
-        elif key.endswith("_max"):
-            total[key] = max(total[key], v)
-        else:
-            total[key] += v
 
 
 class MegatronPolicy:
@@ -148,7 +135,7 @@ class MegatronPolicy:
             valid_seqs = mb["sample_mask"].sum().float()
             valid_toks = (mb["token_mask"][:, 1:] * mb["sample_mask"][:, None]).sum().float()
             self.optimizer.zero_grad(set_to_none=True)
-            metrics: dict[str, float] = {}
+            per_micro = []
             for sl in self._micro_batches(per, mb["input_ids"].shape[1]):
                 micro = {key: v[sl] for key, v in mb.items()}
                 curr = self.logprobs(micro["input_ids"])
@@ -156,7 +143,8 @@ class MegatronPolicy:
                     next_token_logprobs=curr, data=micro, global_valid_seqs=valid_seqs, global_valid_toks=valid_toks
                 )
                 loss.backward()
-                _reduce_metrics(metrics, m)
+                per_micro.append(m)
+            metrics = combine_metrics(per_micro)  # the plugin's rule: sums, min / max for *_min / *_max
             metrics["grad_norm"] = self._step()
             out.append(metrics)
         return out

@@ -11,6 +11,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nemo_is_plugin.demo.model import ModelShape
+
 DEFAULT_LOSS_SETTINGS = ("gspo_exp_sum", "gspo_seq_mean", "token_tis", "ctpo")
 
 
@@ -24,12 +26,13 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    hidden: int = 64
-    layers: int = 2
-    heads: int = 4
-    experts: int = 4
-    topk: int = 2
-    expert_ffn: int = 128
+    # The architecture's defaults are ModelShape's (demo/model.py); this section only exposes them to the YAML.
+    hidden: int = ModelShape.hidden
+    layers: int = ModelShape.layers
+    heads: int = ModelShape.heads
+    experts: int = ModelShape.experts
+    topk: int = ModelShape.topk
+    expert_ffn: int = ModelShape.expert_ffn
     tensor_parallel: int = Field(2, ge=1, description="TP size of the policy (one Ray actor per rank, gloo).")
     micro_batch_tokens: int = Field(8192, description="Tokens per Megatron forward (bounds the S^2 attention memory).")
 
