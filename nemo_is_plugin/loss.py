@@ -100,6 +100,17 @@ class ClippedPGLoss:
         layout: Optional[TokenLayout] = None,
         **_: Any,
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.compute(*self.prepare(next_token_logprobs, data, global_valid_seqs, global_valid_toks, layout))
+
+    def prepare(
+        self,
+        next_token_logprobs: torch.Tensor,
+        data: Mapping[str, torch.Tensor],
+        global_valid_seqs: torch.Tensor | float,
+        global_valid_toks: torch.Tensor | float,
+        layout: Optional[TokenLayout] = None,
+    ) -> tuple["LossInputs", TokenLayout]:
+        """Validate a NeMo-RL call's arguments and align them: ``[B, S]`` data -> ``[B, S-1]`` token tensors."""
         from nemo_is_plugin.validation import validate_loss_inputs
 
         cfg = self.config
@@ -114,8 +125,7 @@ class ClippedPGLoss:
         curr = next_token_logprobs
         if layout is None:
             layout = TokenLayout.padded(curr.shape[0], curr.shape[1], device=curr.device)
-        inputs = LossInputs.from_tokens(curr, sliced, data, global_valid_seqs, global_valid_toks)
-        return self.compute(inputs, layout)
+        return LossInputs.from_tokens(curr, sliced, data, global_valid_seqs, global_valid_toks), layout
 
     # ------------------------------------------------------------------ the loss on aligned token tensors
     def compute(self, inputs: LossInputs, layout: TokenLayout) -> tuple[torch.Tensor, dict[str, float]]:
@@ -146,15 +156,7 @@ class ClippedPGLoss:
         beta = cfg.effective_kl_penalty
         kl_loss = torch.zeros((), dtype=dtype, device=c.device)
         if beta != 0:
-            if cfg.use_on_policy_kl_approximation:
-                w_kl = exp_or_zero(c - g)
-            else:
-                w_kl = score_function_weight(c)
-            kl_tok = kl_penalty(
-                c, as_f(inputs.reference_logprobs), kl_type=cfg.reference_policy_kl_type,
-                input_clamp=cfg.kl_input_clamp_value, output_clamp=cfg.kl_output_clamp_value, weights=w_kl,
-                straight_through_k2=cfg.reference_policy_kl_gradient == "k2",
-            )
+            kl_tok = self.kl_tokens(c, g, as_f(inputs.reference_logprobs))
             kl = reduce(kl_tok)
             kl_loss = beta * kl
             book.add_sum("kl_penalty", kl.detach())
@@ -164,7 +166,7 @@ class ClippedPGLoss:
         # 3. Policy ratio and surrogate. n_t (1-based position among unmasked tokens) serves the log-space clip and
         # the clip-rate-by-position metrics.
         positions = unmasked_positions(tm, layout)
-        sur = self._surrogate(c, p, adv, tm, layout, positions)
+        sur = self.surrogate(c, p, adv, tm, layout, positions)
 
         # 4. IS correction.
         trunc = cfg.truncated_importance_sampling_type
@@ -177,8 +179,7 @@ class ClippedPGLoss:
         nll = torch.zeros((), dtype=dtype, device=c.device)
         mu = cfg.positive_example_nll_weight
         if mu != 0 and inputs.rewards is not None:
-            pos = valid * layout.to_tokens((inputs.rewards > 0).to(dtype))
-            count = layout.reduce_metric_sums(pos.sum().detach().double())
+            pos, count = positive_sample_tokens(inputs.rewards, valid, layout)
             if count > 0:
                 nll = where_mask(-c, pos).sum() / (count.to(dtype) + EPS)
         loss = actor_loss + kl_loss + mu * nll
@@ -204,7 +205,18 @@ class ClippedPGLoss:
         book.clip_by_position(sur, positions)
         return loss, book.finish()
 
-    def _surrogate(self, c, p, adv, tm, layout, positions):
+    def kl_tokens(self, c: torch.Tensor, g: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        """Per-token KL penalty to the reference policy (before aggregation and beta); token-wise in ``c``."""
+        cfg = self.config
+        w_kl = exp_or_zero(c - g) if cfg.use_on_policy_kl_approximation else score_function_weight(c)
+        return kl_penalty(
+            c, ref, kl_type=cfg.reference_policy_kl_type,
+            input_clamp=cfg.kl_input_clamp_value, output_clamp=cfg.kl_output_clamp_value, weights=w_kl,
+            straight_through_k2=cfg.reference_policy_kl_gradient == "k2",
+        )
+
+    def surrogate(self, c, p, adv, tm, layout, positions):
+        """The per-token surrogate (:class:`~nemo_is_plugin.surrogate.SurrogateOut`) of the configured ratio."""
         cfg = self.config
         if cfg.disable_ppo_ratio:
             return reinforce_surrogate(c, adv, dual_clip=cfg.ratio_clip_c)
@@ -239,6 +251,14 @@ def is_correction_kwargs(cfg: ClippedPGLossConfig) -> dict[str, Any]:
         veto_threshold=cfg.importance_sampling_veto_threshold,
         batch_normalize=cfg.importance_sampling_batch_normalize,
     )
+
+
+def positive_sample_tokens(
+    rewards: torch.Tensor, valid: torch.Tensor, layout: TokenLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens of samples with reward > 0 (Float[*T]) and their count over the layout (fp64 0-d; VAPO's NLL)."""
+    pos = valid * layout.to_tokens((rewards > 0).to(valid.dtype))
+    return pos, layout.reduce_metric_sums(pos.sum().detach().double())
 
 
 def _as_scalar(x: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:

@@ -83,4 +83,19 @@ def logits_grad_(
     return grad
 
 
-__all__ = ["chunk_partials_", "logits_grad_"]
+def softmax_grad_from_exp_(
+    e: torch.Tensor,
+    scale: torch.Tensor,
+    local_target: torch.Tensor,
+    owned: torch.Tensor,
+    grad_logprob: torch.Tensor,
+) -> torch.Tensor:
+    """dL/dz ``g (onehot - p)`` of one chunk from ``e = exp(z - m)`` (what ``chunk_partials_`` leaves in ``z``),
+    written into ``e``'s buffer (returned). ``scale = exp(m - lse) [n]`` turns ``e`` into ``p``; no recomputed GEMM."""
+    grad = e.mul_((grad_logprob * scale).neg_().unsqueeze(-1))  # -g p
+    rows = torch.nonzero(owned, as_tuple=True)[0]
+    grad.index_put_((rows, local_target[rows]), grad_logprob[rows], accumulate=True)  # + g onehot
+    return grad
+
+
+__all__ = ["chunk_partials_", "logits_grad_", "softmax_grad_from_exp_"]
