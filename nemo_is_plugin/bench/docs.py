@@ -17,12 +17,14 @@ METHOD = """\
 For every model shape (H, V from the models' `config.json`, research/performance.md section 6) and path:
 
 - **forward**: token log-probs under `no_grad` (the old-policy / reference pass);
-- **forward+backward**: log-probs -> `ClippedPGLoss` (GRPO clip, token-level TIS, k3 KL) -> `backward()` into the
-  hidden states and the LM-head weight;
+- **forward+backward**: log-probs -> `ClippedPGLoss` (GRPO clip, token-level ratio, token-level TIS, k3 KL) ->
+  `backward()` into the hidden states and the LM-head weight; `fused_linear` and `fused_2pass` call
+  `fused_linear_pg_loss`, which takes the hidden states and computes the loss itself;
 - **/ mm**: time divided by the bare forward GEMM `hidden @ W.T` of the same shape, timed in the same rounds as the
   paths (every round times every job once; each job keeps its best round). Limits: 1x for a forward; 3x for a
-  forward+backward that keeps the logits (naive), 4x for one that recomputes them (1 forward + 1 recompute + 2
-  gradient GEMMs);
+  forward+backward that keeps the logits (naive) or computes the gradients in its forward (`fused_linear`'s single
+  pass: logits, dX, dW per chunk), 4x for one that recomputes the logits in its backward (`from_logits`,
+  `fused_2pass`: 1 forward + 1 recompute + 2 gradient GEMMs);
 - **GFLOP/s**: effective, counting 8NHV for forward+backward whatever a path executes (Liger's convention);
 - **peak MiB**: the high-water mark of tensor bytes allocated above the inputs, tracked by a `TorchDispatchMode` that
   counts every new storage an op returns and uncounts it when freed (`nemo_is_plugin/bench/memory.py`). It includes
@@ -30,7 +32,10 @@ For every model shape (H, V from the models' `config.json`, research/performance
   it excludes BLAS-internal buffers. **RSS** is the process's peak resident memory above the start of the same run
   (`/proc/self/clear_refs` + `VmHWM`), a cross-check that includes allocator effects;
 - **max dlogp err** and **grad rel err**: against a float64 reference on the first tokens: max absolute log-prob error,
-  and the max relative error of `d(-mean logp)/d hidden` (Liger: of its loss gradient at ratio 1, which is the same).
+  and the max relative error of `d(-mean logp)/d hidden` of the path's log-prob function (Liger: of its loss gradient
+  at ratio 1, which is the same); **loss grad err**: max relative error of the benchmark loss's `d loss/d hidden`
+  against the naive path in float64 on a small problem of the same shape (this is what checks the single pass, whose
+  gradients come from its forward).
 
 Paths:
 
@@ -39,7 +44,8 @@ Paths:
 | matmul | the bare LM-head GEMM (forward) and its 3-GEMM autograd (forward+backward): the limit |
 | naive | full logits, fp32 `log_softmax` kept for backward, gather (NeMo-RL's `DistributedLogprob`) |
 | from_logits | full logits, then chunked online-lse log-prob, recomputing backward (`vocab_parallel.py`) |
-| fused_linear | hidden states + LM-head shard, chunked: no [tokens x vocab] beyond one chunk (`fused_linear.py`) |
+| fused_linear | hidden states + LM-head shard, chunked: no [tokens x vocab] beyond one chunk. Forward: `fused_linear_logprobs`; forward+backward: `fused_linear_pg_loss`, here in one pass (token-level ratio: each chunk's dL/dlogp is known as soon as its log-probs are, so dX and dW are computed in the forward; `fused_linear_loss.py`) |
+| fused_2pass | the same entry forced to two passes (log-probs, loss, recomputing backward): what sequence-level and cumulative ratios cost, whose per-token gradient needs the whole sequence first. Forward as fused_linear (not re-timed) |
 | liger | `LigerFusedLinearGRPOLoss`, its own GRPO loss, grads inside its forward (`compiled=False`) |
 | loss | the loss epilogue alone: `ClippedPGLoss` forward+backward on given log-probs |
 """
@@ -51,21 +57,23 @@ CAVEATS = """\
   are the comparable quantity. Token counts are scaled down (one 256-token GEMM at H=2048, V=151936 is 160 GFLOP).
   At 256 tokens the fused path's default chunk (256 MiB of fp32 logits: 441 tokens at V=151936) holds every token;
   the memory sweep (up to 3072 tokens, 7 chunks) runs the chunk loop.
-- On CPU everything is GEMM-bound (the softmax passes over [N, V] cost a fraction of a GEMM), and the naive
-  forward+backward does 3 GEMMs to the recomputing paths' 4: on a CPU the fused forward+backward can only be slower
-  than the naive one, by up to the recompute GEMM (the targets table gives the measured time ratio). On a GPU the
-  naive path's cost is the memory traffic of the [N, V] logits (~2x the GEMM time at H=2048, research/performance.md
-  section 7), which the fused path does not have; that comparison needs a GPU run. The "no" rows of the targets
-  table for "forward+backward faster than naive" are this CPU effect.
+- On CPU everything is GEMM-bound (the softmax passes over [N, V] cost a fraction of a GEMM). The naive path and the
+  single pass both do 3 GEMMs; the single pass saves the [N, V] buffers' allocation and traffic, which is why it is
+  faster here too. The two-pass schedule does 4 GEMMs, so on a CPU it can only be slower than the naive path, by up
+  to the recompute GEMM; on a GPU the naive path's cost is the memory traffic of the [N, V] logits (~2x the GEMM time
+  at H=2048, research/performance.md section 7), which neither fused schedule has; that comparison needs a GPU run.
+- At 256 tokens the gradient GEMMs have a short reduction dimension: the dW GEMM (`dz.T @ X`, K = tokens) writes a
+  fresh V x H fp32 buffer (0.5-3.5 GiB) for 256 tokens of work, which is why even the bare matmul's forward+backward is
+  above 3x. With more tokens per chunk (a real batch) the ratios move towards their GEMM counts.
 - Liger runs with `compiled=False` and loops over the batch rows with 2048-token x 4096-vocab tiles; on this CPU its
   many small GEMMs and the gradients it computes inside the forward cost several times the bare GEMM. It is
   GPU-oriented code; the column is a correctness and memory reference more than a speed one here.
 - Memory: the fused path's peak is one chunk of fp32 logits (256 MiB by default) + dW + dX (H x 4 bytes per token) +
-  4-8 bytes per token (lse, entropy); nothing grows like tokens x vocab. The naive path holds three [N, V] fp32
-  buffers in its backward (scatter of the gather's gradient, the saved log-softmax, its gradient): 3 x V x 4 bytes
-  per token once N > H/2 (below that its peak is one [N, V] buffer + dW, which is why the sweep starts at 512 tokens
-  and the extrapolation uses its two largest points). The 8192-token column is that linear fit, not a measurement:
-  the naive path would need ~14 GiB there, more than this shared machine can spare.
+  4-8 bytes per token (lse, entropy, the log-probs); nothing grows like tokens x vocab. The naive path holds three
+  [N, V] fp32 buffers in its backward (scatter of the gather's gradient, the saved log-softmax, its gradient): 3 x V x 4
+  bytes per token once N > H/2 (below that its peak is one [N, V] buffer + dW, which is why the sweep starts at 512
+  tokens and the extrapolation uses its two largest points). The memory target is checked on the direct measurement
+  at 8192 tokens (naive and fused_linear, one run each); the extrapolated column is the cross-check of the fit.
 - dW (V x H fp32) is part of every path's peak here. Megatron's gradient-accumulation fusion writes it into the
   preallocated `main_grad` instead; the fused path does not do that yet (a follow-up), so its peak above counts it.
 - **GPU**: this benchmark runs on CPU. The H100 target (>= 600 effective TFLOP/s forward+backward) has not been
@@ -87,13 +95,16 @@ def _memory_lines(results: dict) -> str:
     tokens = sorted({p["tokens"] for p in sweep})
     paths = list(dict.fromkeys(p["path"] for p in sweep))
     target = results["config"]["extrapolate_tokens"]
-    headers = ["path"] + [f"{n} tok" for n in tokens] + ["bytes/token", f"{target} tok (extrapolated)"]
+    direct = {p["path"]: p["peak_bytes"] for p in results.get("memory_direct", [])}
+    headers = ["path"] + [f"{n} tok" for n in tokens] + ["bytes/token", f"{target} tok (extrapolated)",
+                                                         f"{target} tok (measured)"]
     cells = []
     for path in paths:
         by_n = {p["tokens"]: p["peak_bytes"] for p in sweep if p["path"] == path}
         fit = fits.get(path)
         cells.append([path] + [f"{by_n[n] / MIB:,.0f}" if n in by_n else "-" for n in tokens] + (
-            [f"{fit['bytes_per_token']:,.0f}", f"{fit['extrapolated'] / MIB:,.0f}"] if fit else ["-", "-"]))
+            [f"{fit['bytes_per_token']:,.0f}", f"{fit['extrapolated'] / MIB:,.0f}"] if fit else ["-", "-"]) + [
+            f"{direct[path] / MIB:,.0f}" if path in direct else "-"])
     return markdown_table(headers, cells)
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from nemo_is_plugin.bench.report import MIB, TARGET_FWD, TARGET_FWDBWD, derived_rows, memory_fit
 
-PATH_COLORS = {"naive": "#c0504d", "from_logits": "#f79646", "fused_linear": "#4f81bd", "liger": "#9bbb59",
+PATH_COLORS = {"naive": "#c0504d", "from_logits": "#f79646", "fused_linear": "#4f81bd", "fused_2pass": "#8064a2",
+               "liger": "#9bbb59",
                "matmul": "#7f7f7f"}
 
 
@@ -44,7 +45,8 @@ def plot_ratios(results: dict, path: Path) -> Path:
 
 
 def plot_memory(results: dict, path: Path) -> Path:
-    """Peak forward+backward memory above the inputs vs tokens (log-log), with the linear fit's extrapolation."""
+    """Peak forward+backward memory above the inputs vs tokens (log-log), with the linear fit's extrapolation and the
+    direct measurements at the target token count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,12 +61,15 @@ def plot_memory(results: dict, path: Path) -> Path:
             f = fits[p]
             ax.plot([f["tokens"], f["target_tokens"]], [f["measured"] / MIB, f["extrapolated"] / MIB], ":",
                     color=PATH_COLORS.get(p))
+    for d in results.get("memory_direct", []):
+        ax.plot([d["tokens"]], [d["peak_bytes"] / MIB], "*", ms=12, color=PATH_COLORS.get(d["path"]),
+                label=f"{d['path']} measured at {d['tokens']}")
     h, v = results["config"]["memory_shape"]
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens")
     ax.set_ylabel("peak MiB above inputs (fwd + loss + bwd)")
-    ax.set_title(f"H={h}, V={v}; dotted: linear extrapolation", fontsize=9)
+    ax.set_title(f"H={h}, V={v}; dotted: linear extrapolation; stars: measured", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

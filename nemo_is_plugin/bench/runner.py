@@ -29,7 +29,7 @@ from nemo_is_plugin.bench.measure import (
     path_errors,
     reference_logprobs_and_grad,
 )
-from nemo_is_plugin.bench.paths import logprob_paths
+from nemo_is_plugin.bench.paths import LogprobPath, logprob_paths
 from nemo_is_plugin.bench.problem import HeadProblem, make_problem
 from nemo_is_plugin.bench.shapes import BenchConfig, ModelShape
 
@@ -46,20 +46,27 @@ Progress = Callable[[str], None]
 def count_steps(cfg: BenchConfig) -> int:
     """Number of ``progress`` calls ``run_benchmark`` makes (for a progress bar)."""
     per_shape = 1 + len(cfg.paths) + cfg.repeats + 1  # warm-ups (matmul, paths), timing rounds, errors + epilogue
-    return len(cfg.shapes) * per_shape + len(cfg.memory_tokens) * len(cfg.paths)
+    direct = len([p for p in cfg.direct_memory_paths if p in cfg.paths]) if cfg.memory_tokens else 0
+    return len(cfg.shapes) * per_shape + len(cfg.memory_tokens) * len(cfg.paths) + direct
 
 
-def _fwd_bwd(path_fn, problem: HeadProblem, loss_fn) -> Callable[[], None]:
+def _fwd_bwd(path: LogprobPath, problem: HeadProblem, loss_fn) -> Callable[[], None]:
     def run() -> None:
         h = problem.hidden.detach().requires_grad_(True)
         w = problem.weight.detach().requires_grad_(True)
-        loss, _ = loss_fn(
-            next_token_logprobs=path_fn(h, w, problem.target), data=problem.data,
-            global_valid_seqs=problem.global_valid_seqs, global_valid_toks=problem.global_valid_toks,
-        )
-        loss.backward()
+        _path_loss(path, problem, loss_fn, h, w).backward()
 
     return run
+
+
+def _path_loss(path: LogprobPath, problem: HeadProblem, loss_fn, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if path.loss is not None:
+        return path.loss(loss_fn, problem, h, w)
+    loss, _ = loss_fn(
+        next_token_logprobs=path.fn(h, w, problem.target), data=problem.data,
+        global_valid_seqs=problem.global_valid_seqs, global_valid_toks=problem.global_valid_toks,
+    )
+    return loss
 
 
 def _liger_fwd_bwd(problem: HeadProblem) -> Callable[[], None]:
@@ -74,7 +81,8 @@ def _liger_fwd_bwd(problem: HeadProblem) -> Callable[[], None]:
 
 def _row(shape: ModelShape, vocab: int, tokens: int, path: str, **values) -> dict:
     base = dict(model=shape.name, hidden=shape.hidden, vocab=vocab, tokens=tokens, path=path, fwd_s=None,
-                fwdbwd_s=None, fwd_peak=None, fwdbwd_peak=None, fwdbwd_rss=None, lp_err=None, grad_err=None)
+                fwdbwd_s=None, fwd_peak=None, fwdbwd_peak=None, fwdbwd_rss=None, lp_err=None, grad_err=None,
+                loss_grad_err=None)
     base.update(values)
     return base
 
@@ -94,11 +102,12 @@ def _jobs(problem: HeadProblem, cfg: BenchConfig, loss_fn, paths: dict, skipped:
                 jobs[(name, "fwdbwd")] = _liger_fwd_bwd(problem)
             continue
 
-        def forward(fn=paths[name]) -> None:
+        def forward(fn=paths[name].fn) -> None:
             with torch.no_grad():
                 fn(problem.hidden, w, problem.target)
 
-        jobs[(name, "fwd")] = forward
+        if paths[name].times_forward:
+            jobs[(name, "fwd")] = forward
         jobs[(name, "fwdbwd")] = _fwd_bwd(paths[name], problem, loss_fn)
     return jobs
 
@@ -115,7 +124,7 @@ def bench_shape(shape: ModelShape, cfg: BenchConfig, progress: Progress, skipped
     vocab = shape.vocab // cfg.tp
     problem = make_problem(cfg.batch, cfg.tokens // cfg.batch + 1, shape.hidden, vocab, seed=0)
     loss_fn = build_loss_fn(BENCH_LOSS_CONFIG)
-    paths = {p.name: p.fn for p in logprob_paths(cfg.chunk_size)}
+    paths = {p.name: p for p in logprob_paths(cfg.chunk_size)}
     jobs = _jobs(problem, cfg, loss_fn, paths, skipped)
 
     memory = {}
@@ -141,8 +150,10 @@ def bench_shape(shape: ModelShape, cfg: BenchConfig, progress: Progress, skipped
 
     progress(f"{shape.name}: float64 reference, loss epilogue")
     _add_errors(rows, problem, cfg, paths, skipped)
+    _add_loss_errors(rows, shape, vocab, cfg, paths, loss_fn)
     lp = torch.randn(problem.target.shape).clamp(max=-0.01)  # the loss epilogue alone, on given log-probs
-    epilogue = measure(_fwd_bwd(lambda h, w_, t: h, _with_hidden(problem, lp), loss_fn), cfg.repeats)
+    epilogue_path = LogprobPath("loss", "the loss epilogue", lambda h, w_, t: h)
+    epilogue = measure(_fwd_bwd(epilogue_path, _with_hidden(problem, lp), loss_fn), cfg.repeats)
     rows.append(_row(shape, vocab, problem.num_tokens, "loss", fwdbwd_s=epilogue.seconds,
                      fwdbwd_peak=epilogue.peak_bytes))
     return rows
@@ -159,11 +170,28 @@ def _add_errors(rows: list[dict], problem: HeadProblem, cfg: BenchConfig, paths:
     ref_lp, ref_grad = reference_logprobs_and_grad(xs, w, ts)
     for r in rows:
         if r["path"] in paths:
-            r["lp_err"], r["grad_err"] = path_errors(paths[r["path"]], xs, w, ts, ref_lp, ref_grad)
+            r["lp_err"], r["grad_err"] = path_errors(paths[r["path"]].fn, xs, w, ts, ref_lp, ref_grad)
         elif r["path"] == "liger" and not skipped.get("liger"):
             r["grad_err"] = max_rel_err(liger_mean_logprob_grad(xs[None], w, ts[None], ref_lp[None]), ref_grad)
         elif r["path"] == "matmul":
             r["lp_err"] = max_abs_err(torch.log_softmax(xs @ w.t(), -1).gather(-1, ts[:, None])[:, 0], ref_lp)
+
+
+def _add_loss_errors(rows: list[dict], shape: ModelShape, vocab: int, cfg: BenchConfig, paths: dict, loss_fn) -> None:
+    """``loss_grad_err``: max relative error of the benchmark loss's ``d loss / d hidden`` against the naive path in
+    float64, on a ``ref_tokens``-token problem of the same shape (the single pass's gradients come from its forward,
+    so the log-prob gradient of ``grad_err`` does not cover them)."""
+    small = make_problem(cfg.batch, cfg.ref_tokens // cfg.batch + 1, shape.hidden, vocab, seed=2)
+
+    def hidden_grad(path: LogprobPath, dtype: torch.dtype) -> torch.Tensor:
+        h = small.hidden.detach().to(dtype).requires_grad_(True)
+        _path_loss(path, small, loss_fn, h, small.weight.detach().to(dtype)).backward()
+        return h.grad
+
+    ref = hidden_grad(paths["naive"], torch.float64)
+    for r in rows:
+        if r["path"] in paths:
+            r["loss_grad_err"] = max_rel_err(hidden_grad(paths[r["path"]], torch.float32), ref)
 
 
 def memory_sweep(cfg: BenchConfig, progress: Progress, skipped: dict) -> list[dict]:
@@ -172,7 +200,7 @@ def memory_sweep(cfg: BenchConfig, progress: Progress, skipped: dict) -> list[di
 
     hidden, vocab = cfg.memory_shape
     loss_fn = build_loss_fn(BENCH_LOSS_CONFIG)
-    paths = {p.name: p.fn for p in logprob_paths(cfg.chunk_size)}
+    paths = {p.name: p for p in logprob_paths(cfg.chunk_size)}
     points = []
     for tokens in cfg.memory_tokens:
         problem = make_problem(cfg.batch, tokens // cfg.batch + 1, hidden, vocab, seed=1)
@@ -184,6 +212,26 @@ def memory_sweep(cfg: BenchConfig, progress: Progress, skipped: dict) -> list[di
             m = memory_only(run)
             points.append(dict(path=name, tokens=problem.num_tokens, hidden=hidden, vocab=vocab,
                                peak_bytes=m.peak_bytes, rss_bytes=m.rss_bytes, seconds=m.seconds))
+    return points
+
+
+def direct_memory(cfg: BenchConfig, progress: Progress) -> list[dict]:
+    """Peak tracked bytes of forward+backward at ``cfg.extrapolate_tokens`` itself, for ``direct_memory_paths``
+    (the memory target is checked on these measurements; the sweep's extrapolation is the cross-check)."""
+    from nemo_is_plugin import build_loss_fn
+
+    if not cfg.memory_tokens:
+        return []
+    hidden, vocab = cfg.memory_shape
+    loss_fn = build_loss_fn(BENCH_LOSS_CONFIG)
+    paths = {p.name: p for p in logprob_paths(cfg.chunk_size)}
+    problem = make_problem(cfg.batch, cfg.extrapolate_tokens // cfg.batch + 1, hidden, vocab, seed=1)
+    points = []
+    for name in [p for p in cfg.direct_memory_paths if p in cfg.paths and p in paths]:
+        progress(f"memory at {cfg.extrapolate_tokens} tokens: {name}")
+        m = memory_only(_fwd_bwd(paths[name], problem, loss_fn))
+        points.append(dict(path=name, tokens=problem.num_tokens, hidden=hidden, vocab=vocab,
+                           peak_bytes=m.peak_bytes, rss_bytes=m.rss_bytes, seconds=m.seconds))
     return points
 
 
@@ -207,12 +255,15 @@ def run_benchmark(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict
         skipped["liger"] = reason
     rows = [r for shape in cfg.shapes for r in bench_shape(shape, cfg, progress, skipped)]
     sweep = memory_sweep(cfg, progress, skipped)
+    direct = direct_memory(cfg, progress)
     config = dict(tokens=cfg.tokens, batch=cfg.batch, tp=cfg.tp, chunk_size=cfg.chunk_size, repeats=cfg.repeats,
                   paths=list(cfg.paths), ref_tokens=cfg.ref_tokens, memory_tokens=list(cfg.memory_tokens),
                   memory_shape=list(cfg.memory_shape), extrapolate_tokens=cfg.extrapolate_tokens,
+                  direct_memory_paths=list(cfg.direct_memory_paths),
                   shapes=[dict(name=s.name, hidden=s.hidden, vocab=s.vocab) for s in cfg.shapes],
                   loss=BENCH_LOSS_CONFIG)
-    return dict(config=config, machine=machine_info(cfg), rows=rows, memory_sweep=sweep, skipped=skipped)
+    return dict(config=config, machine=machine_info(cfg), rows=rows, memory_sweep=sweep, memory_direct=direct,
+                skipped=skipped)
 
 
-__all__ = ["BENCH_LOSS_CONFIG", "bench_shape", "count_steps", "memory_sweep", "run_benchmark"]
+__all__ = ["BENCH_LOSS_CONFIG", "bench_shape", "count_steps", "direct_memory", "memory_sweep", "run_benchmark"]

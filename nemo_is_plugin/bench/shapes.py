@@ -29,7 +29,7 @@ MODEL_SHAPES = (
 )
 QUICK_SHAPES = (ModelShape("tiny-a", 64, 4096), ModelShape("tiny-b", 96, 6144))
 
-PATHS = ("naive", "from_logits", "fused_linear", "liger")
+PATHS = ("naive", "from_logits", "fused_linear", "fused_2pass", "liger")
 
 
 @dataclass
@@ -51,7 +51,9 @@ class BenchConfig:
             extrapolation, so they must lie past the naive path's regime change: below ~H/2 tokens its peak is one
             [N, V] buffer + dW (V x H), above it three [N, V] buffers (scatter, log-softmax output and its gradient).
         memory_shape: (H, V) of the sweep.
-        extrapolate_tokens: the token count the sweep's linear fit is extrapolated to.
+        extrapolate_tokens: the token count of the memory target (8192): the sweep's linear fit is extrapolated to
+            it, and the paths of ``direct_memory_paths`` are measured there directly (one run each).
+        direct_memory_paths: paths measured at ``extrapolate_tokens`` (empty: none; they must be in ``paths``).
         threads: torch intra-op threads.
     """
 
@@ -66,12 +68,15 @@ class BenchConfig:
     memory_tokens: tuple[int, ...] = (512, 1024, 2048, 3072)
     memory_shape: tuple[int, int] = (2048, 151936)
     extrapolate_tokens: int = 8192
+    direct_memory_paths: tuple[str, ...] = ("naive", "fused_linear")
     threads: int = 1
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.paths if p not in PATHS]
         if unknown:
             raise ValueError(f"unknown path(s) {unknown}; choose from {list(PATHS)}")
+        if self.extrapolate_tokens % self.batch:
+            raise ValueError(f"extrapolate_tokens must be a multiple of batch={self.batch}")
         if self.tokens % self.batch or any(n % self.batch for n in self.memory_tokens):
             raise ValueError(f"token counts must be multiples of batch={self.batch}")
         if self.ref_tokens > self.tokens:

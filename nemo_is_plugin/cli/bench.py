@@ -1,6 +1,6 @@
-"""``nemo-is bench``: LM head -> log-prob -> PG loss benchmark of the naive, from-logits, fused-linear and Liger
-paths against the bare GEMM. Prints a rich table, writes JSON + PNG, and with ``--write-docs`` regenerates
-``docs/performance.md``. Heavy imports (torch, matplotlib, liger) happen inside the command."""
+"""``nemo-is bench``: LM head -> log-prob -> PG loss benchmark of the naive, from-logits, fused-linear (one and two
+passes) and Liger paths against the bare GEMM. Prints a rich table, writes JSON + PNG, and with ``--write-docs``
+regenerates ``docs/performance.md``. Heavy imports (torch, matplotlib, liger) happen inside the command."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ def register(app: typer.Typer) -> None:
 def bench(
     tokens: int = typer.Option(256, help="Tokens per measurement (scaled to this machine; ratios carry over)."),
     models: Optional[list[str]] = typer.Option(None, "--model", help="Model shape(s) to run (default: all four)."),
-    paths: Optional[list[str]] = typer.Option(None, "--path", help="Path(s): naive, from_logits, fused_linear, liger."),
+    paths: Optional[list[str]] = typer.Option(
+        None, "--path", help="Path(s): naive, from_logits, fused_linear, fused_2pass, liger."
+    ),
     chunk_size: Optional[int] = typer.Option(None, help="Tokens per chunk of the chunked paths (default: theirs)."),
     tp: int = typer.Option(1, help="Vocab shards: measure one TP rank's local work on V/tp rows of the head."),
     repeats: int = typer.Option(3, help="Timing rounds after the memory-tracked warm-up (best round reported)."),

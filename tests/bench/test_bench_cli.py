@@ -25,22 +25,33 @@ def _app() -> typer.Typer:
 
 def test_quick_bench_writes_results_plots_and_docs(tmp_path):
     out, docs = tmp_path / "out", tmp_path / "docs"
-    args = ["bench", "--quick", "--model", "tiny-a", "--path", "naive", "--path", "fused_linear",
-            "--memory-tokens", "32", "--memory-tokens", "64", "--out", str(out), "--write-docs", "--docs-dir", str(docs)]
+    args = ["bench", "--quick", "--model", "tiny-a", "--path", "naive", "--path", "fused_linear", "--path",
+            "fused_2pass", "--memory-tokens", "32", "--memory-tokens", "64", "--out", str(out), "--write-docs",
+            "--docs-dir", str(docs)]
     result = CliRunner().invoke(_app(), args)
     assert result.exit_code == 0, result.output
     assert "fused_linear" in result.output and "f+b / mm" in result.output and "tiny-b" not in result.output
 
     results = json.loads((out / "results.json").read_text())
     rows = {(r["model"], r["path"]): r for r in results["rows"]}
-    assert {p for _, p in rows} == {"matmul", "naive", "fused_linear", "loss"}
+    assert {p for _, p in rows} == {"matmul", "naive", "fused_linear", "fused_2pass", "loss"}
     for model in ("tiny-a",):
-        fused = rows[(model, "fused_linear")]
+        fused, two_pass = rows[(model, "fused_linear")], rows[(model, "fused_2pass")]
         assert fused["lp_err"] < 1e-5 and fused["grad_err"] < 1e-5
         assert fused["fwd_s"] > 0 and fused["fwdbwd_s"] > fused["fwd_s"]
         # one 16-token chunk of fp32 logits vs the naive path's [64, V] logits + log-softmax
         assert fused["fwd_peak"] < rows[(model, "naive")]["fwd_peak"] / 3
+        # the two-pass row shares fused_linear's forward: only its forward+backward is timed
+        assert two_pass["fwd_s"] is None and two_pass["fwdbwd_s"] > 0
+        # the loss gradients of every path against the naive path in float64
+        for name in ("naive", "fused_linear", "fused_2pass"):
+            assert 0 <= rows[(model, name)]["loss_grad_err"] < 1e-5
+        assert rows[(model, "matmul")]["loss_grad_err"] is None
     assert {p["tokens"] for p in results["memory_sweep"]} == {32, 64}
+    # measured (not extrapolated) at the target token count, for naive and fused_linear only
+    direct = {p["path"]: p for p in results["memory_direct"]}
+    assert set(direct) == {"naive", "fused_linear"} and {p["tokens"] for p in direct.values()} == {1024}
+    assert direct["naive"]["peak_bytes"] > 5 * direct["fused_linear"]["peak_bytes"]
     for name in ("perf_ratios.png", "perf_memory.png"):
         assert (out / name).stat().st_size > 1000 and (docs / "img" / name).stat().st_size > 1000
     page = (docs / "performance.md").read_text()
@@ -63,4 +74,6 @@ def test_unknown_path_or_model_is_a_usage_error():
 
 def test_step_count_matches_the_plan():
     cfg = BenchConfig.quick(paths=("naive", "liger"), memory_tokens=(32,), repeats=3)
-    assert count_steps(cfg) == 2 * (1 + 2 + 3 + 1) + 1 * 2
+    # 2 shapes x (matmul + 2 path warm-ups + 3 rounds + errors), 1 sweep point x 2 paths, naive measured at 1024
+    assert count_steps(cfg) == 2 * (1 + 2 + 3 + 1) + 1 * 2 + 1
+    assert count_steps(BenchConfig.quick(paths=("naive",), memory_tokens=())) == 2 * (1 + 1 + 3 + 1)

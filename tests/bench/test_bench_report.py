@@ -18,13 +18,16 @@ def _row(path, fwd, fb, **kw):
 
 
 def _results():
-    rows = [_row("matmul", 2.0, 6.0), _row("naive", 2.4, 7.0), _row("fused_linear", 2.2, 8.0)]
+    rows = [_row("matmul", 2.0, 6.0), _row("naive", 2.4, 7.0), _row("fused_linear", 2.2, 8.0),
+            _row("fused_2pass", None, 9.0)]
     sweep = [dict(path="naive", tokens=n, peak_bytes=1000 + 300 * n) for n in (10, 20, 40)]
     sweep += [dict(path="fused_linear", tokens=n, peak_bytes=2000 + 2 * n) for n in (10, 20, 40)]
     config = dict(tokens=100, batch=2, tp=1, chunk_size=None, repeats=1, extrapolate_tokens=1000,
                   memory_shape=[4, 10])
     machine = dict(date="d", cpu="c", torch="t", threads=1)
-    return dict(config=config, machine=machine, rows=rows, memory_sweep=sweep, skipped={})
+    direct = [dict(path="naive", tokens=1000, peak_bytes=250000),
+              dict(path="fused_linear", tokens=1000, peak_bytes=5000)]
+    return dict(config=config, machine=machine, rows=rows, memory_sweep=sweep, memory_direct=direct, skipped={})
 
 
 def test_ratios_throughput_and_flops():
@@ -47,7 +50,11 @@ def test_targets_report_values_and_verdicts():
     assert got["fused forward+backward <= 4.4x matmul"]["ok"] is True
     assert got["fused forward faster than naive (time ratio fused/naive)"]["value"] == pytest.approx(2.2 / 2.4)
     assert got["fused forward+backward faster than naive (time ratio)"]["ok"] is False  # 8.0 > 7.0
-    memory = next(t for k, t in got.items() if k.startswith("peak memory"))
+    two_pass = next(t for k, t in got.items() if k.startswith("two-pass fused forward+backward"))
+    assert two_pass["value"] == pytest.approx(4.5) and two_pass["ok"] is False  # 9.0 / 2.0 > 4.4
+    measured = got["peak memory naive/fused >= 5.0x at 1000 tokens (measured)"]
+    assert measured["value"] == pytest.approx(50) and measured["ok"] is True
+    memory = next(t for k, t in got.items() if k.startswith("peak memory") and "extrapolated" in k)
     assert memory["value"] == pytest.approx(301000 / 4000) and memory["ok"] is True
     growth = next(t for k, t in got.items() if k.startswith("fused peak memory growth"))
     assert growth["value"] == pytest.approx(2) and growth["ok"] is True  # 2 B/token <= 2 * 4 * H + 256
