@@ -116,6 +116,7 @@ class ClippedPGLoss:
         cfg = self.config
         validate_loss_inputs(
             next_token_logprobs, data, global_valid_seqs, global_valid_toks,
+            num_seqs=None if layout is None else layout.num_seqs,
             needs_prev=not cfg.force_on_policy_ratio,
             needs_generation=True,
             needs_reference=cfg.effective_kl_penalty != 0,
@@ -166,7 +167,7 @@ class ClippedPGLoss:
         # 3. Policy ratio and surrogate. n_t (1-based position among unmasked tokens) serves the log-space clip and
         # the clip-rate-by-position metrics.
         positions = unmasked_positions(tm, layout)
-        sur = self.surrogate(c, p, adv, tm, layout, positions)
+        sur = self.surrogate(c, ratio_anchor(p, c, valid), adv, tm, layout, positions)
 
         # 4. IS correction.
         trunc = cfg.truncated_importance_sampling_type
@@ -251,6 +252,16 @@ def is_correction_kwargs(cfg: ClippedPGLossConfig) -> dict[str, Any]:
         veto_threshold=cfg.importance_sampling_veto_threshold,
         batch_normalize=cfg.importance_sampling_batch_normalize,
     )
+
+
+def ratio_anchor(prev: torch.Tensor, curr: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The old log-probs the policy ratio divides by, with ``curr``'s value on tokens that do not count.
+
+    A masked token's ratio is dropped from the loss by a ``where``, whose backward hands it a zero gradient; but a
+    masked padding value far below ``curr`` makes ``exp(curr - prev)`` overflow, and ``0 * inf`` is NaN in the
+    chain rule. Anchoring masked tokens at ratio 1 keeps their gradient exactly 0 (counted tokens are untouched).
+    """
+    return torch.where(valid != 0, prev, curr.detach())
 
 
 def positive_sample_tokens(

@@ -28,7 +28,7 @@ from nemo_is_plugin.aggregation import aggregate
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.correction import compute_is_correction
 from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.loss import ClippedPGLoss, LossInputs, is_correction_kwargs, positive_sample_tokens
+from nemo_is_plugin.loss import ClippedPGLoss, LossInputs, is_correction_kwargs, positive_sample_tokens, ratio_anchor
 from nemo_is_plugin.masked import EPS, where_mask
 from nemo_is_plugin.ratios import unmasked_positions
 
@@ -56,6 +56,7 @@ class TokenLossGradient:
     generation: torch.Tensor
     advantages: torch.Tensor
     token_mask: torch.Tensor
+    valid: torch.Tensor
     positions: torch.Tensor
     is_weight: torch.Tensor
     reference: Optional[torch.Tensor]
@@ -92,6 +93,7 @@ class TokenLossGradient:
             generation=flat(f(inputs.generation_logprobs)),
             advantages=flat(f(inputs.advantages)),
             token_mask=flat(tm),
+            valid=flat(valid),
             positions=flat(unmasked_positions(tm, layout)),
             is_weight=flat(corr.weights.detach()),
             reference=flat(f(inputs.reference_logprobs)) if cfg.effective_kl_penalty != 0 else None,
@@ -104,9 +106,8 @@ class TokenLossGradient:
         with torch.enable_grad():
             c = c.detach().to(a.dtype).requires_grad_(True)
             # layout=None: a token-level ratio never looks at the layout (is_token_separable guarantees that level)
-            sur = self.loss.surrogate(
-                c, self.prev[sl], self.advantages[sl], self.token_mask[sl], None, self.positions[sl]
-            )
+            p = ratio_anchor(self.prev[sl], c, self.valid[sl])
+            sur = self.loss.surrogate(c, p, self.advantages[sl], self.token_mask[sl], None, self.positions[sl])
             term = self.is_weight[sl] * sur.loss
             if self.reference is not None:
                 term = term + cfg.effective_kl_penalty * self.loss.kl_tokens(c, self.generation[sl], self.reference[sl])

@@ -22,7 +22,7 @@ error has been found.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -69,6 +69,7 @@ def validate_loss_inputs(
     global_valid_seqs: Any,
     global_valid_toks: Any,
     *,
+    num_seqs: Optional[int] = None,
     needs_prev: bool,
     needs_generation: bool,
     needs_reference: bool,
@@ -83,6 +84,8 @@ def validate_loss_inputs(
             ``reference_policy_logprobs`` (Float[B, S]) and ``rewards [B]``. Column 0 of the ``[B, S]`` tensors is
             never read by the loss and is not checked.
         global_valid_seqs, global_valid_toks: 0-d tensors or numbers, finite and >= 0.
+        num_seqs: length of the per-sequence tensors (``sample_mask``, ``rewards``) when the token layout is not one
+            sequence per row (a packed ``[1, N]`` batch of several sequences); None = B.
         needs_*: whether the configured loss reads that tensor (unneeded keys are neither required nor checked).
 
     Returns:
@@ -128,7 +131,9 @@ def validate_loss_inputs(
             checks.append((f"data['{key}']", t[:, 1:], "logprob" if key in _LOGPROB_KEYS else "finite"))
     for key in ("sample_mask", "rewards") if needs_rewards else ("sample_mask",):
         t = _tensor(key, data[key], x)
-        if t.shape != (batch,):
+        if num_seqs is not None and t.shape != (num_seqs,):
+            raise ValueError(f"data['{key}'] has shape {_shape(t)}, expected [num_seqs] = [{num_seqs}] (the layout's)")
+        if num_seqs is None and t.shape != (batch,):
             raise ValueError(
                 f"data['{key}'] has shape {_shape(t)}, expected [B] = [{batch}] "
                 f"(next_token_logprobs is [B, S-1] = [{batch}, {s_minus_1}])"

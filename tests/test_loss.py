@@ -140,3 +140,40 @@ def test_loss_is_picklable_and_rebuilt_equal():
     fn = build_loss_fn({"use_importance_sampling_correction": True, "is_correction_level": "cumulative"})
     clone = pickle.loads(pickle.dumps(fn))
     assert clone.config == fn.config
+
+
+@pytest.mark.parametrize("cfg", [{}, {"ratio_level": "sequence"}, {"log_ratio_clip_low": 0.2, "log_ratio_clip_high": 0.2}])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_masked_padding_far_below_the_current_logprob_leaves_the_gradient_finite(cfg, dtype):
+    """A padding position (token_mask 0) whose old log-prob is far below the current one has exp(c - p) = inf; the
+    value is masked out, and the gradient must be too (0, not 0 * inf = NaN), for every other token unchanged."""
+    logprobs, data = _batch()
+    logprobs, data = logprobs.to(dtype), {k: v.to(dtype) if v.is_floating_point() else v for k, v in data.items()}
+    masked = (data["token_mask"][:, 1:] == 0).nonzero()
+    assert len(masked) > 0
+    grads = []
+    for poison in (False, True):
+        d = {k: v.clone() for k, v in data.items()}
+        if poison:
+            b, t = masked[0].tolist()
+            d["prev_logprobs"][b, t + 1] = -1e4  # finite: validation accepts it
+        c = logprobs.clone().requires_grad_(True)
+        loss, _ = _call(cfg, c, d)
+        loss.backward()
+        grads.append(c.grad)
+    assert torch.isfinite(grads[1]).all() and grads[1][tuple(masked[0])] == 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def test_packed_layout_takes_per_sequence_tensors_of_its_length():
+    """A packed [1, N] batch of several sequences: sample_mask / rewards are [num_seqs], checked against the layout."""
+    from nemo_is_plugin.layout import TokenLayout
+
+    logprobs, data = _batch(B=1, S=9)
+    layout = TokenLayout.packed([0, 3, 8])  # two sequences in the 8 next-token positions
+    data["sample_mask"] = torch.tensor([1.0, 1.0], dtype=F64)
+    loss, _ = build_loss_fn({})(logprobs, data, 2, data["token_mask"][:, 1:].sum(), layout=layout)
+    assert torch.isfinite(loss)
+    data["sample_mask"] = torch.tensor([1.0], dtype=F64)
+    with pytest.raises(ValueError, match=r"expected \[num_seqs\] = \[2\]"):
+        build_loss_fn({})(logprobs, data, 2, data["token_mask"][:, 1:].sum(), layout=layout)

@@ -135,10 +135,12 @@ def fused_linear_pg_loss(
     """
     separable = is_token_separable(loss_fn.config)
     if single_pass and not separable:
-        raise ValueError(
-            f"single_pass=True needs a token-separable loss; ratio_level={loss_fn.config.effective_ratio_level!r} "
-            "needs every log-prob of a sequence first: pass single_pass=None (auto) or False"
+        why = (
+            "force_on_policy_ratio takes the old log-probs (and the IS weights) from the current ones"
+            if loss_fn.config.force_on_policy_ratio
+            else f"ratio_level={loss_fn.config.effective_ratio_level!r} needs every log-prob of a sequence first"
         )
+        raise ValueError(f"single_pass=True needs a token-separable loss; {why}: pass single_pass=None (auto) or False")
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     use_single = separable and single_pass is not False and wants_grad
     if not use_single:
@@ -160,7 +162,8 @@ def fused_linear_pg_loss(
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
-    placeholder = torch.zeros(target.shape, dtype=torch.float32, device=hidden.device)  # shape / dtype only
+    # shape and dtype only: the log-probs' dtype (fp64 for fp64 inputs, else fp32) sets the dL/dc arithmetic's
+    placeholder = torch.zeros(target.shape, dtype=acc_dtype(compute_dtype(hidden)), device=hidden.device)
     inputs, layout = loss_fn.prepare(placeholder, data, global_valid_seqs, global_valid_toks, layout)
     token_grad = TokenLossGradient.build(loss_fn, inputs, layout)
     metrics: dict[str, Any] = {}

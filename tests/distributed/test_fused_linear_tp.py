@@ -1,6 +1,8 @@
 """TP=2 (2 gloo ranks, spawned once): both fused log-prob paths with a vocab-sharded LM head equal the single-process
 naive reference for every ratio level x IS level: loss, metrics, the full hidden-state gradient on every rank and each
-rank's rows of the weight gradient (fp32: 1e-5 relative). Also sequence parallelism, entropy + temperature, bf16.
+rank's rows of the weight gradient (fp32: 1e-5 relative). Also sequence parallelism, entropy + temperature, bf16, and
+the fused hidden-state loss ``fused_linear_pg_loss`` (single pass for the token ratio, two-pass otherwise, with and
+without sequence parallelism).
 
 Each rank rebuilds the same seeded problem, holds rows ``[r V/2, (r+1) V/2)`` of the LM head and passes the explicit
 group; the reference runs on the full head in the same process.
@@ -8,20 +10,26 @@ group; the reference runs on the full head in the same process.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import nemo_is_plugin.distributed.fused_linear as fused_linear_module
+import nemo_is_plugin.distributed.fused_linear_loss as fused_loss_module
+from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.paths import naive_logprobs
 from nemo_is_plugin.bench.problem import make_problem, vocab_shard
 from nemo_is_plugin.distributed.collectives import all_reduce_sum
 from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
+from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
 
 from ._spawn import run_checks
 from .test_fused_linear_loss import IS_LEVELS, RATIO_LEVELS, assert_metrics_close, level_config, problem, rel_err, run
+from .test_fused_linear_pg_loss import problem as pg_problem
 
 WORLD = 2
 CHUNK = 5
@@ -129,10 +137,99 @@ def check_bf16(rank: int, world: int) -> None:
     assert rel_err(dx, ref_dx) < 1e-2 and rel_err(dw, vocab_shard(ref_dw, tp_rank, tp_size)) < 1e-2
 
 
+@contextlib.contextmanager
+def _forbidden_chunk_logits(module):
+    """``module.chunk_logits`` raises inside the block: proves which schedule ran (both ranks take the same one, and
+    the raise comes before any collective of that schedule)."""
+    original = module.chunk_logits
+
+    def boom(*args, **kwargs):
+        raise AssertionError(f"{module.__name__}.chunk_logits must not run here")
+
+    module.chunk_logits = boom
+    try:
+        yield
+    finally:
+        module.chunk_logits = original
+
+
+def _pg_loss_tp(p, cfg, hidden, weight, **kwargs):
+    """(loss, metrics, d hidden, d weight) of fused_linear_pg_loss with this rank's weight shard and the TP group."""
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, metrics = fused_linear_pg_loss(
+        build_loss_fn(cfg), h, w, p.target, p.data, p.global_valid_seqs, p.global_valid_toks, GROUPS["tp"],
+        chunk_size=CHUNK, **kwargs,
+    )
+    loss.backward()
+    return loss.detach(), metrics, h.grad, w.grad
+
+
+def _assert_pg_parity(got, ref_loss, ref_metrics, ref_dx, ref_dw) -> None:
+    loss, metrics, dx, dw = got
+    # relative + absolute like the metrics: with mixed-sign advantages the loss is a cancelling sum (fp32 noise 1e-5)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-7)
+    assert_metrics_close(metrics, ref_metrics)
+    assert rel_err(dx, ref_dx) < 1e-5, rel_err(dx, ref_dx)
+    assert rel_err(dw, ref_dw) < 1e-5, rel_err(dw, ref_dw)
+    assert ref_dx.abs().max() > 0 and ref_dw.abs().max() > 0
+
+
+def _pg_level_check(ratio_level: str, is_level: str):
+    """fused_linear_pg_loss under TP=2 equals the single-process naive path; the token ratio runs the single pass
+    (the two-pass kernel is forbidden), the other levels the two-pass schedule (the single pass is forbidden)."""
+
+    def check(rank: int, world: int) -> None:
+        _, tp_rank, tp_size = _tp()
+        p, cfg = pg_problem(vocab=38), level_config(ratio_level, is_level)
+        ref_loss, ref_metrics, ref_dx, ref_dw = run(p, naive_logprobs, cfg)
+        single = ratio_level == "token"
+        with _forbidden_chunk_logits(fused_linear_module if single else fused_loss_module):
+            got = _pg_loss_tp(p, cfg, p.hidden, vocab_shard(p.weight, tp_rank, tp_size), single_pass=single or None)
+        _assert_pg_parity(got, ref_loss, ref_metrics, ref_dx, vocab_shard(ref_dw, tp_rank, tp_size))
+
+    return check
+
+
+def _sp_problem():
+    """pg_problem's recipe with 4 sequences (dim 0 splits over 2 ranks); the last one is masked by sample_mask."""
+    base = make_problem(4, 9, 16, 38, seed=3)
+    true_lp = naive_logprobs(base.hidden.double(), base.weight.double(), base.target)
+    p = make_problem(4, 9, 16, 38, seed=3, base_logprobs=true_lp)
+    p.data["advantages"] = torch.randn(p.data["advantages"].shape, generator=torch.Generator().manual_seed(103))
+    p.data["rewards"] = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    return p
+
+
+def _pg_sequence_parallel_check(ratio_level: str, is_level: str):
+    """Hidden states sharded over TP along dim 0 (all-gathered forward, reduce-scattered dX)."""
+
+    def check(rank: int, world: int) -> None:
+        _, tp_rank, tp_size = _tp()
+        p, cfg = _sp_problem(), level_config(ratio_level, is_level)
+        ref_loss, ref_metrics, ref_dx, ref_dw = run(p, naive_logprobs, cfg)
+        n_local = p.hidden.shape[0] // tp_size
+        rows = slice(tp_rank * n_local, (tp_rank + 1) * n_local)
+        single = ratio_level == "token"
+        with _forbidden_chunk_logits(fused_linear_module if single else fused_loss_module):
+            got = _pg_loss_tp(
+                p, cfg, p.hidden[rows], vocab_shard(p.weight, tp_rank, tp_size), sequence_parallel=True,
+                single_pass=single or None,
+            )
+        assert got[2].shape == (n_local,) + tuple(p.hidden.shape[1:])
+        _assert_pg_parity(got, ref_loss, ref_metrics, ref_dx[rows], vocab_shard(ref_dw, tp_rank, tp_size))
+
+    return check
+
+
 CHECKS = [(f"levels[{r}-{i}]", _level_check(r, i)) for r, i in itertools.product(RATIO_LEVELS, IS_LEVELS)] + [
     ("sequence_parallel", check_sequence_parallel),
     ("entropy_and_temperature", check_entropy_and_temperature),
     ("bf16", check_bf16),
+] + [(f"pg_loss_single_pass[token-{i}]", _pg_level_check("token", i)) for i in IS_LEVELS] + [
+    ("pg_loss_two_pass[sequence-sequence]", _pg_level_check("sequence", "sequence")),
+    ("pg_loss_two_pass[cumulative-token]", _pg_level_check("cumulative", "token")),
+    ("pg_loss_sequence_parallel_single_pass[token-cumulative]", _pg_sequence_parallel_check("token", "cumulative")),
+    ("pg_loss_sequence_parallel_two_pass[sequence-sequence]", _pg_sequence_parallel_check("sequence", "sequence")),
 ]
 
 

@@ -1,0 +1,471 @@
+"""fused_linear_pg_loss (the policy-gradient loss straight from hidden states and the LM head) equals the naive path
+(full logits -> fp32 log_softmax -> gather -> ClippedPGLoss): loss, every metric, dX and dW.
+
+Single process. fp32: 1e-5 relative (loss and metrics 1e-5 relative + 1e-7 absolute) as in test_fused_linear_loss; bf16
+hidden/weight: loss and metrics 1e-5 against an fp32 reference on the exact bf16 values, gradients 1e-2 (one bf16
+rounding); fp64: 1e-10. Also the schedule itself: which path runs (single pass for token-separable configs, two-pass
+otherwise), how many chunk GEMMs run in the forward and the backward, upstream-gradient scaling, requires_grad and
+no_grad handling, and a packed layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import nemo_is_plugin.distributed.fused_linear as fused_linear_module
+import nemo_is_plugin.distributed.fused_linear_loss as fused_loss_module
+from nemo_is_plugin import build_loss_fn
+from nemo_is_plugin.bench.paths import naive_logprobs
+from nemo_is_plugin.bench.problem import make_problem
+from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.layout import TokenLayout
+
+from .test_fused_linear_loss import CHUNK, IS_LEVELS, RATIO_LEVELS, assert_metrics_close, level_config, rel_err, run
+from .test_fused_linear_loss import problem as _base_problem
+
+NON_TOKEN_RATIO_LEVELS = [r for r in RATIO_LEVELS if r != "token"]
+
+
+def problem(dtype=torch.float32, seed=0, vocab=37):
+    """test_fused_linear_loss's problem with per-token advantages of both signs (its own are all +0.1, so the
+    dual clip and the low clip never act) and mixed rewards (its own are all 0: no positive-sample NLL)."""
+    p = _base_problem(dtype=dtype, seed=seed, vocab=vocab)
+    g = torch.Generator().manual_seed(100 + seed)
+    p.data["advantages"] = torch.randn(p.data["advantages"].shape, generator=g)
+    p.data["rewards"] = torch.tensor([1.0, 0.0, 1.0])
+    return p
+
+
+def fused(p, cfg, *, hidden=None, weight=None, h_grad=True, w_grad=True, upstream=None, data=None, target=None,
+          **kwargs):
+    """(loss, metrics, d hidden, d weight) of ``fused_linear_pg_loss`` on problem ``p`` (CHUNK tokens per chunk)."""
+    h = (p.hidden if hidden is None else hidden).clone().requires_grad_(h_grad)
+    w = (p.weight if weight is None else weight).clone().requires_grad_(w_grad)
+    kwargs.setdefault("chunk_size", CHUNK)
+    loss, metrics = fused_linear_pg_loss(
+        build_loss_fn(cfg), h, w, p.target if target is None else target, p.data if data is None else data,
+        p.global_valid_seqs, p.global_valid_toks, **kwargs,
+    )
+    if loss.requires_grad:
+        (loss if upstream is None else upstream * loss).backward()
+    return loss.detach(), metrics, h.grad, w.grad
+
+
+def assert_parity(got, want, rtol=1e-5, grad_rtol=1e-5, metric_atol=1e-7):
+    loss, metrics, dx, dw = got
+    ref_loss, ref_metrics, ref_dx, ref_dw = want
+    # the loss like the metrics: relative + absolute (mixed-sign advantages make it a cancelling sum: e.g. -0.00834
+    # whose fp32 naive value is itself 1.2e-5 relative from fp64)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=rtol, abs=metric_atol)
+    assert_metrics_close(metrics, ref_metrics, rtol=rtol, atol=metric_atol)
+    assert dx.dtype == ref_dx.dtype or dx.dtype == torch.bfloat16
+    assert rel_err(dx, ref_dx) < grad_rtol, rel_err(dx, ref_dx)
+    assert rel_err(dw, ref_dw) < grad_rtol, rel_err(dw, ref_dw)
+    # the loss actually reaches both inputs (a test of all-zero gradients could not fail)
+    assert ref_dx.abs().max() > 0 and ref_dw.abs().max() > 0
+
+
+def _forbid(monkeypatch, module, what):
+    def boom(*args, **kwargs):
+        raise AssertionError(f"{what} must not run here")
+
+    monkeypatch.setattr(module, "chunk_logits", boom)
+
+
+# ---------------------------------------------------------------------------------------------------- every level
+@pytest.mark.parametrize("single_pass", [None, True])
+@pytest.mark.parametrize("is_level", IS_LEVELS)
+def test_token_ratio_every_is_level_single_pass(monkeypatch, is_level, single_pass):
+    """Token ratio x every IS level: the single pass runs (the two-pass kernel is forbidden) and equals naive."""
+    p, cfg = problem(), level_config("token", is_level)
+    want = run(p, naive_logprobs, cfg)
+    _forbid(monkeypatch, fused_linear_module, "the two-pass fused_linear_logprobs")
+    assert_parity(fused(p, cfg, single_pass=single_pass), want)
+
+
+@pytest.mark.parametrize("is_level", IS_LEVELS)
+def test_token_ratio_forced_two_pass(monkeypatch, is_level):
+    """single_pass=False takes the two-pass schedule even for a separable config: same numbers."""
+    p, cfg = problem(), level_config("token", is_level)
+    want = run(p, naive_logprobs, cfg)
+    _forbid(monkeypatch, fused_loss_module, "the single pass")
+    assert_parity(fused(p, cfg, single_pass=False), want)
+
+
+@pytest.mark.parametrize("is_level", ["token", "sequence_mean"])
+@pytest.mark.parametrize("ratio_level", NON_TOKEN_RATIO_LEVELS)
+def test_non_token_ratio_levels_fall_back_to_two_pass(monkeypatch, ratio_level, is_level):
+    p, cfg = problem(), level_config(ratio_level, is_level)
+    want = run(p, naive_logprobs, cfg)
+    _forbid(monkeypatch, fused_loss_module, "the single pass")
+    assert_parity(fused(p, cfg), want)
+
+
+@pytest.mark.parametrize("ratio_level", NON_TOKEN_RATIO_LEVELS)
+def test_single_pass_true_rejects_non_separable_ratio_levels(ratio_level):
+    p, cfg = problem(), level_config(ratio_level, "token")
+    with pytest.raises(ValueError, match=f"ratio_level='{ratio_level}'"):
+        fused(p, cfg, single_pass=True)
+
+
+def test_single_pass_true_rejects_force_on_policy_ratio():
+    """force_on_policy_ratio takes the old log-probs (hence the IS weights) from c: not separable."""
+    p = problem()
+    cfg = dict(level_config("token", "sequence"), ratio_level=None, force_on_policy_ratio=True)
+    with pytest.raises(ValueError, match="single_pass=True"):
+        fused(p, cfg, single_pass=True)
+    assert_parity(fused(p, cfg), run(p, naive_logprobs, cfg))  # auto: two-pass, same numbers
+
+
+# ---------------------------------------------------------------------------------------------------- config sweep
+def _variant(**changes) -> dict:
+    """level_config('token', 'token') with ``changes``; a value None removes the key (back to its default)."""
+    cfg = level_config("token", "token")
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def _aggregation(mode: str, **more) -> dict:
+    # token_level_loss would contradict a sequence aggregation: leave it to follow loss_aggregation
+    return _variant(loss_aggregation=mode, token_level_loss=None, **more)
+
+
+_KL = dict(reference_policy_kl_penalty=0.1)
+SEPARABLE_CONFIGS = {
+    "tis_with_min": _variant(truncated_importance_sampling_ratio_min=0.97),
+    "icepop": _variant(
+        truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=1.05,
+        truncated_importance_sampling_ratio_min=0.95,
+    ),
+    "seq_mask_tis": _variant(
+        truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=1.03,
+        truncated_importance_sampling_ratio_min=0.97,
+    ),
+    "seq_mis": _variant(
+        truncated_importance_sampling_type="seq-mis", truncated_importance_sampling_ratio=1.1,
+        truncated_importance_sampling_ratio_min=0.9,
+    ),
+    "seq_mis_without_is_weights": _variant(
+        truncated_importance_sampling_type="seq-mis", truncated_importance_sampling_ratio=1.1,
+        truncated_importance_sampling_ratio_min=0.9, use_importance_sampling_correction=False,
+        is_correction_level=None,
+    ),
+    "geo_rs": _variant(
+        truncated_importance_sampling_type="geo-rs", truncated_importance_sampling_ratio=1.03,
+        truncated_importance_sampling_ratio_min=0.97,
+    ),
+    "kl_k1": _variant(reference_policy_kl_type="k1", **_KL),
+    "kl_k2": _variant(reference_policy_kl_type="k2", **_KL),
+    "kl_k3": _variant(reference_policy_kl_type="k3", **_KL),
+    "kl_k3_k2_gradient": _variant(reference_policy_kl_type="k3", reference_policy_kl_gradient="k2", **_KL),
+    "kl_k1_k2_gradient": _variant(reference_policy_kl_type="k1", reference_policy_kl_gradient="k2", **_KL),
+    "kl_on_policy_approximation": _variant(use_on_policy_kl_approximation=True, **_KL),
+    "kl_tight_clamps": _variant(kl_input_clamp_value=0.05, kl_output_clamp_value=0.01, **_KL),
+    "agg_token_mean": _aggregation("token-mean"),
+    "agg_seq_mean_token_mean": _aggregation("seq-mean-token-mean"),
+    "agg_seq_mean_token_sum": _aggregation("seq-mean-token-sum"),
+    "agg_seq_mean_token_sum_norm": _aggregation("seq-mean-token-sum-norm", loss_aggregation_norm=8.0),
+    "agg_legacy_token_level_loss_false": _variant(token_level_loss=False, loss_aggregation=None),
+    "cispo": _variant(use_cispo=True),
+    "disable_ppo_ratio": _variant(disable_ppo_ratio=True),
+    "disable_ppo_ratio_dual_clip": _variant(disable_ppo_ratio=True, ratio_clip_c=1.5),
+    "log_space_clip": _variant(log_ratio_clip_low=0.02, log_ratio_clip_high=0.03),
+    "log_space_clip_position_power": _variant(
+        log_ratio_clip_low=0.01, log_ratio_clip_high=0.015, clip_position_power=0.5, log_ratio_clip_c=0.05,
+    ),
+    "dual_clip": _variant(ratio_clip_c=1.02),
+    "token_log_ratio_clamp_and_max": _variant(token_log_ratio_clamp=0.04, max_log_ratio=0.02),
+    "positive_example_nll": _variant(positive_example_nll_weight=0.5),
+    "batch_normalize": _variant(importance_sampling_batch_normalize=True),
+    "veto": _variant(importance_sampling_veto_threshold=0.96),
+    "no_is_correction": _variant(
+        use_importance_sampling_correction=False, truncated_importance_sampling_type=None,
+        truncated_importance_sampling_ratio=None, is_correction_level=None,
+    ),
+    "nemo_rl_defaults": {},
+    "kl_in_reward": _variant(use_kl_in_reward=True, **_KL),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEPARABLE_CONFIGS))
+def test_separable_config_sweep(monkeypatch, name):
+    p, cfg = problem(), SEPARABLE_CONFIGS[name]
+    want = run(p, naive_logprobs, cfg)
+    _forbid(monkeypatch, fused_linear_module, "the two-pass fused_linear_logprobs")
+    assert_parity(fused(p, cfg, single_pass=True), want)
+
+
+def test_config_sweep_exercises_its_features():
+    """The sweep's problem actually hits what each config switches on (so that the parity is not vacuous)."""
+    p = problem()
+    m = {name: run(p, naive_logprobs, SEPARABLE_CONFIGS[name])[1] for name in (
+        "icepop", "seq_mask_tis", "seq_mis", "geo_rs", "veto", "dual_clip", "log_space_clip_position_power",
+        "kl_k3", "positive_example_nll", "token_log_ratio_clamp_and_max",
+    )}
+    for name in ("icepop", "seq_mis", "geo_rs", "veto"):
+        assert 0 < m[name]["is_rejected_fraction"] < 1, name
+    assert 0 < m["seq_mask_tis"]["is_oob_ratio"] < 1
+    assert m["dual_clip"]["clip_fraction_dual"] > 0
+    assert m["log_space_clip_position_power"]["clip_fraction"] > 0
+    assert m["kl_k3"]["kl_penalty"] != 0 and m["positive_example_nll"]["positive_nll_loss"] != 0
+    assert m["token_log_ratio_clamp_and_max"]["probs_ratio_max"] <= math.exp(0.02) + 1e-6
+
+
+@pytest.mark.parametrize("chunk_size", [1, 1000])
+@pytest.mark.parametrize("is_level", ["token", "cumulative"])
+def test_chunk_size_one_and_larger_than_the_batch(is_level, chunk_size):
+    p, cfg = problem(), level_config("token", is_level)
+    assert chunk_size == 1 or chunk_size > p.num_tokens
+    assert_parity(fused(p, cfg, chunk_size=chunk_size, single_pass=True), run(p, naive_logprobs, cfg))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.6])
+def test_temperature(temperature):
+    """Logits divided by the temperature; prev/gen/ref log-probs sit around the tempered ones (clip active)."""
+    base = make_problem(3, 9, 16, 37, seed=0)
+    true_lp = naive_logprobs(base.hidden.double(), base.weight.double() / temperature, base.target)
+    p = make_problem(3, 9, 16, 37, seed=0, base_logprobs=true_lp)
+    cfg = level_config("token", "cumulative")
+    want = run(p, lambda h, w, t: naive_logprobs(h, w / temperature, t), cfg)
+    assert_parity(fused(p, cfg, temperature=temperature, single_pass=True), want)
+    # and the tempered loss is not the untempered one (the temperature is really applied)
+    assert rel_err(fused(p, cfg, single_pass=True)[2], want[2]) > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------- dtypes
+@pytest.mark.parametrize("is_level", IS_LEVELS)
+def test_bf16_parity(is_level):
+    p, cfg = problem(dtype=torch.bfloat16, seed=1), level_config("token", is_level)
+    want = run(p, naive_logprobs, cfg, p.hidden.float(), p.weight.float())
+    got = fused(p, cfg, single_pass=True)
+    assert got[2].dtype == torch.bfloat16 and got[3].dtype == torch.bfloat16
+    assert_parity(got, want, grad_rtol=1e-2)
+
+
+def naive_logprobs_fp64(hidden, weight, target):
+    """naive_logprobs without its fp32 cast (it runs log_softmax in fp32 whatever the input)."""
+    logp = torch.log_softmax(hidden @ weight.t(), dim=-1)
+    return logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+
+
+FP64_CONFIGS = {
+    "token-token": level_config("token", "token"),
+    "token-cumulative-kl": dict(level_config("token", "cumulative"), reference_policy_kl_penalty=0.1),
+    "sequence-sequence": level_config("sequence", "sequence"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FP64_CONFIGS))
+def test_fp64_loss_and_metrics(name):
+    p, cfg = problem(dtype=torch.float64), FP64_CONFIGS[name]
+    ref_loss, ref_metrics, ref_dx, _ = run(p, naive_logprobs_fp64, cfg)
+    assert ref_dx.dtype == torch.float64
+    loss, metrics, dx, dw = fused(p, cfg)
+    assert loss.dtype == torch.float64 and dx.dtype == torch.float64 and dw.dtype == torch.float64
+    assert rel_err(loss, ref_loss) < 1e-10
+    assert_metrics_close(metrics, ref_metrics, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("name", sorted(FP64_CONFIGS))
+def test_fp64_gradients_two_pass(name):
+    p, cfg = problem(dtype=torch.float64), FP64_CONFIGS[name]
+    want = run(p, naive_logprobs_fp64, cfg)
+    assert_parity(fused(p, cfg, single_pass=False), want, rtol=1e-10, grad_rtol=1e-10, metric_atol=1e-13)
+
+
+@pytest.mark.parametrize("name", ["token-token", "token-cumulative-kl"])
+def test_fp64_gradients_single_pass(name):
+    p, cfg = problem(dtype=torch.float64), FP64_CONFIGS[name]
+    want = run(p, naive_logprobs_fp64, cfg)
+    assert_parity(fused(p, cfg, single_pass=True), want, rtol=1e-10, grad_rtol=1e-10, metric_atol=1e-13)
+
+
+# ---------------------------------------------------------------------------------------------------- autograd
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_upstream_gradient_scales_the_gradients(ratio_level):
+    p, cfg = problem(), level_config(ratio_level, "token")
+    _, _, dx1, dw1 = fused(p, cfg)
+    loss, _, dx, dw = fused(p, cfg, upstream=2.5)
+    assert rel_err(dx, 2.5 * dx1) < 1e-6 and rel_err(dw, 2.5 * dw1) < 1e-6
+    h, w = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
+    ref, _ = build_loss_fn(cfg)(naive_logprobs(h, w, p.target), p.data, p.global_valid_seqs, p.global_valid_toks)
+    (2.5 * ref).backward()
+    assert rel_err(dx, h.grad) < 1e-5 and rel_err(dw, w.grad) < 1e-5
+    assert rel_err(loss, ref.detach()) < 1e-5
+
+
+def test_negative_and_tensor_upstream_gradient():
+    p, cfg = problem(), level_config("token", "token")
+    _, _, dx1, dw1 = fused(p, cfg)
+    _, _, dx, dw = fused(p, cfg, upstream=torch.tensor(-0.5))
+    assert rel_err(dx, -0.5 * dx1) < 1e-6 and rel_err(dw, -0.5 * dw1) < 1e-6
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_only_the_inputs_that_require_grad_get_one(ratio_level):
+    p, cfg = problem(), level_config(ratio_level, "token")
+    _, _, ref_dx, ref_dw = run(p, naive_logprobs, cfg)
+    loss, _, dx, dw = fused(p, cfg, h_grad=False)
+    assert dx is None and rel_err(dw, ref_dw) < 1e-5
+    loss, _, dx, dw = fused(p, cfg, w_grad=False)
+    assert dw is None and rel_err(dx, ref_dx) < 1e-5
+
+
+def test_no_input_requires_grad_gives_a_constant_loss():
+    p, cfg = problem(), level_config("token", "token")
+    ref_loss, ref_metrics, _, _ = run(p, naive_logprobs, cfg)
+    h, w = p.hidden.clone(), p.weight.clone()
+    loss, metrics = fused_linear_pg_loss(
+        build_loss_fn(cfg), h, w, p.target, p.data, p.global_valid_seqs, p.global_valid_toks, chunk_size=CHUNK
+    )
+    assert not loss.requires_grad
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert_metrics_close(metrics, ref_metrics)
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_no_grad_returns_loss_and_metrics_without_gradients(monkeypatch, ratio_level):
+    p, cfg = problem(), level_config(ratio_level, "token")
+    ref_loss, ref_metrics, _, _ = run(p, naive_logprobs, cfg)
+    _forbid(monkeypatch, fused_loss_module, "the single pass (it computes gradients in its forward)")
+    h, w = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
+    with torch.no_grad():
+        loss, metrics = fused_linear_pg_loss(
+            build_loss_fn(cfg), h, w, p.target, p.data, p.global_valid_seqs, p.global_valid_toks, chunk_size=CHUNK
+        )
+    assert not loss.requires_grad and loss.grad_fn is None
+    assert h.grad is None and w.grad is None
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert_metrics_close(metrics, ref_metrics)
+
+
+# ---------------------------------------------------------------------------------------------------- schedule
+def _log_chunks(monkeypatch, events):
+    for module, tag in ((fused_loss_module, "single"), (fused_linear_module, "two_pass")):
+        original = module.chunk_logits
+
+        def logged(*args, _original=original, _tag=tag, **kwargs):
+            events.append(_tag)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "chunk_logits", logged)
+
+
+@pytest.mark.parametrize("chunk_size", [CHUNK, 7])
+def test_single_pass_runs_every_chunk_gemm_in_the_forward_and_none_in_the_backward(monkeypatch, chunk_size):
+    events: list[str] = []
+    _log_chunks(monkeypatch, events)
+    p, cfg = problem(), level_config("token", "cumulative")
+    h, w = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
+    loss, _ = fused_linear_pg_loss(
+        build_loss_fn(cfg), h, w, p.target, p.data, p.global_valid_seqs, p.global_valid_toks, chunk_size=chunk_size
+    )
+    events.append("forward done")
+    loss.backward()
+    events.append("backward done")
+    n_chunks = -(-p.num_tokens // chunk_size)
+    assert n_chunks > 1
+    assert events == ["single"] * n_chunks + ["forward done", "backward done"]
+    _, _, ref_dx, ref_dw = run(p, naive_logprobs, cfg)
+    assert rel_err(h.grad, ref_dx) < 1e-5 and rel_err(w.grad, ref_dw) < 1e-5
+
+
+def test_two_pass_recomputes_every_chunk_in_the_backward(monkeypatch):
+    events: list[str] = []
+    _log_chunks(monkeypatch, events)
+    p, cfg = problem(), level_config("sequence", "sequence")
+    h, w = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
+    loss, _ = fused_linear_pg_loss(
+        build_loss_fn(cfg), h, w, p.target, p.data, p.global_valid_seqs, p.global_valid_toks, chunk_size=CHUNK
+    )
+    events.append("forward done")
+    loss.backward()
+    n_chunks = -(-p.num_tokens // CHUNK)
+    assert events == ["two_pass"] * n_chunks + ["forward done"] + ["two_pass"] * n_chunks
+
+
+# ---------------------------------------------------------------------------------------------------- layouts
+def _row_layout(batch: int, seq_len: int) -> TokenLayout:
+    """The padded [B, T] layout written out without the padded fast paths (index_add / segmented cumsum)."""
+    rows = torch.arange(batch).unsqueeze(1).expand(batch, seq_len)
+    cols = torch.arange(seq_len).unsqueeze(0).expand(batch, seq_len)
+    return TokenLayout(rows, cols, batch)
+
+
+LAYOUT_CONFIGS = {
+    "cumulative_is_log_clip": dict(
+        level_config("token", "cumulative"), log_ratio_clip_low=0.01, log_ratio_clip_high=0.015,
+        clip_position_power=0.5,
+    ),
+    "seq_mask_tis_seq_mean": _aggregation(
+        "seq-mean-token-mean", truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=1.03, truncated_importance_sampling_ratio_min=0.97,
+        reference_policy_kl_penalty=0.1,
+    ),
+    "sequence_ratio_two_pass": level_config("sequence", "sequence_mean"),
+}
+
+
+def _run_with_layout(p, cfg, logprob_fn, layout, data, target, hidden):
+    h, w = hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
+    loss, metrics = build_loss_fn(cfg)(
+        logprob_fn(h, w, target), data, p.global_valid_seqs, p.global_valid_toks, layout=layout
+    )
+    loss.backward()
+    return loss.detach(), metrics, h.grad, w.grad
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_CONFIGS))
+def test_explicit_non_padded_layout(name):
+    """An explicit layout (the padded batch's, without the padded fast paths) reaches the loss and the per-token
+    constants: equals the naive path with the same layout, and the default padded layout."""
+    p, cfg = problem(), LAYOUT_CONFIGS[name]
+    layout = _row_layout(*p.target.shape)
+    want = _run_with_layout(p, cfg, naive_logprobs, layout, p.data, p.target, p.hidden)
+    assert_parity(fused(p, cfg, layout=layout), want)
+    assert_parity(want, run(p, naive_logprobs, cfg))
+
+
+def _pack_problem(p, lengths):
+    """The first ``lengths[i]`` next-token positions of each row of ``p``, packed into one [1, N] row (THD)."""
+    def pack_tokens(x):  # [B, T, ...] -> [1, N, ...]
+        return torch.cat([x[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
+
+    data = {}
+    for key, value in p.data.items():
+        if value.dim() == 2:  # [B, S]: column 0 is never read; keep one column in front of the packed tokens
+            data[key] = torch.cat([value[:1, :1], pack_tokens(value[:, 1:])], dim=1)
+        else:
+            data[key] = value
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    return pack_tokens(p.hidden), pack_tokens(p.target), data, TokenLayout.packed(cu)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_CONFIGS))
+def test_packed_single_sequence(name):
+    """A packed [1, N] batch with one sequence (the problem's rows concatenated, masks kept)."""
+    p, cfg = problem(), LAYOUT_CONFIGS[name]
+    hidden, target, data, _ = _pack_problem(p, [8, 8, 8])
+    data["sample_mask"], data["rewards"] = torch.ones(1), torch.ones(1)
+    p.global_valid_seqs, p.global_valid_toks = 1.0, float(data["token_mask"][:, 1:].sum())
+    layout = TokenLayout.packed([0, target.shape[1]])
+    assert tuple(layout.shape) == (24,) and tuple(target.shape) == (1, 24)
+    want = _run_with_layout(p, cfg, naive_logprobs, layout, data, target, hidden)
+    got = fused(p, cfg, hidden=hidden, data=data, target=target, layout=layout)
+    assert_parity(got, want)
+
+
+def test_packed_several_sequences():
+    p, cfg = problem(), LAYOUT_CONFIGS["cumulative_is_log_clip"]
+    lengths = [5, 8, 7]
+    hidden, target, data, layout = _pack_problem(p, lengths)
+    want = _run_with_layout(p, cfg, naive_logprobs, layout, data, target, hidden)
+    got = fused(p, cfg, hidden=hidden, data=data, target=target, layout=layout)
+    assert_parity(got, want)
