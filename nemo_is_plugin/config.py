@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 RatioLevel = Literal["token", "sequence", "sequence_token", "cumulative", "cumulative_mean"]
 ISCorrectionLevel = Literal["token", "sequence", "sequence_mean", "cumulative"]
 TruncationType = Literal["tis", "icepop", "seq-mask-tis", "seq-mis", "geo-rs"]
+RejectionType = Literal["seq-mis", "geo-rs"]
 KLType = Literal["k1", "k2", "k3"]
 KLGradient = Literal["estimator", "k2"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -98,6 +99,17 @@ class ClippedPGLossConfig(BaseModel):
     )
     max_log_ratio: Optional[float] = Field(
         None, description="Upper cap on the log of the policy ratio after building it (CTPO: 10)."
+    )
+    importance_sampling_rejection: Optional[RejectionType] = Field(
+        None, description="Sequence rejection on top of the truncation type: 'seq-mis' (exp(sum_t x_t)) or 'geo-rs' "
+        "(exp(mean_t x_t)) outside [importance_sampling_rejection_min, _max] zeroes the sequence (verl's "
+        "Seq-MIS / Geo-RS + TIS presets).",
+    )
+    importance_sampling_rejection_min: Optional[float] = Field(
+        None, gt=0, description="Lower bound of the rejection band (ratio space)."
+    )
+    importance_sampling_rejection_max: Optional[float] = Field(
+        None, gt=0, description="Upper bound of the rejection band (ratio space)."
     )
     importance_sampling_veto_threshold: Optional[float] = Field(
         None, gt=0, lt=1, description="Reject a sequence if any token weight exp(p_t - g_t) is below this (veto)."
@@ -270,14 +282,37 @@ def _contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     if cfg.loss_aggregation_norm is not None and cfg.effective_loss_aggregation != "seq-mean-token-sum-norm":
         out.append("loss_aggregation_norm is only read by loss_aggregation='seq-mean-token-sum-norm'")
 
+    out.extend(_rejection_contradictions(cfg))
     needs_is = cfg.importance_sampling_batch_normalize or cfg.is_correction_level is not None
-    if needs_is and not cfg.use_importance_sampling_correction and tis not in REJECTION_TYPES:
+    rejects = tis in REJECTION_TYPES or cfg.importance_sampling_rejection is not None
+    if needs_is and not cfg.use_importance_sampling_correction and not rejects:
         which = "is_correction_level" if cfg.is_correction_level is not None else "importance_sampling_batch_normalize"
         out.append(f"{which} has no effect without use_importance_sampling_correction=true; enable it or unset {which}")
     if cfg.reference_policy_kl_gradient == "k2" and cfg.effective_kl_penalty == 0:
         out.append("reference_policy_kl_gradient='k2' needs a non-zero reference_policy_kl_penalty in the loss")
     if cfg.max_log_ratio is not None and cfg.disable_ppo_ratio:
         out.append("max_log_ratio caps the policy ratio; disable_ppo_ratio must be false")
+    return out
+
+
+def _rejection_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
+    rej, lo, hi = cfg.importance_sampling_rejection, cfg.importance_sampling_rejection_min, \
+        cfg.importance_sampling_rejection_max
+    if rej is None:
+        if lo is not None or hi is not None:
+            return ["importance_sampling_rejection_min and importance_sampling_rejection_max are only read with "
+                    "importance_sampling_rejection, which is null: set it to 'seq-mis' or 'geo-rs', or unset them"]
+        return []
+    out = []
+    if lo is None or hi is None:
+        out.append(f"importance_sampling_rejection={rej!r} needs importance_sampling_rejection_min and "
+                   "importance_sampling_rejection_max (verl presets: seq-mis 0.5 and 2.0, geo-rs 0.999 and 1.001)")
+    elif lo > hi:
+        out.append(f"importance_sampling_rejection_min={lo} must be <= importance_sampling_rejection_max={hi}")
+    tis = cfg.truncated_importance_sampling_type
+    if tis in ("seq-mask-tis", "seq-mis", "geo-rs"):
+        out.append(f"truncated_importance_sampling_type={tis!r} already masks whole sequences: combine "
+                   "importance_sampling_rejection with 'tis', 'icepop' or null, or use a single sequence rule")
     return out
 
 

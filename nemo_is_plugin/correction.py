@@ -60,6 +60,9 @@ def compute_is_correction(
     high: Optional[float],
     veto_threshold: Optional[float],
     batch_normalize: bool,
+    rejection: Optional[str] = None,
+    rejection_low: Optional[float] = None,
+    rejection_high: Optional[float] = None,
 ) -> ISCorrection:
     """Compute the IS weights of a batch.
 
@@ -73,6 +76,8 @@ def compute_is_correction(
         truncation: tis | icepop | seq-mask-tis | seq-mis | geo-rs | None.
         low, high: truncation bounds on the weight.
         veto_threshold: reject a sequence whose smallest token weight is below this.
+        rejection, rejection_low, rejection_high: seq-mis | geo-rs | None, applied after (and independently of) the
+            truncation: a sequence whose ratio is outside the band gets weight 0 (compared in log space).
         batch_normalize: divide the truncated weights by their mean over valid tokens (sequence levels: over
             sequences), taken before masks and rejections as verl does.
     """
@@ -92,10 +97,7 @@ def compute_is_correction(
         in_band = T.band_mask(raw, low, high) if legacy else T.band_mask_log(log_w, low, high)
         oob, keep = ~in_band, in_band
     elif truncation in ("seq-mask-tis", "seq-mis", "geo-rs"):
-        x = torch.nan_to_num(prev - gen, nan=0.0, posinf=0.0, neginf=0.0)
-        seq_log = layout.seq_sum(where_mask(x, token_mask))
-        if truncation != "seq-mis":  # geometric mean over the sequence
-            seq_log = seq_log / (layout.seq_sum(token_mask.to(x.dtype)) + EPS)
+        seq_log = _sequence_log_ratio(prev, gen, token_mask, layout, geometric=truncation != "seq-mis")
         if legacy and truncation == "seq-mask-tis":
             in_band = T.band_mask(torch.exp(seq_log), low, high)
         else:
@@ -103,6 +105,9 @@ def compute_is_correction(
         seq_oob = ~in_band
         keep = layout.to_tokens(in_band)
         oob = ~keep
+    if rejection is not None:
+        seq_log = _sequence_log_ratio(prev, gen, token_mask, layout, geometric=rejection == "geo-rs")
+        keep = keep & layout.to_tokens(T.band_mask_log(seq_log, rejection_low, rejection_high))
     if veto_threshold is not None:
         min_log = layout.seq_min(torch.where(token_mask != 0, prev - gen, torch.full_like(prev, float("inf"))))
         keep = keep & layout.to_tokens(T.veto_keep(min_log, veto_threshold))
@@ -116,6 +121,17 @@ def compute_is_correction(
         w = w / torch.where(factor > 0, factor, torch.ones_like(factor))
     w = torch.where(keep, w, torch.zeros_like(w))
     return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor)
+
+
+def _sequence_log_ratio(
+    prev: torch.Tensor, gen: torch.Tensor, token_mask: torch.Tensor, layout: TokenLayout, *, geometric: bool
+) -> torch.Tensor:
+    """[S] log of the sequence ratio: sum_t (prev - gen) over the token mask, or its mean (``geometric``)."""
+    x = torch.nan_to_num(prev - gen, nan=0.0, posinf=0.0, neginf=0.0)
+    seq_log = layout.seq_sum(where_mask(x, token_mask))
+    if geometric:
+        seq_log = seq_log / (layout.seq_sum(token_mask.to(x.dtype)) + EPS)
+    return seq_log
 
 
 def _batch_mean(w: torch.Tensor, valid_mask: torch.Tensor, layout: TokenLayout, per_sequence: bool) -> torch.Tensor:

@@ -251,6 +251,9 @@ def is_correction_kwargs(cfg: ClippedPGLossConfig) -> dict[str, Any]:
         high=cfg.truncated_importance_sampling_ratio,
         veto_threshold=cfg.importance_sampling_veto_threshold,
         batch_normalize=cfg.importance_sampling_batch_normalize,
+        rejection=cfg.importance_sampling_rejection,
+        rejection_low=cfg.importance_sampling_rejection_min,
+        rejection_high=cfg.importance_sampling_rejection_max,
     )
 
 

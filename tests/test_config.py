@@ -71,6 +71,18 @@ def test_unknown_key_names_nearest():
           "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio": 2.0,
           "truncated_importance_sampling_ratio_min": 0.5}, ["is_correction_level"]),
         ({"importance_sampling_veto_threshold": 1.5}, ["importance_sampling_veto_threshold"]),
+        ({"importance_sampling_rejection": "geo-rs", "importance_sampling_rejection_max": 1.001},
+         ["importance_sampling_rejection_min"]),
+        ({"importance_sampling_rejection_min": 0.5, "importance_sampling_rejection_max": 2.0},
+         ["importance_sampling_rejection"]),
+        ({"importance_sampling_rejection": "seq-mis", "importance_sampling_rejection_min": 2.0,
+          "importance_sampling_rejection_max": 0.5}, ["importance_sampling_rejection_min"]),
+        ({"importance_sampling_rejection": "bogus", "importance_sampling_rejection_min": 0.5,
+          "importance_sampling_rejection_max": 2.0}, ["importance_sampling_rejection"]),
+        ({"importance_sampling_rejection": "geo-rs", "importance_sampling_rejection_min": 0.999,
+          "importance_sampling_rejection_max": 1.001, "truncated_importance_sampling_type": "seq-mis",
+          "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.5},
+         ["truncated_importance_sampling_type", "importance_sampling_rejection"]),
         ({"log_ratio_clip_low": -0.1, "log_ratio_clip_high": 0.05}, ["log_ratio_clip_low"]),
     ],
 )
@@ -87,3 +99,17 @@ def test_rejection_types_run_without_is_weights():
         truncated_importance_sampling_ratio=1.001,
     )
     assert not cfg.use_importance_sampling_correction
+
+
+def test_rejection_field_combines_with_token_truncation_and_runs_without_is_weights():
+    tis_geo = ClippedPGLossConfig(
+        use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=2.0, importance_sampling_rejection="geo-rs",
+        importance_sampling_rejection_min=0.999, importance_sampling_rejection_max=1.001,
+    )
+    assert tis_geo.importance_sampling_rejection == "geo-rs"
+    alone = ClippedPGLossConfig(
+        importance_sampling_rejection="seq-mis", importance_sampling_rejection_min=0.5,
+        importance_sampling_rejection_max=2.0, is_correction_level="token",
+    )
+    assert not alone.use_importance_sampling_correction

@@ -100,6 +100,10 @@ _ACTIVE = {
     "token_log_ratio_clamp": {},
     "max_log_ratio": {},
     "importance_sampling_veto_threshold": {},
+    "importance_sampling_rejection_min": dict(importance_sampling_rejection="geo-rs",
+                                              importance_sampling_rejection_max=1.001),
+    "importance_sampling_rejection_max": dict(importance_sampling_rejection="geo-rs",
+                                              importance_sampling_rejection_min=0.999),
     "loss_aggregation_norm": dict(loss_aggregation="seq-mean-token-sum-norm", token_level_loss=False),
 }
 

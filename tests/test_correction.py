@@ -19,10 +19,12 @@ MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=F64)
 LAY = TokenLayout.padded(2, 3)
 
 
-def run(level="token", legacy=False, truncation=None, low=None, high=None, veto=None, bn=False, apply=True):
+def run(level="token", legacy=False, truncation=None, low=None, high=None, veto=None, bn=False, apply=True,
+        rejection=None, band=(None, None)):
     return compute_is_correction(
         PREV, GEN, MASK, MASK, LAY, level=level, legacy=legacy, apply_weights=apply, truncation=truncation,
-        low=low, high=high, veto_threshold=veto, batch_normalize=bn,
+        low=low, high=high, veto_threshold=veto, batch_normalize=bn, rejection=rejection, rejection_low=band[0],
+        rejection_high=band[1],
     )
 
 
@@ -92,3 +94,33 @@ def test_is_off_gives_unit_weights_but_keeps_raw_for_metrics():
     c = run(apply=False)
     assert torch.equal(c.weights, torch.ones(2, 3, dtype=F64))
     assert torch.allclose(c.raw_weights, torch.exp(LOGW))
+
+
+def test_rejection_on_top_of_tis_truncates_then_rejects():
+    """Geo-RS + token TIS (verl preset): geometric means 1.8^(1/3) = 1.216 (kept) and 0.1^(1/2) = 0.316 (rejected)."""
+    c = run(truncation="tis", high=2.0, rejection="geo-rs", band=(0.9, 1.3))
+    assert torch.allclose(c.weights, torch.tensor([[2.0, 0.5, 1.2], [0.0, 0.0, 0.0]], dtype=F64))
+    assert c.rejected.tolist() == [[False] * 3, [True] * 3]
+    assert c.out_of_band.tolist() == [[True, False, False], [False, False, True]]  # the truncation's (3, 50 > 2)
+    # Seq-MIS + TIS: products 1.8 (in [0.5, 2]) and 0.1 (rejected); the truncation still caps 3 -> 2
+    m = run(truncation="tis", high=2.0, rejection="seq-mis", band=(0.5, 2.0))
+    assert torch.allclose(m.weights, torch.tensor([[2.0, 0.5, 1.2], [0.0, 0.0, 0.0]], dtype=F64))
+    # a band that keeps both sequences leaves the truncated weights as they are
+    keep_all = run(truncation="tis", high=2.0, rejection="seq-mis", band=(0.05, 2.0))
+    assert torch.equal(keep_all.weights, run(truncation="tis", high=2.0).weights)
+
+
+def test_rejection_is_applied_after_batch_normalisation_like_verl():
+    """verl divides by the mean of the truncated weights over all valid tokens, rejected sequences included."""
+    c = run(truncation="tis", high=2.0, bn=True, rejection="geo-rs", band=(0.9, 1.3))
+    mean = (2.0 + 0.5 + 1.2 + 0.1 + 1.0) / 5
+    assert math.isclose(c.batch_norm_factor.item(), mean, rel_tol=1e-7)
+    assert torch.allclose(c.weights[0], torch.tensor([2.0, 0.5, 1.2], dtype=F64) / mean, rtol=1e-7)
+    assert torch.equal(c.weights[1], torch.zeros(3, dtype=F64))
+
+
+def test_rejection_equals_the_same_rule_as_truncation_type_when_there_is_no_truncation():
+    for kind, band in (("seq-mis", (0.5, 2.0)), ("geo-rs", (0.9, 1.3))):
+        as_field = run(rejection=kind, band=band)
+        as_type = run(truncation=kind, low=band[0], high=band[1])
+        assert torch.equal(as_field.weights, as_type.weights) and torch.equal(as_field.rejected, as_type.rejected)

@@ -8,12 +8,13 @@ Mapping (p = old_log_prob = the plugin's prev log-probs, g = rollout_log_prob = 
   rollout_is_batch_normalize            -> importance_sampling_batch_normalize
   rollout_rs seq_sum_k1  (Seq-MIS)      -> truncated_importance_sampling_type "seq-mis" with bounds
   rollout_rs seq_mean_k1 (Geo-RS)       -> truncated_importance_sampling_type "geo-rs" with bounds
+  both (TIS + Seq-MIS / Geo-RS)         -> "tis" + importance_sampling_rejection seq-mis / geo-rs with bounds
   token_k*, seq_*_k2/k3, seq_max_k*     -> no counterpart (skipped with the reason)
 verl has no sample mask: every row is a sample (sample_mask = 1, global_valid_seqs = B, global_valid_toks = #unmasked).
 
-The plugin has one truncation field, so a verl call with both rollout_is (TIS) and a rollout_rs option is checked as two
-plugin configs (the weights with "tis", the mask with the rejection type) plus the single combined config where it is
-expressible (see test_combined_is_and_rejection_config).
+A verl call with both rollout_is (TIS) and a rollout_rs option is checked as two plugin configs (the weights with
+"tis", the mask with the rejection type) and as the single combined config ("tis" + importance_sampling_rejection,
+test_tis_plus_rejection_in_one_config).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from nemo_is_plugin import build_loss_fn, finalize_metrics
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.correction import compute_is_correction
 from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.loss import LossInputs
+from nemo_is_plugin.loss import LossInputs, is_correction_kwargs
 
 CASES = load_named_cases("verl_rollout_corr")
 VALID = [c for c in CASES if "error" not in c["expected"]]
@@ -139,12 +140,18 @@ def plugin_correction(cfg_dict: dict, case: dict):
     tm = inputs.token_mask
     valid = tm * layout.to_tokens(inputs.sample_mask)
     return compute_is_correction(
-        inputs.prev_logprobs, inputs.generation_logprobs, tm, valid, layout,
-        level=cfg.effective_is_level, legacy=cfg.is_correction_level is None,
-        apply_weights=cfg.use_importance_sampling_correction, truncation=cfg.truncated_importance_sampling_type,
-        low=cfg.truncated_importance_sampling_ratio_min, high=cfg.truncated_importance_sampling_ratio,
-        veto_threshold=cfg.importance_sampling_veto_threshold, batch_normalize=cfg.importance_sampling_batch_normalize,
+        inputs.prev_logprobs, inputs.generation_logprobs, tm, valid, layout, **is_correction_kwargs(cfg)
     )
+
+
+def combined_config(params: dict) -> dict:
+    """verl's TIS + Seq-MIS / Geo-RS preset as one plugin config: the TIS part (is_config) plus the rejection in
+    importance_sampling_rejection, with rs_config's inverted k1 bounds."""
+    ((opt, lo, hi),) = parse_rs(params)
+    cfg = is_config(params)
+    cfg.update(importance_sampling_rejection=RS_TYPES[opt], importance_sampling_rejection_min=1.0 / hi,
+               importance_sampling_rejection_max=1.0 / lo)
+    return cfg
 
 
 def applied_weights(cfg_dict: dict, case: dict):
@@ -297,14 +304,24 @@ def _cap_binds_on_kept_tokens(case: dict) -> bool:
 
 
 @pytest.mark.parametrize("case", COMBINED, ids=_ids(COMBINED))
-def test_combined_is_and_rejection_config(case):
-    """One plugin config with the IS level and the rejection type (what a user of the plugin writes for verl's
-    Seq-MIS / Geo-RS + TIS presets): the loss applies raw weights * keep, then batch normalisation if asked. verl
-    applies min(w, C), batch-normalised, times the modified mask.
+def test_tis_plus_rejection_in_one_config(case):
+    """verl's Seq-MIS / Geo-RS + TIS presets as one plugin config (TIS in truncated_importance_sampling_type, the
+    rejection in importance_sampling_rejection): the weights the loss applies equal verl's min(w, C), batch-normalised
+    before the rejection, times its modified mask, and the rejected-token fraction equals verl's mask change."""
+    m = case["inputs"]["response_mask"]
+    want = case["expected"]["rollout_is_weights"] * case["expected"]["modified_response_mask"]
+    applied, metrics = applied_weights(combined_config(case["params"]), case)
+    torch.testing.assert_close(applied * m, want, rtol=1e-5, atol=1e-7, msg=lambda text: f"{case['id']}: {text}")
+    rejected = ((m > 0) & (case["expected"]["modified_response_mask"] == 0)).double().sum() / m.sum()
+    assert metrics["is_rejected_fraction"] == pytest.approx(rejected.item(), rel=1e-8)  # metrics divide by N + 1e-8
 
-    Known limitation, asserted: the plugin has a single truncation field, so the TIS cap C cannot be combined with a
-    rejection type. In these cases no kept token has a weight above C (for Seq-MIS with bounds [1/C, C] that holds by
-    construction; for Geo-RS + TIS it is a property of the data), so the cap is moot and the weights must agree."""
+
+@pytest.mark.parametrize("case", COMBINED, ids=_ids(COMBINED))
+def test_combined_is_and_rejection_config(case):
+    """The rejection as the truncation type with the IS level (no TIS cap): the loss applies raw weights * keep, then
+    batch normalisation if asked. In these cases no kept token has a weight above C (for Seq-MIS with bounds [1/C, C]
+    that holds by construction; for Geo-RS + TIS it is a property of the data), so it must agree with verl's capped
+    weights too; test_tis_plus_rejection_in_one_config is the config that needs no such property."""
     params = case["params"]
     m = case["inputs"]["response_mask"]
     assert not _cap_binds_on_kept_tokens(case)

@@ -119,7 +119,7 @@ def verl_config(user: Mapping[str, Any], actor: Any, loss_agg_mode: str, horizon
 def _owns_correction(cfg: ClippedPGLossConfig) -> bool:
     """Whether the plugin's config needs log mu (its own IS weights, a rejection or a veto)."""
     return (cfg.use_importance_sampling_correction or cfg.truncated_importance_sampling_type in REJECTION_TYPES
-            or cfg.importance_sampling_veto_threshold is not None)
+            or cfg.importance_sampling_rejection is not None or cfg.importance_sampling_veto_threshold is not None)
 
 
 def generation_logprobs(old: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
