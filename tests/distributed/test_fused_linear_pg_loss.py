@@ -161,6 +161,10 @@ SEPARABLE_CONFIGS = {
         truncated_importance_sampling_type="geo-rs", truncated_importance_sampling_ratio=1.03,
         truncated_importance_sampling_ratio_min=0.97,
     ),
+    "tis_plus_geo_rs_rejection": _variant(
+        importance_sampling_rejection="geo-rs", importance_sampling_rejection_min=0.97,
+        importance_sampling_rejection_max=1.03,
+    ),
     "kl_k1": _variant(reference_policy_kl_type="k1", **_KL),
     "kl_k2": _variant(reference_policy_kl_type="k2", **_KL),
     "kl_k3": _variant(reference_policy_kl_type="k3", **_KL),
@@ -207,9 +211,9 @@ def test_config_sweep_exercises_its_features():
     p = problem()
     m = {name: run(p, naive_logprobs, SEPARABLE_CONFIGS[name])[1] for name in (
         "icepop", "seq_mask_tis", "seq_mis", "geo_rs", "veto", "dual_clip", "log_space_clip_position_power",
-        "kl_k3", "positive_example_nll", "token_log_ratio_clamp_and_max",
+        "kl_k3", "positive_example_nll", "token_log_ratio_clamp_and_max", "tis_plus_geo_rs_rejection",
     )}
-    for name in ("icepop", "seq_mis", "geo_rs", "veto"):
+    for name in ("icepop", "seq_mis", "geo_rs", "veto", "tis_plus_geo_rs_rejection"):
         assert 0 < m[name]["is_rejected_fraction"] < 1, name
     assert 0 < m["seq_mask_tis"]["is_oob_ratio"] < 1
     assert m["dual_clip"]["clip_fraction_dual"] > 0
