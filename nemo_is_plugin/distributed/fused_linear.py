@@ -192,6 +192,23 @@ def _chunked_partials(x, w, local_t, owned, chunk_size, inv_temperature, with_en
     return SoftmaxPartials(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
 
 
+def check_head_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, temperature: float, chunk_size: Optional[int]
+) -> int:
+    """Raise ValueError naming the argument unless the shapes and settings of an LM-head call agree; returns the chunk
+    size in tokens (``default_chunk_size`` of the shard when ``chunk_size`` is None)."""
+    if hidden.shape[:-1] != target.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and target {tuple(target.shape)} disagree on [...] dims")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [V/TP, H] with H = {hidden.shape[-1]}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else chunk_size
+    if chunk < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return chunk
+
+
 def fused_linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -227,15 +244,7 @@ def fused_linear_logprobs(
     if sequence_parallel:
         # all_gather's backward is the reduce-scatter of the per-rank partial dX: no second all-reduce inside.
         hidden = all_gather(hidden, tp_group, dim=0)
-    if hidden.shape[:-1] != target.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and target {tuple(target.shape)} disagree on [...] dims")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight {tuple(weight.shape)} must be [V/TP, H] with H = {hidden.shape[-1]}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else chunk_size
-    if chunk < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunk = check_head_inputs(hidden, weight, target, temperature, chunk_size)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton" and not triton_usable(hidden.device):
@@ -247,6 +256,6 @@ def fused_linear_logprobs(
 
 
 __all__ = [
-    "BACKENDS", "DEFAULT_CHUNK_BYTES", "chunk_logits", "compute_dtype", "default_chunk_size", "fused_linear_logprobs",
+    "BACKENDS", "DEFAULT_CHUNK_BYTES", "check_head_inputs", "chunk_logits", "compute_dtype", "default_chunk_size", "fused_linear_logprobs",
     "mm_fp32",
 ]

@@ -29,6 +29,7 @@ import torch
 from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_sum
 from nemo_is_plugin.distributed.fused_linear import (
     acc_dtype,
+    check_head_inputs,
     chunk_logits,
     chunk_slices,
     compute_dtype,
@@ -37,7 +38,6 @@ from nemo_is_plugin.distributed.fused_linear import (
 )
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
 from nemo_is_plugin.distributed.vocab_parallel import (
-    default_chunk_size,
     finalize_partials,
     local_vocab_range,
     localize_target,
@@ -152,15 +152,7 @@ def fused_linear_pg_loss(
 
     if sequence_parallel:
         hidden = all_gather(hidden, tp_group, dim=0)  # its backward reduce-scatters dX: no all-reduce inside
-    if hidden.shape[:-1] != target.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and target {tuple(target.shape)} disagree on [...] dims")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight {tuple(weight.shape)} must be [V/TP, H] with H = {hidden.shape[-1]}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else chunk_size
-    if chunk < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunk = check_head_inputs(hidden, weight, target, temperature, chunk_size)
 
     # shape and dtype only: the log-probs' dtype (fp64 for fp64 inputs, else fp32) sets the dL/dc arithmetic's
     placeholder = torch.zeros(target.shape, dtype=acc_dtype(compute_dtype(hidden)), device=hidden.device)
