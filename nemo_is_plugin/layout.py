@@ -55,6 +55,16 @@ class TokenLayout:
         return cls(seq, pos, len(lengths))
 
     @property
+    def holds_whole_sequences(self) -> bool:
+        """True when every sequence is complete here (False for a CP shard, whose prefix sums need other ranks)."""
+        return True
+
+    @property
+    def in_memory_order(self) -> bool:
+        """True when the flattened token tensor lists each sequence's tokens consecutively in position order."""
+        return self._order is None
+
+    @property
     def shape(self) -> torch.Size:
         return self.seq_index.shape
 

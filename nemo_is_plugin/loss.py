@@ -228,6 +228,11 @@ class ClippedPGLoss:
                 cfg.effective_ratio_level, c, p, tm, layout,
                 token_clamp=cfg.token_log_ratio_clamp, max_log_ratio=cfg.max_log_ratio,
             )
+        return self.clipped_surrogate(log_r, c, adv, positions)
+
+    def clipped_surrogate(self, log_r, c, adv, positions):
+        """The configured clip (ratio space, log space or CISPO) of a policy log-ratio ``log_r``; all Float[*T]."""
+        cfg = self.config
         if cfg.use_cispo:
             return cispo_surrogate(log_r, c, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max)
         if cfg.uses_log_space_clip:

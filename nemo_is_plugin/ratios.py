@@ -73,14 +73,27 @@ def policy_log_ratio(
             if level == "sequence_token":
                 anchor = layout.to_tokens(sequence_mean_log_ratio(d, token_mask, layout))
             elif level in ("cumulative", "cumulative_mean"):
-                anchor = layout.prefix_sum(where_mask(d, token_mask))
-                if level == "cumulative_mean":
-                    anchor = anchor / unmasked_positions(token_mask, layout).to(anchor.dtype)
-                anchor = where_mask(anchor, token_mask)
+                prefix = layout.prefix_sum(where_mask(d, token_mask))
+                anchor = cumulative_anchor(level, prefix, unmasked_positions(token_mask, layout), token_mask)
             else:
                 raise ValueError(f"unknown ratio level {level!r}")
-        # Value = anchor, gradient = d/dc_t of c_t: only the current token is pushed (straight-through form).
-        log_r = anchor + curr - curr.detach()
-    if max_log_ratio is not None:
-        log_r = log_r.clamp(max=max_log_ratio)
-    return log_r
+        return straight_through_log_ratio(anchor, curr, max_log_ratio)
+    return log_r if max_log_ratio is None else log_r.clamp(max=max_log_ratio)
+
+
+def cumulative_anchor(
+    level: str, prefix: torch.Tensor, positions: torch.Tensor, token_mask: torch.Tensor
+) -> torch.Tensor:
+    """Value of the cumulative log-ratio from the prefix sums ``sum_{j<=t} m_j d_j`` (``cumulative``) or their mean
+    over ``n_t`` (``cumulative_mean``); 0 on masked tokens. All Float[*T], no grad."""
+    anchor = prefix if level == "cumulative" else prefix / positions.to(prefix.dtype)
+    return where_mask(anchor, token_mask)
+
+
+def straight_through_log_ratio(
+    anchor: torch.Tensor, curr: torch.Tensor, max_log_ratio: Optional[float] = None
+) -> torch.Tensor:
+    """``anchor + c - sg[c]``: value ``anchor``, gradient d/dc_t of ``c_t`` only (only the current token is pushed);
+    capped at ``max_log_ratio`` (gradient 0 where capped)."""
+    log_r = anchor + curr - curr.detach()
+    return log_r if max_log_ratio is None else log_r.clamp(max=max_log_ratio)

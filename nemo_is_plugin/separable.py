@@ -1,4 +1,4 @@
-"""The loss gradient one token at a time, for configs whose loss is a sum of per-token terms.
+"""The loss gradient chunk by chunk, for configs whose dL/dc_t is known once the log-probs up to t are.
 
 With a token-level policy ratio (or REINFORCE) the loss of :class:`ClippedPGLoss` is
 
@@ -11,10 +11,14 @@ advantage, old log-prob and clip position, the KL reference, and the positive-sa
 ``dL/dc_t`` is known as soon as ``c_t`` is: the fused hidden-state loss uses this to compute each chunk's gradients
 in its forward pass (3 GEMMs per chunk instead of the recomputing backward's 4).
 
-Sequence-level and cumulative ratios are not separable: their value for token t depends on the other tokens' ``c``.
+The cumulative ratios (CTPO) are causal: ``log r_t = sg[sum_{j<=t} m_j d_j] (/ n_t) + c_t - sg[c_t]`` needs the
+log-probs of the earlier tokens of t's sequence only. When the chunks visit every sequence's tokens in position order
+(a layout that holds whole sequences in memory order: padded or packed, not a CP shard), a per-sequence running sum
+carried from chunk to chunk gives the same value, so they take the single pass too. ``sequence`` and
+``sequence_token`` ratios need the whole sequence first (two passes).
 
 Shapes: the constants are flat ``[N]`` (the token tensors of the layout, flattened in memory order); a chunk is a
-slice of ``[0, N)``.
+slice of ``[0, N)``; chunks are visited in order.
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ from nemo_is_plugin.correction import compute_is_correction
 from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs, is_correction_kwargs, positive_sample_tokens, ratio_anchor
 from nemo_is_plugin.masked import EPS, where_mask
-from nemo_is_plugin.ratios import unmasked_positions
+from nemo_is_plugin.ratios import (
+    cumulative_anchor,
+    straight_through_log_ratio,
+    token_log_ratio,
+    unmasked_positions,
+)
+
+CAUSAL_LEVELS = ("cumulative", "cumulative_mean")
 
 
 def is_token_separable(config: ClippedPGLossConfig) -> bool:
@@ -41,6 +52,22 @@ def is_token_separable(config: ClippedPGLossConfig) -> bool:
     if config.force_on_policy_ratio:
         return False
     return config.disable_ppo_ratio or config.effective_ratio_level == "token"
+
+
+def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> Optional[str]:
+    """Why the loss gradient of a chunk cannot be known from the log-probs seen so far; None when it can."""
+    level = config.effective_ratio_level
+    if config.force_on_policy_ratio:
+        return "force_on_policy_ratio takes the old log-probs (and the IS weights) from the current ones"
+    if is_token_separable(config):
+        return None
+    if level not in CAUSAL_LEVELS:
+        return f"ratio_level={level!r} needs every log-prob of a sequence before any of its gradients"
+    if not layout.holds_whole_sequences:
+        return f"ratio_level={level!r} on a context-parallel shard needs the prefix sums of the other ranks"
+    if not layout.in_memory_order:
+        return f"ratio_level={level!r} needs each sequence's tokens in position order in memory"
+    return None
 
 
 @dataclass
@@ -61,16 +88,15 @@ class TokenLossGradient:
     is_weight: torch.Tensor
     reference: Optional[torch.Tensor]
     nll_weight: Optional[torch.Tensor]
+    prefix: Optional["PrefixCarry"] = None
 
     @classmethod
     def build(cls, loss: ClippedPGLoss, inputs: LossInputs, layout: TokenLayout) -> "TokenLossGradient":
         """The per-token constants of ``loss`` on ``inputs`` (whose ``curr_logprobs`` only fix shape and dtype)."""
         cfg = loss.config
-        if not is_token_separable(cfg):
-            raise ValueError(
-                f"ratio_level={cfg.effective_ratio_level!r} couples the tokens of a sequence: the loss gradient of a "
-                "token needs the whole sequence's log-probs (use the two-pass path)"
-            )
+        why = single_pass_blocker(cfg, layout)
+        if why is not None:
+            raise ValueError(f"no chunk-by-chunk loss gradient: {why} (use the two-pass path)")
         c_in = inputs.curr_logprobs
         dtype = torch.float32 if c_in.dtype in (torch.float16, torch.bfloat16) else c_in.dtype
         f = lambda t: None if t is None else t.detach().to(dtype)  # noqa: E731
@@ -98,6 +124,7 @@ class TokenLossGradient:
             is_weight=flat(corr.weights.detach()),
             reference=flat(f(inputs.reference_logprobs)) if cfg.effective_kl_penalty != 0 else None,
             nll_weight=flat(nll_weight),
+            prefix=None if is_token_separable(cfg) else PrefixCarry(cfg, layout),
         )
 
     def __call__(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
@@ -105,9 +132,13 @@ class TokenLossGradient:
         a = self.agg_weight[sl]
         with torch.enable_grad():
             c = c.detach().to(a.dtype).requires_grad_(True)
-            # layout=None: a token-level ratio never looks at the layout (is_token_separable guarantees that level)
+            # layout=None below: a token-level ratio never looks at the layout
             p = ratio_anchor(self.prev[sl], c, self.valid[sl])
-            sur = self.loss.surrogate(c, p, self.advantages[sl], self.token_mask[sl], None, self.positions[sl])
+            tm, adv, positions = self.token_mask[sl], self.advantages[sl], self.positions[sl]
+            if self.prefix is None:
+                sur = self.loss.surrogate(c, p, adv, tm, None, positions)
+            else:
+                sur = self.loss.clipped_surrogate(self.prefix.log_ratio(sl, c, p, tm, positions), c, adv, positions)
             term = self.is_weight[sl] * sur.loss
             if self.reference is not None:
                 term = term + cfg.effective_kl_penalty * self.loss.kl_tokens(c, self.generation[sl], self.reference[sl])
@@ -117,6 +148,42 @@ class TokenLossGradient:
                 total = total - cfg.positive_example_nll_weight * (self.nll_weight[sl] * c).sum()
             (grad,) = torch.autograd.grad(total, c)
         return grad
+
+
+class PrefixCarry:
+    """The cumulative ratio of a chunk from its log-probs and a per-sequence running sum of the earlier chunks'.
+
+    ``log_ratio(sl, c, p, tm, positions)`` equals :func:`~nemo_is_plugin.ratios.policy_log_ratio` on those tokens
+    (value and gradient) provided every chunk is passed once, in order.
+    """
+
+    def __init__(self, config: ClippedPGLossConfig, layout: TokenLayout):
+        self.level = config.effective_ratio_level
+        self.token_clamp, self.max_log_ratio = config.token_log_ratio_clamp, config.max_log_ratio
+        self.seq, self.pos = layout.seq_index.reshape(-1), layout.position.reshape(-1)
+        self.num_seqs = layout.num_seqs
+        self.carry = torch.zeros(layout.num_seqs, dtype=torch.float64, device=self.seq.device)
+        self.next_start = 0
+
+    def log_ratio(self, sl: slice, c, p, tm, positions) -> torch.Tensor:
+        with torch.no_grad():
+            d = token_log_ratio(c.detach(), p, self.token_clamp)
+            prefix = self.scan(sl, where_mask(d, tm)).to(c.dtype)
+            anchor = cumulative_anchor(self.level, prefix, positions, tm)
+        return straight_through_log_ratio(anchor, c, self.max_log_ratio)
+
+    def scan(self, sl: slice, x: torch.Tensor) -> torch.Tensor:
+        """Inclusive per-sequence prefix sums (fp64) of the chunk's ``x [n]``, continuing the earlier chunks'."""
+        if sl.start != self.next_start:
+            raise RuntimeError(f"chunks must be scanned in order: expected start {self.next_start}, got {sl.start}")
+        self.next_start = sl.stop
+        seq = self.seq[sl]
+        within = TokenLayout(seq, self.pos[sl], self.num_seqs).prefix_sum(x.double())
+        out = within + self.carry[seq]
+        last = torch.ones_like(seq, dtype=torch.bool)  # the last token of each sequence in this chunk
+        last[:-1] = seq[1:] != seq[:-1]
+        self.carry[seq[last]] = out[last]
+        return out
 
 
 def aggregation_weights(
@@ -137,4 +204,7 @@ def aggregation_weights(
     return a
 
 
-__all__ = ["TokenLossGradient", "aggregation_weights", "is_token_separable"]
+__all__ = [
+    "CAUSAL_LEVELS", "PrefixCarry", "TokenLossGradient", "aggregation_weights", "is_token_separable",
+    "single_pass_blocker",
+]

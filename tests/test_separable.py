@@ -1,5 +1,6 @@
-"""separable.py: which configs are token-separable, the aggregation weights a_t = dL_agg/dx_t (hand-computed), and
-TokenLossGradient (per-token dL/dc of a chunk) against autograd of the full ClippedPGLoss, in float64."""
+"""separable.py: which configs are token-separable or causal (single pass), the aggregation weights a_t = dL_agg/dx_t
+(hand-computed), and TokenLossGradient (per-token dL/dc of a chunk) against autograd of the full ClippedPGLoss, in
+float64, including the cumulative ratios' running prefix sums across chunks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import torch
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
-from nemo_is_plugin.separable import TokenLossGradient, aggregation_weights, is_token_separable
+from nemo_is_plugin.distributed.context_parallel import CPTokenLayout
+from nemo_is_plugin.separable import (
+    PrefixCarry,
+    TokenLossGradient,
+    aggregation_weights,
+    is_token_separable,
+    single_pass_blocker,
+)
 
 F64 = torch.float64
 EPS = 1e-8
@@ -32,7 +40,7 @@ IS_ON = dict(use_importance_sampling_correction=True)
         (dict(disable_ppo_ratio=True, ratio_level="token"), True),
         (dict(ratio_level="sequence"), False),
         (dict(ratio_level="sequence_token"), False),
-        (dict(ratio_level="cumulative"), False),
+        (dict(ratio_level="cumulative"), False),  # causal, not separable: single pass via PrefixCarry
         (dict(ratio_level="cumulative_mean"), False),
         (dict(force_on_policy_ratio=True), False),
         (dict(force_on_policy_ratio=True, ratio_level="token"), False),
@@ -45,10 +53,42 @@ def test_is_token_separable_truth_table(config, separable):
     assert is_token_separable(ClippedPGLossConfig(**config)) is separable
 
 
-def test_token_loss_gradient_rejects_non_separable_configs():
+def test_token_loss_gradient_rejects_configs_without_a_single_pass():
     c, inputs, layout = _batch()
-    with pytest.raises(ValueError, match="ratio_level='cumulative'"):
-        TokenLossGradient.build(ClippedPGLoss(dict(ratio_level="cumulative")), inputs, layout)
+    with pytest.raises(ValueError, match="ratio_level='sequence_token'"):
+        TokenLossGradient.build(ClippedPGLoss(dict(ratio_level="sequence_token")), inputs, layout)
+
+
+def test_single_pass_blocker_names_the_reason_per_level_and_layout():
+    padded = TokenLayout.padded(2, 3)
+    seq = torch.tensor([[0, 0, 0], [1, 1, 1]])
+    pos = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    cp_shard = CPTokenLayout(seq, pos, torch.zeros_like(seq), 2, 1, None)  # a CP layout, even of size 1
+    shuffled = TokenLayout(torch.tensor([0, 0, 1, 0]), torch.tensor([0, 2, 0, 1]), 2)  # seq 0's tokens out of order
+    assert not cp_shard.holds_whole_sequences and not shuffled.in_memory_order and padded.in_memory_order
+    for level in ("cumulative", "cumulative_mean"):
+        cfg = ClippedPGLossConfig(ratio_level=level)
+        assert single_pass_blocker(cfg, padded) is None
+        assert single_pass_blocker(cfg, TokenLayout.packed([0, 2, 5])) is None
+        assert "context-parallel" in single_pass_blocker(cfg, cp_shard)
+        assert "position order" in single_pass_blocker(cfg, shuffled)
+    token = ClippedPGLossConfig()
+    assert single_pass_blocker(token, cp_shard) is None and single_pass_blocker(token, shuffled) is None
+    for level in ("sequence", "sequence_token"):
+        assert f"ratio_level='{level}'" in single_pass_blocker(ClippedPGLossConfig(ratio_level=level), padded)
+    assert "force_on_policy_ratio" in single_pass_blocker(ClippedPGLossConfig(force_on_policy_ratio=True), padded)
+
+
+def test_prefix_carry_continues_sums_across_chunks_and_insists_on_order():
+    """Packed sequences of 3 and 4 tokens cut into chunks of 2: inclusive per-sequence sums carry over."""
+    layout = TokenLayout.packed([0, 3, 7])
+    carry = PrefixCarry(ClippedPGLossConfig(ratio_level="cumulative"), layout)
+    x = torch.tensor([1.0, 2.0, 3.0, 10.0, 20.0, 30.0, 40.0], dtype=F64)
+    got = torch.cat([carry.scan(slice(s, min(s + 2, 7)), x[s : s + 2]) for s in range(0, 7, 2)])
+    assert got.tolist() == [1.0, 3.0, 6.0, 10.0, 30.0, 60.0, 100.0]
+    fresh = PrefixCarry(ClippedPGLossConfig(ratio_level="cumulative"), layout)
+    with pytest.raises(RuntimeError, match="in order"):
+        fresh.scan(slice(2, 4), x[2:4])
 
 
 # ------------------------------------------------------------------------------------------------ aggregation weights
@@ -168,6 +208,14 @@ GRAD_CONFIGS = {
         use_cispo=True, truncated_importance_sampling_type="geo-rs", truncated_importance_sampling_ratio=1.03,
         truncated_importance_sampling_ratio_min=0.97, use_on_policy_kl_approximation=True,
         reference_policy_kl_penalty=0.1,
+    ),
+    "cumulative_ratio_seq_is_k3": dict(
+        TIS, ratio_level="cumulative", is_correction_level="sequence", reference_policy_kl_penalty=0.1,
+    ),
+    "cumulative_mean_ratio_ctpo_clip_nll": dict(
+        TIS, ratio_level="cumulative_mean", is_correction_level="cumulative", log_ratio_clip_low=0.02,
+        log_ratio_clip_high=0.03, clip_position_power=0.5, log_ratio_clip_c=0.05, token_log_ratio_clamp=0.04,
+        max_log_ratio=0.02, positive_example_nll_weight=0.3,
     ),
     "reinforce_dual_clip_sum_norm_k2_gradient": dict(
         disable_ppo_ratio=True, ratio_clip_c=1.5, loss_aggregation="seq-mean-token-sum-norm",

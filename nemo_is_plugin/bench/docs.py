@@ -23,7 +23,7 @@ For every model shape (H, V from the models' `config.json`, research/performance
 - **/ mm**: time divided by the bare forward GEMM `hidden @ W.T` of the same shape, timed in the same rounds as the
   paths (every round times every job once; each job keeps its best round). Limits: 1x for a forward; 3x for a
   forward+backward that keeps the logits (naive) or computes the gradients in its forward (`fused_linear`'s single
-  pass: logits, dX, dW per chunk), 4x for one that recomputes the logits in its backward (`from_logits`,
+  pass: logits, dX, dW per chunk; token-level and cumulative ratios), 4x for one that recomputes the logits in its backward (`from_logits`,
   `fused_2pass`: 1 forward + 1 recompute + 2 gradient GEMMs);
 - **GFLOP/s**: effective, counting 8NHV for forward+backward whatever a path executes (Liger's convention);
 - **peak MiB**: the high-water mark of tensor bytes allocated above the inputs, tracked by a `TorchDispatchMode` that
@@ -45,7 +45,7 @@ Paths:
 | naive | full logits, fp32 `log_softmax` kept for backward, gather (NeMo-RL's `DistributedLogprob`) |
 | from_logits | full logits, then chunked online-lse log-prob, recomputing backward (`vocab_parallel.py`) |
 | fused_linear | hidden states + LM-head shard, chunked: no [tokens x vocab] beyond one chunk. Forward: `fused_linear_logprobs`; forward+backward: `fused_linear_pg_loss`, here in one pass (token-level ratio: each chunk's dL/dlogp is known as soon as its log-probs are, so dX and dW are computed in the forward; `fused_linear_loss.py`) |
-| fused_2pass | the same entry forced to two passes (log-probs, loss, recomputing backward): what sequence-level and cumulative ratios cost, whose per-token gradient needs the whole sequence first. Forward as fused_linear (not re-timed) |
+| fused_2pass | the same entry forced to two passes (log-probs, loss, recomputing backward): what the `sequence` and `sequence_token` ratios cost, whose per-token gradient needs the whole sequence first (the cumulative ratios are causal and take the single pass). Forward as fused_linear (not re-timed) |
 | liger | `LigerFusedLinearGRPOLoss`, its own GRPO loss, grads inside its forward (`compiled=False`) |
 | loss | the loss epilogue alone: `ClippedPGLoss` forward+backward on given log-probs |
 """

@@ -10,7 +10,7 @@ Shapes: ``hidden [..., H]``, ``weight [V, H]`` (one TP rank's shard in the bench
 - ``fused_linear``: ``fused_linear_logprobs`` for the forward; its forward+backward is ``fused_linear_pg_loss``, which
   for the benchmark's token-level loss runs the single pass (3 GEMMs, gradients computed chunk by chunk in the forward).
 - ``fused_2pass``: the same loss entry forced to the two-pass schedule (log-probs, loss, recomputing backward: 4 GEMMs),
-  what sequence-level and cumulative ratios cost. Its forward is ``fused_linear``'s, so only its forward+backward runs.
+  what the sequence-level ratios cost. Its forward is ``fused_linear``'s, so only its forward+backward runs.
 - Liger's chunked GRPO loss computes its own loss, so it lives in :mod:`nemo_is_plugin.bench.liger`.
 """
 
@@ -86,7 +86,7 @@ def logprob_paths(chunk_size: Optional[int] = None) -> list[LogprobPath]:
         ),
         LogprobPath(
             "fused_2pass",
-            "the same, two-pass schedule: log-probs, loss, recomputing backward (sequence / cumulative levels)",
+            "the same, two-pass schedule: log-probs, loss, recomputing backward (sequence-level ratios)",
             lambda h, w, t: fused_linear_logprobs(h, w, t, **fused_kw),
             loss=_fused_loss(False, fused_kw),
             times_forward=False,

@@ -59,6 +59,10 @@ class CPTokenLayout(TokenLayout):
         self._chunk_id = seq_index * self.num_chunks + chunk_index
         self._chunks = TokenLayout(self._chunk_id, position, self.num_seqs * self.num_chunks)
 
+    @property
+    def holds_whole_sequences(self) -> bool:
+        return False
+
     def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(super().seq_sum(x), self.cp_group)
 

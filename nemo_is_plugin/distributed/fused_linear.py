@@ -256,6 +256,6 @@ def fused_linear_logprobs(
 
 
 __all__ = [
-    "BACKENDS", "DEFAULT_CHUNK_BYTES", "check_head_inputs", "chunk_logits", "compute_dtype", "default_chunk_size", "fused_linear_logprobs",
-    "mm_fp32",
+    "BACKENDS", "DEFAULT_CHUNK_BYTES", "check_head_inputs", "chunk_logits", "compute_dtype", "default_chunk_size",
+    "fused_linear_logprobs", "mm_fp32",
 ]

@@ -5,18 +5,20 @@ Shapes: ``hidden [B, T, H]`` (T next-token positions; replicated over TP, or sha
 
 Two schedules, same loss, metrics and gradients:
 
-- **single pass** (token-separable configs, :func:`~nemo_is_plugin.separable.is_token_separable`: token-level ratio or
-  REINFORCE, any IS level / truncation / KL / aggregation). ``dL/dc_t`` is known as soon as ``c_t`` is, so each chunk
-  does its whole job in the forward: logits ``z = X_c W^T`` (GEMM 1), softmax partials and their TP merge, ``c``,
-  ``g = dL/dc`` (:class:`~nemo_is_plugin.separable.TokenLossGradient`), ``dz = g (onehot - p)`` in the logits' own
-  buffer, ``dX_c = dz W`` (GEMM 2), ``dW += dz^T X_c`` (GEMM 3). 3 GEMMs in all, like the naive path, instead of the
+- **single pass** (token-level ratio or REINFORCE, any IS level / truncation / KL / aggregation; and CTPO's cumulative
+  ratios when the layout holds whole sequences in memory order, see :mod:`nemo_is_plugin.separable`). ``dL/dc_t`` is
+  known once the log-probs up to ``t`` are, so each chunk does its whole job in the forward: logits ``z = X_c W^T``
+  (GEMM 1), softmax partials and their TP merge, ``c``, ``g = dL/dc``
+  (:class:`~nemo_is_plugin.separable.TokenLossGradient`), ``dz = g (onehot - p)`` in the logits' own buffer,
+  ``dX_c = dz W`` (GEMM 2), ``dW += dz^T X_c`` (GEMM 3). 3 GEMMs in all, like the naive path, instead of the
   recomputing backward's 4; ``dX`` and ``dW`` are kept for the backward, which only scales them by the upstream
   gradient. TP costs 2 collectives per chunk (the chunk's partials) + 1 all-reduce of ``dX``.
-- **two pass** (sequence-level and cumulative ratios): :func:`fused_linear_logprobs` (log-probs of every token), the
-  loss on them, then its recomputing backward: the loss gradient of a token needs the whole sequence's log-probs.
+- **two pass** (``sequence`` / ``sequence_token`` ratios, cumulative ones on a CP shard, ``force_on_policy_ratio``):
+  :func:`fused_linear_logprobs` (log-probs of every token), the loss on them, then its recomputing backward: the
+  loss gradient of a token needs log-probs that come later.
 
 Either way no more than one ``[chunk, V/TP]`` fp32 buffer of logits is alive. The loss value and the metrics are
-always :meth:`ClippedPGLoss.compute` on the final log-probs, so they are bit-for-bit those of the two-pass path.
+always :meth:`ClippedPGLoss.compute` on the final log-probs, as in the two-pass path.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from nemo_is_plugin.distributed.vocab_parallel import (
 from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, softmax_grad_from_exp_
 from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import ClippedPGLoss
-from nemo_is_plugin.separable import TokenLossGradient, is_token_separable
+from nemo_is_plugin.separable import TokenLossGradient, single_pass_blocker
 
 TokenGrad = Callable[[slice, torch.Tensor], torch.Tensor]
 
@@ -126,24 +128,21 @@ def fused_linear_pg_loss(
         hidden, weight, target, tp_group, chunk_size, temperature, sequence_parallel: as
             :func:`~nemo_is_plugin.distributed.fused_linear.fused_linear_logprobs`.
         data, global_valid_seqs, global_valid_toks, layout: as ``ClippedPGLoss.__call__`` (``data`` is ``[B, S]``).
-        single_pass: None = whenever the config is token-separable; True = require it (ValueError otherwise);
-            False = always the two-pass schedule.
+        single_pass: None = whenever the config and layout allow it (``separable.single_pass_blocker``); True =
+            require it (ValueError with the reason otherwise); False = always the two-pass schedule.
 
     Returns:
         ``(loss, metrics)`` exactly as ``loss_fn(fused_linear_logprobs(...), data, ...)``; the loss is
         differentiable w.r.t. ``hidden`` and ``weight``.
     """
-    separable = is_token_separable(loss_fn.config)
-    if single_pass and not separable:
-        why = (
-            "force_on_policy_ratio takes the old log-probs (and the IS weights) from the current ones"
-            if loss_fn.config.force_on_policy_ratio
-            else f"ratio_level={loss_fn.config.effective_ratio_level!r} needs every log-prob of a sequence first"
-        )
-        raise ValueError(f"single_pass=True needs a token-separable loss; {why}: pass single_pass=None (auto) or False")
+    # shape and dtype only: the log-probs' dtype (fp64 for fp64 inputs, else fp32) sets the dL/dc arithmetic's
+    placeholder = torch.zeros(target.shape, dtype=acc_dtype(compute_dtype(hidden)), device=hidden.device)
+    inputs, layout = loss_fn.prepare(placeholder, data, global_valid_seqs, global_valid_toks, layout)
+    why = single_pass_blocker(loss_fn.config, layout)
+    if single_pass and why is not None:
+        raise ValueError(f"single_pass=True is not possible here: {why}; pass single_pass=None (auto) or False")
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    use_single = separable and single_pass is not False and wants_grad
-    if not use_single:
+    if why is not None or single_pass is False or not wants_grad:
         lp = fused_linear_logprobs(
             hidden, weight, target, tp_group, chunk_size=chunk_size, temperature=temperature,
             sequence_parallel=sequence_parallel,
@@ -153,10 +152,6 @@ def fused_linear_pg_loss(
     if sequence_parallel:
         hidden = all_gather(hidden, tp_group, dim=0)  # its backward reduce-scatters dX: no all-reduce inside
     chunk = check_head_inputs(hidden, weight, target, temperature, chunk_size)
-
-    # shape and dtype only: the log-probs' dtype (fp64 for fp64 inputs, else fp32) sets the dL/dc arithmetic's
-    placeholder = torch.zeros(target.shape, dtype=acc_dtype(compute_dtype(hidden)), device=hidden.device)
-    inputs, layout = loss_fn.prepare(placeholder, data, global_valid_seqs, global_valid_toks, layout)
     token_grad = TokenLossGradient.build(loss_fn, inputs, layout)
     metrics: dict[str, Any] = {}
 

@@ -26,7 +26,8 @@ from nemo_is_plugin.layout import TokenLayout
 from .test_fused_linear_loss import CHUNK, IS_LEVELS, RATIO_LEVELS, assert_metrics_close, level_config, rel_err, run
 from .test_fused_linear_loss import problem as _base_problem
 
-NON_TOKEN_RATIO_LEVELS = [r for r in RATIO_LEVELS if r != "token"]
+CAUSAL_RATIO_LEVELS = ("cumulative", "cumulative_mean")  # single pass with a running prefix sum
+SEQUENCE_RATIO_LEVELS = [r for r in RATIO_LEVELS if r not in ("token", *CAUSAL_RATIO_LEVELS)]
 
 
 def problem(dtype=torch.float32, seed=0, vocab=37):
@@ -95,17 +96,43 @@ def test_token_ratio_forced_two_pass(monkeypatch, is_level):
     assert_parity(fused(p, cfg, single_pass=False), want)
 
 
+@pytest.mark.parametrize("single_pass", [None, True])
+@pytest.mark.parametrize("is_level", IS_LEVELS)
+@pytest.mark.parametrize("ratio_level", CAUSAL_RATIO_LEVELS)
+def test_cumulative_ratios_every_is_level_single_pass(monkeypatch, ratio_level, is_level, single_pass):
+    """CTPO's cumulative ratios are causal: the single pass (per-sequence running sums carried across chunks that
+    split sequences, CHUNK=5 vs 8 tokens per row) equals naive at every IS level."""
+    p, cfg = problem(), level_config(ratio_level, is_level)
+    want = run(p, naive_logprobs, cfg)
+    _forbid(monkeypatch, fused_linear_module, "the two-pass fused_linear_logprobs")
+    assert_parity(fused(p, cfg, single_pass=single_pass), want)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 8, 1000])
+@pytest.mark.parametrize("extra", [{}, {"token_log_ratio_clamp": 0.04, "max_log_ratio": 0.02},
+                                   {"log_ratio_clip_low": 0.01, "log_ratio_clip_high": 0.015,
+                                    "clip_position_power": 0.5, "log_ratio_clip_c": 0.05, "ratio_clip_c": None}])
+def test_cumulative_single_pass_any_chunking_and_ctpo_clip(monkeypatch, chunk_size, extra):
+    """Chunk sizes that split sequences anywhere (1 token, odd, one row, everything) and CTPO's clamps / adaptive
+    log-space clip give the naive path's numbers."""
+    p = problem()
+    cfg = {k: v for k, v in dict(level_config("cumulative", "cumulative"), **extra).items() if v is not None}
+    want = run(p, naive_logprobs, cfg)
+    _forbid(monkeypatch, fused_linear_module, "the two-pass fused_linear_logprobs")
+    assert_parity(fused(p, cfg, single_pass=True, chunk_size=chunk_size), want)
+
+
 @pytest.mark.parametrize("is_level", ["token", "sequence_mean"])
-@pytest.mark.parametrize("ratio_level", NON_TOKEN_RATIO_LEVELS)
-def test_non_token_ratio_levels_fall_back_to_two_pass(monkeypatch, ratio_level, is_level):
+@pytest.mark.parametrize("ratio_level", SEQUENCE_RATIO_LEVELS)
+def test_sequence_ratio_levels_fall_back_to_two_pass(monkeypatch, ratio_level, is_level):
     p, cfg = problem(), level_config(ratio_level, is_level)
     want = run(p, naive_logprobs, cfg)
     _forbid(monkeypatch, fused_loss_module, "the single pass")
     assert_parity(fused(p, cfg), want)
 
 
-@pytest.mark.parametrize("ratio_level", NON_TOKEN_RATIO_LEVELS)
-def test_single_pass_true_rejects_non_separable_ratio_levels(ratio_level):
+@pytest.mark.parametrize("ratio_level", SEQUENCE_RATIO_LEVELS)
+def test_single_pass_true_rejects_sequence_ratio_levels(ratio_level):
     p, cfg = problem(), level_config(ratio_level, "token")
     with pytest.raises(ValueError, match=f"ratio_level='{ratio_level}'"):
         fused(p, cfg, single_pass=True)

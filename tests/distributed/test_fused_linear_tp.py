@@ -33,6 +33,7 @@ from .test_fused_linear_pg_loss import problem as pg_problem
 
 WORLD = 2
 CHUNK = 5
+SINGLE_PASS_LEVELS = ("token", "cumulative", "cumulative_mean")  # fused_linear_pg_loss's single pass (padded layout)
 GROUPS: dict[str, object] = {}
 
 
@@ -175,14 +176,15 @@ def _assert_pg_parity(got, ref_loss, ref_metrics, ref_dx, ref_dw) -> None:
 
 
 def _pg_level_check(ratio_level: str, is_level: str):
-    """fused_linear_pg_loss under TP=2 equals the single-process naive path; the token ratio runs the single pass
-    (the two-pass kernel is forbidden), the other levels the two-pass schedule (the single pass is forbidden)."""
+    """fused_linear_pg_loss under TP=2 equals the single-process naive path; the token and cumulative ratios run the
+    single pass (the two-pass kernel is forbidden), the sequence levels the two-pass schedule (the single pass is
+    forbidden)."""
 
     def check(rank: int, world: int) -> None:
         _, tp_rank, tp_size = _tp()
         p, cfg = pg_problem(vocab=38), level_config(ratio_level, is_level)
         ref_loss, ref_metrics, ref_dx, ref_dw = run(p, naive_logprobs, cfg)
-        single = ratio_level == "token"
+        single = ratio_level in SINGLE_PASS_LEVELS
         with _forbidden_chunk_logits(fused_linear_module if single else fused_loss_module):
             got = _pg_loss_tp(p, cfg, p.hidden, vocab_shard(p.weight, tp_rank, tp_size), single_pass=single or None)
         _assert_pg_parity(got, ref_loss, ref_metrics, ref_dx, vocab_shard(ref_dw, tp_rank, tp_size))
@@ -209,7 +211,7 @@ def _pg_sequence_parallel_check(ratio_level: str, is_level: str):
         ref_loss, ref_metrics, ref_dx, ref_dw = run(p, naive_logprobs, cfg)
         n_local = p.hidden.shape[0] // tp_size
         rows = slice(tp_rank * n_local, (tp_rank + 1) * n_local)
-        single = ratio_level == "token"
+        single = ratio_level in SINGLE_PASS_LEVELS
         with _forbidden_chunk_logits(fused_linear_module if single else fused_loss_module):
             got = _pg_loss_tp(
                 p, cfg, p.hidden[rows], vocab_shard(p.weight, tp_rank, tp_size), sequence_parallel=True,
@@ -227,8 +229,12 @@ CHECKS = [(f"levels[{r}-{i}]", _level_check(r, i)) for r, i in itertools.product
     ("bf16", check_bf16),
 ] + [(f"pg_loss_single_pass[token-{i}]", _pg_level_check("token", i)) for i in IS_LEVELS] + [
     ("pg_loss_two_pass[sequence-sequence]", _pg_level_check("sequence", "sequence")),
-    ("pg_loss_two_pass[cumulative-token]", _pg_level_check("cumulative", "token")),
+    ("pg_loss_two_pass[sequence_token-token]", _pg_level_check("sequence_token", "token")),
+    ("pg_loss_single_pass[cumulative-token]", _pg_level_check("cumulative", "token")),
+    ("pg_loss_single_pass[cumulative_mean-sequence_mean]", _pg_level_check("cumulative_mean", "sequence_mean")),
     ("pg_loss_sequence_parallel_single_pass[token-cumulative]", _pg_sequence_parallel_check("token", "cumulative")),
+    ("pg_loss_sequence_parallel_single_pass[cumulative-cumulative]",
+     _pg_sequence_parallel_check("cumulative", "cumulative")),
     ("pg_loss_sequence_parallel_two_pass[sequence-sequence]", _pg_sequence_parallel_check("sequence", "sequence")),
 ]
 
