@@ -1,8 +1,9 @@
 """TP=2 (2 gloo ranks, spawned once): both fused log-prob paths with a vocab-sharded LM head equal the single-process
 naive reference for every ratio level x IS level: loss, metrics, the full hidden-state gradient on every rank and each
 rank's rows of the weight gradient (fp32: 1e-5 relative). Also sequence parallelism, entropy + temperature, bf16, and
-the fused hidden-state loss ``fused_linear_pg_loss`` (single pass for the token ratio, two-pass otherwise, with and
-without sequence parallelism).
+the fused hidden-state loss ``fused_linear_pg_loss`` for every ratio level x IS level (single pass for the token and
+cumulative ratios, two-pass for the sequence ones; each schedule proven by forbidding the other), with and without
+sequence parallelism.
 
 Each rank rebuilds the same seeded problem, holds rows ``[r V/2, (r+1) V/2)`` of the LM head and passes the explicit
 group; the reference runs on the full head in the same process.
@@ -227,11 +228,10 @@ CHECKS = [(f"levels[{r}-{i}]", _level_check(r, i)) for r, i in itertools.product
     ("sequence_parallel", check_sequence_parallel),
     ("entropy_and_temperature", check_entropy_and_temperature),
     ("bf16", check_bf16),
-] + [(f"pg_loss_single_pass[token-{i}]", _pg_level_check("token", i)) for i in IS_LEVELS] + [
-    ("pg_loss_two_pass[sequence-sequence]", _pg_level_check("sequence", "sequence")),
-    ("pg_loss_two_pass[sequence_token-token]", _pg_level_check("sequence_token", "token")),
-    ("pg_loss_single_pass[cumulative-token]", _pg_level_check("cumulative", "token")),
-    ("pg_loss_single_pass[cumulative_mean-sequence_mean]", _pg_level_check("cumulative_mean", "sequence_mean")),
+] + [
+    (f"pg_loss_{'single' if r in SINGLE_PASS_LEVELS else 'two'}_pass[{r}-{i}]", _pg_level_check(r, i))
+    for r, i in itertools.product(RATIO_LEVELS, IS_LEVELS)
+] + [
     ("pg_loss_sequence_parallel_single_pass[token-cumulative]", _pg_sequence_parallel_check("token", "cumulative")),
     ("pg_loss_sequence_parallel_single_pass[cumulative-cumulative]",
      _pg_sequence_parallel_check("cumulative", "cumulative")),
