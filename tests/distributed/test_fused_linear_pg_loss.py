@@ -122,7 +122,7 @@ def test_cumulative_single_pass_any_chunking_and_ctpo_clip(monkeypatch, chunk_si
     assert_parity(fused(p, cfg, single_pass=True, chunk_size=chunk_size), want)
 
 
-@pytest.mark.parametrize("is_level", ["token", "sequence_mean"])
+@pytest.mark.parametrize("is_level", IS_LEVELS)
 @pytest.mark.parametrize("ratio_level", SEQUENCE_RATIO_LEVELS)
 def test_sequence_ratio_levels_fall_back_to_two_pass(monkeypatch, ratio_level, is_level):
     p, cfg = problem(), level_config(ratio_level, is_level)
