@@ -389,11 +389,11 @@ def _log_chunks(monkeypatch, events):
         monkeypatch.setattr(module, "chunk_logits", logged)
 
 
-@pytest.mark.parametrize("chunk_size", [CHUNK, 7])
-def test_single_pass_runs_every_chunk_gemm_in_the_forward_and_none_in_the_backward(monkeypatch, chunk_size):
+def _logged_run(monkeypatch, cfg, chunk_size):
+    """Event log of chunk GEMMs around forward / backward, the problem, and the gradients of fused_linear_pg_loss."""
     events: list[str] = []
     _log_chunks(monkeypatch, events)
-    p, cfg = problem(), level_config("token", "cumulative")
+    p = problem()
     h, w = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
     loss, _ = fused_linear_pg_loss(
         build_loss_fn(cfg), h, w, p.target, p.data, p.global_valid_seqs, p.global_valid_toks, chunk_size=chunk_size
@@ -401,25 +401,26 @@ def test_single_pass_runs_every_chunk_gemm_in_the_forward_and_none_in_the_backwa
     events.append("forward done")
     loss.backward()
     events.append("backward done")
+    return events, p, h.grad, w.grad
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "cumulative"])
+@pytest.mark.parametrize("chunk_size", [CHUNK, 7])
+def test_single_pass_runs_every_chunk_gemm_in_the_forward_and_none_in_the_backward(monkeypatch, chunk_size,
+                                                                                    ratio_level):
+    cfg = level_config(ratio_level, "cumulative")
+    events, p, dx, dw = _logged_run(monkeypatch, cfg, chunk_size)
     n_chunks = -(-p.num_tokens // chunk_size)
     assert n_chunks > 1
     assert events == ["single"] * n_chunks + ["forward done", "backward done"]
     _, _, ref_dx, ref_dw = run(p, naive_logprobs, cfg)
-    assert rel_err(h.grad, ref_dx) < 1e-5 and rel_err(w.grad, ref_dw) < 1e-5
+    assert rel_err(dx, ref_dx) < 1e-5 and rel_err(dw, ref_dw) < 1e-5
 
 
 def test_two_pass_recomputes_every_chunk_in_the_backward(monkeypatch):
-    events: list[str] = []
-    _log_chunks(monkeypatch, events)
-    p, cfg = problem(), level_config("sequence", "sequence")
-    h, w = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
-    loss, _ = fused_linear_pg_loss(
-        build_loss_fn(cfg), h, w, p.target, p.data, p.global_valid_seqs, p.global_valid_toks, chunk_size=CHUNK
-    )
-    events.append("forward done")
-    loss.backward()
+    events, p, _, _ = _logged_run(monkeypatch, level_config("sequence", "sequence"), CHUNK)
     n_chunks = -(-p.num_tokens // CHUNK)
-    assert events == ["two_pass"] * n_chunks + ["forward done"] + ["two_pass"] * n_chunks
+    assert events == ["two_pass"] * n_chunks + ["forward done"] + ["two_pass"] * n_chunks + ["backward done"]
 
 
 # ---------------------------------------------------------------------------------------------------- layouts
