@@ -17,8 +17,9 @@ DEFAULT_LOSS_SETTINGS = ("gspo_exp_sum", "gspo_seq_mean", "token_tis", "ctpo")
 
 
 def configs_dir() -> Path:
-    """``configs/demo`` of the source tree this package was imported from (editable install / fresh clone)."""
-    return Path(__file__).resolve().parents[2] / "configs" / "demo"
+    """The demo's loss settings: ``nemo_is_plugin/demo/configs``, a symlink to the repository's ``configs/demo`` in a
+    source tree, and a copy of those files in an installed wheel (package data)."""
+    return Path(__file__).parent / "configs"
 
 
 class _Section(BaseModel):
