@@ -13,9 +13,12 @@ Two schedules, same loss, metrics and gradients:
   ``dX_c = dz W`` (GEMM 2), ``dW += dz^T X_c`` (GEMM 3). 3 GEMMs in all, like the naive path, instead of the
   recomputing backward's 4; ``dX`` and ``dW`` are kept for the backward, which only scales them by the upstream
   gradient. TP costs 2 collectives per chunk (the chunk's partials) + 1 all-reduce of ``dX``.
-- **two pass** (``sequence`` / ``sequence_token`` ratios, cumulative ones on a CP shard, ``force_on_policy_ratio``):
-  :func:`fused_linear_logprobs` (log-probs of every token), the loss on them, then its recomputing backward: the
-  loss gradient of a token needs log-probs that come later.
+- **two pass** (``sequence`` / ``sequence_token`` ratios, ``force_on_policy_ratio``, cumulative ratios on a layout out of
+  memory order): :func:`fused_linear_logprobs` (log-probs of every token), the loss on them, then its recomputing
+  backward: the loss gradient of a token needs log-probs that come later.
+
+Parallelism: TP (vocab-sharded weight) and sequence parallelism; not CP (the batch would need the sharding that
+:class:`~nemo_is_plugin.distributed.logit_loss.LogitClippedPGLoss` does: use that entry point under CP).
 
 Either way no more than one ``[chunk, V/TP]`` fp32 buffer of logits is alive. The loss value and the metrics are
 always :meth:`ClippedPGLoss.compute` on the final log-probs, as in the two-pass path.
