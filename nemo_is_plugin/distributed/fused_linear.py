@@ -102,6 +102,31 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.mm(a, b).float()
 
 
+def add_chunk_grads(
+    dz: torch.Tensor,
+    w: torch.Tensor,
+    x_c: torch.Tensor,
+    grad_x_rows: Optional[torch.Tensor],
+    grad_w: Optional[torch.Tensor],
+    need_w: bool,
+) -> Optional[torch.Tensor]:
+    """The gradient GEMMs of one chunk: ``dX_c = dz @ W`` written into ``grad_x_rows`` (None: not wanted) and
+    ``dW += dz.T @ X_c``, returned (``grad_w`` None: this chunk's GEMM creates it).
+
+    ``dz [n, V/TP]`` and ``x_c [n, H]`` are in the compute dtype. dW is accumulated in fp32 (fp64 for fp64 inputs): a
+    bf16 running sum would lose the small per-chunk contributions. The first chunk's GEMM writes the accumulator,
+    because zero-filling then adding a V x H buffer cost 0.9x a GEMM at DeepSeek-V3's shape.
+    """
+    if grad_x_rows is not None:
+        torch.mm(dz, w, out=grad_x_rows)
+    if not need_w:
+        return grad_w
+    if dz.dtype == acc_dtype(dz.dtype):
+        return torch.mm(dz.t(), x_c) if grad_w is None else grad_w.addmm_(dz.t(), x_c)
+    # low-precision GEMM with an fp32 output, chunk sums accumulated in fp32
+    return mm_fp32(dz.t(), x_c) if grad_w is None else grad_w.add_(mm_fp32(dz.t(), x_c))
+
+
 def _workspace(rows: int, cols: int, dtype: torch.dtype, device: torch.device, count: int) -> list[torch.Tensor]:
     """``count`` reusable ``[rows, cols]`` chunk buffers, allocated once per forward / backward call."""
     return [torch.empty(rows, cols, dtype=dtype, device=device) for _ in range(count)]
@@ -145,8 +170,6 @@ class _FusedLinearLogprob(torch.autograd.Function):
         buf, *scratch = _workspace(rows, w.shape[0], lse.dtype, x.device, n_scratch)
 
         grad_x = torch.empty(x.shape, dtype=dtype, device=x.device) if need_x else None
-        # fp32 accumulator across chunks (a bf16 running sum would lose the small per-chunk contributions); the first
-        # chunk's GEMM writes it (zero-filling then adding a V x H buffer cost 0.9x a GEMM at DeepSeek-V3's shape)
         grad_w = None
         for sl in chunk_slices(x.shape[0], ctx.chunk_size):
             x_c = x[sl].to(dtype)
@@ -160,12 +183,7 @@ class _FusedLinearLogprob(torch.autograd.Function):
                 if ctx.inv_temperature != 1.0:
                     dz.mul_(ctx.inv_temperature)  # z = (x W^T) / T
             dz = dz.to(dtype)  # no-op on CPU; bf16 operands for the GPU GEMMs
-            if need_x:
-                torch.mm(dz, w, out=grad_x[sl])
-            if need_w and dtype == lse.dtype:
-                grad_w = torch.mm(dz.t(), x_c) if grad_w is None else grad_w.addmm_(dz.t(), x_c)
-            elif need_w:  # low-precision GEMM, fp32 output, chunk sums accumulated in fp32
-                grad_w = mm_fp32(dz.t(), x_c) if grad_w is None else grad_w.add_(mm_fp32(dz.t(), x_c))
+            grad_w = add_chunk_grads(dz, w, x_c, grad_x[sl] if need_x else None, grad_w, need_w)
         del buf, scratch
         if need_w and grad_w is None:  # no tokens
             grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
@@ -256,6 +274,6 @@ def fused_linear_logprobs(
 
 
 __all__ = [
-    "BACKENDS", "DEFAULT_CHUNK_BYTES", "check_head_inputs", "chunk_logits", "compute_dtype", "default_chunk_size",
-    "fused_linear_logprobs", "mm_fp32",
+    "BACKENDS", "DEFAULT_CHUNK_BYTES", "add_chunk_grads", "check_head_inputs", "chunk_logits", "compute_dtype",
+    "default_chunk_size", "fused_linear_logprobs", "mm_fp32",
 ]

@@ -13,9 +13,9 @@ Two schedules, same loss, metrics and gradients:
   ``dX_c = dz W`` (GEMM 2), ``dW += dz^T X_c`` (GEMM 3). 3 GEMMs in all, like the naive path, instead of the
   recomputing backward's 4; ``dX`` and ``dW`` are kept for the backward, which only scales them by the upstream
   gradient. TP costs 2 collectives per chunk (the chunk's partials) + 1 all-reduce of ``dX``.
-- **two pass** (``sequence`` / ``sequence_token`` ratios, ``force_on_policy_ratio``, cumulative ratios on a layout out of
-  memory order): :func:`fused_linear_logprobs` (log-probs of every token), the loss on them, then its recomputing
-  backward: the loss gradient of a token needs log-probs that come later.
+- **two pass** (``sequence`` / ``sequence_token`` ratios, ``force_on_policy_ratio``, cumulative ratios on a layout
+  out of memory order): :func:`fused_linear_logprobs` (log-probs of every token), the loss on them, then its
+  recomputing backward: the loss gradient of a token needs log-probs that come later.
 
 Parallelism: TP (vocab-sharded weight) and sequence parallelism; not CP (the batch would need the sharding that
 :class:`~nemo_is_plugin.distributed.logit_loss.LogitClippedPGLoss` does: use that entry point under CP).
@@ -27,19 +27,19 @@ always :meth:`ClippedPGLoss.compute` on the final log-probs, as in the two-pass 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_sum
 from nemo_is_plugin.distributed.fused_linear import (
     acc_dtype,
+    add_chunk_grads,
     check_head_inputs,
     chunk_logits,
     chunk_slices,
     compute_dtype,
     fused_linear_logprobs,
-    mm_fp32,
 )
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
 from nemo_is_plugin.distributed.vocab_parallel import (
@@ -52,8 +52,6 @@ from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, softmax_grad_f
 from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.separable import TokenLossGradient, single_pass_blocker
-
-TokenGrad = Callable[[slice, torch.Tensor], torch.Tensor]
 
 
 class _SinglePassFusedLoss(torch.autograd.Function):
@@ -71,7 +69,7 @@ class _SinglePassFusedLoss(torch.autograd.Function):
         buf = torch.empty(min(chunk_size, n), w.shape[0], dtype=acc, device=x.device)
         logprob = torch.empty(n, dtype=acc, device=x.device)
         grad_x = torch.empty(x.shape, dtype=dtype, device=x.device) if need_x else None
-        grad_w = None  # the first chunk's GEMM writes the fp32 accumulator (no zero-fill pass over V x H)
+        grad_w = None
         for sl in chunk_slices(n, chunk_size):
             x_c = x[sl].to(dtype)
             z = chunk_logits(x_c, w, inv_temperature, buf)  # GEMM 1
@@ -83,12 +81,7 @@ class _SinglePassFusedLoss(torch.autograd.Function):
             if inv_temperature != 1.0:
                 dz.mul_(inv_temperature)
             dz = dz.to(dtype)  # no-op on CPU; bf16 operands for the GPU GEMMs
-            if need_x:
-                torch.mm(dz, w, out=grad_x[sl])  # GEMM 2
-            if need_w and dtype == acc:  # GEMM 3
-                grad_w = torch.mm(dz.t(), x_c) if grad_w is None else grad_w.addmm_(dz.t(), x_c)
-            elif need_w:
-                grad_w = mm_fp32(dz.t(), x_c) if grad_w is None else grad_w.add_(mm_fp32(dz.t(), x_c))
+            grad_w = add_chunk_grads(dz, w, x_c, grad_x[sl] if need_x else None, grad_w, need_w)  # GEMMs 2 and 3
         del buf
         if need_w and grad_w is None:  # no tokens
             grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
@@ -150,7 +143,7 @@ def fused_linear_pg_loss(
             hidden, weight, target, tp_group, chunk_size=chunk_size, temperature=temperature,
             sequence_parallel=sequence_parallel,
         )
-        return loss_fn(lp, data, global_valid_seqs, global_valid_toks, layout=layout)
+        return loss_fn(lp, data, global_valid_seqs, global_valid_toks, layout=layout)  # validates lp's values too
 
     if sequence_parallel:
         hidden = all_gather(hidden, tp_group, dim=0)  # its backward reduce-scatters dX: no all-reduce inside
