@@ -25,7 +25,7 @@ unmasked tokens):
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -38,7 +38,9 @@ KLGradient = Literal["estimator", "k2"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 # Truncation types that reject whole sequences instead of reweighting tokens; they may run without IS weights.
-REJECTION_TYPES = ("seq-mis", "geo-rs")
+REJECTION_TYPES: tuple[str, ...] = get_args(RejectionType)
+# Truncation types that mask whole sequences by a sequence statistic.
+SEQUENCE_MASK_TYPES = ("seq-mask-tis", *REJECTION_TYPES)
 
 
 class ConfigError(ValueError):
@@ -201,7 +203,7 @@ def _contradictions(cfg: ClippedPGLossConfig) -> list[str]:
             "sequence_level_importance_ratios=true (GSPO) requires token_level_loss=false; set token_level_loss: false"
         )
     if tis is not None:
-        if tis not in ("tis", "icepop", "seq-mask-tis", "seq-mis", "geo-rs"):
+        if tis not in get_args(TruncationType):
             out.append(
                 f"truncated_importance_sampling_type={tis!r} is not one of 'tis', 'icepop', 'seq-mask-tis', "
                 "'seq-mis', 'geo-rs' (or null)"
@@ -216,7 +218,7 @@ def _contradictions(cfg: ClippedPGLossConfig) -> list[str]:
                 f"truncated_importance_sampling_type={tis!r} needs truncated_importance_sampling_ratio > 0 "
                 f"(got {hi})"
             )
-        if tis in ("icepop", "seq-mask-tis", "seq-mis", "geo-rs") and lo is None:
+        if tis in ("icepop", *SEQUENCE_MASK_TYPES) and lo is None:
             out.append(f"truncated_importance_sampling_type={tis!r} needs truncated_importance_sampling_ratio_min")
         if lo is not None and hi is not None and lo > hi:
             out.append(
@@ -296,8 +298,8 @@ def _contradictions(cfg: ClippedPGLossConfig) -> list[str]:
 
 
 def _rejection_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
-    rej, lo, hi = cfg.importance_sampling_rejection, cfg.importance_sampling_rejection_min, \
-        cfg.importance_sampling_rejection_max
+    rej = cfg.importance_sampling_rejection
+    lo, hi = cfg.importance_sampling_rejection_min, cfg.importance_sampling_rejection_max
     if rej is None:
         if lo is not None or hi is not None:
             return ["importance_sampling_rejection_min and importance_sampling_rejection_max are only read with "
@@ -310,7 +312,7 @@ def _rejection_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     elif lo > hi:
         out.append(f"importance_sampling_rejection_min={lo} must be <= importance_sampling_rejection_max={hi}")
     tis = cfg.truncated_importance_sampling_type
-    if tis in ("seq-mask-tis", "seq-mis", "geo-rs"):
+    if tis in SEQUENCE_MASK_TYPES:
         out.append(f"truncated_importance_sampling_type={tis!r} already masks whole sequences: combine "
                    "importance_sampling_rejection with 'tis', 'icepop' or null, or use a single sequence rule")
     return out

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from nemo_is_plugin.adapters.protocol import LossType, MetricNormalizer, is_extremum
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.config import SEQUENCE_MASK_TYPES, ClippedPGLossConfig
 
 # Metric -> the count it is divided by, where it is not the token count (see nemo_is_plugin.loss_metrics).
 _SEQUENCE_METRICS = frozenset({
@@ -22,7 +22,6 @@ _SEQUENCE_METRICS = frozenset({
 })
 _RAW_METRICS = frozenset({"num_valid_samples", "positive_nll_loss"})  # a count, and a mean over a local count
 _LOSS_METRICS = frozenset({"loss", "kl_penalty"})  # divided like the gradient
-_SEQUENCE_MASK_TYPES = ("seq-mask-tis", "seq-mis", "geo-rs")  # is_oob_ratio counts sequences for these
 
 
 def loss_type_of(config: ClippedPGLossConfig) -> Any:
@@ -39,7 +38,8 @@ def metric_normalizer(name: str, config: ClippedPGLossConfig) -> Any:
         return MetricNormalizer.TOKENS if token_level else MetricNormalizer.SEQUENCES
     if name in _SEQUENCE_METRICS:
         return MetricNormalizer.SEQUENCES
-    if name == "is_oob_ratio" and config.truncated_importance_sampling_type in _SEQUENCE_MASK_TYPES:
+    # is_oob_ratio counts sequences for the sequence-masking truncation types
+    if name == "is_oob_ratio" and config.truncated_importance_sampling_type in SEQUENCE_MASK_TYPES:
         return MetricNormalizer.SEQUENCES
     if name == "sampling_importance_ratio" and config.sequence_level_importance_ratios \
             and config.is_correction_level is None:
