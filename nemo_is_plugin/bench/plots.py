@@ -7,8 +7,7 @@ from pathlib import Path
 from nemo_is_plugin.bench.report import MIB, TARGET_FWD, TARGET_FWDBWD, derived_rows, memory_fit
 
 PATH_COLORS = {"naive": "#c0504d", "from_logits": "#f79646", "fused_linear": "#4f81bd", "fused_2pass": "#8064a2",
-               "liger": "#9bbb59",
-               "matmul": "#7f7f7f"}
+               "liger": "#9bbb59", "matmul": "#7f7f7f"}
 
 
 def plot_ratios(results: dict, path: Path) -> Path:

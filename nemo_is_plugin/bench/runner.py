@@ -209,10 +209,16 @@ def memory_sweep(cfg: BenchConfig, progress: Progress, skipped: dict) -> list[di
             if name == "liger" and skipped.get("liger"):
                 continue
             run = _liger_fwd_bwd(problem) if name == "liger" else _fwd_bwd(paths[name], problem, loss_fn)
-            m = memory_only(run)
-            points.append(dict(path=name, tokens=problem.num_tokens, hidden=hidden, vocab=vocab,
-                               peak_bytes=m.peak_bytes, rss_bytes=m.rss_bytes, seconds=m.seconds))
+            points.append(_memory_point(name, run, problem))
     return points
+
+
+def _memory_point(name: str, run: Callable[[], None], problem: HeadProblem) -> dict:
+    """One memory-tracked forward+backward of ``run`` on ``problem``, as a sweep / direct-measurement point."""
+    m = memory_only(run)
+    hidden, vocab = problem.weight.shape[1], problem.weight.shape[0]
+    return dict(path=name, tokens=problem.num_tokens, hidden=hidden, vocab=vocab, peak_bytes=m.peak_bytes,
+                rss_bytes=m.rss_bytes, seconds=m.seconds)
 
 
 def direct_memory(cfg: BenchConfig, progress: Progress) -> list[dict]:
@@ -229,9 +235,7 @@ def direct_memory(cfg: BenchConfig, progress: Progress) -> list[dict]:
     points = []
     for name in [p for p in cfg.direct_memory_paths if p in cfg.paths and p in paths]:
         progress(f"memory at {cfg.extrapolate_tokens} tokens: {name}")
-        m = memory_only(_fwd_bwd(paths[name], problem, loss_fn))
-        points.append(dict(path=name, tokens=problem.num_tokens, hidden=hidden, vocab=vocab,
-                           peak_bytes=m.peak_bytes, rss_bytes=m.rss_bytes, seconds=m.seconds))
+        points.append(_memory_point(name, _fwd_bwd(paths[name], problem, loss_fn), problem))
     return points
 
 
