@@ -51,8 +51,8 @@ def mismatch_metric_sums(
     p, g = prev.double(), gen.double()
     valid = token_mask.double() * layout.to_tokens(sample_mask.double())
     x = where_mask(p - g, valid)
-    n_tok = torch.as_tensor(global_valid_toks, dtype=torch.float64) + EPS
-    n_seq = torch.as_tensor(global_valid_seqs, dtype=torch.float64) + EPS
+    n_tok = torch.as_tensor(global_valid_toks, dtype=torch.float64, device=p.device) + EPS
+    n_seq = torch.as_tensor(global_valid_seqs, dtype=torch.float64, device=p.device) + EPS
     out = {
         "mismatch_kl_k1": where_mask(g - p, valid).sum() / n_tok,
         "mismatch_kl_k3": where_mask(torch.expm1(x) - x, valid).sum() / n_tok,

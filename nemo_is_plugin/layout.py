@@ -9,7 +9,7 @@ Shapes: a *token tensor* has the layout's ``shape`` (``[B, T]`` padded, ``[N]`` 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -23,9 +23,15 @@ class TokenLayout:
         num_seqs: number of sequences S.
         padded: True when ``seq_index`` is the row index of a ``[S, T]`` tensor and ``position`` the column index;
             enables the fast paths (``sum(-1)``, ``cumsum(-1)``).
+        in_order: whether the flattened tokens list each sequence's tokens consecutively in position order (True for
+            padded, packed and CP layouts, whose constructors say so). None checks it, at the cost of one host
+            synchronisation; the constructors below never need that.
     """
 
-    def __init__(self, seq_index: torch.Tensor, position: torch.Tensor, num_seqs: int, *, padded: bool = False):
+    def __init__(
+        self, seq_index: torch.Tensor, position: torch.Tensor, num_seqs: int, *, padded: bool = False,
+        in_order: Optional[bool] = None,
+    ):
         if seq_index.shape != position.shape:
             raise ValueError(f"seq_index {tuple(seq_index.shape)} and position {tuple(position.shape)} differ")
         self.seq_index = seq_index
@@ -33,9 +39,14 @@ class TokenLayout:
         self.num_seqs = int(num_seqs)
         self.padded = padded
         self._flat_seq = seq_index.reshape(-1)
-        # Sort key that orders tokens by (sequence, position); the identity for padded and THD layouts.
-        key = self._flat_seq * (int(position.max().item()) + 1 if position.numel() else 1) + position.reshape(-1)
-        self._order = None if bool((key[1:] >= key[:-1]).all()) else torch.argsort(key, stable=True)
+        if padded:
+            in_order = True
+        elif in_order is None:
+            seq, pos = self._flat_seq, position.reshape(-1)
+            ordered = (seq[1:] > seq[:-1]) | ((seq[1:] == seq[:-1]) & (pos[1:] >= pos[:-1]))
+            in_order = bool(ordered.all())
+        # Permutation that orders tokens by (sequence, position); None when they already are (padded, THD, CP).
+        self._order = None if in_order else _lexsort(self._flat_seq, position.reshape(-1))
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -46,13 +57,24 @@ class TokenLayout:
         return cls(rows, cols, num_seqs, padded=True)
 
     @classmethod
-    def packed(cls, cu_seqlens: torch.Tensor | Sequence[int]) -> "TokenLayout":
-        """Layout of a packed ``[N]`` token tensor holding sequences ``cu_seqlens[i]:cu_seqlens[i+1]`` (THD)."""
-        cu = torch.as_tensor(cu_seqlens, dtype=torch.long)
-        lengths = cu[1:] - cu[:-1]
-        seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
-        pos = torch.arange(int(cu[-1]), device=cu.device) - torch.repeat_interleave(cu[:-1], lengths)
-        return cls(seq, pos, len(lengths))
+    def packed(
+        cls, cu_seqlens: torch.Tensor | Sequence[int], device: torch.device | str | None = None
+    ) -> "TokenLayout":
+        """Layout of a packed ``[N]`` token tensor holding sequences ``cu_seqlens[i]:cu_seqlens[i+1]`` (THD).
+
+        ``device`` defaults to the device of ``cu_seqlens`` (a tensor), else the default device. Offsets given as
+        Python ints cost no host synchronisation; a device tensor costs one (it is read once, to size the maps).
+        """
+        if isinstance(cu_seqlens, torch.Tensor):
+            device = cu_seqlens.device if device is None else device
+        cu = host_ints(cu_seqlens)
+        lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        n = sum(lengths)
+        lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
+        starts = torch.tensor([a - cu[0] for a in cu[:-1]], dtype=torch.long, device=device)
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t, output_size=n)
+        pos = torch.arange(n, device=device) - torch.repeat_interleave(starts, lengths_t, output_size=n)
+        return cls(seq, pos, len(lengths), in_order=True)
 
     @property
     def holds_whole_sequences(self) -> bool:
@@ -133,3 +155,16 @@ class TokenLayout:
         if self._order is not None:
             out = torch.empty_like(out).index_copy(0, self._order, out)
         return out.reshape(x.shape)
+
+
+def host_ints(values: torch.Tensor | Sequence[int]) -> list[int]:
+    """Integers as a Python list; a device tensor is read in one host synchronisation."""
+    if isinstance(values, torch.Tensor):
+        return [int(v) for v in values.reshape(-1).tolist()]
+    return [int(v) for v in values]
+
+
+def _lexsort(seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Stable permutation ordering tokens by (seq, pos), without reading the tensors on the host."""
+    by_pos = torch.argsort(pos, stable=True)
+    return by_pos[torch.argsort(seq[by_pos], stable=True)]

@@ -129,7 +129,11 @@ class ClippedPGLoss:
         return LossInputs.from_tokens(curr, sliced, data, global_valid_seqs, global_valid_toks), layout
 
     # ------------------------------------------------------------------ the loss on aligned token tensors
-    def compute(self, inputs: LossInputs, layout: TokenLayout) -> tuple[torch.Tensor, dict[str, float]]:
+    def compute(
+        self, inputs: LossInputs, layout: TokenLayout, *, extra_metric_sums: Optional[Mapping[str, torch.Tensor]] = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss and its metrics. ``extra_metric_sums``: more 0-d additive metric shares (a caller's own, reduced
+        over CP like the loss's) to report with the loss's metrics, in the same single host synchronisation."""
         cfg = self.config
         c_in = inputs.curr_logprobs
         # Half-precision log-probs are upcast: the ratio / exp arithmetic needs fp32 (gradients flow back through it).
@@ -141,8 +145,8 @@ class ClippedPGLoss:
         adv = as_f(inputs.advantages)
         g = as_f(inputs.generation_logprobs)
         p = c.detach() if cfg.force_on_policy_ratio else as_f(inputs.prev_logprobs)
-        n_tok = _as_scalar(inputs.global_valid_toks, dtype)
-        n_seq = _as_scalar(inputs.global_valid_seqs, dtype)
+        n_tok = _as_scalar(inputs.global_valid_toks, dtype, c.device)
+        n_seq = _as_scalar(inputs.global_valid_seqs, dtype, c.device)
         agg = cfg.effective_loss_aggregation
         reduce = lambda x: aggregate(  # noqa: E731
             x, tm, sm, layout, mode=agg, global_valid_toks=n_tok, global_valid_seqs=n_seq,
@@ -162,7 +166,7 @@ class ClippedPGLoss:
             kl_loss = beta * kl
             book.add_sum("kl_penalty", kl.detach())
         else:
-            book.add_sum("kl_penalty", torch.zeros((), dtype=torch.float64))
+            book.add_sum("kl_penalty", torch.zeros((), dtype=torch.float64, device=c.device))
 
         # 3. Policy ratio and surrogate. n_t (1-based position among unmasked tokens) serves the log-space clip and
         # the clip-rate-by-position metrics.
@@ -181,8 +185,8 @@ class ClippedPGLoss:
         mu = cfg.positive_example_nll_weight
         if mu != 0 and inputs.rewards is not None:
             pos, count = positive_sample_tokens(inputs.rewards, valid, layout)
-            if count > 0:
-                nll = where_mask(-c, pos).sum() / (count.to(dtype) + EPS)
+            # Without positive tokens the sum is an exact 0 (and its gradient too): no host-side test of the count.
+            nll = where_mask(-c, pos).sum() / (count.to(dtype) + EPS)
         loss = actor_loss + kl_loss + mu * nll
 
         # 7. Metrics.
@@ -204,6 +208,8 @@ class ClippedPGLoss:
         book.add_sum("positive_nll_loss", nll.detach())
         book.mismatch(p, g, tm, sm)
         book.clip_by_position(sur, positions)
+        for name, value in (extra_metric_sums or {}).items():
+            book.add_sum(name, value)
         return loss, book.finish()
 
     def kl_tokens(self, c: torch.Tensor, g: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -280,8 +286,8 @@ def positive_sample_tokens(
     return pos, layout.reduce_metric_sums(pos.sum().detach().double())
 
 
-def _as_scalar(x: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
-    return torch.as_tensor(x).to(dtype)
+def _as_scalar(x: torch.Tensor | float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=dtype, device=device)
 
 
 def build_loss_fn(config: ClippedPGLossConfig | Mapping[str, Any]) -> ClippedPGLoss:

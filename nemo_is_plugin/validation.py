@@ -147,7 +147,7 @@ def validate_loss_inputs(
             checks.append((f"data['{key}']", t, "finite"))
 
     for name, count in (("global_valid_seqs", global_valid_seqs), ("global_valid_toks", global_valid_toks)):
-        checks.append((name, _count_tensor(name, count), "count"))
+        checks.append((name, _count_tensor(name, count, x.device), "count"))
     _check_values(checks)
 
 
@@ -244,7 +244,7 @@ def _first_bad(name: str, t: torch.Tensor, bad: torch.Tensor) -> str:
     return f"{count} bad element(s), first at {where} = {value!r}"
 
 
-def _count_tensor(name: str, count: Any) -> torch.Tensor:
+def _count_tensor(name: str, count: Any, device: torch.device) -> torch.Tensor:
     """The global count as a 0-d tensor (checked for type here, for value with the other reductions)."""
     if isinstance(count, torch.Tensor):
         if count.numel() != 1:
@@ -253,5 +253,5 @@ def _count_tensor(name: str, count: Any) -> torch.Tensor:
             raise TypeError(f"{name} has dtype {count.dtype}, expected a real number")
         return count.detach()
     if isinstance(count, (int, float)) and not isinstance(count, bool):
-        return torch.tensor(float(count), dtype=torch.float64)
+        return torch.tensor(float(count), dtype=torch.float64, device=device)
     raise TypeError(f"{name} must be a number or a 0-d tensor, got {type(count).__name__}")
