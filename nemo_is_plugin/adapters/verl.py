@@ -55,6 +55,7 @@ SECTION_ENV = "NEMO_IS_LOSS_SECTION"
 METRIC_PREFIX = "actor/nemo_is/"
 VERL_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 VERL_LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp in every ratio loss
+_OWN = "_verl_adapter/"  # prefix of the adapter's own values read with the loss's metrics (then removed)
 
 
 def _get(config: Any, key: str, default: Any = None) -> Any:
@@ -222,30 +223,39 @@ class VerlPolicyLoss:
             gen = old_log_prob.detach()
 
         m = mask.to(log_prob.dtype)
-        local_toks, local_seqs = float(m.sum()), float((m.sum(-1) > 0).sum())
-        n_tok, n_seq = self._global_counts(config, loss_agg_mode, local_toks, local_seqs)
+        # The local counts and verl's ppo_kl stay on the device until the loss's metrics are read (one host sync).
+        with torch.no_grad():
+            own = {"local_toks": m.sum(), "local_seqs": (m.sum(-1) > 0).sum(),
+                   "ppo_kl": ((old_log_prob - log_prob) * m).sum() / (m.sum() + 1e-8)}
+        info_tok, info_seq = self._global_counts(config, loss_agg_mode)
         inputs = LossInputs(
             curr_logprobs=log_prob, prev_logprobs=old_log_prob, generation_logprobs=gen, reference_logprobs=None,
             advantages=advantages, token_mask=m, sample_mask=torch.ones(b, dtype=m.dtype, device=m.device),
-            global_valid_seqs=n_seq, global_valid_toks=n_tok,
+            global_valid_seqs=own["local_seqs"] if info_seq is None else info_seq,
+            global_valid_toks=own["local_toks"] if info_tok is None else info_tok,
         )
-        loss, metrics = loss_fn.compute(inputs, TokenLayout.padded(b, t, device=log_prob.device))
+        extra = {f"{_OWN}{k}": v for k, v in own.items()}
+        loss, metrics = loss_fn.compute(inputs, TokenLayout.padded(b, t, device=log_prob.device),
+                                        extra_metric_sums=extra)
+        local_toks, local_seqs, ppo_kl = (metrics.pop(k) for k in extra)
+        n_tok = local_toks if info_tok is None else info_tok
+        n_seq = local_seqs if info_seq is None else info_seq
         local = renormalize(metrics, loss_fn.config, tokens=(n_tok, local_toks), seqs=(n_seq, local_seqs))
-        with torch.no_grad():
-            ppo_kl = float(((old_log_prob - log_prob) * m).sum() / (m.sum() + 1e-8))
         if self._tuple is None:
             self._tuple = _returns_tuple()
         if self._tuple:
-            return (loss, torch.tensor(local.get("clip_fraction", 0.0)), torch.tensor(ppo_kl),
-                    torch.tensor(local.get("clip_fraction_dual", 0.0)))
+            as_tensor = lambda v: torch.tensor(v, device=log_prob.device)  # noqa: E731
+            return (loss, as_tensor(local.get("clip_fraction", 0.0)), as_tensor(ppo_kl),
+                    as_tensor(local.get("clip_fraction_dual", 0.0)))
         out = {f"{METRIC_PREFIX}{k}": v for k, v in local.items()}
         out.update({"actor/pg_clipfrac": local.get("clip_fraction", 0.0), "actor/ppo_kl": ppo_kl,
                     "actor/pg_clipfrac_lower": local.get("clip_fraction_dual", 0.0)})
         return loss, out
 
     @staticmethod
-    def _global_counts(config: Any, agg: str, local_toks: float, local_seqs: float) -> tuple[float, float]:
-        """verl's ``agg_loss`` divisors: ``global / dp_size`` from ``global_batch_info``, else the local counts."""
+    def _global_counts(config: Any, agg: str) -> tuple[Optional[float], Optional[float]]:
+        """verl's ``agg_loss`` divisors (tokens, sequences): ``global / dp_size`` from ``global_batch_info``, else None
+        (the local counts)."""
         info = dict(_get(config, "global_batch_info", {}) or {})
         dp = int(info.get("dp_size") or 1)
         toks, seqs = info.get("batch_num_tokens"), info.get("global_batch_size")
@@ -253,8 +263,8 @@ class VerlPolicyLoss:
             raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
         if dp > 1 and seqs is None and agg != "token-mean":
             raise ValueError("global_batch_size is required when dp_size > 1")
-        n_tok = float(toks) / dp if toks is not None else local_toks
-        n_seq = float(seqs) / dp if seqs is not None else local_seqs
+        n_tok = float(toks) / dp if toks is not None else None
+        n_seq = float(seqs) / dp if seqs is not None else None
         return n_tok, n_seq
 
 

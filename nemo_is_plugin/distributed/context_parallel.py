@@ -27,7 +27,7 @@ import torch
 from nemo_is_plugin.distributed.collectives import all_reduce_max, all_reduce_min, all_reduce_sum
 from nemo_is_plugin.distributed.cp_sharding import CPOrder, local_cu_seqlens, local_tokens, num_chunks
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank, group_size
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.layout import TokenLayout, host_ints
 
 
 class CPTokenLayout(TokenLayout):
@@ -49,15 +49,20 @@ class CPTokenLayout(TokenLayout):
         num_seqs: int,
         num_chunks: int,
         cp_group: Optional[ProcessGroup],
+        *,
+        in_order: Optional[bool] = None,
     ):
-        super().__init__(seq_index, position, num_seqs)
+        super().__init__(seq_index, position, num_seqs, in_order=in_order)
         self.cp_group = cp_group
         self.cp_size = group_size(cp_group)
         self.num_chunks = int(num_chunks)
         # One "sequence" per (sequence, chunk): its local prefix sum is the prefix sum inside the chunk, its seq_sum
         # the chunk totals in a dense [S * num_chunks] table.
         self._chunk_id = seq_index * self.num_chunks + chunk_index
-        self._chunks = TokenLayout(self._chunk_id, position, self.num_seqs * self.num_chunks)
+        # Chunks are consecutive positions, so the (chunk, position) order is the (sequence, position) order.
+        self._chunks = TokenLayout(
+            self._chunk_id, position, self.num_seqs * self.num_chunks, in_order=self.in_memory_order
+        )
 
     @property
     def holds_whole_sequences(self) -> bool:
@@ -108,7 +113,7 @@ def cp_layout_padded(
     size = group_size(cp_group)
     if size == 1:
         return TokenLayout.padded(num_seqs, seq_len, device=device)
-    lt = local_tokens(torch.tensor([seq_len], device=device), group_rank(cp_group), size, order)
+    lt = local_tokens([seq_len], group_rank(cp_group), size, order, device)
     rows = torch.arange(num_seqs, device=device).unsqueeze(1).expand(num_seqs, len(lt.position))
     return CPTokenLayout(
         rows,
@@ -117,6 +122,7 @@ def cp_layout_padded(
         num_seqs,
         num_chunks(size, order),
         cp_group,
+        in_order=True,
     )
 
 
@@ -128,14 +134,20 @@ def cp_layout_packed(
 ) -> TokenLayout:
     """Layout of this rank's ``[N/cp]`` shard of a packed batch (global ``cu_seqlens_padded``, THD).
 
-    With no CP this is ``TokenLayout.packed(cu_seqlens_padded)``. ``device`` defaults to ``cu_seqlens_padded``'s.
+    With no CP this is ``TokenLayout.packed(cu_seqlens_padded)``. ``device`` defaults to the device of
+    ``cu_seqlens_padded`` (a tensor), else the default device. Offsets given as Python ints cost no host
+    synchronisation; a device tensor costs one.
     """
-    cu = torch.as_tensor(cu_seqlens_padded, dtype=torch.long, device=device)
+    if isinstance(cu_seqlens_padded, torch.Tensor):
+        device = cu_seqlens_padded.device if device is None else device
+    cu = host_ints(cu_seqlens_padded)
     size = group_size(cp_group)
     if size == 1:
-        return TokenLayout.packed(cu)
-    lt = local_tokens(cu[1:] - cu[:-1], group_rank(cp_group), size, order)
-    return CPTokenLayout(lt.seq, lt.position, lt.chunk, len(cu) - 1, num_chunks(size, order), cp_group)
+        return TokenLayout.packed(cu, device=device)
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    lt = local_tokens(lengths, group_rank(cp_group), size, order, device)
+    return CPTokenLayout(lt.seq, lt.position, lt.chunk, len(lengths), num_chunks(size, order), cp_group,
+                         in_order=True)
 
 
 def cp_layout(

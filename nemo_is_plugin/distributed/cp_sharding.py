@@ -22,6 +22,7 @@ import torch
 
 from nemo_is_plugin.distributed.collectives import all_gather
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_size
+from nemo_is_plugin.layout import host_ints
 
 CPOrder = Literal["load_balanced", "contiguous"]
 CP_ORDERS: tuple[str, ...] = ("load_balanced", "contiguous")
@@ -53,36 +54,50 @@ def local_chunk_ids(cp_rank: int, cp_size: int, order: CPOrder) -> tuple[int, ..
 
 
 def local_tokens(
-    lengths: torch.Tensor | Sequence[int], cp_rank: int, cp_size: int, order: CPOrder = "load_balanced"
+    lengths: torch.Tensor | Sequence[int],
+    cp_rank: int,
+    cp_size: int,
+    order: CPOrder = "load_balanced",
+    device: torch.device | str | None = None,
 ) -> LocalTokens:
     """Local tokens of ``cp_rank`` for sequences of (padded) ``lengths [n]`` laid out back to back.
 
+    ``device`` defaults to the device of ``lengths`` (a tensor), else the default device. Lengths given as Python ints
+    cost no host synchronisation; a device tensor costs one (it is read once, to size the maps).
     Raises ValueError if a length is not a multiple of the number of chunks.
     """
-    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    if isinstance(lengths, torch.Tensor):
+        device = lengths.device if device is None else device
+    host = host_ints(lengths)
     n_chunks = num_chunks(cp_size, order)
-    if bool((lengths % n_chunks != 0).any()):
+    if any(n % n_chunks for n in host):
         raise ValueError(
             f"{order} context parallelism over {cp_size} ranks needs every sequence length to be a multiple of "
-            f"{n_chunks}; got lengths {lengths.tolist()} (pad each sequence, as Megatron does)"
+            f"{n_chunks}; got lengths {host} (pad each sequence, as Megatron does)"
         )
-    chunk_len = lengths // n_chunks
-    ids = torch.tensor(local_chunk_ids(cp_rank, cp_size, order), dtype=torch.long, device=lengths.device)
+    local_ids = local_chunk_ids(cp_rank, cp_size, order)
+    ids = torch.tensor(local_ids, dtype=torch.long, device=device)
+    chunk_len = torch.tensor([n // n_chunks for n in host], dtype=torch.long, device=device)
     local_len = chunk_len * len(ids)
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), local_len)
+    n_local = sum(host) // n_chunks * len(local_ids)
+    seq = torch.repeat_interleave(torch.arange(len(host), device=device), local_len, output_size=n_local)
     local_start = torch.cumsum(local_len, 0) - local_len
-    k = torch.arange(int(local_len.sum()), device=lengths.device) - local_start[seq]
+    k = torch.arange(n_local, device=device) - local_start[seq]
     c = chunk_len[seq]
     which = torch.div(k, c, rounding_mode="floor")  # 0 or 1: first or second local chunk
     chunk = ids[which]
     position = chunk * c + (k - which * c)
-    global_start = torch.cumsum(lengths, 0) - lengths
+    lengths_t = chunk_len * n_chunks
+    global_start = torch.cumsum(lengths_t, 0) - lengths_t
     return LocalTokens(seq, position, chunk, global_start[seq] + position)
 
 
-def padded_local_positions(seq_len: int, cp_rank: int, cp_size: int, order: CPOrder = "load_balanced") -> torch.Tensor:
+def padded_local_positions(
+    seq_len: int, cp_rank: int, cp_size: int, order: CPOrder = "load_balanced",
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """Global positions ``Long[S/cp]`` held by ``cp_rank`` along the sequence dim of a padded ``[B, S]`` batch."""
-    return local_tokens([seq_len], cp_rank, cp_size, order).position
+    return local_tokens([seq_len], cp_rank, cp_size, order, device).position
 
 
 def shard_padded(
@@ -91,7 +106,7 @@ def shard_padded(
     """``x [B, S, ...]`` -> this rank's ``[B, S/cp, ...]`` (along ``dim``)."""
     if cp_size == 1:
         return x
-    pos = padded_local_positions(x.shape[dim], cp_rank, cp_size, order).to(x.device)
+    pos = padded_local_positions(x.shape[dim], cp_rank, cp_size, order, x.device)
     return x.index_select(dim, pos)
 
 
@@ -106,14 +121,20 @@ def shard_packed(
     """Packed ``x [N, ...]`` (sequences at ``cu_seqlens_padded``) -> this rank's ``[N/cp, ...]`` (along ``dim``)."""
     if cp_size == 1:
         return x
-    cu = torch.as_tensor(cu_seqlens_padded, dtype=torch.long)
-    idx = local_tokens(cu[1:] - cu[:-1], cp_rank, cp_size, order).global_index.to(x.device)
+    idx = local_tokens(_lengths(cu_seqlens_padded), cp_rank, cp_size, order, x.device).global_index
     return x.index_select(dim, idx)
 
 
-def local_cu_seqlens(cu_seqlens_padded: torch.Tensor | Sequence[int], cp_size: int) -> torch.Tensor:
-    """``cu_seqlens`` of the local packed shard: every (padded) sequence keeps 1/cp of its tokens."""
-    return torch.div(torch.as_tensor(cu_seqlens_padded, dtype=torch.long), cp_size, rounding_mode="floor")
+def local_cu_seqlens(
+    cu_seqlens_padded: torch.Tensor | Sequence[int], cp_size: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``cu_seqlens`` of the local packed shard: every (padded) sequence keeps 1/cp of its tokens.
+
+    ``device`` defaults to the device of ``cu_seqlens_padded`` (a tensor), else the default device."""
+    if isinstance(cu_seqlens_padded, torch.Tensor):
+        device = cu_seqlens_padded.device if device is None else device
+    cu = torch.as_tensor(cu_seqlens_padded, dtype=torch.long, device=device)
+    return torch.div(cu, cp_size, rounding_mode="floor")
 
 
 def _gather(x: torch.Tensor, cp_group: Optional[ProcessGroup], dim: int, index_of_rank) -> torch.Tensor:
@@ -122,7 +143,7 @@ def _gather(x: torch.Tensor, cp_group: Optional[ProcessGroup], dim: int, index_o
     if size == 1:
         return x
     stacked = all_gather(x, cp_group, dim=dim)  # rank-major: [shard_0 | shard_1 | ...]
-    where = torch.cat([index_of_rank(r) for r in range(size)]).to(x.device)
+    where = torch.cat([index_of_rank(r) for r in range(size)])
     inverse = torch.empty_like(where)
     inverse[where] = torch.arange(len(where), device=where.device)
     return stacked.index_select(dim, inverse)
@@ -134,7 +155,7 @@ def gather_padded(
     """Inverse of ``shard_padded``: ``[B, S/cp, ...]`` on every rank -> ``[B, S, ...]`` on every rank."""
     size = group_size(cp_group)
     seq_len = x.shape[dim] * size
-    return _gather(x, cp_group, dim, lambda r: padded_local_positions(seq_len, r, size, order))
+    return _gather(x, cp_group, dim, lambda r: padded_local_positions(seq_len, r, size, order, x.device))
 
 
 def gather_packed(
@@ -145,9 +166,14 @@ def gather_packed(
     dim: int = 0,
 ) -> torch.Tensor:
     """Inverse of ``shard_packed``: ``[N/cp, ...]`` on every rank -> ``[N, ...]`` on every rank."""
-    cu = torch.as_tensor(cu_seqlens_padded, dtype=torch.long)
+    lengths = _lengths(cu_seqlens_padded)
     size = group_size(cp_group)
-    return _gather(x, cp_group, dim, lambda r: local_tokens(cu[1:] - cu[:-1], r, size, order).global_index)
+    return _gather(x, cp_group, dim, lambda r: local_tokens(lengths, r, size, order, x.device).global_index)
+
+
+def _lengths(cu_seqlens: torch.Tensor | Sequence[int]) -> list[int]:
+    cu = host_ints(cu_seqlens)
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
 def _check_order(order: str) -> None:

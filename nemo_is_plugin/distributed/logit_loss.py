@@ -28,7 +28,7 @@ from nemo_is_plugin.distributed.context_parallel import cp_layout
 from nemo_is_plugin.distributed.cp_sharding import CPOrder
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank, group_size
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.layout import TokenLayout, host_ints
 from nemo_is_plugin.loss import TOKEN_KEYS, ClippedPGLoss, LossInputs
 from nemo_is_plugin.masked import EPS, where_mask
 
@@ -71,14 +71,14 @@ def logit_loss_inputs(
             raise ValueError(f"logits cover {width} positions over {cp} CP ranks but input_ids has {seq_len}")
         layout = cp_layout(cp_group, cp_order, num_seqs=num_seqs, seq_len=width, device=logits.device)
     else:
-        cu = torch.as_tensor(cu_seqlens_padded, dtype=torch.long, device=logits.device)
+        cu = host_ints(cu_seqlens_padded)  # one host sync for a device tensor, none for Python ints
         if len(cu) - 1 != num_seqs:
             raise ValueError(f"cu_seqlens_padded holds {len(cu) - 1} sequences but data has {num_seqs}")
-        width = max(int((cu[1:] - cu[:-1]).max()) if num_seqs else 0, seq_len)  # one host sync, once per call
-        layout = cp_layout(cp_group, cp_order, cu_seqlens_padded=cu)
+        width = max(max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0), seq_len)
+        layout = cp_layout(cp_group, cp_order, cu_seqlens_padded=cu, device=logits.device)
         logits = logits.reshape(-1, logits.shape[-1])
-        if logits.shape[0] * cp != int(cu[-1]):
-            raise ValueError(f"packed logits hold {logits.shape[0]} tokens x {cp} CP ranks, cu_seqlens {int(cu[-1])}")
+        if logits.shape[0] * cp != cu[-1]:
+            raise ValueError(f"packed logits hold {logits.shape[0]} tokens x {cp} CP ranks, cu_seqlens {cu[-1]}")
 
     target = _local(next_token_aligned(ids, width), layout)
     out = vocab_parallel_logprobs(logits, target.reshape(logits.shape[:-1]), tp_group, chunk_size=chunk_size,
@@ -137,12 +137,12 @@ class LogitClippedPGLoss:
             tp_group=vocab_parallel_group, cp_group=context_parallel_group, cp_order=self.cp_order,
             cu_seqlens_padded=cu_seqlens_padded, chunk_size=self.chunk_size, with_entropy=self.log_entropy,
         )
-        loss, metrics = self.loss.compute(inputs, layout)
+        extra = {}
         if entropy is not None:
             valid = inputs.token_mask * layout.to_tokens(inputs.sample_mask.to(inputs.token_mask.dtype))
-            n_tok = torch.as_tensor(global_valid_toks, dtype=torch.float64)
-            total = layout.reduce_metric_sums(where_mask(entropy.detach().double(), valid).sum())
-            metrics["entropy"] = float(total / (n_tok + EPS))
+            n_tok = torch.as_tensor(global_valid_toks, dtype=torch.float64, device=entropy.device)
+            extra["entropy"] = where_mask(entropy.detach().double(), valid).sum() / (n_tok + EPS)
+        loss, metrics = self.loss.compute(inputs, layout, extra_metric_sums=extra)
         if self.host_divides_by_cp:
             loss = loss * group_size(context_parallel_group)
         return loss, metrics
