@@ -6,3 +6,15 @@ import torch
 # tests import their shared helpers (golden_utils, ...) as top-level modules.
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped (not deselected) where there is none, run by `make test` where there is."""
+    if torch.cuda.is_available():
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason="needs a CUDA device (tests marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

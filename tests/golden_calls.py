@@ -1,0 +1,254 @@
+"""Every golden case of every suite under tests/data/golden as plugin calls on any device and log-prob dtype.
+
+The shared driver of the device-guard tests (CPU, tests/test_device_guard.py) and the CUDA tier
+(tests/test_cuda_golden.py). A suite directory is picked up by its ``case_*.pt`` files; each case is recognised by its
+format:
+
+- NeMo-RL (``config`` + ``inputs["next_token_logprobs"]``; suites nemo_rl, nemo_rl_compat, ...): one call through
+  ``build_loss_fn(config)(...)``, checked against the golden loss, gradients and metrics;
+- CTPO (``params["loss_mode"]``): the plugin config of tests/test_golden_ctpo.py through ``ClippedPGLoss.compute``,
+  checked against the golden pg_loss and gradient;
+- verl rollout correction (``params["rollout_is"]``): every plugin config tests/test_golden_verl.py derives for the
+  case (metrics, TIS, rejection, combined) through ``compute``; the golden values there are weights and masks, which
+  the CPU suite checks, so these calls are compared with the same call on CPU.
+
+Cases whose expected result is an error are left out (they raise before any tensor exists). A case of an unknown
+format raises :class:`UnknownGoldenFormat`: a new suite must be taught here, not silently skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, ContextManager, Optional
+
+import torch
+
+from golden_utils import GOLDEN
+from nemo_is_plugin import build_loss_fn
+from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss import LossInputs
+
+# data keys that hold log-probs in a NeMo-RL call: cast to the dtype under test.
+NEMO_RL_LOGPROB_KEYS = ("prev_logprobs", "generation_logprobs", "reference_policy_logprobs", "curr_logprobs_unfiltered")
+
+
+class UnknownGoldenFormat(ValueError):
+    """A golden case this driver cannot map to plugin calls."""
+
+
+@dataclass
+class Outcome:
+    """A loss call's results: the loss, d loss / d each differentiable input (zeros when unused), the metrics."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    metrics: dict[str, float]
+
+    def cpu(self) -> "Outcome":
+        return Outcome(self.loss.detach().cpu(), {k: g.cpu() for k, g in self.grads.items()}, dict(self.metrics))
+
+
+Runner = Callable[[torch.device | str, Optional[torch.dtype], Callable[[], ContextManager]], Outcome]
+
+
+@dataclass
+class PluginCall:
+    """One plugin call made from a golden case.
+
+    ``run(device, dtype, guard)`` builds the inputs on ``device`` (log-prob tensors cast to ``dtype`` when given),
+    then builds the loss, calls it and differentiates it inside ``guard()``. ``check_golden(outcome)`` asserts the
+    golden values (None when the suite's golden values are not a loss call's outputs).
+    """
+
+    suite: str
+    label: str
+    run: Runner
+    check_golden: Optional[Callable[[Outcome], None]] = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.suite}/{self.label}"
+
+
+def suites() -> list[str]:
+    """Every suite directory under tests/data/golden that holds cases."""
+    return sorted(d.name for d in GOLDEN.iterdir() if d.is_dir() and any(d.glob("case_*.pt")))
+
+
+def load_suite(suite: str) -> list[dict]:
+    cases = []
+    for path in sorted((GOLDEN / suite).glob("case_*.pt")):
+        case = torch.load(path, weights_only=True)
+        case.setdefault("id", path.stem)
+        cases.append(case)
+    return cases
+
+
+def golden_calls(suite_names: Optional[list[str]] = None) -> list[PluginCall]:
+    """The plugin calls of every non-error case of the given suites (default: all of them)."""
+    return [call for s in (suite_names or suites()) for case in load_suite(s) if "error" not in case["expected"]
+            for call in plugin_calls(s, case)]
+
+
+def case_format(case: dict) -> str:
+    if "config" in case and "next_token_logprobs" in case.get("inputs", {}):
+        return "nemo_rl"
+    params = case.get("params", {})
+    if "loss_mode" in params:
+        return "ctpo"
+    if "rollout_is" in params:
+        return "verl_rollout_corr"
+    raise UnknownGoldenFormat(
+        f"golden case {case.get('id')!r} ({sorted(case)}) has no known format: teach tests/golden_calls.py to map "
+        "it to plugin calls"
+    )
+
+
+def plugin_calls(suite: str, case: dict) -> list[PluginCall]:
+    fmt = case_format(case)
+    if fmt == "nemo_rl":
+        return [PluginCall(suite, case["id"], _nemo_rl_runner(case), _nemo_rl_check(case))]
+    if fmt == "ctpo":
+        from test_golden_ctpo import ctpo_config, ctpo_inputs
+
+        inputs, _ = ctpo_inputs(case)
+        return [PluginCall(suite, case["id"], _compute_runner(ctpo_config(case["params"]), inputs),
+                           _ctpo_check(case))]
+    from test_golden_verl import combined_config, is_config, loss_inputs, metric_config, rs_config, unsupported_rs
+
+    params = case["params"]
+    configs = {"metrics": metric_config(params)}
+    if params["rollout_is"] is not None:
+        configs["tis"] = is_config(params)
+    if params["rollout_rs"] is not None and not unsupported_rs(params):
+        configs["rejection"] = rs_config(params)
+        if params["rollout_is"] is not None:
+            configs["rejection_with_is"] = rs_config(params, with_is=True)
+            configs["tis_plus_rejection"] = combined_config(params)
+    inputs, _ = loss_inputs(case)
+    return [PluginCall(suite, f"{case['id']}/{name}", _compute_runner(cfg, inputs)) for name, cfg in configs.items()]
+
+
+# ---------------------------------------------------------------------------------------------------- runners
+def _grads(loss: torch.Tensor, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    names = list(leaves)
+    if not loss.requires_grad:
+        return {k: torch.zeros_like(leaves[k]) for k in names}
+    grads = torch.autograd.grad(loss, [leaves[k] for k in names], allow_unused=True)
+    return {k: torch.zeros_like(leaves[k]) if g is None else g for k, g in zip(names, grads)}
+
+
+def _nemo_rl_runner(case: dict) -> Runner:
+    def run(device, dtype, guard) -> Outcome:
+        inp = case["inputs"]
+        cast = lambda k, t: t.to(device=device, dtype=dtype if dtype is not None and k in NEMO_RL_LOGPROB_KEYS  # noqa: E731
+                                 else t.dtype)
+        x = inp["next_token_logprobs"].detach().to(device=device, dtype=dtype or inp["next_token_logprobs"].dtype)
+        leaves = {"next_token_logprobs": x.requires_grad_(True)}
+        data = {k: cast(k, v.detach()) for k, v in inp.items() if k != "next_token_logprobs"}
+        for key in data:
+            if f"grad_{key}" in case["expected"]:  # the golden call differentiated this input too
+                leaves[key] = data[key].requires_grad_(True)
+        n_seq, n_tok = (torch.as_tensor(case[k]).to(device) for k in ("global_valid_seqs", "global_valid_toks"))
+        with guard():
+            loss, metrics = build_loss_fn(case["config"])(
+                next_token_logprobs=x, data=data, global_valid_seqs=n_seq, global_valid_toks=n_tok
+            )
+            grads = _grads(loss, leaves)
+        return Outcome(loss.detach(), grads, metrics)
+
+    return run
+
+
+def _compute_runner(config: dict, cpu_inputs: LossInputs) -> Runner:
+    """``build_loss_fn(config).compute`` on ``cpu_inputs`` moved to the device (log-probs cast to the dtype)."""
+
+    def run(device, dtype, guard) -> Outcome:
+        def move(t: Optional[torch.Tensor], logprob: bool) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            return t.detach().to(device=device, dtype=dtype if logprob and dtype is not None else t.dtype)
+
+        i = cpu_inputs
+        inputs = replace(
+            i,
+            curr_logprobs=move(i.curr_logprobs, True).requires_grad_(True),
+            prev_logprobs=move(i.prev_logprobs, True),
+            generation_logprobs=move(i.generation_logprobs, True),
+            reference_logprobs=move(i.reference_logprobs, True),
+            advantages=move(i.advantages, False),
+            token_mask=move(i.token_mask, False),
+            sample_mask=move(i.sample_mask, False),
+            rewards=move(i.rewards, False),
+        )
+        layout = TokenLayout.padded(*inputs.curr_logprobs.shape, device=device)
+        with guard():
+            loss, metrics = build_loss_fn(config).compute(inputs, layout)
+            grads = _grads(loss, {"curr_logprobs": inputs.curr_logprobs})
+        return Outcome(loss.detach(), grads, metrics)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------- golden checks
+def metric_close(name: str, got: float, want: float) -> bool:
+    """The NeMo-RL golden README's metric tolerances."""
+    from test_golden_nemo_rl import _close
+
+    return _close(name, got, want)
+
+
+def _nemo_rl_check(case: dict) -> Callable[[Outcome], None]:
+    def check(out: Outcome) -> None:
+        want = case["expected"]
+        torch.testing.assert_close(out.loss.float(), want["loss"].float(), rtol=1e-4, atol=1e-6)
+        for key, grad in out.grads.items():
+            torch.testing.assert_close(grad.float(), want[f"grad_{key}"].float(), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, key=key: f"d loss / d {key}: {m}")
+        bad = {k: (out.metrics.get(k), v) for k, v in want["metrics"].items()
+               if k not in out.metrics or not metric_close(k, out.metrics[k], v)}
+        assert not bad, f"metric mismatches (got, want): {bad}"
+
+    return check
+
+
+def _ctpo_check(case: dict) -> Callable[[Outcome], None]:
+    from test_golden_ctpo import _loss_rtol
+
+    def check(out: Outcome) -> None:
+        want, rtol = case["expected"], _loss_rtol(case)
+        torch.testing.assert_close(out.loss.float(), want["pg_loss"].float(), rtol=rtol, atol=1e-6)
+        torch.testing.assert_close(out.grads["curr_logprobs"].float(), want["grad_log_prob"].float(), rtol=rtol,
+                                   atol=1e-6)
+
+    return check
+
+
+# ---------------------------------------------------------------------------------------------------- comparisons
+def assert_same_outcome(got: Outcome, want: Outcome, *, rtol: float = 0.0, atol: float = 0.0,
+                        grad_rtol: Optional[float] = None, metric_rtol: Optional[float] = None) -> None:
+    """``got`` equals ``want`` (both moved to CPU) within the tolerances; NaN equals NaN, inf must match exactly."""
+    got, want = got.cpu(), want.cpu()
+    grad_rtol = rtol if grad_rtol is None else grad_rtol
+    torch.testing.assert_close(got.loss, want.loss, rtol=rtol, atol=atol, equal_nan=True)
+    assert got.grads.keys() == want.grads.keys()
+    for key in want.grads:
+        torch.testing.assert_close(got.grads[key], want.grads[key], rtol=grad_rtol, atol=atol, equal_nan=True,
+                                   msg=lambda m, key=key: f"d loss / d {key}: {m}")
+    assert got.metrics.keys() == want.metrics.keys(), set(got.metrics) ^ set(want.metrics)
+    m_rtol = rtol if metric_rtol is None else metric_rtol
+    bad = {k: (got.metrics[k], v) for k, v in want.metrics.items() if not _float_close(got.metrics[k], v, m_rtol, atol)}
+    assert not bad, f"metrics differ (got, want): {bad}"
+
+
+def _float_close(got: float, want: float, rtol: float, atol: float) -> bool:
+    if math.isnan(want) or math.isinf(want):
+        return got == want or (math.isnan(want) and math.isnan(got))
+    return abs(got - want) <= atol + rtol * abs(want)
+
+
+def no_guard() -> ContextManager:
+    return contextlib.nullcontext()
