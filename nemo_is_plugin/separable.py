@@ -196,8 +196,8 @@ def aggregation_weights(
         x = torch.ones(token_mask.shape, dtype=token_mask.dtype, device=token_mask.device, requires_grad=True)
         agg = aggregate(
             x, token_mask, sample_mask, layout, mode=cfg.effective_loss_aggregation,
-            global_valid_toks=torch.as_tensor(inputs.global_valid_toks).to(x.dtype),
-            global_valid_seqs=torch.as_tensor(inputs.global_valid_seqs).to(x.dtype),
+            global_valid_toks=torch.as_tensor(inputs.global_valid_toks, dtype=x.dtype, device=x.device),
+            global_valid_seqs=torch.as_tensor(inputs.global_valid_seqs, dtype=x.dtype, device=x.device),
             norm=cfg.loss_aggregation_norm,
         )
         (a,) = torch.autograd.grad(agg, x)

@@ -41,7 +41,7 @@ def chunk_partials_(
     ``z - m``, and their row-wise dot is a batched GEMV (no ``[n, v]`` product is formed).
     """
     n = z.shape[0]
-    target = torch.where(owned, z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), torch.zeros((), dtype=z.dtype))
+    target = torch.where(owned, z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
     m = z.amax(dim=-1)
     shifted = z.sub_(m.unsqueeze(-1))
     if not with_entropy:
