@@ -11,7 +11,7 @@ from typing import Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.distributed.groups import ProcessGroup
+from nemo_is_plugin.distributed.groups import ProcessGroup, collective_device
 
 
 def _is_min(name: str) -> bool:
@@ -61,13 +61,14 @@ def all_reduce_metrics(metrics: Mapping[str, float], dp_group: Optional[ProcessG
     if dp_group is None:
         return dict(metrics)
     names = sorted(metrics)
+    device = collective_device(dp_group)
     out: dict[str, float] = {}
     for op, pick in ((dist.ReduceOp.MIN, _is_min), (dist.ReduceOp.MAX, _is_max),
                      (dist.ReduceOp.SUM, lambda n: not (_is_min(n) or _is_max(n)))):
         chosen = [n for n in names if pick(n)]
         if not chosen:
             continue
-        t = torch.tensor([float(metrics[n]) for n in chosen], dtype=torch.float64)
+        t = torch.tensor([float(metrics[n]) for n in chosen], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=op, group=dp_group)
         out.update(zip(chosen, t.tolist()))
     return out

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
@@ -29,6 +30,14 @@ def group_rank(group: Optional[ProcessGroup]) -> int:
 def effective(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
     """``group`` if it has more than one member, else ``None``: a group of one needs no communication."""
     return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
+def collective_device(group: ProcessGroup) -> torch.device:
+    """Where a tensor of host values must live for a collective over ``group``: NCCL reduces only CUDA tensors (the
+    current device), gloo and MPI host tensors."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ class SyntheticPolicy:
     def per_action_term(self) -> torch.Tensor:
         """f(a) = A(a) (e_a - pi) = A(a) grad_theta log pi(a). Float64[K actions, K components]."""
         k = self.logits.numel()
-        return self.advantage[:, None] * (torch.eye(k, dtype=torch.float64) - self.pi[None, :])
+        return self.advantage[:, None] * (torch.eye(k, dtype=torch.float64, device=self.pi.device) - self.pi[None, :])
 
     def exact_gradient(self) -> torch.Tensor:
         """m = d/dtheta E_pi[A(a)] by autograd on the closed form (independent of the estimators). Float64[K]."""
@@ -124,8 +124,8 @@ def estimator_gradients(
     """
     n, h = actions.shape
     k = policy.logits.numel()
-    layout = TokenLayout.padded(n, h)
-    mask = torch.ones(n, h, dtype=torch.float64)
+    layout = TokenLayout.padded(n, h, actions.device)
+    mask = torch.ones(n, h, dtype=torch.float64, device=actions.device)
     gen = policy.behaviour.log()[actions]  # log mu(a_t): the "rollout" log-probs
     adv = policy.advantage[actions]
     theta = policy.logits.expand(n, h, k).clone().requires_grad_(True)

@@ -153,18 +153,20 @@ def _loss_gradient(
         reference_logprobs=problem.ref_logprobs[actions][:, None],
         advantages=torch.zeros_like(c),
         token_mask=torch.ones_like(c),
-        sample_mask=torch.ones(n, dtype=c.dtype),
+        sample_mask=torch.ones(n, dtype=c.dtype, device=c.device),
         global_valid_seqs=float(n),
         global_valid_toks=1.0,
     )
-    loss, _ = ClippedPGLoss({"reference_policy_kl_penalty": 1.0, **overrides}).compute(inputs, TokenLayout.padded(n, 1))
+    layout = TokenLayout.padded(n, 1, c.device)
+    loss, _ = ClippedPGLoss({"reference_policy_kl_penalty": 1.0, **overrides}).compute(inputs, layout)
     (grad,) = torch.autograd.grad(loss, theta)
     return grad
 
 
 def expected_gradient(problem: CategoricalKLProblem, variant: KLVariant) -> torch.Tensor:
     """Exact E_x~pi[grad penalty(x)]: the plugin's per-sample gradient for every action, weighted by pi. [K]."""
-    _, grads = per_sample_penalty(problem, torch.arange(problem.logits.numel()), variant)
+    actions = torch.arange(problem.logits.numel(), device=problem.logits.device)
+    _, grads = per_sample_penalty(problem, actions, variant)
     return problem.pi @ grads
 
 

@@ -41,13 +41,14 @@ def mean_estimate(samples: torch.Tensor) -> MeanEstimate:
     x = samples.detach().double()
     n = x.shape[0]
     return MeanEstimate(
-        mean=x.mean(0).numpy(), se=(x.std(0, unbiased=True) / math.sqrt(n)).numpy(), n=n
+        mean=x.mean(0).cpu().numpy(), se=(x.std(0, unbiased=True) / math.sqrt(n)).cpu().numpy(), n=n
     )
 
 
 def chi2_sf(stat: float, dof: int) -> float:
     """P(chi^2_dof > stat), via the regularised upper incomplete gamma function (no scipy needed)."""
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0)))
+    a, x = (torch.tensor(v, dtype=torch.float64, device="cpu") for v in (dof / 2.0, stat / 2.0))  # host floats
+    return float(torch.special.gammaincc(a, x))
 
 
 def hotelling_test(samples: torch.Tensor, target: torch.Tensor) -> tuple[float, int, float]:
@@ -64,7 +65,7 @@ def hotelling_test(samples: torch.Tensor, target: torch.Tensor) -> tuple[float, 
     """
     x = samples.detach().double()
     n = x.shape[0]
-    diff = x.mean(0) - target.double()
+    diff = x.mean(0) - target.to(x.device, torch.float64)
     cov = torch.cov(x.T)
     # Relative tolerance well above float64 round-off: an exactly singular direction must not count as a dof.
     rank = int(torch.linalg.matrix_rank(cov, hermitian=True, rtol=1e-9))
@@ -78,7 +79,7 @@ def weight_summary(w: torch.Tensor) -> dict[str, float]:
     Returns mean (the effective learning-rate scale: the loss is linear in the weight), std, 5th / 50th / 95th
     percentiles, and the effective-sample-size fraction (sum w)^2 / (n sum w^2) in (0, 1].
     """
-    arr = w.detach().double().reshape(-1).numpy()
+    arr = w.detach().double().reshape(-1).cpu().numpy()
     p5, p50, p95 = np.percentile(arr, [5.0, 50.0, 95.0])
     second = float(np.mean(arr * arr))
     mean = float(arr.mean())
