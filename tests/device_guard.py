@@ -182,3 +182,32 @@ def count_host_syncs() -> Iterator[HostSyncs]:
     syncs = HostSyncs()
     with _MethodCounter(syncs), _DispatchCounter(syncs):
         yield syncs
+
+
+# ---------------------------------------------------------------------------------------------------- comparisons
+def assert_identical(got, want, path: str = "result") -> None:
+    """``got`` equals ``want`` exactly (tensors, dicts, sequences, numbers; NaN equals NaN): the guard and the sync
+    counter must not change a single bit of what they watch."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{path}: {type(got).__name__} is not a tensor"
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{path}: {m}")
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), f"{path}: keys differ"
+        for k in want:
+            assert_identical(got[k], want[k], f"{path}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), f"{path}: lengths differ"
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_identical(a, b, f"{path}[{i}]")
+    elif isinstance(want, float) and want != want:
+        assert isinstance(got, float) and got != got, f"{path}: {got!r} is not NaN"
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def run_guarded_and_plain(fn):
+    """``(guarded, plain)`` results of ``fn()``: once inside :func:`device_guard`, once outside."""
+    plain = fn()
+    with device_guard():
+        guarded = fn()
+    return guarded, plain
