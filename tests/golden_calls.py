@@ -67,6 +67,7 @@ class PluginCall:
     label: str
     run: Runner
     check_golden: Optional[Callable[[Outcome], None]] = None
+    fmt: str = "nemo_rl"  # the case format (case_format): "nemo_rl" calls go through ClippedPGLoss.__call__
 
     @property
     def id(self) -> str:
@@ -110,13 +111,13 @@ def case_format(case: dict) -> str:
 def plugin_calls(suite: str, case: dict) -> list[PluginCall]:
     fmt = case_format(case)
     if fmt == "nemo_rl":
-        return [PluginCall(suite, case["id"], _nemo_rl_runner(case), _nemo_rl_check(case))]
+        return [PluginCall(suite, case["id"], _nemo_rl_runner(case), _nemo_rl_check(case), fmt)]
     if fmt == "ctpo":
         from test_golden_ctpo import ctpo_config, ctpo_inputs
 
         inputs, _ = ctpo_inputs(case)
         return [PluginCall(suite, case["id"], _compute_runner(ctpo_config(case["params"]), inputs),
-                           _ctpo_check(case))]
+                           _ctpo_check(case), fmt)]
     from test_golden_verl import combined_config, is_config, loss_inputs, metric_config, rs_config, unsupported_rs
 
     params = case["params"]
@@ -129,7 +130,8 @@ def plugin_calls(suite: str, case: dict) -> list[PluginCall]:
             configs["rejection_with_is"] = rs_config(params, with_is=True)
             configs["tis_plus_rejection"] = combined_config(params)
     inputs, _ = loss_inputs(case)
-    return [PluginCall(suite, f"{case['id']}/{name}", _compute_runner(cfg, inputs)) for name, cfg in configs.items()]
+    return [PluginCall(suite, f"{case['id']}/{name}", _compute_runner(cfg, inputs), None, fmt)
+            for name, cfg in configs.items()]
 
 
 # ---------------------------------------------------------------------------------------------------- runners
@@ -144,8 +146,10 @@ def _grads(loss: torch.Tensor, leaves: dict[str, torch.Tensor]) -> dict[str, tor
 def _nemo_rl_runner(case: dict) -> Runner:
     def run(device, dtype, guard) -> Outcome:
         inp = case["inputs"]
-        cast = lambda k, t: t.to(device=device, dtype=dtype if dtype is not None and k in NEMO_RL_LOGPROB_KEYS  # noqa: E731
-                                 else t.dtype)
+
+        def cast(key: str, t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype if dtype is not None and key in NEMO_RL_LOGPROB_KEYS else t.dtype)
+
         x = inp["next_token_logprobs"].detach().to(device=device, dtype=dtype or inp["next_token_logprobs"].dtype)
         leaves = {"next_token_logprobs": x.requires_grad_(True)}
         data = {k: cast(k, v.detach()) for k, v in inp.items() if k != "next_token_logprobs"}
