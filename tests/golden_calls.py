@@ -19,6 +19,7 @@ format raises :class:`UnknownGoldenFormat`: a new suite must be taught here, not
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -79,7 +80,9 @@ def suites() -> list[str]:
     return sorted(d.name for d in GOLDEN.iterdir() if d.is_dir() and any(d.glob("case_*.pt")))
 
 
+@functools.lru_cache(maxsize=None)
 def load_suite(suite: str) -> list[dict]:
+    """The suite's cases (loaded once per session; treat them as read-only)."""
     cases = []
     for path in sorted((GOLDEN / suite).glob("case_*.pt")):
         case = torch.load(path, weights_only=True)
@@ -88,10 +91,15 @@ def load_suite(suite: str) -> list[dict]:
     return cases
 
 
-def golden_calls(suite_names: Optional[list[str]] = None) -> list[PluginCall]:
+def golden_calls(suite_names: Optional[tuple[str, ...]] = None) -> list[PluginCall]:
     """The plugin calls of every non-error case of the given suites (default: all of them)."""
-    return [call for s in (suite_names or suites()) for case in load_suite(s) if "error" not in case["expected"]
-            for call in plugin_calls(s, case)]
+    return list(_golden_calls(tuple(suite_names or suites())))
+
+
+@functools.lru_cache(maxsize=None)
+def _golden_calls(suite_names: tuple[str, ...]) -> tuple[PluginCall, ...]:
+    return tuple(call for s in suite_names for case in load_suite(s) if "error" not in case["expected"]
+                 for call in plugin_calls(s, case))
 
 
 def case_format(case: dict) -> str:

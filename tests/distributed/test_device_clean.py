@@ -20,7 +20,14 @@ from device_guard import assert_identical, count_host_syncs, device_guard, run_g
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.problem import make_problem
 from nemo_is_plugin.distributed.context_parallel import CPTokenLayout, cp_layout
-from nemo_is_plugin.distributed.cp_sharding import CP_ORDERS, local_tokens, num_chunks
+from nemo_is_plugin.distributed.cp_sharding import (
+    CP_ORDERS,
+    local_cu_seqlens,
+    local_tokens,
+    num_chunks,
+    shard_packed,
+    shard_padded,
+)
 from nemo_is_plugin.distributed.data_parallel import all_reduce_metrics
 from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
 from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
@@ -158,6 +165,27 @@ def test_cp_layout_single_process_is_device_clean(name, order):
     (packed, _) = run(lambda: TokenLayout.packed(cu, device=torch.device("cpu")))()
     torch.testing.assert_close(got[0], packed[0], rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(got[2], packed[2], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("order", CP_ORDERS)
+def test_cp_sharding_helpers_are_device_clean(order):
+    """Sharding a batch for CP ranks needs no group: every rank's shard under the guard, without a host sync."""
+    x = torch.arange(2 * 12 * 3, dtype=torch.float32).reshape(2, 12, 3)
+    cu = [0, 4, 12, 24]
+    flat, cu_t = x.reshape(24, 3), torch.tensor(cu)
+
+    def run():
+        with count_host_syncs() as syncs:
+            out = [(shard_padded(x, r, 2, order), shard_packed(flat, cu, r, 2, order)) for r in range(2)]
+            out.append(local_cu_seqlens(cu_t, 2))
+        return out, len(syncs)
+
+    (got, syncs), (want, _) = run_guarded_and_plain(run)
+    assert_identical(got, want)
+    assert syncs == 0
+    if order == "contiguous":
+        torch.testing.assert_close(got[0][0], x[:, :6])
+        torch.testing.assert_close(got[1][1], torch.cat([flat[2:4], flat[8:12], flat[18:24]]))
 
 
 # ---------------------------------------------------------------------------------------------------- log-prob kernels
