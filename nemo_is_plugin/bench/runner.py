@@ -234,7 +234,7 @@ def run_benchmark(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict
                   direct_memory_paths=list(cfg.direct_memory_paths),
                   shapes=[dict(name=s.name, hidden=s.hidden, vocab=s.vocab) for s in cfg.shapes],
                   loss=BENCH_LOSS_CONFIG, device=dev.device.type, dtype=dtype_name(dev.dtype), warmup=cfg.warmup,
-                  statistic=dev.statistic, quick=cfg.quick)
+                  statistic=dev.statistic, quick=cfg.quick_run)
     machine = dict(dev.describe(), threads=cfg.threads)
     return dict(config=config, machine=machine, rows=rows, memory_sweep=sweep, memory_direct=direct, skipped=skipped)
 

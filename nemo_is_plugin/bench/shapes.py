@@ -61,7 +61,8 @@ class BenchConfig:
         device: "cpu" or "cuda" (see :class:`~nemo_is_plugin.bench.device.BenchDevice`).
         dtype: dtype of the hidden states and the head; None = float32 on CPU, bfloat16 on CUDA.
         warmup: untimed calls of every job before its memory-tracked call (which is itself a warm-up on CPU).
-        quick: tiny shapes for a smoke run; recorded so that reports say the numbers are not meaningful.
+        quick_run: tiny shapes for a smoke run (``BenchConfig.quick``); recorded so that reports say the numbers are
+            not meaningful.
     """
 
     shapes: tuple[ModelShape, ...] = MODEL_SHAPES
@@ -80,7 +81,7 @@ class BenchConfig:
     device: str = "cpu"
     dtype: str | None = None
     warmup: int = 0
-    quick: bool = False
+    quick_run: bool = False
 
     def __post_init__(self) -> None:
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -103,7 +104,7 @@ class BenchConfig:
     def quick(cls, **overrides) -> "BenchConfig":
         """Seconds-long run on tiny shapes (smoke tests, CI)."""
         base = dict(shapes=QUICK_SHAPES, tokens=64, chunk_size=16, memory_tokens=(32, 64, 128),
-                    memory_shape=(64, 4096), extrapolate_tokens=1024, ref_tokens=8, quick=True)
+                    memory_shape=(64, 4096), extrapolate_tokens=1024, ref_tokens=8, quick_run=True)
         if str(overrides.get("device", "cpu")).startswith("cuda"):
             base.update(_CUDA_DEFAULTS, tokens=64, batch=2, memory_tokens=())
         base.update(overrides)

@@ -44,3 +44,17 @@ def test_cpu_memory_is_the_peak_above_the_start_and_rounds_keep_the_best():
     assert info["device"] == "cpu" and info["dtype"] == "float32" and info["torch"] == torch.__version__
     assert info["device_name"] == info["cpu"]
     del kept
+
+
+def test_run_config_per_device():
+    from nemo_is_plugin.bench.shapes import CPU_PATHS, GPU_TARGET_TOKENS, PATHS, BenchConfig
+
+    cpu, gpu = BenchConfig.for_device("cpu"), BenchConfig.for_device("cuda")
+    assert (cpu.tokens, cpu.batch, cpu.paths, cpu.warmup, cpu.is_cuda) == (256, 2, CPU_PATHS, 0, False)
+    assert (gpu.tokens, gpu.batch, gpu.repeats, gpu.warmup, gpu.paths) == (GPU_TARGET_TOKENS, 8, 5, 2, PATHS)
+    assert gpu.tokens == 8 * 2048 and gpu.memory_tokens == () and gpu.is_cuda and gpu.quick_run is False
+    quick = BenchConfig.for_device("cuda", quick=True, repeats=1)
+    assert quick.quick_run is True and quick.tokens == 64 and quick.memory_tokens == () and quick.repeats == 1
+    assert BenchConfig.for_device("cpu", quick=True).memory_tokens == (32, 64, 128)
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        BenchConfig(device="tpu")
