@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nemo_is_plugin.bench.gpu_docs import carry_gpu_sections
 from nemo_is_plugin.bench.plots import plot_memory, plot_ratios
 from nemo_is_plugin.bench.report import MIB, markdown_table, memory_fit, table_cells, targets, write_json
 
@@ -41,7 +42,7 @@ Paths:
 
 | path | what it is |
 |---|---|
-| matmul | the bare LM-head GEMM (forward) and its 3-GEMM autograd (forward+backward): the limit |
+| matmul | the bare LM-head GEMM (forward) and its 3 GEMMs, logits + dX + dW (forward+backward): the limit |
 | naive | full logits, fp32 `log_softmax` kept for backward, gather (NeMo-RL's `DistributedLogprob`) |
 | from_logits | full logits, then chunked online-lse log-prob, recomputing backward (`vocab_parallel.py`) |
 | fused_linear | hidden states + LM-head shard, chunked: no [tokens x vocab] beyond one chunk. Forward: `fused_linear_logprobs`; forward+backward: `fused_linear_pg_loss`, here in one pass (token-level ratio: each chunk's dL/dlogp is known as soon as its log-probs are, so dX and dW are computed in the forward; `fused_linear_loss.py`) |
@@ -78,8 +79,8 @@ CAVEATS = """\
   at 8192 tokens (naive and fused_linear, one run each); the extrapolated column is the cross-check of the fit.
 - dW (V x H fp32) is part of every path's peak here. Megatron's gradient-accumulation fusion writes it into the
   preallocated `main_grad` instead; the fused path does not do that yet (a follow-up), so its peak above counts it.
-- **GPU**: this benchmark runs on CPU. The H100 target (>= 600 effective TFLOP/s forward+backward) has not been
-  measured: no GPU was available when this page was generated.
+- **GPU**: these CPU numbers do not carry over to a GPU. A GPU run (`nemo-is bench --device cuda --write-docs`, bf16,
+  16,384 tokens) writes its own section at the top of this page, with the GPU targets; a CPU regeneration keeps it.
 """
 
 
@@ -149,7 +150,8 @@ def write_docs(results: dict, docs_dir: Path) -> list[Path]:
     if results["memory_sweep"]:
         written.append(plot_memory(results, img / "perf_memory.png"))
     page = docs_dir / "performance.md"
-    page.write_text(render_markdown(results))
+    old = page.read_text() if page.exists() else ""
+    page.write_text(carry_gpu_sections(old, render_markdown(results)))  # a GPU run's sections stay
     return written + [page]
 
 

@@ -1,62 +1,15 @@
-"""Timing, memory and error measurements of one callable; no knowledge of which path it is.
+"""Error measurements against a float64 reference on a few tokens; no knowledge of which path is measured.
 
-Timing: ``time.perf_counter`` around the call, best of ``repeats`` (the machine is shared: the minimum is the least
-disturbed run). Every measurement is preceded by one memory-tracked run of the same call, which is also the warm-up.
-Memory: see :mod:`nemo_is_plugin.bench.memory` (tracked tensor bytes = the reported number; RSS as cross-check).
-Errors: against a float64 reference computed vocab block by vocab block (a float64 copy of a whole 7168 x 129280
-head would be 7.4 GB).
+The reference is computed vocab block by vocab block (a float64 copy of a whole 7168 x 129280 head would be 7.4 GB).
+Timing and memory are device-specific and live in :mod:`nemo_is_plugin.bench.device`; the fp32 reference of the whole
+problem (loss, dX, dW) in :mod:`nemo_is_plugin.bench.reference`.
 """
 
 from __future__ import annotations
 
-import gc
-import time
-from dataclasses import dataclass
-from typing import Callable, Optional
-
 import torch
 
-from nemo_is_plugin.bench.memory import RssPeak, TensorMemoryTracker
-
 REFERENCE_VOCAB_BLOCK = 8192
-
-
-@dataclass
-class Timed:
-    seconds: float
-    peak_bytes: int
-    rss_bytes: Optional[int]
-
-
-def measure(fn: Callable[[], object], repeats: int) -> Timed:
-    """Run ``fn`` once under memory tracking (warm-up), then ``repeats`` times timed; results of ``fn`` are dropped."""
-    first = memory_only(fn)
-    return Timed(best_time(fn, repeats), first.peak_bytes, first.rss_bytes)
-
-
-def best_time(fn: Callable[[], object], repeats: int = 1) -> float:
-    """Minimum wall time of ``repeats`` calls of an already warm ``fn``."""
-    best = float("inf")
-    enabled = gc.isenabled()
-    gc.disable()  # like timeit: no collector pause inside a timed call
-    try:
-        for _ in range(max(1, repeats)):
-            start = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - start)
-    finally:
-        if enabled:
-            gc.enable()
-    return best
-
-
-def memory_only(fn: Callable[[], object]) -> Timed:
-    """Peak tracked bytes (and RSS) of one run of ``fn``; ``seconds`` is that run's wall time (includes tracking)."""
-    gc.collect(1)  # young cyclic garbage (tensors of the previous run); a full collection costs ~0.3 s here
-    start = time.perf_counter()
-    with RssPeak() as rss, TensorMemoryTracker() as mem:
-        fn()
-    return Timed(time.perf_counter() - start, mem.peak, rss.delta)
 
 
 def max_abs_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -94,7 +47,4 @@ def path_errors(fn, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Te
     return max_abs_err(lp.detach(), ref_lp), max_rel_err(h.grad, ref_grad)
 
 
-__all__ = [
-    "Timed", "best_time", "max_abs_err", "max_rel_err", "measure", "memory_only", "path_errors",
-    "reference_logprobs_and_grad",
-]
+__all__ = ["REFERENCE_VOCAB_BLOCK", "max_abs_err", "max_rel_err", "path_errors", "reference_logprobs_and_grad"]

@@ -7,16 +7,23 @@ Shapes: ``hidden [..., H]``, ``weight [V, H]`` (one TP rank's shard in the bench
   backward), gather. Also the test reference.
 - ``from_logits``: the full logits, then issue 3's chunked ``vocab_parallel_logprobs`` (online lse per chunk, saves
   ``lse [N]`` and the logits by reference, recomputing backward): no fp32 softmax, but the ``[N, V]`` logits live.
-- ``fused_linear``: ``fused_linear_logprobs`` for the forward; its forward+backward is ``fused_linear_pg_loss``, which
-  for the benchmark's token-level loss runs the single pass (3 GEMMs, gradients computed chunk by chunk in the forward).
-- ``fused_2pass``: the same loss entry forced to the two-pass schedule (log-probs, loss, recomputing backward: 4 GEMMs),
-  what the sequence-level ratios cost. Its forward is ``fused_linear``'s, so only its forward+backward runs.
-- Liger's chunked GRPO loss computes its own loss, so it lives in :mod:`nemo_is_plugin.bench.liger`.
+- the fused variants (``FUSED_VARIANTS``, one line each: name, schedule, keyword arguments of the fused entry
+  points): ``fused_linear`` is ``fused_linear_logprobs`` for the forward and ``fused_linear_pg_loss`` for
+  forward+backward, which for the benchmark's token-level loss runs the single pass (3 GEMMs, gradients computed
+  chunk by chunk in the forward); ``fused_2pass`` forces the two-pass schedule (log-probs, loss, recomputing
+  backward: 4 GEMMs), what the sequence-level ratios cost; ``*_triton`` the same on the Triton backend.
+- baselines that live in their own modules: Liger's chunked GRPO loss (:mod:`bench.liger`, its own loss) and
+  cut-cross-entropy (:mod:`bench.cce`, per-token log-probs into our loss).
+
+``logprob_paths`` is the plugin's own torch paths (also used by the fused-path parity tests); ``bench_paths`` adds the
+Triton variants and the baselines, each with ``unavailable`` set when it cannot run here (not installed, needs CUDA,
+an entry point without the keyword it needs): the benchmark reports those and never crashes on them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -47,30 +54,84 @@ def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
 @dataclass(frozen=True)
 class LogprobPath:
     """``fn`` gives the log-probs (the forward row); the forward+backward row runs ``loss_fn(fn(...))`` unless the path
-    has its own ``loss`` entry. ``times_forward=False``: the forward is another path's (not timed twice)."""
+    has its own ``loss`` entry. ``times_forward=False``: the forward is another path's (not timed twice).
+    ``own_loss``: the path computes a different loss (Liger), so no loss / dX error against the reference.
+    ``unavailable``: why the path cannot run here (None: it can); ``fwdbwd_unavailable``: why only its
+    forward+backward cannot (its forward row still runs)."""
 
     name: str
     description: str
-    fn: LogprobFn
+    fn: Optional[LogprobFn]
     loss: Optional[LossPathFn] = None
     times_forward: bool = True
+    own_loss: bool = False
+    unavailable: Optional[str] = None
+    fwdbwd_unavailable: Optional[str] = None
 
 
-def _fused_loss(single_pass: Optional[bool], chunk_kw: dict) -> LossPathFn:
-    def run(loss_fn, problem: HeadProblem, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        loss, _ = fused_linear_pg_loss(
+@dataclass(frozen=True)
+class FusedVariant:
+    """One fused path: ``single_pass`` as ``fused_linear_pg_loss`` takes it, ``kwargs`` passed to both entry points."""
+
+    name: str
+    single_pass: Optional[bool]
+    description: str
+    kwargs: dict = field(default_factory=dict)
+
+
+FUSED_VARIANTS = (
+    FusedVariant("fused_linear", None, "hidden states + LM-head shard, chunked; loss in one pass for token-level "
+                 "ratios (fused_linear_loss)"),
+    FusedVariant("fused_2pass", False, "the same, two-pass schedule: log-probs, loss, recomputing backward "
+                 "(sequence-level ratios)"),
+    FusedVariant("fused_triton", None, "fused_linear on the Triton backend", {"backend": "triton"}),
+    FusedVariant("fused_2pass_triton", False, "fused_2pass on the Triton backend", {"backend": "triton"}),
+)
+PLUGIN_PATHS = ("naive", "from_logits", "fused_linear", "fused_2pass")
+
+
+def _accepts(fn: Callable, kwargs: dict) -> list[str]:
+    """The keys of ``kwargs`` that ``fn`` has no parameter for."""
+    params = inspect.signature(fn).parameters
+    return [k for k in kwargs if k not in params]
+
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(f"`{k}`" for k in keys) + (" argument" if len(keys) == 1 else " arguments")
+
+
+def _fused_path(variant: FusedVariant, chunk_size: Optional[int]) -> LogprobPath:
+    kw = dict(variant.kwargs) if chunk_size is None else {**variant.kwargs, "chunk_size": chunk_size}
+    missing_lp = _accepts(fused_linear_logprobs, kw)
+    missing_loss = _accepts(fused_linear_pg_loss, kw)
+    unavailable = f"fused_linear_logprobs takes no {_names(missing_lp)} in this version" if missing_lp else None
+    fwdbwd_unavailable = None
+    if missing_loss and variant.single_pass is not False:
+        fwdbwd_unavailable = f"fused_linear_pg_loss takes no {_names(missing_loss)} in this version"
+
+    def logprobs(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return fused_linear_logprobs(h, w, t, **kw)
+
+    def loss(loss_fn, problem: HeadProblem, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if missing_loss:  # two-pass schedule spelled out: what fused_linear_pg_loss(single_pass=False) runs
+            return loss_fn(logprobs(h, w, problem.target), problem.data, problem.global_valid_seqs,
+                           problem.global_valid_toks)[0]
+        out, _ = fused_linear_pg_loss(
             loss_fn, h, w, problem.target, problem.data, problem.global_valid_seqs, problem.global_valid_toks,
-            single_pass=single_pass, **chunk_kw,
+            single_pass=variant.single_pass, **kw,
         )
-        return loss
+        return out
 
-    return run
+    return LogprobPath(variant.name, variant.description, logprobs, loss=loss,
+                       times_forward=variant.single_pass is not False, unavailable=unavailable,
+                       fwdbwd_unavailable=fwdbwd_unavailable)
 
 
 def logprob_paths(chunk_size: Optional[int] = None) -> list[LogprobPath]:
-    """The paths in benchmark order; ``chunk_size`` (tokens per chunk) for the chunked ones, None = their default."""
-    fused_kw = {} if chunk_size is None else {"chunk_size": chunk_size}
+    """The plugin's torch paths in benchmark order (``PLUGIN_PATHS``); ``chunk_size`` (tokens per chunk) for the
+    chunked ones, None = their default."""
     logits_kw = {} if chunk_size is None else {"chunk_size": chunk_size}
+    fused = {v.name: v for v in FUSED_VARIANTS}
     return [
         LogprobPath("naive", "full logits + fp32 log_softmax (NeMo-RL DistributedLogprob)", naive_logprobs),
         LogprobPath(
@@ -78,20 +139,38 @@ def logprob_paths(chunk_size: Optional[int] = None) -> list[LogprobPath]:
             "full logits + chunked online-lse log-prob, recomputing backward (vocab_parallel)",
             lambda h, w, t: vocab_parallel_logprobs(lm_head_logits(h, w), t, **logits_kw),
         ),
-        LogprobPath(
-            "fused_linear",
-            "hidden states + LM-head shard, chunked; loss in one pass for token-level ratios (fused_linear_loss)",
-            lambda h, w, t: fused_linear_logprobs(h, w, t, **fused_kw),
-            loss=_fused_loss(None, fused_kw),
-        ),
-        LogprobPath(
-            "fused_2pass",
-            "the same, two-pass schedule: log-probs, loss, recomputing backward (sequence-level ratios)",
-            lambda h, w, t: fused_linear_logprobs(h, w, t, **fused_kw),
-            loss=_fused_loss(False, fused_kw),
-            times_forward=False,
-        ),
+        _fused_path(fused["fused_linear"], chunk_size),
+        _fused_path(fused["fused_2pass"], chunk_size),
     ]
 
 
-__all__ = ["LogprobPath", "LossPathFn", "lm_head_logits", "logprob_paths", "naive_logprobs"]
+def _triton_unavailable(device: torch.device) -> Optional[str]:
+    try:
+        from nemo_is_plugin.kernels.triton_logprob import triton_usable
+    except ImportError as exc:
+        return f"the Triton kernels do not import ({exc})"
+    if not triton_usable(device):
+        return f"the Triton backend needs a CUDA device and triton (device here: {device.type})"
+    return None
+
+
+def bench_paths(chunk_size: Optional[int] = None, device: Optional[torch.device] = None) -> list[LogprobPath]:
+    """Every path the benchmark knows (``PATHS`` order), with ``unavailable`` filled in for ``device``."""
+    from nemo_is_plugin.bench.cce import cce_path
+    from nemo_is_plugin.bench.liger import liger_path
+
+    device = device or torch.device("cpu")
+    paths = logprob_paths(chunk_size)
+    for variant in FUSED_VARIANTS:
+        if variant.name in PLUGIN_PATHS:
+            continue
+        path = _fused_path(variant, chunk_size)
+        why = _triton_unavailable(device) if variant.kwargs.get("backend") == "triton" else None
+        paths.append(replace(path, unavailable=why) if why and not path.unavailable else path)
+    return paths + [liger_path(device), cce_path(device)]
+
+
+__all__ = [
+    "FUSED_VARIANTS", "FusedVariant", "LogprobPath", "LossPathFn", "PLUGIN_PATHS", "bench_paths", "lm_head_logits",
+    "logprob_paths", "naive_logprobs",
+]

@@ -16,8 +16,8 @@ import torch
 
 @dataclass
 class HeadProblem:
-    hidden: torch.Tensor
-    weight: torch.Tensor
+    hidden: Optional[torch.Tensor]
+    weight: Optional[torch.Tensor]
     target: torch.Tensor
     data: dict[str, torch.Tensor]
     global_valid_seqs: float
@@ -37,24 +37,72 @@ def make_problem(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     logit_std: float = 2.0,
-    base_logprobs: Optional[torch.Tensor] = None,
+    base_logprobs: Optional[torch.Tensor | str] = None,
     mismatch_std: float = 0.05,
+    device: Optional[torch.device] = None,
 ) -> HeadProblem:
     """Random problem with logits of std ``logit_std``; ``seq_len`` = S (T = S - 1 log-prob positions).
 
     ``prev`` / ``generation`` / ``reference`` log-probs are ``base_logprobs [B, T]`` (pass the true current log-probs
-    so that ratios sit near 1 and both sides of the clip are hit) plus N(0, ``mismatch_std``) noise each; without it
-    a log-uniform stand-in is used (the benchmark: values do not change the cost). Responses have random lengths after
-    a 2-token prompt, one sequence is masked out by ``sample_mask`` when ``batch > 2``.
+    so that ratios sit near 1 and both sides of the clip are hit) plus N(0, ``mismatch_std``) noise each; ``"model"``
+    computes those true log-probs here (fp32, chunked; one extra GEMM); without it a log-uniform stand-in is used
+    (values do not change the cost, but most ratios then sit far outside the clip, where the loss value does not
+    depend on the log-probs). Responses have random lengths after a 2-token prompt, one sequence is masked out by
+    ``sample_mask`` when ``batch > 2``.
+
+    ``device``: where every tensor lives (None: CPU). Off the CPU the hidden states and the head are drawn there, from
+    that device's generator (a V x H head drawn on one CPU thread and copied would take seconds at the real shapes);
+    the rest is drawn on the CPU and moved.
     """
+    device = torch.device("cpu") if device is None else torch.device(device)
     g = torch.Generator().manual_seed(seed)
+    big = g if device.type == "cpu" else torch.Generator(device).manual_seed(seed)
+    hidden = torch.randn(batch, seq_len - 1, hidden_size, generator=big, device=device).to(dtype)
+    weight = torch.randn(vocab, hidden_size, generator=big, device=device)
+    weight = weight.mul_(logit_std / hidden_size**0.5).to(dtype)
+    if isinstance(base_logprobs, str):
+        if base_logprobs != "model":
+            raise ValueError(f"base_logprobs must be a tensor, None or 'model', got {base_logprobs!r}")
+        base_logprobs = lambda target: target_logprobs(hidden, weight, target.to(device)).cpu()  # noqa: E731
+    target, data, valid_seqs, valid_toks = _rl_batch(g, batch, seq_len, vocab, base_logprobs, mismatch_std, device)
+    return HeadProblem(hidden, weight, target, data, valid_seqs, valid_toks)
+
+
+@torch.no_grad()
+def target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                    chunk_bytes: int = 2**30) -> torch.Tensor:
+    """``log softmax(hidden @ weight.T)[target]``, ``[...]`` from ``hidden [..., H]``, ``weight [V, H]``, in fp32 (or
+    the inputs' dtype when wider), chunked over tokens: one ``[chunk, V]`` block (about ``chunk_bytes``) at a time."""
+    dt = torch.promote_types(hidden.dtype, torch.float32)
+    x, t, w = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1), weight.to(dt)
+    rows = max(1, chunk_bytes // (w.shape[0] * w.element_size()))
+    lp = torch.empty(x.shape[0], dtype=dt, device=x.device)
+    for s in range(0, x.shape[0], rows):
+        z = x[s : s + rows].to(dt) @ w.t()
+        lp[s : s + rows] = z.gather(1, t[s : s + rows, None])[:, 0] - torch.logsumexp(z, dim=-1)
+    return lp.view(target.shape)
+
+
+def make_rl_batch(batch: int, seq_len: int, vocab: int, *, seed: int = 0,
+                  device: Optional[torch.device] = None) -> HeadProblem:
+    """The RL batch of :func:`make_problem` alone (``hidden`` / ``weight`` are None): for a model that makes its own
+    hidden states. ``data["input_ids"] [B, S]`` are the model's input tokens, ``target [B, S-1]`` the next tokens."""
+    g = torch.Generator().manual_seed(seed)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    target, data, valid_seqs, valid_toks = _rl_batch(g, batch, seq_len, vocab, None, 0.05, device)
+    return HeadProblem(None, None, target, data, valid_seqs, valid_toks)
+
+
+def _rl_batch(g: torch.Generator, batch: int, seq_len: int, vocab: int, base_logprobs, mismatch_std: float,
+              device: torch.device):
+    """``(target [B, S-1], data, valid sequences, valid tokens)`` drawn from ``g`` on the CPU, moved to ``device``."""
     t = seq_len - 1
-    hidden = torch.randn(batch, t, hidden_size, generator=g).to(dtype)
-    weight = (torch.randn(vocab, hidden_size, generator=g) * (logit_std / hidden_size**0.5)).to(dtype)
     input_ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
     if base_logprobs is None:
         base_logprobs = -torch.rand(batch, t, generator=g) * 8.0
-    base = base_logprobs.detach().double()
+    elif callable(base_logprobs):
+        base_logprobs = base_logprobs(input_ids[:, 1:])
+    base = base_logprobs.detach().double().cpu()
 
     def noisy() -> torch.Tensor:
         lp = (base + mismatch_std * torch.randn(base.shape, generator=g, dtype=torch.float64)).clamp(max=-1e-4)
@@ -78,7 +126,8 @@ def make_problem(
         "rewards": rewards,
     }
     valid_toks = (token_mask[:, 1:].float() * sample_mask.unsqueeze(1)).sum().item()
-    return HeadProblem(hidden, weight, input_ids[:, 1:].contiguous(), data, sample_mask.sum().item(), valid_toks)
+    data = {k: v.to(device) for k, v in data.items()}
+    return input_ids[:, 1:].contiguous().to(device), data, sample_mask.sum().item(), valid_toks
 
 
 def vocab_shard(weight: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -90,4 +139,4 @@ def vocab_shard(weight: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tenso
     return weight[tp_rank * per : (tp_rank + 1) * per]
 
 
-__all__ = ["HeadProblem", "make_problem", "vocab_shard"]
+__all__ = ["HeadProblem", "make_problem", "make_rl_batch", "target_logprobs", "vocab_shard"]

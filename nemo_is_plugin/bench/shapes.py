@@ -1,8 +1,9 @@
 """Benchmark shapes (research/performance.md section 6, config.json values) and the run configuration.
 
-Token counts are scaled to this 2-core CPU: at H=2048, V=151936 one fp32 LM-head GEMM over 256 tokens is ~160 GFLOP
-(about 1.5 s here); the full 8 x 9k tokens would take ~45 TFLOP per GEMM. Results are reported as ratios to the bare
-GEMM measured in the same run, which is what carries over to other token counts and machines.
+On CPU the token counts are scaled to a 2-core machine: at H=2048, V=151936 one fp32 LM-head GEMM over 256 tokens is
+~160 GFLOP (about 1.5 s there). On CUDA the default is the GPU targets' setting: bf16, 16,384 tokens = 8 x 2,048.
+Results are reported as ratios to the bare GEMM measured in the same run; CPU ratios do not carry over to GPUs (on a
+GPU the [N, V] memory traffic costs as much as the GEMMs, on a CPU it is a fraction of them).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ MODEL_SHAPES = (
 )
 QUICK_SHAPES = (ModelShape("tiny-a", 64, 4096), ModelShape("tiny-b", 96, 6144))
 
-PATHS = ("naive", "from_logits", "fused_linear", "fused_2pass", "liger")
+PATHS = ("naive", "from_logits", "fused_linear", "fused_2pass", "fused_triton", "fused_2pass_triton", "liger", "cce")
+CPU_PATHS = ("naive", "from_logits", "fused_linear", "fused_2pass", "liger")  # no Triton / CCE kernels on a CPU
+GPU_TARGET_TOKENS, GPU_TARGET_DTYPE = 16384, "bfloat16"  # the setting of the GPU targets (8 sequences x 2,048)
 
 
 @dataclass
@@ -45,7 +48,7 @@ class BenchConfig:
         chunk_size: tokens per chunk of the chunked paths; None = their defaults (256 MiB of fp32 logits per chunk
             for fused_linear, 1024 tokens for from_logits).
         repeats: timing rounds after the memory-tracked warm-up (each round times every job once); best reported.
-        paths: which paths to run (``PATHS``); the bare matmul always runs.
+        paths: which paths to run (``PATHS``; default ``CPU_PATHS`` on CPU, all on CUDA); the bare matmul always runs.
         ref_tokens: tokens of the float64 reference used for the error columns.
         memory_tokens: token counts of the memory-scaling sweep (empty: no sweep). The two largest feed the linear
             extrapolation, so they must lie past the naive path's regime change: below ~H/2 tokens its peak is one
@@ -55,6 +58,11 @@ class BenchConfig:
             it, and the paths of ``direct_memory_paths`` are measured there directly (one run each).
         direct_memory_paths: paths measured at ``extrapolate_tokens`` (empty: none; they must be in ``paths``).
         threads: torch intra-op threads.
+        device: "cpu" or "cuda" (see :class:`~nemo_is_plugin.bench.device.BenchDevice`).
+        dtype: dtype of the hidden states and the head; None = float32 on CPU, bfloat16 on CUDA.
+        warmup: untimed calls of every job before its memory-tracked call (which is itself a warm-up on CPU).
+        quick_run: tiny shapes for a smoke run (``BenchConfig.quick``); recorded so that reports say the numbers are
+            not meaningful.
     """
 
     shapes: tuple[ModelShape, ...] = MODEL_SHAPES
@@ -63,15 +71,21 @@ class BenchConfig:
     tp: int = 1
     chunk_size: int | None = None
     repeats: int = 3
-    paths: tuple[str, ...] = PATHS
+    paths: tuple[str, ...] = CPU_PATHS
     ref_tokens: int = 16
     memory_tokens: tuple[int, ...] = (512, 1024, 2048, 3072)
     memory_shape: tuple[int, int] = (2048, 151936)
     extrapolate_tokens: int = 8192
     direct_memory_paths: tuple[str, ...] = ("naive", "fused_linear")
     threads: int = 1
+    device: str = "cpu"
+    dtype: str | None = None
+    warmup: int = 0
+    quick_run: bool = False
 
     def __post_init__(self) -> None:
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (or cuda:N), got {self.device!r}")
         unknown = [p for p in self.paths if p not in PATHS]
         if unknown:
             raise ValueError(f"unknown path(s) {unknown}; choose from {list(PATHS)}")
@@ -82,13 +96,35 @@ class BenchConfig:
         if self.ref_tokens > self.tokens:
             raise ValueError(f"ref_tokens={self.ref_tokens} exceeds tokens={self.tokens}")
 
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
     @classmethod
     def quick(cls, **overrides) -> "BenchConfig":
         """Seconds-long run on tiny shapes (smoke tests, CI)."""
         base = dict(shapes=QUICK_SHAPES, tokens=64, chunk_size=16, memory_tokens=(32, 64, 128),
-                    memory_shape=(64, 4096), extrapolate_tokens=1024, ref_tokens=8)
+                    memory_shape=(64, 4096), extrapolate_tokens=1024, ref_tokens=8, quick_run=True)
+        if str(overrides.get("device", "cpu")).startswith("cuda"):
+            base.update(_CUDA_DEFAULTS, tokens=64, batch=2, memory_tokens=())
         base.update(overrides)
         return cls(**base)
 
+    @classmethod
+    def for_device(cls, device: str = "cpu", quick: bool = False, **overrides) -> "BenchConfig":
+        """The default run on ``device``: the CPU's scaled one, or on CUDA the GPU targets' setting (bf16, 16,384
+        tokens in 8 sequences, every path, a median of 5 rounds after 2 warm-up calls, no CPU-style memory sweep:
+        each row's peak is measured at the full token count)."""
+        if quick:
+            return cls.quick(device=device, **overrides)
+        base = dict(_CUDA_DEFAULTS) if device.startswith("cuda") else {}
+        base.update(overrides)
+        return cls(device=device, **base)
 
-__all__ = ["BenchConfig", "MODEL_SHAPES", "ModelShape", "PATHS", "QUICK_SHAPES"]
+
+_CUDA_DEFAULTS = dict(tokens=GPU_TARGET_TOKENS, batch=8, repeats=5, warmup=2, paths=PATHS, memory_tokens=(),
+                      direct_memory_paths=(), ref_tokens=64)
+
+
+__all__ = ["BenchConfig", "CPU_PATHS", "GPU_TARGET_DTYPE", "GPU_TARGET_TOKENS", "MODEL_SHAPES", "ModelShape", "PATHS",
+           "QUICK_SHAPES"]

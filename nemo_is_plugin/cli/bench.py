@@ -1,6 +1,8 @@
 """``nemo-is bench``: LM head -> log-prob -> PG loss benchmark of the naive, from-logits, fused-linear (one and two
-passes) and Liger paths against the bare GEMM. Prints a rich table, writes JSON + PNG, and with ``--write-docs``
-regenerates ``docs/performance.md``. Heavy imports (torch, matplotlib, liger) happen inside the command."""
+passes, torch and Triton backends), Liger and cut-cross-entropy paths against the bare GEMM, on CPU or CUDA; with
+``--model-step``, training steps of a megatron-core MoE GPT model with the naive and the fused loss. Prints a rich
+table, writes JSON + PNG, and with ``--write-docs`` regenerates ``docs/performance.md`` (a CPU run: the CPU page; a GPU
+run: its GPU section). Heavy imports (torch, matplotlib, liger, megatron) happen inside the command."""
 
 from __future__ import annotations
 
@@ -16,98 +18,127 @@ def register(app: typer.Typer) -> None:
 
 
 def bench(
-    tokens: int = typer.Option(256, help="Tokens per measurement (scaled to this machine; ratios carry over)."),
+    tokens: Optional[int] = typer.Option(
+        None, help="Tokens per measurement. Default: 256 on CPU (scaled down), 16384 = 8 x 2048 on CUDA, 64 with "
+                   "--quick; with --model-step the batch's tokens (default 4 x 2048 on CUDA)."),
     models: Optional[list[str]] = typer.Option(None, "--model", help="Model shape(s) to run (default: all four)."),
     paths: Optional[list[str]] = typer.Option(
-        None, "--path", help="Path(s): naive, from_logits, fused_linear, fused_2pass, liger."
+        None, "--path", help="Path(s): naive, from_logits, fused_linear, fused_2pass, fused_triton, "
+                             "fused_2pass_triton, liger, cce. Default: all on CUDA; on CPU the first four and liger."
     ),
     chunk_size: Optional[int] = typer.Option(None, help="Tokens per chunk of the chunked paths (default: theirs)."),
     tp: int = typer.Option(1, help="Vocab shards: measure one TP rank's local work on V/tp rows of the head."),
-    repeats: int = typer.Option(3, help="Timing rounds after the memory-tracked warm-up (best round reported)."),
+    repeats: Optional[int] = typer.Option(
+        None, help="Timing rounds after the warm-up (CPU: best round reported, default 3; CUDA: median, default 5)."),
     memory_tokens: Optional[list[int]] = typer.Option(None, "--memory-tokens", help="Token counts of the sweep."),
-    no_memory_sweep: bool = typer.Option(False, help="Skip the memory-vs-tokens sweep."),
+    memory_sweep: bool = typer.Option(
+        True, "--memory-sweep/--no-memory-sweep", metavar="", help="The memory-vs-tokens sweep (CPU runs)."),
     threads: int = typer.Option(1, help="torch intra-op threads."),
-    quick: bool = typer.Option(False, help="Tiny shapes: a seconds-long smoke run (numbers are not meaningful)."),
+    quick: bool = typer.Option(
+        False, "--quick/--no-quick", metavar="",
+        help="Tiny shapes: a seconds-long smoke run (numbers not meaningful)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    dtype: Optional[str] = typer.Option(None, help="Input dtype: float32 (CPU default), bfloat16 (CUDA default)."),
+    model_step: bool = typer.Option(
+        False, "--model-step/--no-model-step", metavar="",
+        help="Training steps of a megatron-core MoE GPT model with the naive and the fused loss, instead of the head."),
+    layers: Optional[int] = typer.Option(None, help="--model-step: transformer layers (default 2)."),
+    experts: Optional[int] = typer.Option(None, help="--model-step: routed experts per layer (default 16, top-4)."),
     out: Path = typer.Option(Path("bench_results"), help="Directory for results.json and the PNG figures."),
-    write_docs: bool = typer.Option(False, help="Also regenerate docs/performance.md and docs/img/perf_*.png."),
+    write_docs: bool = typer.Option(
+        False, "--write-docs/--no-write-docs", metavar="",
+        help="Also write docs/performance.md: a CPU run regenerates the CPU page, a GPU run its GPU section."),
     docs_dir: Path = typer.Option(Path("docs"), help="Docs directory used by --write-docs."),
     from_json: Optional[Path] = typer.Option(None, help="Render an earlier run's results.json instead of measuring."),
 ) -> None:
     """Benchmark the log-prob + loss paths at MoE LM-head shapes; prints the table, writes JSON and plots."""
     from rich.console import Console
-
-    from nemo_is_plugin.bench.shapes import MODEL_SHAPES, PATHS, QUICK_SHAPES, BenchConfig
+    from rich.markup import escape
 
     console = Console()
     if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, 130))
-    overrides: dict = dict(tp=tp, repeats=repeats, threads=threads)
-    if chunk_size is not None:
-        overrides["chunk_size"] = chunk_size
-    if paths:
-        overrides["paths"] = tuple(paths)
-    if memory_tokens:
-        overrides["memory_tokens"] = tuple(memory_tokens)
-    if no_memory_sweep:
-        overrides["memory_tokens"] = ()
+    if model_step:
+        from nemo_is_plugin.bench.model_report import model_step_command
+
+        model_step_command(console, device=device, dtype=dtype, quick=quick, tokens=tokens, repeats=repeats,
+                           layers=layers, experts=experts, chunk_size=chunk_size, out=out, write_docs=write_docs,
+                           docs_dir=docs_dir, from_json=from_json)
+        return
     try:
-        known = {s.name: s for s in (QUICK_SHAPES if quick else MODEL_SHAPES)}
-        missing = [m for m in models or () if m not in known]
-        if missing:
-            raise ValueError(f"unknown model(s) {missing}; choose from {list(known)}")
-        if models:
-            overrides["shapes"] = tuple(known[m] for m in models)
-        cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(tokens=tokens, **overrides)
+        cfg = _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, memory_sweep, threads, quick,
+                      device, dtype)
+        if write_docs and from_json is None and cfg.is_cuda and quick:
+            raise ValueError("--write-docs refuses a --quick run: its tiny shapes are not meaningful (drop --quick)")
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc} (paths: {', '.join(PATHS)})")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(code=2) from exc
 
-    if from_json is not None:
-        results = json.loads(from_json.read_text())
-    else:
-        results = _run_with_progress(cfg, console)
+    results = json.loads(from_json.read_text()) if from_json is not None else _run_with_progress(cfg, console)
     _report(results, console, out, write_docs, docs_dir)
 
 
-def _run_with_progress(cfg, console) -> dict:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+def _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, memory_sweep, threads, quick, device,
+            dtype):
+    from nemo_is_plugin.bench.device import BenchDevice
+    from nemo_is_plugin.bench.shapes import MODEL_SHAPES, PATHS, QUICK_SHAPES, BenchConfig
 
+    BenchDevice.resolve(device, dtype)  # a usage error (no CUDA here, unknown dtype) before anything runs
+    overrides: dict = dict(tp=tp, threads=threads, dtype=dtype)
+    for key, value in (("tokens", tokens), ("repeats", repeats), ("chunk_size", chunk_size)):
+        if value is not None:
+            overrides[key] = value
+    if paths:
+        overrides["paths"] = tuple(paths)
+        if unknown := [p for p in paths if p not in PATHS]:
+            raise ValueError(f"unknown path(s) {unknown}; choose from {list(PATHS)}")
+    if memory_tokens:
+        overrides["memory_tokens"] = tuple(memory_tokens)
+    if not memory_sweep:
+        overrides["memory_tokens"] = ()
+    known = {s.name: s for s in (QUICK_SHAPES if quick else MODEL_SHAPES)}
+    missing = [m for m in models or () if m not in known]
+    if missing:
+        raise ValueError(f"unknown model(s) {missing}; choose from {list(known)}")
+    if models:
+        overrides["shapes"] = tuple(known[m] for m in models)
+    return BenchConfig.for_device(device, quick=quick, **overrides)
+
+
+def _run_with_progress(cfg, console) -> dict:
+    from nemo_is_plugin.bench.progress import progress_bar
     from nemo_is_plugin.bench.runner import count_steps, run_benchmark
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("starting", total=count_steps(cfg))
-        state = {"started": False}
-
-        def progress(label: str) -> None:
-            if state["started"]:
-                bar.advance(task)
-            state["started"] = True
-            bar.update(task, description=label)
-            if not console.is_terminal:  # a log file gets one line per step instead of a live bar
-                console.log(label)
-
-        results = run_benchmark(cfg, progress)
-        bar.advance(task)
-    return results
+    with progress_bar(console, count_steps(cfg)) as progress:
+        return run_benchmark(cfg, progress)
 
 
 def _report(results: dict, console, out: Path, write_docs: bool, docs_dir: Path) -> None:
-    from nemo_is_plugin.bench.docs import write_docs as write_docs_fn
+    from rich.markup import escape
+
+    from nemo_is_plugin.bench.docs import write_docs as write_cpu_docs
+    from nemo_is_plugin.bench.gpu_docs import gpu_docs_refusal, write_gpu_section
     from nemo_is_plugin.bench.plots import plot_memory, plot_ratios
-    from nemo_is_plugin.bench.report import rich_table, targets, write_json
+    from nemo_is_plugin.bench.report import comparability_note, is_gpu_run, rich_table, run_targets, write_json
 
     console.print(rich_table(results))
     for name, why in results["skipped"].items():
-        console.print(f"[yellow]skipped {name}:[/yellow] {why}")
-    for t in targets(results):
-        mark = "[green]ok[/green]" if t["ok"] else "[red]no[/red]"
-        console.print(f"{mark}  {t['target']}: {t['value']:.3g}")
+        console.print(f"[yellow]not measured: {escape(name)}:[/yellow] {escape(why)}")
+    if note := comparability_note(results):
+        console.print(f"[bold yellow]note:[/bold yellow] {escape(note)}")
+    for t in run_targets(results):
+        mark = "[green]met[/green]" if t["ok"] else "[red]not met[/red]"
+        console.print(f"{mark}  {escape(t['target'])}: {t['value']:.3g}")
     written = [write_json(results, out / "results.json"), plot_ratios(results, out / "perf_ratios.png")]
     if results["memory_sweep"]:
         written.append(plot_memory(results, out / "perf_memory.png"))
-    if write_docs:
-        written += write_docs_fn(results, docs_dir)
+    if write_docs and is_gpu_run(results):
+        if why := gpu_docs_refusal(results):
+            console.print(f"[red]error:[/red] {escape(why)}")
+            raise typer.Exit(code=2)
+        written += write_gpu_section(results, docs_dir, "head")
+    elif write_docs:
+        written += write_cpu_docs(results, docs_dir)
     console.print("wrote " + ", ".join(str(p) for p in written))
 
 

@@ -7,8 +7,8 @@ import json
 import typer
 from typer.testing import CliRunner
 
-from nemo_is_plugin.bench.runner import count_steps
-from nemo_is_plugin.bench.shapes import BenchConfig
+from nemo_is_plugin.bench.runner import count_steps, run_benchmark
+from nemo_is_plugin.bench.shapes import QUICK_SHAPES, BenchConfig
 from nemo_is_plugin.cli.bench import register
 
 
@@ -72,8 +72,10 @@ def test_unknown_path_or_model_is_a_usage_error():
     assert result.exit_code == 2 and "unknown model" in result.output
 
 
-def test_step_count_matches_the_plan():
-    cfg = BenchConfig.quick(paths=("naive", "liger"), memory_tokens=(32,), repeats=3)
-    # 2 shapes x (matmul + 2 path warm-ups + 3 rounds + errors), 1 sweep point x 2 paths, naive measured at 1024
-    assert count_steps(cfg) == 2 * (1 + 2 + 3 + 1) + 1 * 2 + 1
-    assert count_steps(BenchConfig.quick(paths=("naive",), memory_tokens=())) == 2 * (1 + 1 + 3 + 1)
+def test_step_count_matches_the_progress_calls():
+    cfg = BenchConfig.quick(shapes=QUICK_SHAPES[:1], paths=("naive", "liger"), memory_tokens=(32,), repeats=2)
+    labels: list[str] = []
+    run_benchmark(cfg, labels.append)
+    # 1 shape x (reference + matmul + 2 path warm-ups + 2 rounds + errors), 1 sweep point x 2 paths, naive at 1024
+    assert len(labels) == count_steps(cfg) == 1 * (1 + 1 + 2 + 2 + 1) + 1 * 2 + 1
+    assert count_steps(BenchConfig.quick(paths=("naive",), memory_tokens=())) == 2 * (1 + 1 + 1 + 3 + 1)

@@ -1,0 +1,86 @@
+"""The benchmark's path table: availability per device, the keyword-argument checks of the fused variants, and a
+failing path reported (not crashed on)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import os
+
+import pytest
+import torch
+
+from nemo_is_plugin.bench import runner
+from nemo_is_plugin.bench.jobs import bench_loss_fn, fwd_bwd_job
+from nemo_is_plugin.bench.paths import FusedVariant, _fused_path, bench_paths, logprob_paths
+from nemo_is_plugin.bench.problem import make_problem
+from nemo_is_plugin.bench.shapes import PATHS, QUICK_SHAPES, BenchConfig
+from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
+
+
+def test_every_path_is_in_the_table_and_the_plugin_subset_is_unchanged():
+    assert [p.name for p in bench_paths()] == list(PATHS)
+    assert [p.name for p in logprob_paths()] == ["naive", "from_logits", "fused_linear", "fused_2pass"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter makes Triton usable on CPU")
+def test_on_cpu_the_gpu_only_rows_say_why():
+    paths = {p.name: p for p in bench_paths(device=torch.device("cpu"))}
+    for name in ("fused_triton", "fused_2pass_triton"):
+        assert "CUDA" in paths[name].unavailable
+    assert "CUDA" in paths["cce"].unavailable or "not installed" in paths["cce"].unavailable
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert paths["liger"].unavailable.startswith("not installed")
+    for name in ("naive", "from_logits", "fused_linear", "fused_2pass"):
+        assert paths[name].unavailable is None and paths[name].fwdbwd_unavailable is None
+
+
+def test_a_keyword_the_entry_points_lack_is_reported_not_passed():
+    single = _fused_path(FusedVariant("x", None, "d", {"no_such_option": 1}), chunk_size=4)
+    assert "`no_such_option` argument" in single.unavailable
+    if "backend" not in inspect.signature(fused_linear_pg_loss).parameters:
+        triton = next(p for p in bench_paths() if p.name == "fused_triton")
+        assert "fused_linear_pg_loss takes no `backend` argument" in triton.fwdbwd_unavailable
+
+
+def test_a_two_pass_variant_falls_back_to_log_probs_then_loss():
+    """A keyword only ``fused_linear_logprobs`` takes: the two-pass schedule is spelled out, and its loss and
+    gradients equal the naive path's."""
+    path = _fused_path(FusedVariant("y", False, "d", {"temperature": 1.0}), chunk_size=5)
+    assert path.unavailable is None and path.fwdbwd_unavailable is None and not path.times_forward
+    p, loss_fn = make_problem(3, 9, 16, 40, seed=0, base_logprobs="model"), bench_loss_fn()
+    got, want = fwd_bwd_job(path, p, loss_fn)(), fwd_bwd_job(logprob_paths()[0], p, loss_fn)()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_failing_path_is_listed_with_its_reason_and_the_run_goes_on(monkeypatch):
+    def broken(*_args, **_kw):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 9 GiB\nsecond line")
+
+    def paths_with_a_broken_one(chunk_size=None, device=None):
+        paths = bench_paths(chunk_size, device)
+        return [dataclasses.replace(p, loss=broken) if p.name == "fused_2pass" else p for p in paths]
+
+    monkeypatch.setattr(runner, "bench_paths", paths_with_a_broken_one)
+    cfg = BenchConfig.quick(shapes=QUICK_SHAPES[:1], paths=("naive", "fused_2pass"), memory_tokens=(), repeats=1)
+    results = runner.run_benchmark(cfg)
+    assert {r["path"] for r in results["rows"]} == {"matmul", "naive", "loss"}
+    assert results["skipped"]["fused_2pass forward+backward"] == (
+        "failed on tiny-a (cpu): RuntimeError: CUDA out of memory. Tried to allocate 9 GiB")
+    naive = next(r for r in results["rows"] if r["path"] == "naive")
+    assert naive["fwdbwd_s"] > 0 and naive["dx_err"] < 1e-5 and naive["loss_err"] < 1e-5
+    assert results["config"]["quick"] is True
+
+
+def test_a_cpu_run_records_its_setting_and_says_it_is_not_comparable_to_the_gpu_targets():
+    from nemo_is_plugin.bench.report import comparability_note, run_targets
+
+    cfg = BenchConfig(shapes=QUICK_SHAPES[:1], tokens=16, paths=("naive", "fused_linear"), memory_tokens=(), repeats=1,
+                      ref_tokens=8)
+    results = runner.run_benchmark(cfg)
+    assert results["config"]["quick"] is False and results["config"]["device"] == "cpu"
+    assert results["config"]["dtype"] == "float32" and results["config"]["statistic"] == "best"
+    assert comparability_note(results).startswith("CPU run: not comparable to the GPU targets")
+    assert any("fused forward <=" in t["target"] for t in run_targets(results))  # the CPU targets apply
