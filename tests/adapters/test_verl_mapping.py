@@ -9,6 +9,7 @@ import torch
 from nemo_is_plugin.adapters.verl import (
     CONFIG_ENV,
     VERL_LOG_RATIO_CLAMP,
+    MissingPluginConfigError,
     VerlPolicyLoss,
     generation_logprobs,
     verl_config,
@@ -44,7 +45,7 @@ def test_explicit_plugin_keys_win_and_displace_conflicting_verl_defaults():
 
 
 @pytest.mark.parametrize("user,agg,match", [
-    ({}, "token-sum", "loss_agg_mode='token-sum' is not supported"),
+    ({}, "seq-sum", "loss_agg_mode='seq-sum' is not one of verl's"),
     ({"reference_policy_kl_penalty": 0.01}, "token-mean", "verl adds the KL loss itself"),
     ({"positive_example_nll_weight": 0.1}, "token-mean", "needs per-sample rewards"),
 ])
@@ -121,4 +122,5 @@ def test_config_sources(tmp_path, monkeypatch):
     monkeypatch.setenv(CONFIG_ENV, str(recipe))
     assert VerlPolicyLoss().user_keys == {"ratio_clip_min": 0.05}  # read lazily, in the worker
     monkeypatch.delenv(CONFIG_ENV)
-    assert VerlPolicyLoss().user_keys == {}
+    with pytest.raises(MissingPluginConfigError, match="no plugin config on this worker"):
+        VerlPolicyLoss().user_keys
