@@ -18,7 +18,7 @@ from nemo_is_plugin import truncation as T
 from nemo_is_plugin.is_weights import MAX_LOG_WEIGHT, finite_exp, is_log_weight
 from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.masked import EPS, where_mask
-from nemo_is_plugin.rejection import RuleOutcome, RuleSpec, evaluate_rules
+from nemo_is_plugin.rejection import RuleOutcome, RuleSpec, band_rule, evaluate_rules
 
 SEQUENCE_LEVELS = ("sequence", "sequence_mean")
 
@@ -84,7 +84,7 @@ def compute_is_correction(
         veto_threshold: reject a sequence whose smallest token weight is below this.
         rejection, rejection_low, rejection_high: seq-mis | geo-rs | None, applied after (and independently of) the
             truncation: a sequence whose ratio is outside the band gets weight 0 (compared in log space); the same as
-            the k1 rule ``RejectionRule.from_band``, evaluated before ``rules``.
+            the k1 rule ``rejection.band_rule``, evaluated before ``rules``.
         rules: rejection rules (``nemo_is_plugin.rejection``) that must all pass; applied like ``rejection``.
         batch_normalize: divide the truncated weights by their mean over valid tokens (sequence levels: over
             sequences), taken after the truncation type (IcePop's zeros included) and before sequence masks,
@@ -116,9 +116,7 @@ def compute_is_correction(
         oob = ~keep
     truncation_keep = keep
     if rejection is not None:
-        from nemo_is_plugin.config import RejectionRule
-
-        rules = (RejectionRule.from_band(rejection, rejection_low, rejection_high), *rules)
+        rules = (band_rule(rejection, rejection_low, rejection_high), *rules)
     rules_keep, outcomes = evaluate_rules(rules, prev, gen, token_mask, layout) if rules else (None, ())
     if rules_keep is not None:
         keep = keep & rules_keep

@@ -19,6 +19,7 @@ shards get the full-sequence statistic (sum and max all-reduced over the CP grou
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
@@ -39,6 +40,28 @@ class RuleSpec(Protocol):
 
     @property
     def name(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A plain :class:`RuleSpec` (the config's ``RejectionRule`` is the validated one)."""
+
+    statistic: str
+    aggregation: str
+    min: Optional[float] = None
+    max: Optional[float] = None
+    log_ratio_clamp: Optional[float] = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.aggregation}_{self.statistic}"
+
+
+def band_rule(kind: str, low: float, high: float) -> Rule:
+    """``seq-mis`` / ``geo-rs`` keeping low <= exp(sum_t x_t) / exp(mean_t x_t) <= high: the k1 rule on
+    [-log high, -log low] (k1 = -x), unclamped (config.RejectionRule.from_band is the same rule, validated)."""
+    aggregation = "sequence_sum" if kind == "seq-mis" else "sequence_mean"
+    return Rule("k1", aggregation, -math.log(high), -math.log(low), None)
 
 
 @dataclass
@@ -121,4 +144,5 @@ def evaluate_rules(
     return keep, outcomes
 
 
-__all__ = ["RuleOutcome", "RuleSpec", "clamped_log_ratio", "evaluate_rule", "evaluate_rules", "token_statistic"]
+__all__ = ["Rule", "RuleOutcome", "RuleSpec", "band_rule", "clamped_log_ratio", "evaluate_rule", "evaluate_rules",
+           "token_statistic"]
