@@ -279,7 +279,7 @@ class VerlPolicyLoss:
                     mask: torch.Tensor, rollout_is_weights: Optional[torch.Tensor],
                     rollout_log_probs: Optional[torch.Tensor]) -> torch.Tensor:
         """The rollout log-probs log mu the loss sees (see the module docstring)."""
-        if rollout_log_probs is not None and (owns or weights_only):
+        if rollout_log_probs is not None and owns:
             return rollout_log_probs.detach().to(old_log_prob.dtype)
         if cfg.bypasses_prev:
             if rollout_is_weights is not None:

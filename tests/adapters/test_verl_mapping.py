@@ -124,3 +124,19 @@ def test_config_sources(tmp_path, monkeypatch):
     monkeypatch.delenv(CONFIG_ENV)
     with pytest.raises(MissingPluginConfigError, match="no plugin config on this worker"):
         VerlPolicyLoss().user_keys
+
+
+def test_verl_owned_weights_win_over_rollout_log_probs():
+    """With the plugin's IS off, verl's (truncated) weights are what multiplies the loss, even when the caller also
+    passes rollout log-probs (those are only read when the plugin owns the correction)."""
+    g = torch.Generator().manual_seed(4)
+    old = -torch.rand(3, 5, generator=g) - 0.5
+    lp = old + 0.1 * torch.randn(3, 5, generator=g)
+    adv = torch.randn(3, 5, generator=g)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    w = torch.full((3, 5), 0.5)
+    fn = VerlPolicyLoss({})
+    with_weights, _ = fn(old, lp, adv, mask, "token-mean", ACTOR, rollout_is_weights=w)
+    both, _ = fn(old, lp, adv, mask, "token-mean", ACTOR, rollout_is_weights=w, rollout_log_probs=old - 3.0)
+    assert both.item() == with_weights.item()
+    assert both.item() != fn(old, lp, adv, mask, "token-mean", ACTOR)[0].item()
