@@ -182,3 +182,23 @@ def test_a_worker_without_the_plugin_config_raises(batch, monkeypatch):
         _loss_and_grad(fn, batch, _actor(NemoISPolicyLossConfig(loss_mode=VERL_LOSS_NAME)))  # section None
     loss, _, _ = _loss_and_grad(fn, batch, _actor(NemoISPolicyLossConfig(loss_mode=VERL_LOSS_NAME, nemo_is={})))
     assert torch.isfinite(loss)  # an explicit empty section: verl's settings only
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_icepop_with_batch_normalisation_equals_verls(batch, level):
+    """verl's IcePop ("lo_hi" threshold) zeroes weights before its batch normalisation, so the zeros enter the mean;
+    the mapped plugin config (icepop truncation type) does the same."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    from nemo_is_plugin.adapters.verl_config import rollout_correction_keys
+
+    m = batch["mask"].float()
+    band = "0.9_1.1" if level == "token" else "0.5_1.5"
+    want, metrics = compute_rollout_correction_weights(batch["old"] - batch["rollout"], m, level, band, True)
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **rollout_correction_keys(
+        {"rollout_is": level, "rollout_is_threshold": band, "rollout_is_batch_normalize": True}))
+    corr = compute_is_correction(batch["old"], batch["rollout"], m, m, TokenLayout.padded(B, T),
+                                 **is_correction_kwargs(cfg))
+    assert 0 < float((corr.weights[m > 0] == 0).float().mean()) < 1  # IcePop zeroes some weights, not all
+    torch.testing.assert_close(corr.weights * m, want * m, rtol=1e-6, atol=1e-7)
+    assert float(corr.batch_norm_factor) == pytest.approx(metrics["rollout_is_batch_norm_factor"], rel=1e-6)
