@@ -20,6 +20,8 @@ unmasked tokens):
     cumulative       w_it = exp(sum_{j<=t} m_j (p_j - g_j))                 (prefix correction; no framework has it)
 - log-space clip (CTPO), when log_ratio_clip_low/high are set:
     clipped ratio = exp(clamp(log r, -eps_low * t^power, eps_high * t^power)); dual clip c_t = exp(eps_c * t^power).
+- rejection rules (verl's rollout_rs): keep a token / sequence while min <= agg_t k(y_t) <= max, y = clamp(p - g, +-20),
+    k1 = -y, k2 = y^2 / 2, k3 = e^y - 1 - y, agg = per token | sequence sum | mean | max (RejectionRule).
 """
 
 from __future__ import annotations
