@@ -115,7 +115,8 @@ class RejectionRule(BaseModel):
     Statistics of y_t = clamp(p_t - g_t, +-log_ratio_clamp) = log(pi_prev / mu) per token, the three estimators of
     KL(mu || pi_prev): k1 = -y, k2 = y^2 / 2, k3 = e^y - 1 - y; aggregated per token, or over the sequence's unmasked
     tokens as a sum, a mean or a max (a sequence without tokens has statistic 0). k2 and k3 are >= 0, so only ``max``
-    bounds them. verl's form ``{option: seq_mean_k1, threshold: "0.999_1.001"}`` is accepted as an alias.
+    bounds them. Aliases: verl's form ``{option: seq_mean_k1, threshold: "0.999_1.001"}``, and verl's aggregation names
+    ``seq_sum`` / ``seq_mean`` / ``seq_max``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -138,6 +139,8 @@ class RejectionRule(BaseModel):
         if isinstance(data, dict) and "option" in data:
             rest = {k: v for k, v in data.items() if k not in ("option", "threshold")}
             return {**verl_rejection_rule(data["option"], data.get("threshold")), **rest}
+        if isinstance(data, dict) and data.get("aggregation") in VERL_RS_AGGREGATIONS:  # verl's seq_sum, ... names
+            return {**data, "aggregation": VERL_RS_AGGREGATIONS[data["aggregation"]]}
         return data
 
     @model_validator(mode="after")

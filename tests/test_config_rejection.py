@@ -83,3 +83,8 @@ def test_rules_run_without_is_weights_and_token_sum_is_token_level():
     assert ClippedPGLossConfig(loss_aggregation="token-sum").token_level_loss
     with pytest.raises(pydantic.ValidationError, match="contradicts token_level_loss"):
         ClippedPGLossConfig(loss_aggregation="token-sum", token_level_loss=False)
+
+
+def test_verl_aggregation_names_are_aliases():
+    rule = RejectionRule(statistic="k3", aggregation="seq_mean", max=0.01)
+    assert rule.aggregation == "sequence_mean" and rule.verl_option == "seq_mean_k3"
