@@ -150,7 +150,8 @@ class RejectionRule(BaseModel):
             raise ConfigError(f"rejection rule {self.name}: {self.statistic} is a divergence >= 0, only max bounds it; "
                               "unset min")
         if hi is None and (lo is None or self.statistic != "k1"):
-            raise ConfigError(f"rejection rule {self.name} needs max" + (" and/or min" if self.statistic == "k1" else ""))
+            also = " and/or min" if self.statistic == "k1" else ""
+            raise ConfigError(f"rejection rule {self.name} needs max{also}")
         if self.statistic != "k1" and hi is not None and hi <= 0:
             raise ConfigError(f"rejection rule {self.name}: max={hi} must be > 0 ({self.statistic} >= 0 everywhere)")
         if lo is not None and hi is not None and lo > hi:

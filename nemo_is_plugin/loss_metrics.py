@@ -95,8 +95,8 @@ class MetricBook:
         self.seq_mean("is_rejected_seq_fraction", rejected_seq.double(), sample_mask)
 
     def rejection_rules(self, corr: ISCorrection, sample_mask: torch.Tensor) -> None:
-        """Per rejection rule ``is_rejection_<rule>_``: ``mean`` (token mean of the statistic, a sequence's value on each
-        of its tokens), ``min`` / ``max`` (over valid tokens, or valid sequences for sequence rules),
+        """Per rejection rule ``is_rejection_<rule>_``: ``mean`` (token mean of the statistic, a sequence's value on
+        each of its tokens), ``min`` / ``max`` (over valid tokens, or valid sequences for sequence rules),
         ``rejected_fraction`` / ``rejected_seq_fraction`` (valid tokens it rejects / sequences where it rejects one);
         and the two fractions of all rules together under ``is_rejection_``."""
         if corr.rules_keep is None:

@@ -111,7 +111,8 @@ def test_weights_and_mask(case):
     corr = correction(keys, case)
     torch.testing.assert_close((~corr.rejected).to(m.dtype) * m, want_mask, rtol=0, atol=0)
     if case["params"]["rollout_is_batch_normalize"] and w is not None:
-        assert _close(float(corr.batch_norm_factor), case["expected"]["metrics"][PREFIX + "rollout_is_batch_norm_factor"])
+        want_factor = case["expected"]["metrics"][PREFIX + "rollout_is_batch_norm_factor"]
+        assert _close(float(corr.batch_norm_factor), want_factor)
 
 
 @pytest.mark.parametrize("case", WITH_RS, ids=case_ids(WITH_RS))

@@ -16,7 +16,7 @@ vocabulary (a mapping of its keys, a preset name, or ``{preset: name, <preset ke
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 from nemo_is_plugin.config import ConfigError, verl_rejection_rule
 
@@ -251,7 +251,8 @@ def _changed(rc: Any) -> bool:
     """Whether a policy_loss.rollout_correction differs from RolloutCorrectionConfig()'s dataclass defaults."""
     dataclass_defaults = {**ROLLOUT_CORRECTION_DEFAULTS, "rollout_is": "sequence"}
     items = {k: v for k, v in _items(rc).items() if k != "_target_"}
-    return any(items.get(k, v) != v for k, v in dataclass_defaults.items()) or bool(set(items) - set(dataclass_defaults))
+    changed = any(items.get(k, v) != v for k, v in dataclass_defaults.items())
+    return changed or bool(set(items) - set(dataclass_defaults))
 
 
 def actor_keys(actor: Any, loss_agg_mode: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """verl's ``PolicyLossConfig`` with a ``nemo_is`` section, so the plugin's keys live in verl's own Hydra config.
 
-verl instantiates ``actor_rollout_ref.actor.policy_loss`` from its ``_target_`` (``verl.workers.config.PolicyLossConfig``),
-a dataclass that refuses unknown keys. Pointing ``_target_`` at this subclass adds one field, ``nemo_is``: the plugin's
+verl instantiates ``actor_rollout_ref.actor.policy_loss`` from its ``_target_``
+(``verl.workers.config.PolicyLossConfig``), a dataclass that refuses unknown keys. Pointing ``_target_`` at this subclass adds one field, ``nemo_is``: the plugin's
 keys (and optionally ``rollout_correction`` in verl's vocabulary), read by the loss on every worker::
 
     actor_rollout_ref.actor.policy_loss.loss_mode=nemo_is.clipped_pg \\

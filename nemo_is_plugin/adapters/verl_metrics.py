@@ -2,8 +2,9 @@
 
 verl's definitions (``verl/trainer/ppo/rollout_corr_helper.py``, verl 0.9.1): ``kl`` = token mean of log mu - log
 pi_old, ``k3_kl`` = token mean of e^x - 1 - x, ``training_log_ppl`` / ``rollout_log_ppl`` / ``log_ppl_diff`` /
-``log_ppl_abs_diff`` = means over *all* rows of per-row token means (an empty row counts 0), ``chi2_token`` = E_tok[e^2x]
-- 1, ``chi2_seq`` = mean over all rows of e^{2 S} - 1 (an empty row counts e^0), and per rejection option
+``log_ppl_abs_diff`` = means over *all* rows of per-row token means (an empty row counts 0),
+``chi2_token`` = E_tok[e^2x] - 1, ``chi2_seq`` = mean over all rows of e^{2 S} - 1 (an empty row counts e^0), and per
+rejection option
 ``rollout_rs_<opt>_{mean, max, min, masked_fraction, seq_masked_fraction}`` (the seq fraction over rows with tokens)
 with the overall ``rollout_rs_masked_fraction`` / ``rollout_rs_seq_masked_fraction`` (over all rows).
 

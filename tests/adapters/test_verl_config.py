@@ -125,7 +125,8 @@ def test_plugin_section_forms():
     assert plugin_section_keys({"rollout_correction": {"preset": "decoupled_token_is", "threshold": 4.0}})[
         "truncated_importance_sampling_ratio"] == 4.0
     assert plugin_section_keys({"rollout_correction": {"rollout_is": "sequence"}})["is_correction_level"] == "sequence"
-    assert plugin_section_keys({"ratio_level": "cumulative", "name": "nemo_is.clipped_pg"}) == {"ratio_level": "cumulative"}
+    section = {"ratio_level": "cumulative", "name": "nemo_is.clipped_pg"}
+    assert plugin_section_keys(section) == {"ratio_level": "cumulative"}
 
 
 def test_docs_table_names_every_verl_key():
