@@ -69,7 +69,7 @@ def _call_like_verl(name, batch, cfg, weights=None, **extra):
 
 @pytest.fixture(scope="module")
 def registered():
-    fn = register_verl_loss()
+    fn = register_verl_loss(config={})  # an explicit empty plugin config: verl's settings only
     yield fn
     core_algos.POLICY_LOSS_REGISTRY.pop(VERL_LOSS_NAME, None)
 

@@ -10,7 +10,7 @@ Two code paths, chosen by whether the IS level was set explicitly:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ from nemo_is_plugin import truncation as T
 from nemo_is_plugin.is_weights import MAX_LOG_WEIGHT, finite_exp, is_log_weight
 from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.masked import EPS, where_mask
+from nemo_is_plugin.rejection import RuleOutcome, RuleSpec, band_rule, evaluate_rules
 
 SEQUENCE_LEVELS = ("sequence", "sequence_mean")
 
@@ -33,6 +34,8 @@ class ISCorrection:
     rejected: bool, tokens zeroed by icepop, sequence masks, rejection or veto.
     seq_out_of_band: [S] bool for seq-mask-tis (NeMo-RL normalises its ``is_oob_ratio`` by sequences), else None.
     batch_norm_factor: the divisor of batch normalisation (1.0 when off).
+    rules: the outcome of each rejection rule (``importance_sampling_rejection`` and the listed rules).
+    rules_keep: bool, tokens every rejection rule keeps (None without rules).
     """
 
     weights: torch.Tensor
@@ -42,6 +45,8 @@ class ISCorrection:
     rejected: torch.Tensor
     seq_out_of_band: Optional[torch.Tensor]
     batch_norm_factor: torch.Tensor
+    rules: tuple[RuleOutcome, ...] = ()
+    rules_keep: Optional[torch.Tensor] = None
 
 
 @torch.no_grad()
@@ -63,6 +68,7 @@ def compute_is_correction(
     rejection: Optional[str] = None,
     rejection_low: Optional[float] = None,
     rejection_high: Optional[float] = None,
+    rules: Sequence[RuleSpec] = (),
 ) -> ISCorrection:
     """Compute the IS weights of a batch.
 
@@ -77,9 +83,12 @@ def compute_is_correction(
         low, high: truncation bounds on the weight.
         veto_threshold: reject a sequence whose smallest token weight is below this.
         rejection, rejection_low, rejection_high: seq-mis | geo-rs | None, applied after (and independently of) the
-            truncation: a sequence whose ratio is outside the band gets weight 0 (compared in log space).
+            truncation: a sequence whose ratio is outside the band gets weight 0 (compared in log space); the same as
+            the k1 rule ``rejection.band_rule``, evaluated before ``rules``.
+        rules: rejection rules (``nemo_is_plugin.rejection``) that must all pass; applied like ``rejection``.
         batch_normalize: divide the truncated weights by their mean over valid tokens (sequence levels: over
-            sequences), taken before masks and rejections as verl does.
+            sequences), taken after the truncation type (IcePop's zeros included) and before sequence masks,
+            rejections and the veto, as verl does.
     """
     # NeMo-RL sums the sequence log-weight over token_mask * sample_mask and the geometric mean over token_mask.
     log_w = is_log_weight(level, prev, gen, valid_mask if level == "sequence" else token_mask, layout)
@@ -105,9 +114,12 @@ def compute_is_correction(
         seq_oob = ~in_band
         keep = layout.to_tokens(in_band)
         oob = ~keep
+    truncation_keep = keep
     if rejection is not None:
-        seq_log = _sequence_log_ratio(prev, gen, token_mask, layout, geometric=rejection == "geo-rs")
-        keep = keep & layout.to_tokens(T.band_mask_log(seq_log, rejection_low, rejection_high))
+        rules = (band_rule(rejection, rejection_low, rejection_high), *rules)
+    rules_keep, outcomes = evaluate_rules(rules, prev, gen, token_mask, layout) if rules else (None, ())
+    if rules_keep is not None:
+        keep = keep & rules_keep
     if veto_threshold is not None:
         min_log = layout.seq_min(torch.where(token_mask != 0, prev - gen, torch.full_like(prev, float("inf"))))
         keep = keep & layout.to_tokens(T.veto_keep(min_log, veto_threshold))
@@ -116,11 +128,13 @@ def compute_is_correction(
         w = torch.ones_like(raw)
     factor = torch.ones((), dtype=w.dtype, device=w.device)
     if batch_normalize:
-        # As verl: the divisor is the mean of the truncated weights *before* masks and rejections.
-        factor = _batch_mean(w, valid_mask, layout, per_sequence=level in SEQUENCE_LEVELS)
+        # As verl: the divisor is the mean of the truncated weights (IcePop's zeros are weights) *before* sequence
+        # masks and rejections, which verl applies to the response mask instead.
+        trunc_w = torch.where(truncation_keep, w, torch.zeros_like(w)) if truncation == "icepop" else w
+        factor = _batch_mean(trunc_w, valid_mask, layout, per_sequence=level in SEQUENCE_LEVELS)
         w = w / torch.where(factor > 0, factor, torch.ones_like(factor))
     w = torch.where(keep, w, torch.zeros_like(w))
-    return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor)
+    return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor, outcomes, rules_keep)
 
 
 def _sequence_log_ratio(

@@ -117,7 +117,7 @@ class ClippedPGLoss:
         validate_loss_inputs(
             next_token_logprobs, data, global_valid_seqs, global_valid_toks,
             num_seqs=None if layout is None else layout.num_seqs,
-            needs_prev=not cfg.force_on_policy_ratio,
+            needs_prev=not cfg.force_on_policy_ratio and not cfg.bypasses_prev,
             needs_generation=True,
             needs_reference=cfg.effective_kl_penalty != 0,
             needs_rewards=cfg.positive_example_nll_weight != 0,
@@ -144,7 +144,10 @@ class ClippedPGLoss:
         valid = tm * layout.to_tokens(sm)
         adv = as_f(inputs.advantages)
         g = as_f(inputs.generation_logprobs)
-        p = c.detach() if cfg.force_on_policy_ratio else as_f(inputs.prev_logprobs)
+        p = c.detach() if cfg.force_on_policy_ratio else g if cfg.bypasses_prev else as_f(inputs.prev_logprobs)
+        # What the IS weights, rejections and mismatch diagnostics compare with mu: pi_old, or in bypass mode (pi_old =
+        # mu) the current policy, detached, as verl's bypass mode does.
+        p_is = c.detach() if cfg.bypasses_prev else p
         n_tok = _as_scalar(inputs.global_valid_toks, dtype, c.device)
         n_seq = _as_scalar(inputs.global_valid_seqs, dtype, c.device)
         agg = cfg.effective_loss_aggregation
@@ -155,7 +158,7 @@ class ClippedPGLoss:
         book = MetricBook(layout, valid, n_tok, n_seq)
 
         # 1. Mismatch diagnostics NeMo-RL reports (no grad).
-        legacy_error_metrics(book, p, g, valid, cfg.reference_policy_kl_type)
+        legacy_error_metrics(book, p_is, g, valid, cfg.reference_policy_kl_type)
 
         # 2. KL to the reference policy.
         beta = cfg.effective_kl_penalty
@@ -175,7 +178,7 @@ class ClippedPGLoss:
 
         # 4. IS correction.
         trunc = cfg.truncated_importance_sampling_type
-        corr = compute_is_correction(p, g, tm, valid, layout, **is_correction_kwargs(cfg))
+        corr = compute_is_correction(p_is, g, tm, valid, layout, **is_correction_kwargs(cfg))
 
         # 5. Actor loss.
         actor_loss = reduce(corr.weights * sur.loss)
@@ -206,7 +209,8 @@ class ClippedPGLoss:
         ent = -where_mask(ent_tok, valid).sum() / (n_tok + EPS)
         book.add_sum("approx_entropy", ent)
         book.add_sum("positive_nll_loss", nll.detach())
-        book.mismatch(p, g, tm, sm)
+        book.rejection_rules(corr, sm)
+        book.mismatch(p_is, g, tm, sm)
         book.clip_by_position(sur, positions)
         for name, value in (extra_metric_sums or {}).items():
             book.add_sum(name, value)
@@ -262,9 +266,7 @@ def is_correction_kwargs(cfg: ClippedPGLossConfig) -> dict[str, Any]:
         high=cfg.truncated_importance_sampling_ratio,
         veto_threshold=cfg.importance_sampling_veto_threshold,
         batch_normalize=cfg.importance_sampling_batch_normalize,
-        rejection=cfg.importance_sampling_rejection,
-        rejection_low=cfg.importance_sampling_rejection_min,
-        rejection_high=cfg.importance_sampling_rejection_max,
+        rules=cfg.rejection_rules,
     )
 
 

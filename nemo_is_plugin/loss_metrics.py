@@ -95,6 +95,31 @@ class MetricBook:
         rejected_seq = self.layout.seq_max(where_mask(corr.rejected.double(), self.valid)) > 0
         self.seq_mean("is_rejected_seq_fraction", rejected_seq.double(), sample_mask)
 
+    def rejection_rules(self, corr: ISCorrection, sample_mask: torch.Tensor) -> None:
+        """Per rejection rule ``is_rejection_<rule>_``: ``mean`` (token mean of the statistic, a sequence's value on
+        each of its tokens), ``min`` / ``max`` (over valid tokens, or valid sequences for sequence rules),
+        ``rejected_fraction`` / ``rejected_seq_fraction`` (valid tokens it rejects / sequences where it rejects one);
+        and the two fractions of all rules together under ``is_rejection_``."""
+        if corr.rules_keep is None:
+            return
+        seq_valid = (self.layout.seq_sum(self.valid.double()) > 0) & (sample_mask != 0)
+        for rule in corr.rules:
+            prefix = f"is_rejection_{rule.name}"
+            self.token_mean(f"{prefix}_mean", rule.token_stat)
+            if rule.seq_stat is None:
+                self.min_max(prefix, rule.token_stat)
+            else:
+                v = rule.seq_stat.detach().double()
+                self.mins[f"{prefix}_min"] = torch.where(seq_valid, v, torch.full_like(v, float("inf"))).min()
+                self.maxs[f"{prefix}_max"] = torch.where(seq_valid, v, torch.full_like(v, float("-inf"))).max()
+            self._rejected(prefix, ~rule.keep, sample_mask)
+        self._rejected("is_rejection", ~corr.rules_keep, sample_mask)
+
+    def _rejected(self, prefix: str, rejected: torch.Tensor, sample_mask: torch.Tensor) -> None:
+        self.token_mean(f"{prefix}_rejected_fraction", rejected.double())
+        rejected_seq = self.layout.seq_max(where_mask(rejected.double(), self.valid)) > 0
+        self.seq_mean(f"{prefix}_rejected_seq_fraction", rejected_seq.double(), sample_mask)
+
     def mismatch(self, prev, gen, token_mask, sample_mask) -> None:
         for name, value in mismatch_metric_sums(
             prev, gen, token_mask, sample_mask, self.layout, self.n_tok, self.n_seq

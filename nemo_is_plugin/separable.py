@@ -47,9 +47,10 @@ CAUSAL_LEVELS = ("cumulative", "cumulative_mean")
 def is_token_separable(config: ClippedPGLossConfig) -> bool:
     """True when ``dL/dc_t`` depends on ``c_t`` alone (see module docstring).
 
-    ``force_on_policy_ratio`` is excluded: it takes the old log-probs, hence the IS weights, from ``c`` itself.
+    ``force_on_policy_ratio`` is excluded: it takes the old log-probs, hence the IS weights, from ``c`` itself; so is
+    ``old_policy_logprobs='generation'`` (bypass), whose IS weights and rejections measure ``c`` against mu.
     """
-    if config.force_on_policy_ratio:
+    if config.force_on_policy_ratio or config.bypasses_prev:
         return False
     return config.disable_ppo_ratio or config.effective_ratio_level == "token"
 
@@ -59,6 +60,8 @@ def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> Opt
     level = config.effective_ratio_level
     if config.force_on_policy_ratio:
         return "force_on_policy_ratio takes the old log-probs (and the IS weights) from the current ones"
+    if config.bypasses_prev:
+        return "old_policy_logprobs='generation' takes the IS weights and rejections from the current log-probs"
     if is_token_separable(config):
         return None
     if level not in CAUSAL_LEVELS:

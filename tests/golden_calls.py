@@ -8,9 +8,9 @@ format:
   ``build_loss_fn(config)(...)``, checked against the golden loss, gradients and metrics;
 - CTPO (``params["loss_mode"]``): the plugin config of tests/test_golden_ctpo.py through ``ClippedPGLoss.compute``,
   checked against the golden pg_loss and gradient;
-- verl rollout correction (``params["rollout_is"]``): every plugin config tests/test_golden_verl.py derives for the
-  case (metrics, TIS, rejection, combined) through ``compute``; the golden values there are weights and masks, which
-  the CPU suite checks, so these calls are compared with the same call on CPU.
+- verl rollout correction (``params["rollout_is"]``): the plugin config tests/test_golden_verl.py maps the case's
+  ``algorithm.rollout_correction`` settings to, through ``compute``; the golden values there are weights and masks,
+  which the CPU suite checks, so these calls are compared with the same call on CPU.
 
 Cases whose expected result is an error are left out (they raise before any tensor exists). A case of an unknown
 format raises :class:`UnknownGoldenFormat`: a new suite must be taught here, not silently skipped.
@@ -126,17 +126,10 @@ def plugin_calls(suite: str, case: dict) -> list[PluginCall]:
         inputs, _ = ctpo_inputs(case)
         return [PluginCall(suite, case["id"], _compute_runner(ctpo_config(case["params"]), inputs),
                            _ctpo_check(case), fmt)]
-    from test_golden_verl import combined_config, is_config, loss_inputs, metric_config, rs_config, unsupported_rs
+    from test_golden_verl import loss_inputs, plugin_keys
 
-    params = case["params"]
-    configs = {"metrics": metric_config(params)}
-    if params["rollout_is"] is not None:
-        configs["tis"] = is_config(params)
-    if params["rollout_rs"] is not None and not unsupported_rs(params):
-        configs["rejection"] = rs_config(params)
-        if params["rollout_is"] is not None:
-            configs["rejection_with_is"] = rs_config(params, with_is=True)
-            configs["tis_plus_rejection"] = combined_config(params)
+    # verl's call through the project's own mapping of algorithm.rollout_correction (weights, rejections, metrics)
+    configs = {"mapping": plugin_keys(case["params"])}
     inputs, _ = loss_inputs(case)
     return [PluginCall(suite, f"{case['id']}/{name}", _compute_runner(cfg, inputs), None, fmt)
             for name, cfg in configs.items()]

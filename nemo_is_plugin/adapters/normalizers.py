@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from nemo_is_plugin.adapters.protocol import LossType, MetricNormalizer, is_extremum
-from nemo_is_plugin.config import SEQUENCE_MASK_TYPES, ClippedPGLossConfig
+from nemo_is_plugin.config import SEQUENCE_MASK_TYPES, ClippedPGLossConfig, ConfigError
 
 # Metric -> the count it is divided by, where it is not the token count (see nemo_is_plugin.loss_metrics).
 _SEQUENCE_METRICS = frozenset({
@@ -25,8 +25,16 @@ _LOSS_METRICS = frozenset({"loss", "kl_penalty"})  # divided like the gradient
 
 
 def loss_type_of(config: ClippedPGLossConfig) -> Any:
-    """TOKEN_LEVEL when the loss is divided by the global token count, SEQUENCE_LEVEL otherwise."""
-    return LossType.TOKEN_LEVEL if config.effective_loss_aggregation == "token-mean" else LossType.SEQUENCE_LEVEL
+    """TOKEN_LEVEL when the loss is divided by the global token count, SEQUENCE_LEVEL when by the sequence count.
+
+    ``token-sum`` is divided by neither, and NeMo-RL's LossType cannot say so: its split API would divide the summed
+    loss by a count afterwards. Refused, loudly, rather than scaled wrongly.
+    """
+    agg = config.effective_loss_aggregation
+    if agg == "token-sum":
+        raise ConfigError("loss_aggregation='token-sum' divides by no count, which NeMo-RL's LossType (TOKEN_LEVEL / "
+                          "SEQUENCE_LEVEL) cannot express: use 'token-mean' with NeMo-RL (token-sum is verl's mode)")
+    return LossType.TOKEN_LEVEL if agg == "token-mean" else LossType.SEQUENCE_LEVEL
 
 
 def metric_normalizer(name: str, config: ClippedPGLossConfig) -> Any:
@@ -34,9 +42,11 @@ def metric_normalizer(name: str, config: ClippedPGLossConfig) -> Any:
     if is_extremum(name) or name in _RAW_METRICS:
         return MetricNormalizer.NONE
     if name in _LOSS_METRICS:
-        token_level = loss_type_of(config) == LossType.TOKEN_LEVEL
-        return MetricNormalizer.TOKENS if token_level else MetricNormalizer.SEQUENCES
-    if name in _SEQUENCE_METRICS:
+        agg = config.effective_loss_aggregation
+        if agg == "token-sum":
+            return MetricNormalizer.NONE  # a plain sum: never rescaled
+        return MetricNormalizer.TOKENS if agg == "token-mean" else MetricNormalizer.SEQUENCES
+    if name in _SEQUENCE_METRICS or name.endswith("_rejected_seq_fraction"):
         return MetricNormalizer.SEQUENCES
     # is_oob_ratio counts sequences for the sequence-masking truncation types
     if name == "is_oob_ratio" and config.truncated_importance_sampling_type in SEQUENCE_MASK_TYPES:

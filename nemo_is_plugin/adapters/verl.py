@@ -9,33 +9,38 @@ verl selects its policy loss with ``actor_rollout_ref.actor.policy_loss.loss_mod
 :class:`VerlPolicyLoss` also produces when the installed verl does). Names translate as: ``log_prob`` -> current
 log-probs, ``old_log_prob`` -> prev (pi_old), ``response_mask`` -> token mask, rollout log-probs -> generation.
 
-Configuration. verl's actor settings give the defaults -- ``clip_ratio_low/high`` -> ``ratio_clip_min/max``,
-``clip_ratio_c`` -> ``ratio_clip_c`` (verl always dual-clips), ``loss_agg_mode`` -> ``loss_aggregation``,
-``loss_scale_factor`` -> ``loss_aggregation_norm``, verl's +-20 log-ratio clamp -> ``token_log_ratio_clamp`` -- so the
-loss with no plugin keys *is* verl's ``vanilla``. The plugin's keys come from the config bound at registration, or,
-for the entry-point registration, from the recipe named by ``$NEMO_IS_LOSS_CONFIG`` (its ``loss_fn`` section, or
-``$NEMO_IS_LOSS_SECTION``); explicitly set plugin keys win over verl's. verl adds its KL loss itself
+Configuration. verl's actor settings give the defaults (:func:`~nemo_is_plugin.adapters.verl_config.actor_keys`), so
+the loss with no plugin keys *is* verl's ``vanilla``. The plugin's keys come from, in increasing precedence: the config
+bound at registration or, for the entry-point registration, the recipe named by ``$NEMO_IS_LOSS_CONFIG`` (its
+``loss_fn`` section, or ``$NEMO_IS_LOSS_SECTION``); then the ``nemo_is`` section of verl's own
+``actor_rollout_ref.actor.policy_loss`` (see :mod:`~nemo_is_plugin.adapters.verl_hydra`). Either may hold a
+``rollout_correction`` entry in verl's vocabulary (keys or a preset name). With no source at all the call raises
+:class:`MissingPluginConfigError` instead of running vanilla PPO. verl adds its KL loss itself
 (``actor.use_kl_loss``), so ``reference_policy_kl_penalty`` must be 0 here.
 
 Rollout weights vs rollout log-probs. verl computes ``rollout_is_weights`` itself (``algorithm.rollout_correction``:
 token or sequence level, truncated, optionally batch-normalised) and passes only those; the plugin computes its
-weights from the rollout log-probs. Two cases, by who owns the correction:
+weights from the rollout log-probs. By who owns the correction:
 
-- plugin IS off (``use_importance_sampling_correction: false``, no rejection type, no veto): verl owns it. verl's
-  weights multiply the per-token loss, exactly as in verl's own losses (none given: weight 1).
+- plugin IS off (``use_importance_sampling_correction: false``, no rejection, no veto): verl owns it. verl's weights
+  multiply the per-token loss, exactly as in verl's own losses (none given: weight 1).
 - plugin IS on (or a rejection / veto configured): the plugin owns it and needs log mu. It uses ``rollout_log_probs``
   when the caller passes them; otherwise it recovers ``log mu = old_log_prob - log w`` from verl's weights, which is
   exact only for *raw token ratios*: ``rollout_is: token``, ``rollout_is_threshold`` above any ratio (e.g. ``1e9``),
   no batch normalisation, no RS (verl's ``+-20`` clamp of log w is never reached in practice). Weights that are 0 on a
   valid token cannot be raw ratios and raise. Without either input the call raises.
+- bypass (``old_policy_logprobs: generation``, verl's ``bypass_mode: true``): verl passes ``old_log_prob`` = log mu
+  and no weights; the plugin's IS weights and rejections measure the current policy against it.
 
-In both cases the weights enter as ``generation_logprobs = old_log_prob - log w`` on valid tokens (masked tokens:
-``old_log_prob``), and the loss runs on pre-aligned tensors through ``ClippedPGLoss.compute``.
+The weights enter as ``generation_logprobs = old_log_prob - log w`` on valid tokens (masked tokens: ``old_log_prob``),
+and the loss runs on pre-aligned tensors through ``ClippedPGLoss.compute``.
 
 Normalisation follows verl's ``agg_loss``: with ``config.global_batch_info`` (``dp_size``, ``batch_num_tokens``,
-``global_batch_size``) the loss is this micro-batch's sum / (global count / dp_size); without it, local counts.
-Metrics are returned per micro-batch (verl averages them): prefixed ``actor/nemo_is/``, renormalised to this
-micro-batch's own counts, plus verl's ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and ``actor/ppo_kl``.
+``global_batch_size``) the loss is this micro-batch's sum / (global count / dp_size) (``token-sum``: the sum times
+dp_size); without it, local counts. Metrics are returned per micro-batch (verl averages them): prefixed
+``actor/nemo_is/``, renormalised to this micro-batch's own counts, plus verl's ``actor/pg_clipfrac``,
+``actor/pg_clipfrac_lower`` and ``actor/ppo_kl``; when the plugin owns the correction, also verl's ``rollout_corr/``
+names for the same quantities (:mod:`~nemo_is_plugin.adapters.verl_metrics`).
 """
 
 from __future__ import annotations
@@ -47,36 +52,47 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from nemo_is_plugin.adapters.normalizers import renormalize
+from nemo_is_plugin.adapters.verl_config import (
+    VERL_AGG_MODES,
+    VERL_LOG_RATIO_CLAMP,
+    _get,
+    actor_keys,
+    plugin_section_keys,
+)
+from nemo_is_plugin.adapters.verl_metrics import rollout_corr_metrics
 from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
 
 VERL_LOSS_NAME = "nemo_is.clipped_pg"
 CONFIG_ENV = "NEMO_IS_LOSS_CONFIG"
 SECTION_ENV = "NEMO_IS_LOSS_SECTION"
+PLUGIN_SECTION = "nemo_is"  # actor_rollout_ref.actor.policy_loss.nemo_is
 METRIC_PREFIX = "actor/nemo_is/"
-VERL_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-VERL_LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp in every ratio loss
 _OWN = "_verl_adapter/"  # prefix of the adapter's own values read with the loss's metrics (then removed)
+__all__ = ["CONFIG_ENV", "METRIC_PREFIX", "MissingPluginConfigError", "PLUGIN_SECTION", "VERL_AGG_MODES",
+           "VERL_LOG_RATIO_CLAMP", "VERL_LOSS_NAME", "VerlPolicyLoss", "generation_logprobs", "register_verl_loss",
+           "verl_config"]
 
 
-def _get(config: Any, key: str, default: Any = None) -> Any:
-    """A field of verl's ActorConfig (dataclass with .get), an OmegaConf node or a dict; ``default`` when absent."""
-    if config is None:
-        return default
-    getter = getattr(config, "get", None)
-    value = getter(key, default) if callable(getter) else getattr(config, key, default)
-    return default if value is None else value
+class MissingPluginConfigError(RuntimeError):
+    """The loss found no plugin config on this worker (running verl's vanilla PPO instead would be silent)."""
+
+
+def _missing_message() -> str:
+    return (f"{VERL_LOSS_NAME}: no plugin config on this worker. Give one of: the section "
+            f"actor_rollout_ref.actor.policy_loss.{PLUGIN_SECTION} of verl's config (with policy_loss._target_="
+            "nemo_is_plugin.adapters.verl_hydra.PolicyLossConfig; '{}' means verl's settings only), the recipe named "
+            f"by ${CONFIG_ENV} exported to the Ray workers (+ray_kwargs.ray_init.runtime_env.env_vars.{CONFIG_ENV}="
+            "/abs/path.yaml), or register_verl_loss(config=...). See docs/verl.md.")
 
 
 def _user_keys(config: Any, section: str) -> dict[str, Any]:
-    if config is None:
-        return {}
+    """Plugin keys from a bound config, a mapping, a master config's section or a recipe file (verl-vocabulary
+    ``rollout_correction`` entries mapped, see :func:`~nemo_is_plugin.adapters.verl_config.plugin_section_keys`)."""
     if isinstance(config, ClippedPGLossConfig):
         return config.model_dump(exclude_unset=True)
     from nemo_is_plugin.recipes import to_loss_mapping
 
-    keys = to_loss_mapping(config, section=section)
-    keys.pop("name", None)
-    return keys
+    return plugin_section_keys(to_loss_mapping(config, section=section))
 
 
 def verl_config(user: Mapping[str, Any], actor: Any, loss_agg_mode: str, horizon: int, weights_only: bool
@@ -86,22 +102,12 @@ def verl_config(user: Mapping[str, Any], actor: Any, loss_agg_mode: str, horizon
     ``weights_only``: verl's weights multiply the loss (plugin IS off), so IS is switched on at token level with no
     truncation, which makes the plugin's weight exactly verl's.
     """
-    if loss_agg_mode not in VERL_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not supported by {VERL_LOSS_NAME}; use one of "
-                         f"{', '.join(VERL_AGG_MODES)}")
-    clip = _get(actor, "clip_ratio", 0.2)
-    base: dict[str, Any] = {
-        "ratio_clip_min": _get(actor, "clip_ratio_low", clip),
-        "ratio_clip_max": _get(actor, "clip_ratio_high", clip),
-        "reference_policy_kl_penalty": 0.0,
-    }
-    if not {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user) and not user.get("use_cispo"):
-        base["ratio_clip_c"] = _get(actor, "clip_ratio_c", 3.0)
-    if "token_log_ratio_clamp" not in user:
-        base["token_log_ratio_clamp"] = VERL_LOG_RATIO_CLAMP
-    if not {"loss_aggregation", "token_level_loss"} & set(user):
-        base["loss_aggregation"] = loss_agg_mode
-        base["token_level_loss"] = loss_agg_mode == "token-mean"
+    base = actor_keys(actor, loss_agg_mode)
+    if {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user) or user.get("use_cispo"):
+        base.pop("ratio_clip_c")
+    if {"loss_aggregation", "token_level_loss"} & set(user):
+        base.pop("loss_aggregation")
+        base.pop("token_level_loss")
     merged = {**base, **user}
     agg = merged.get("loss_aggregation") or ("token-mean" if merged.get("token_level_loss", True) else None)
     if agg == "seq-mean-token-sum-norm" and merged.get("loss_aggregation_norm") is None:
@@ -118,9 +124,9 @@ def verl_config(user: Mapping[str, Any], actor: Any, loss_agg_mode: str, horizon
 
 
 def _owns_correction(cfg: ClippedPGLossConfig) -> bool:
-    """Whether the plugin's config needs log mu (its own IS weights, a rejection or a veto)."""
+    """Whether the plugin's config needs log mu (its own IS weights, a rejection, a veto, or bypass mode)."""
     return (cfg.use_importance_sampling_correction or cfg.truncated_importance_sampling_type in REJECTION_TYPES
-            or cfg.importance_sampling_rejection is not None or cfg.importance_sampling_veto_threshold is not None)
+            or bool(cfg.rejection_rules) or cfg.importance_sampling_veto_threshold is not None or cfg.bypasses_prev)
 
 
 def generation_logprobs(old: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -144,43 +150,75 @@ def _returns_tuple() -> bool:
     return "dict" not in ann and "tuple" in ann
 
 
+def _frozen(keys: Mapping[str, Any]) -> str:
+    return repr(sorted(keys.items()))
+
+
 class VerlPolicyLoss:
     """The plugin's ClippedPGLoss with verl's ``PolicyLossFn`` signature (see the module docstring).
 
     Args:
         config: plugin keys -- a ``loss_fn`` mapping, a whole master config (only ``section`` is read), a recipe path,
             or a ``ClippedPGLossConfig`` (its explicitly set fields). None: read ``$NEMO_IS_LOSS_CONFIG`` at the first
-            call (so a registration at import time reads no file), else verl's settings only.
+            call (so a registration at import time reads no file) and/or the ``policy_loss.nemo_is`` section of each
+            call's actor config; neither present raises :class:`MissingPluginConfigError`.
         section: the section of a master config / recipe to read.
     """
 
     def __init__(self, config: Union[None, str, "os.PathLike[str]", Mapping[str, Any], ClippedPGLossConfig] = None,
                  *, section: str = "loss_fn"):
         self._source, self._section = config, section
-        self._user: Optional[dict[str, Any]] = None
+        self._bound: Optional[dict[str, Any]] = None
+        self._sections: dict[str, dict[str, Any]] = {}
         self._losses: dict[tuple, Any] = {}
         self._tuple: Optional[bool] = None
 
+    def _file_keys(self) -> Optional[dict[str, Any]]:
+        """Keys of the bound config, else of ``$NEMO_IS_LOSS_CONFIG``; None when there is neither."""
+        if self._bound is None:
+            if self._source is not None:
+                self._bound = _user_keys(self._source, self._section)
+            elif os.environ.get(CONFIG_ENV):
+                self._bound = _user_keys(os.environ[CONFIG_ENV], os.environ.get(SECTION_ENV, self._section))
+        return self._bound
+
     @property
     def user_keys(self) -> dict[str, Any]:
-        if self._user is None:
-            source = self._source if self._source is not None else os.environ.get(CONFIG_ENV) or None
-            self._user = _user_keys(source, os.environ.get(SECTION_ENV, self._section) if self._source is None
-                                    else self._section)
-        return self._user
+        """The plugin keys bound at registration or read from ``$NEMO_IS_LOSS_CONFIG`` (the Hydra section comes with
+        each call's actor config: :meth:`keys_for`)."""
+        keys = self._file_keys()
+        if keys is None:
+            raise MissingPluginConfigError(_missing_message())
+        return keys
 
-    def resolve(self, actor: Any, loss_agg_mode: str, horizon: int, weights_only: bool = False):
+    def keys_for(self, actor: Any) -> dict[str, Any]:
+        """The plugin keys of a call: the bound / file keys, overlaid by ``policy_loss.nemo_is`` of verl's config."""
+        section = _get(_get(actor, "policy_loss"), PLUGIN_SECTION)
+        base = self._file_keys()
+        if section is None:
+            if base is None:
+                raise MissingPluginConfigError(_missing_message())
+            return base
+        frozen = repr(section)
+        if frozen not in self._sections:
+            self._sections[frozen] = plugin_section_keys(section)
+        return {**(base or {}), **self._sections[frozen]}
+
+    def resolve(self, actor: Any, loss_agg_mode: str, horizon: int, weights_only: bool = False,
+                keys: Optional[Mapping[str, Any]] = None):
         """The ``ClippedPGLoss`` for these verl settings (cached per distinct setting)."""
         from nemo_is_plugin.loss import ClippedPGLoss
 
+        keys = self.keys_for(actor) if keys is None else keys
         # The response length matters only as seq-mean-token-sum-norm's default divisor; keep it out of the key
         # otherwise, so that variable-length micro-batches share one loss.
         if loss_agg_mode != "seq-mean-token-sum-norm" or _get(actor, "loss_scale_factor") is not None:
             horizon = 0
         key = (loss_agg_mode, horizon, weights_only, _get(actor, "clip_ratio"), _get(actor, "clip_ratio_low"),
-               _get(actor, "clip_ratio_high"), _get(actor, "clip_ratio_c"), _get(actor, "loss_scale_factor"))
+               _get(actor, "clip_ratio_high"), _get(actor, "clip_ratio_c"), _get(actor, "loss_scale_factor"),
+               _frozen(keys))
         if key not in self._losses:
-            self._losses[key] = ClippedPGLoss(verl_config(self.user_keys, actor, loss_agg_mode, horizon, weights_only))
+            self._losses[key] = ClippedPGLoss(verl_config(keys, actor, loss_agg_mode, horizon, weights_only))
         return self._losses[key]
 
     def __call__(
@@ -200,27 +238,14 @@ class VerlPolicyLoss:
 
         mask = response_mask.bool()
         b, t = log_prob.shape
-        user_owned = self.resolve(config, loss_agg_mode, t).config
-        owns = _owns_correction(user_owned)
+        keys = self.keys_for(config)
+        plugin_cfg = self.resolve(config, loss_agg_mode, t, keys=keys).config
+        owns = _owns_correction(plugin_cfg)
         weights_only = not owns and rollout_is_weights is not None
-        loss_fn = self.resolve(config, loss_agg_mode, t, weights_only) if weights_only else self.resolve(
-            config, loss_agg_mode, t)
-        if owns and rollout_log_probs is not None:
-            gen = rollout_log_probs.detach().to(old_log_prob.dtype)
-        elif owns and rollout_is_weights is not None:
-            if bool(((rollout_is_weights <= 0) & mask).any()):
-                raise ValueError("the plugin's IS correction reads verl's rollout_is_weights as raw token ratios, but "
-                                 "some valid tokens have weight 0: set algorithm.rollout_correction.rollout_is=token, "
-                                 "a huge rollout_is_threshold (e.g. 1e9), no rollout_rs, or pass rollout_log_probs")
-            gen = generation_logprobs(old_log_prob, mask, rollout_is_weights)
-        elif owns:
-            raise ValueError(f"{VERL_LOSS_NAME}: the plugin's IS correction / rejection needs the rollout log-probs: "
-                             "enable verl's token-level rollout_is with a huge threshold (raw ratios) or pass "
-                             "rollout_log_probs; or set use_importance_sampling_correction: false to let verl correct")
-        elif weights_only:
-            gen = generation_logprobs(old_log_prob, mask, rollout_is_weights)
-        else:
-            gen = old_log_prob.detach()
+        loss_fn = self.resolve(config, loss_agg_mode, t, weights_only, keys) if weights_only else self.resolve(
+            config, loss_agg_mode, t, keys=keys)
+        gen = self._generation(plugin_cfg, owns, weights_only, old_log_prob, mask, rollout_is_weights,
+                               rollout_log_probs)
 
         m = mask.to(log_prob.dtype)
         # The local counts and verl's ppo_kl stay on the device until the loss's metrics are read (one host sync).
@@ -240,6 +265,9 @@ class VerlPolicyLoss:
         local_toks, local_seqs, ppo_kl = (metrics.pop(k) for k in extra)
         n_tok = local_toks if info_tok is None else info_tok
         n_seq = local_seqs if info_seq is None else info_seq
+        if loss_agg_mode == "token-sum":
+            # verl's token-sum is the local sum times dp_size (DP averages gradients); the plugin's is the local sum
+            loss = loss * int(dict(_get(config, "global_batch_info", {}) or {}).get("dp_size") or 1)
         local = renormalize(metrics, loss_fn.config, tokens=(n_tok, local_toks), seqs=(n_seq, local_seqs))
         if self._tuple is None:
             self._tuple = _returns_tuple()
@@ -250,7 +278,37 @@ class VerlPolicyLoss:
         out = {f"{METRIC_PREFIX}{k}": v for k, v in local.items()}
         out.update({"actor/pg_clipfrac": local.get("clip_fraction", 0.0), "actor/ppo_kl": ppo_kl,
                     "actor/pg_clipfrac_lower": local.get("clip_fraction_dual", 0.0)})
+        if owns:  # the plugin measured the true mismatch: verl's rollout_corr/ names where the quantity is the same
+            out.update(rollout_corr_metrics(local, loss_fn.config, rows=b, seqs_with_tokens=local_seqs,
+                                            seq_count=local_seqs))
         return loss, out
+
+    @staticmethod
+    def _generation(cfg: ClippedPGLossConfig, owns: bool, weights_only: bool, old_log_prob: torch.Tensor,
+                    mask: torch.Tensor, rollout_is_weights: Optional[torch.Tensor],
+                    rollout_log_probs: Optional[torch.Tensor]) -> torch.Tensor:
+        """The rollout log-probs log mu the loss sees (see the module docstring)."""
+        if rollout_log_probs is not None and owns:
+            return rollout_log_probs.detach().to(old_log_prob.dtype)
+        if cfg.bypasses_prev:
+            if rollout_is_weights is not None:
+                raise ValueError("old_policy_logprobs='generation' (bypass) needs verl's bypass mode: set "
+                                 "algorithm.rollout_correction.bypass_mode=true (verl then passes old_log_prob = the "
+                                 "rollout log-probs and no rollout_is_weights)")
+            return old_log_prob.detach()
+        if owns and rollout_is_weights is not None:
+            if bool(((rollout_is_weights <= 0) & mask).any()):
+                raise ValueError("the plugin's IS correction reads verl's rollout_is_weights as raw token ratios, but "
+                                 "some valid tokens have weight 0: set algorithm.rollout_correction.rollout_is=token, "
+                                 "a huge rollout_is_threshold (e.g. 1e9), no rollout_rs, or pass rollout_log_probs")
+            return generation_logprobs(old_log_prob, mask, rollout_is_weights)
+        if owns:
+            raise ValueError(f"{VERL_LOSS_NAME}: the plugin's IS correction / rejection needs the rollout log-probs: "
+                             "enable verl's token-level rollout_is with a huge threshold (raw ratios) or pass "
+                             "rollout_log_probs; or set use_importance_sampling_correction: false to let verl correct")
+        if weights_only:
+            return generation_logprobs(old_log_prob, mask, rollout_is_weights)
+        return old_log_prob.detach()
 
     @staticmethod
     def _global_counts(config: Any, agg: str) -> tuple[Optional[float], Optional[float]]:
@@ -261,7 +319,7 @@ class VerlPolicyLoss:
         toks, seqs = info.get("batch_num_tokens"), info.get("global_batch_size")
         if dp > 1 and toks is None and agg == "token-mean":
             raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
-        if dp > 1 and seqs is None and agg != "token-mean":
+        if dp > 1 and seqs is None and agg not in ("token-mean", "token-sum"):
             raise ValueError("global_batch_size is required when dp_size > 1")
         n_tok = float(toks) / dp if toks is not None else None
         n_seq = float(seqs) / dp if seqs is not None else None

@@ -7,7 +7,8 @@ worker), so with this package's entry point
     nemo_is = "nemo_is_plugin.adapters.verl_plugin"
 
 a verl run selects the loss with one config entry, ``actor_rollout_ref.actor.policy_loss.loss_mode=nemo_is.clipped_pg``.
-The plugin's own keys are read lazily from the recipe named by ``$NEMO_IS_LOSS_CONFIG`` (see adapters/verl.py).
+The plugin's own keys are read lazily, inside each worker, from ``actor_rollout_ref.actor.policy_loss.nemo_is`` and / or
+the recipe named by ``$NEMO_IS_LOSS_CONFIG``; with neither, the first call raises (see adapters/verl.py).
 Older verl: set ``VERL_USE_EXTERNAL_MODULES=nemo_is_plugin.adapters.verl_plugin`` instead.
 """
 

@@ -21,7 +21,11 @@ def _sync_files(syncs) -> list[str]:
     return sorted(r.where.split(":")[0] for r in syncs.records)
 
 
-@pytest.mark.parametrize("name", sorted(LOSS_CONFIGS))
+# NeMo-RL's LossType has no "divided by no count": its adapter refuses token-sum aggregation.
+NEMO_RL_CONFIGS = sorted(k for k, v in LOSS_CONFIGS.items() if v.get("loss_aggregation") != "token-sum")
+
+
+@pytest.mark.parametrize("name", NEMO_RL_CONFIGS)
 def test_nemo_rl_logprob_input_is_device_clean(name):
     logits, data, _ = make_batch(21)
     lp0 = torch.log_softmax(logits, -1)[:, :-1].gather(-1, data["input_ids"][:, 1:, None]).squeeze(-1)

@@ -33,6 +33,9 @@ SPLIT_CONFIGS = {
                           "truncated_importance_sampling_ratio_min": 0.95, "ratio_level": "cumulative",
                           "loss_aggregation": "seq-mean-token-sum-norm", "token_level_loss": False,
                           "loss_aggregation_norm": 8.0},
+    "rejection_rules_bypass": {"old_policy_logprobs": "generation", "importance_sampling_rejection_rules": [
+        {"option": "token_k1", "threshold": "0.5_2.0"}, {"option": "seq_max_k3", "threshold": 0.2},
+        {"option": "seq_mean_k2", "threshold": 0.05}]},
 }
 
 
@@ -198,3 +201,15 @@ def test_build_loss_fn_from_master_config_mapping_and_config(tmp_path):
         build_loss_fn(ClippedPGLossConfig(), ["loss_fn.ratio_clip_min=0.3"])
     with pytest.raises(UnknownLossError, match="Registered losses"):
         build_loss_fn({"loss_fn": {"name": "nemo_is.nope"}})
+
+
+def test_token_sum_is_refused_for_nemo_rl_and_its_loss_is_never_rescaled():
+    """NeMo-RL's LossType cannot say 'divided by no count': the adapter refuses token-sum instead of letting the split
+    API divide a sum; the normaliser of a token-sum loss is NONE."""
+    from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
+
+    with pytest.raises(ConfigError, match="token-sum' divides by no count"):
+        NeMoRLLossFn({"loss_aggregation": "token-sum"})
+    cfg = ClippedPGLossConfig(loss_aggregation="token-sum")
+    assert metric_normalizer("loss", cfg) == MetricNormalizer.NONE
+    assert metric_normalizer("is_rejection_token_k1_rejected_seq_fraction", cfg) == MetricNormalizer.SEQUENCES

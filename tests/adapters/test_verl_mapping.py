@@ -9,6 +9,7 @@ import torch
 from nemo_is_plugin.adapters.verl import (
     CONFIG_ENV,
     VERL_LOG_RATIO_CLAMP,
+    MissingPluginConfigError,
     VerlPolicyLoss,
     generation_logprobs,
     verl_config,
@@ -44,7 +45,7 @@ def test_explicit_plugin_keys_win_and_displace_conflicting_verl_defaults():
 
 
 @pytest.mark.parametrize("user,agg,match", [
-    ({}, "token-sum", "loss_agg_mode='token-sum' is not supported"),
+    ({}, "seq-sum", "loss_agg_mode='seq-sum' is not one of verl's"),
     ({"reference_policy_kl_penalty": 0.01}, "token-mean", "verl adds the KL loss itself"),
     ({"positive_example_nll_weight": 0.1}, "token-mean", "needs per-sample rewards"),
 ])
@@ -121,4 +122,21 @@ def test_config_sources(tmp_path, monkeypatch):
     monkeypatch.setenv(CONFIG_ENV, str(recipe))
     assert VerlPolicyLoss().user_keys == {"ratio_clip_min": 0.05}  # read lazily, in the worker
     monkeypatch.delenv(CONFIG_ENV)
-    assert VerlPolicyLoss().user_keys == {}
+    with pytest.raises(MissingPluginConfigError, match="no plugin config on this worker"):
+        VerlPolicyLoss().user_keys
+
+
+def test_verl_owned_weights_win_over_rollout_log_probs():
+    """With the plugin's IS off, verl's (truncated) weights are what multiplies the loss, even when the caller also
+    passes rollout log-probs (those are only read when the plugin owns the correction)."""
+    g = torch.Generator().manual_seed(4)
+    old = -torch.rand(3, 5, generator=g) - 0.5
+    lp = old + 0.1 * torch.randn(3, 5, generator=g)
+    adv = torch.randn(3, 5, generator=g)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    w = torch.full((3, 5), 0.5)
+    fn = VerlPolicyLoss({})
+    with_weights, _ = fn(old, lp, adv, mask, "token-mean", ACTOR, rollout_is_weights=w)
+    both, _ = fn(old, lp, adv, mask, "token-mean", ACTOR, rollout_is_weights=w, rollout_log_probs=old - 3.0)
+    assert both.item() == with_weights.item()
+    assert both.item() != fn(old, lp, adv, mask, "token-mean", ACTOR)[0].item()

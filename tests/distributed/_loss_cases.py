@@ -62,6 +62,20 @@ LOSS_CONFIGS: dict[str, dict] = {
                           "loss_aggregation": "seq-mean-token-sum-norm", "loss_aggregation_norm": 16.0},
     "reinforce_on_policy_kl_nll": {"disable_ppo_ratio": True, "use_on_policy_kl_approximation": True, **IS_ON,
                                    "positive_example_nll_weight": 0.1},
+    # verl's rejection options, every aggregation (sequence max through the CP layout's max), several at once; bounds
+    # set between the batches' statistics so each one keeps and rejects sequences
+    "verl_rejection_rules_token_sum": {
+        **IS_ON, "is_correction_level": "token", "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.1, "loss_aggregation": "token-sum",
+        "importance_sampling_rejection_rules": [
+            {"option": "token_k1", "threshold": "0.8_1.25"}, {"option": "seq_sum_k2", "threshold": 0.05},
+            {"option": "seq_mean_k3", "threshold": 0.008}, {"option": "seq_max_k3", "threshold": 0.03}],
+    },
+    "verl_bypass_reinforce_seq_max": {
+        "old_policy_logprobs": "generation", "disable_ppo_ratio": True, **IS_ON, "is_correction_level": "sequence",
+        "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0,
+        "importance_sampling_rejection_rules": [{"option": "seq_max_k2", "threshold": 0.1}],
+    },
 }
 
 

@@ -202,6 +202,10 @@ SEPARABLE_CONFIGS = {
     "agg_seq_mean_token_mean": _aggregation("seq-mean-token-mean"),
     "agg_seq_mean_token_sum": _aggregation("seq-mean-token-sum"),
     "agg_seq_mean_token_sum_norm": _aggregation("seq-mean-token-sum-norm", loss_aggregation_norm=8.0),
+    "agg_token_sum": _aggregation("token-sum"),
+    "verl_rejection_rules": _variant(importance_sampling_rejection_rules=[
+        {"option": "token_k1", "threshold": "0.9_1.1"}, {"option": "seq_mean_k3", "threshold": 0.002},
+        {"option": "seq_max_k2", "threshold": 0.006}]),
     "agg_legacy_token_level_loss_false": _variant(token_level_loss=False, loss_aggregation=None),
     "cispo": _variant(use_cispo=True),
     "disable_ppo_ratio": _variant(disable_ppo_ratio=True),
@@ -238,9 +242,12 @@ def test_config_sweep_exercises_its_features():
     m = {name: run(p, naive_logprobs, SEPARABLE_CONFIGS[name])[1] for name in (
         "icepop", "seq_mask_tis", "seq_mis", "geo_rs", "veto", "dual_clip", "log_space_clip_position_power",
         "kl_k3", "positive_example_nll", "token_log_ratio_clamp_and_max", "tis_plus_geo_rs_rejection",
+        "verl_rejection_rules",
     )}
-    for name in ("icepop", "seq_mis", "geo_rs", "veto", "tis_plus_geo_rs_rejection"):
+    for name in ("icepop", "seq_mis", "geo_rs", "veto", "tis_plus_geo_rs_rejection", "verl_rejection_rules"):
         assert 0 < m[name]["is_rejected_fraction"] < 1, name
+    for rule in ("token_k1", "sequence_mean_k3", "sequence_max_k2"):
+        assert 0 < m["verl_rejection_rules"][f"is_rejection_{rule}_rejected_fraction"] < 1, rule
     assert 0 < m["seq_mask_tis"]["is_oob_ratio"] < 1
     assert m["dual_clip"]["clip_fraction_dual"] > 0
     assert m["log_space_clip_position_power"]["clip_fraction"] > 0

@@ -116,6 +116,12 @@ def test_loss_configs_cover_every_level_truncation_and_aggregation():
     )
     assert {c.truncated_importance_sampling_type for c in cfgs} - {None} == set(get_args(TruncationType))
     assert {c.effective_loss_aggregation for c in cfgs} == set(get_args(LossAggregation))
+    from nemo_is_plugin.config import OldPolicyLogprobs, RejectionAggregation, RejectionStatistic
+
+    rules = [r for c in cfgs for r in c.rejection_rules]
+    assert {r.aggregation for r in rules} == set(get_args(RejectionAggregation))
+    assert {r.statistic for r in rules} == set(get_args(RejectionStatistic))
+    assert {c.old_policy_logprobs for c in cfgs} == set(get_args(OldPolicyLogprobs))
 
 
 def test_fp32_tolerance_sits_above_the_single_process_noise_floor():
