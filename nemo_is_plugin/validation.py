@@ -106,10 +106,12 @@ def validate_loss_inputs(
             f"next_token_logprobs has shape {_shape(x)}: an empty batch; the loss needs B >= 1 sequences and S-1 >= 1 "
             "tokens (skip the loss call for an empty micro-batch)"
         )
-    mask = data.get("token_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and tuple(mask.shape) == (batch, s_minus_1):
+    # every [B, S] data tensor as wide as the log-probs: the log-probs, not the data, are one column too wide
+    token_shapes = {tuple(data[k].shape) for k in ("token_mask", "advantages", *_LOGPROB_KEYS)
+                    if isinstance(data.get(k), torch.Tensor)}
+    if token_shapes == {(batch, s_minus_1)}:
         raise ValueError(
-            f"next_token_logprobs has shape {_shape(x)}, the shape of data['token_mask'] ([B, S]); the log-probs must "
+            f"next_token_logprobs has shape {_shape(x)}, the shape of the [B, S] data tensors; the log-probs must "
             f"be [B, S-1] = [{batch}, {s_minus_1 - 1}]: one per predicted token 1..S-1, from the logits at positions "
             "0..S-2 (drop the last position's logits, or the first token's log-prob)"
         )
