@@ -58,11 +58,13 @@ def register(app: typer.Typer) -> None:
             None, help="Rollout numerics for the cpu backend: fp32 | bf16 | fp8 | int4 (default fp8)."
         ),
         seed: int = typer.Option(0, help="Seed of model init, data and sampling."),
-        quick: bool = typer.Option(False, help="Short run for tests: 6 GRPO steps, one long batch per setting."),
+        quick: bool = typer.Option(False, "--quick",
+                                   help="Short run for tests: 6 GRPO steps, one long batch per setting."),
         run_config: Optional[Path] = typer.Option(
             None, exists=True, dir_okay=False, help="YAML with DemoConfig overrides (model, warm_start, grpo, ...)."
         ),
-        plot_only: bool = typer.Option(False, help="Only redraw comparison.png from an existing output dir."),
+        plot_only: bool = typer.Option(False, "--plot-only",
+                                       help="Only redraw comparison.png from an existing output dir."),
     ) -> None:
         """End-to-end GRPO with IS-corrected losses side by side; writes metrics, rollouts and a comparison plot."""
         from rich.console import Console
