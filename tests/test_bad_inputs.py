@@ -116,6 +116,16 @@ def test_diagnose_output_path_that_is_a_directory_writes_nothing(tmp_path):
     assert not (tmp_path / "d" / "diagnose").exists()
 
 
+def test_diagnose_plot_directory_that_is_a_file_writes_nothing(tmp_path):
+    from nemo_is_plugin.diagnose import synthetic_records, write_dump
+
+    dump = write_dump(synthetic_records(8, min_len=4, max_len=20, seed=0), tmp_path / "rollouts.jsonl")
+    (tmp_path / "plots").write_text("not a directory")
+    refused(cli("diagnose", dump, "--out", tmp_path / "plots", "--json", tmp_path / "r.json"),
+            "is a file; give a directory for the plots")
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_unknown_names_in_the_other_commands():
     refused(cli("evidence", "--only", "nope"), "unknown experiment(s) ['nope']")
     refused(cli("bench", "--quick", "--path", "nope"), "unknown path(s) ['nope']")

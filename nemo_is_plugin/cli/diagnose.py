@@ -72,6 +72,8 @@ def register(app: typer.Typer) -> None:
             for target in (json_out, write_config):  # refuse a bad output path before anything is written
                 if target is not None and target.is_dir():
                     raise ValueError(f"{target} is a directory; give a file path")
+            if out is not None and out.exists() and not out.is_dir() and not no_plots:
+                raise ValueError(f"--out {out} is a file; give a directory for the plots")
             bounds = {
                 "tis": (None, tis_high),
                 "icepop": _floats(icepop, "--icepop", 2),
