@@ -117,8 +117,8 @@ def apply_override(cfg: DictConfig, item: str, section: str = DEFAULT_SECTION) -
 
     Values are parsed and merged by OmegaConf itself (``merge_with_dotlist``, as its CLI does). An override is an
     explicit instruction, so one that matches nothing is an error naming the nearest valid key: ``key=value`` needs
-    an existing key or a loss key of ``section``; inside ``section`` (or at the top of a bare loss-section file) only
-    the loss keys and ``name`` exist, whatever the prefix.
+    an existing key or a loss key of ``section``; inside ``section`` (or at the top of a bare loss-section file) a key
+    the file does not hold must be a loss key or ``name``, whatever the prefix.
     """
     text = item.strip()
     mode = "~" if text.startswith("~") else "++" if text.startswith("++") else "+" if text.startswith("+") else ""
@@ -132,7 +132,8 @@ def apply_override(cfg: DictConfig, item: str, section: str = DEFAULT_SECTION) -
     key = _relative_to_bare_section(cfg, key, section)
     exists = OmegaConf.select(cfg, key, default=_MISSING, throw_on_resolution_failure=False) is not _MISSING
     loss_leaf = _loss_leaf(cfg, key, section)
-    if loss_leaf is not None and loss_leaf not in LOSS_KEYS and not (mode == "~" and exists):
+    # a key the file already holds may be changed or deleted (a host's extra key); a new one must be a loss key
+    if loss_leaf is not None and loss_leaf not in LOSS_KEYS and not exists:
         raise RecipeError(f"override {item!r}: {loss_leaf!r} is not a {section} key{_hint(cfg, key, section)}")
     if mode == "~":
         parent_key, _, leaf = key.rpartition(".")

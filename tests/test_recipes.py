@@ -109,6 +109,14 @@ def test_every_prefix_is_refused_for_a_non_loss_key_inside_the_section(master, o
         load_yaml(master, [override])
 
 
+def test_a_key_the_section_already_holds_may_be_overridden_even_if_no_loss_key(tmp_path):
+    """NeMo-RL sections may carry extra keys of the host; changing one is an instruction that matches something."""
+    path = _write(tmp_path, "extra.yaml", "loss_fn:\n  host_extra: 1\n")
+    cfg = load_yaml(path, ["loss_fn.host_extra=2"])
+    assert cfg.loss_fn.host_extra == 2
+    assert "host_extra" not in load_yaml(path, ["~loss_fn.host_extra"]).loss_fn
+
+
 def test_bare_section_files_take_loss_keys_with_or_without_the_prefix(tmp_path):
     bare = _write(tmp_path, "bare.yaml", "ratio_clip_min: 0.15\n")
     assert load_loss_config(bare, ["ratio_clip_max=0.3"]).ratio_clip_max == 0.3
