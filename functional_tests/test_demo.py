@@ -148,6 +148,20 @@ def test_stable_settings_raise_reward_above_warm_start(quick_run):
         assert summary["final_reward"][name] > warm, (name, warm, summary["final_reward"])
 
 
+def test_summary_headline_is_what_the_final_table_and_the_docs_show(quick_run, rows):
+    from nemo_is_plugin.demo.summary import demo_tables, readme_sentence
+
+    summary = json.loads((quick_run / "summary.json").read_text())
+    h = summary["headline"]
+    for name in SETTINGS:
+        own = [r["is_raw_weight_mean"] for r in rows if r["config"] == name and r["phase"] == "long"]
+        assert h["settings"][name]["long_is_weight_mean"] == pytest.approx(sum(own) / len(own))
+        assert h["settings"][name]["final_reward"] == summary["final_reward"][name]
+    assert h["long_response_length"] == 1024 and h["long_responses"] == 16  # --quick: one shared long batch
+    assert h["levels"]["sequence_mean"]["ess"] > 0.99
+    assert "on 1024-token responses" in readme_sentence(summary) and "| final reward |" in demo_tables(summary)
+
+
 def test_long_responses_collapse_exp_sum_weights_but_not_sequence_mean(rows):
     long_rows = {r["config"]: r for r in rows if r["phase"] == "long"}
     assert all(r["response_length"] == 1024 for r in long_rows.values())

@@ -32,6 +32,8 @@ from typing import Any, Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nemo_is_plugin.config_ranges import NUMERIC_RANGES, range_errors  # noqa: F401 - NUMERIC_RANGES re-exported
+
 RatioLevel = Literal["token", "sequence", "sequence_token", "cumulative", "cumulative_mean"]
 ISCorrectionLevel = Literal["token", "sequence", "sequence_mean", "cumulative"]
 TruncationType = Literal["tis", "icepop", "seq-mask-tis", "seq-mis", "geo-rs"]
@@ -217,19 +219,19 @@ class ClippedPGLossConfig(BaseModel):
         None, description="IS-weight level; None derives it from sequence_level_importance_ratios like NeMo-RL."
     )
     log_ratio_clip_low: Optional[float] = Field(
-        None, gt=0, description="eps_low of the log-space clip: log r >= -eps_low * t^clip_position_power."
+        None, description="eps_low of the log-space clip: log r >= -eps_low * t^clip_position_power."
     )
     log_ratio_clip_high: Optional[float] = Field(
-        None, gt=0, description="eps_high of the log-space clip: log r <= eps_high * t^clip_position_power."
+        None, description="eps_high of the log-space clip: log r <= eps_high * t^clip_position_power."
     )
     log_ratio_clip_c: Optional[float] = Field(
-        None, gt=0, description="Log-space dual clip: for A < 0 the loss is capped at -A * exp(eps_c * t^power)."
+        None, description="Log-space dual clip: for A < 0 the loss is capped at -A * exp(eps_c * t^power)."
     )
     clip_position_power: float = Field(
         0.0, description="p in the position-adaptive bounds eps * t^p (CTPO uses 0.5); 0 gives fixed bounds."
     )
     token_log_ratio_clamp: Optional[float] = Field(
-        None, gt=0, description="Clamp each token log-ratio c_t - p_t to +-value before building the ratio (CTPO: 20)."
+        None, description="Clamp each token log-ratio c_t - p_t to +-value before building the ratio (CTPO: 20)."
     )
     max_log_ratio: Optional[float] = Field(
         None, description="Upper cap on the log of the policy ratio after building it (CTPO: 10)."
@@ -240,13 +242,13 @@ class ClippedPGLossConfig(BaseModel):
         "Seq-MIS / Geo-RS + TIS presets).",
     )
     importance_sampling_rejection_min: Optional[float] = Field(
-        None, gt=0, description="Lower bound of the rejection band (ratio space)."
+        None, description="Lower bound of the rejection band (ratio space)."
     )
     importance_sampling_rejection_max: Optional[float] = Field(
-        None, gt=0, description="Upper bound of the rejection band (ratio space)."
+        None, description="Upper bound of the rejection band (ratio space)."
     )
     importance_sampling_veto_threshold: Optional[float] = Field(
-        None, gt=0, lt=1, description="Reject a sequence if any token weight exp(p_t - g_t) is below this (veto)."
+        None, description="Reject a sequence if any token weight exp(p_t - g_t) is below this (veto)."
     )
     importance_sampling_batch_normalize: bool = Field(
         False, description="Divide IS weights by their masked mean over the batch (after truncation)."
@@ -258,7 +260,7 @@ class ClippedPGLossConfig(BaseModel):
         None, description="Loss aggregation; None derives it from token_level_loss like NeMo-RL."
     )
     loss_aggregation_norm: Optional[float] = Field(
-        None, gt=0, description="Constant divisor per sequence for seq-mean-token-sum-norm (e.g. max response length)."
+        None, description="Constant divisor per sequence for seq-mean-token-sum-norm (e.g. max response length)."
     )
 
     # ---- rejection rules and the old policy (verl's rollout_rs / bypass_mode in the plugin's vocabulary) ----
@@ -295,7 +297,8 @@ class ClippedPGLossConfig(BaseModel):
         # that a model_dump() reloads unchanged.
         if self.loss_aggregation is not None and "token_level_loss" not in self.model_fields_set:
             self.__dict__["token_level_loss"] = self.loss_aggregation in TOKEN_AGGREGATIONS
-        errors = [msg for msg in _contradictions(self) if msg]
+        # Out-of-range values first and alone: the combination checks below compare values that must be in range.
+        errors = range_errors(self) or [msg for msg in _contradictions(self) if msg]
         if errors:
             raise ConfigError("; ".join(errors))
         return self
@@ -353,8 +356,6 @@ def _contradictions(cfg: ClippedPGLossConfig) -> list[str]:
 
     if cfg.reference_policy_kl_type not in ("k1", "k2", "k3"):
         out.append(f"reference_policy_kl_type={cfg.reference_policy_kl_type!r} is not one of 'k1', 'k2', 'k3'")
-    if cfg.ratio_clip_c is not None and cfg.ratio_clip_c <= 1:
-        out.append(f"ratio_clip_c={cfg.ratio_clip_c} must be > 1 for dual clipping (or null to disable it)")
     if gspo and cfg.token_level_loss:
         out.append(
             "sequence_level_importance_ratios=true (GSPO) requires token_level_loss=false; set token_level_loss: false"

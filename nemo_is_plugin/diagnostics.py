@@ -12,6 +12,11 @@ x_t = p_t - g_t = log(pi_prev / mu) per token, S_i = sum_t m_t x_t per sequence.
 - log_ppl_diff = rollout_log_ppl - ... sign as verl's code: E_seq[mean_t g - mean_t p] = training - rollout log-ppl
 - is_token_weight_sq_mean = E_tok[e^{2x}]         -> chi2_token = that - 1 (verl ``chi2_token``)
 - is_seq_weight_sq_mean = E_seq[e^{2 S}]          -> chi2_seq = that - 1 (verl ``chi2_seq``)
+
+The chi-square values are the raw estimates E[w^2] - 1, as verl reports them: unbiased over many steps (clipping each
+step at 0 would bias their average upwards), and negative when a sample has not seen the weights' rare large values
+(E[w^2] < 1 forces the sample mean of w below its expectation 1). ``nemo-is diagnose`` marks and explains a negative
+value instead of hiding it.
 """
 
 from __future__ import annotations

@@ -87,7 +87,9 @@ class ClippedPGLoss:
     """
 
     def __init__(self, config: ClippedPGLossConfig | Mapping[str, Any]):
-        self.config = load_loss_config(dict(config) if isinstance(config, Mapping) else config)
+        if isinstance(config, Mapping):
+            config = own_section(config, type(self))
+        self.config = load_loss_config(config)
 
     # ------------------------------------------------------------------ NeMo-RL entry point
     def __call__(
@@ -292,6 +294,26 @@ def _as_scalar(x: torch.Tensor | float, dtype: torch.dtype, device: torch.device
     return torch.as_tensor(x, dtype=dtype, device=device)
 
 
+def own_section(section: Mapping[str, Any], cls: type) -> dict[str, Any]:
+    """A ``loss_fn`` mapping without its ``name``, which must name ``cls`` in the loss registry.
+
+    The NeMo-RL adapter, ``nemo-is validate`` and this loss accept the same sections: a ``name`` that is not
+    registered is refused by all three, and one registered to another loss is refused here (build that loss through
+    :func:`nemo_is_plugin.registry.build_loss`).
+    """
+    from nemo_is_plugin.config import ConfigError
+    from nemo_is_plugin.registry import NAME_KEY, get_loss, split_name
+
+    if NAME_KEY not in section:
+        return dict(section)
+    name, rest = split_name(section)
+    factory = get_loss(name)  # UnknownLossError (a ConfigError) lists the registered names
+    if factory is not cls:
+        raise ConfigError(f"loss_fn.name={name!r} is registered to {factory!r}, not {cls.__name__}; build it with "
+                          "nemo_is_plugin.registry.build_loss(section), or remove the name")
+    return rest
+
+
 def build_loss_fn(config: ClippedPGLossConfig | Mapping[str, Any]) -> ClippedPGLoss:
-    """Return the loss for a NeMo-RL ``loss_fn`` section (a mapping) or a validated config."""
+    """Return the loss for a NeMo-RL ``loss_fn`` section (a mapping, ``name`` allowed) or a validated config."""
     return ClippedPGLoss(config)

@@ -19,6 +19,8 @@ from importlib import import_module
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Callable, Mapping, Optional, TypeVar, Union
 
+from nemo_is_plugin.config import ConfigError
+
 ENTRY_POINT_GROUP = "nemo_is_plugin.losses"
 DEFAULT_LOSS_NAME = "nemo_is.clipped_pg"
 NAME_KEY = "name"  # the key of a loss_fn section that names the loss; stripped before the config is validated
@@ -30,8 +32,11 @@ _F = TypeVar("_F", bound=LossFactory)
 _LOCAL: dict[str, Target] = {}
 
 
-class UnknownLossError(LookupError):
-    """A loss name that neither an in-process registration nor an installed entry point provides."""
+class UnknownLossError(ConfigError, LookupError):
+    """A loss name that neither an in-process registration nor an installed entry point provides.
+
+    A config error like any other (``loss_fn.name`` is a config key), and a ``LookupError`` (a failed name lookup).
+    """
 
     def __init__(self, name: str, known: list[str]):
         self.name, self.known = name, known
@@ -103,6 +108,13 @@ def get_loss(name: str) -> LossFactory:
                 f"loss {name!r}: entry point {eps[name].value!r} in group {ENTRY_POINT_GROUP!r} failed to load: {exc}"
             ) from exc
     raise UnknownLossError(name, registered_names())
+
+
+def check_loss_name(name: str) -> None:
+    """Raise :class:`UnknownLossError` unless ``name`` is registered (nothing is imported)."""
+    known = registered_names()
+    if name not in known:
+        raise UnknownLossError(name, known)
 
 
 def split_name(section: Optional[Mapping[str, Any]], default: str = DEFAULT_LOSS_NAME) -> tuple[str, dict[str, Any]]:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+PROMPT_LEN = 4
+# responses hold seq_len // 4 to seq_len - PROMPT_LEN - 1 tokens: at least one, and a non-empty range of lengths
+MIN_SEQ_LEN = 6
+
 
 def synthetic_batch(
     batch_size: int = 8,
@@ -20,15 +24,22 @@ def synthetic_batch(
     gen = prev + N(mismatch_mean, mismatch_std) per token (the rollout engine's error); curr = prev + N(0, drift).
     Responses have random lengths and a 4-token prompt, masked out like NeMo-RL's token_mask.
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: the synthetic batch needs at least 1 sequence")
+    if seq_len < MIN_SEQ_LEN:
+        raise ValueError(f"seq_len={seq_len} is too short: the synthetic batch has a {PROMPT_LEN}-token prompt and "
+                         f"responses of seq_len // 4 to seq_len - {PROMPT_LEN + 1} tokens; use seq_len >= {MIN_SEQ_LEN}")
+    if not mismatch_std >= 0:
+        raise ValueError(f"mismatch_std={mismatch_std} must be >= 0 (the std of the per-token log-prob mismatch)")
     g = torch.Generator().manual_seed(seed)
     shape = (batch_size, seq_len)
     prev = -torch.rand(shape, generator=g, dtype=torch.float64) * 2.0 - 0.01
     gen = prev - (mismatch_mean + mismatch_std * torch.randn(shape, generator=g, dtype=torch.float64))
     ref = prev + 0.05 * torch.randn(shape, generator=g, dtype=torch.float64)
     curr = prev + policy_drift * torch.randn(shape, generator=g, dtype=torch.float64)
-    lengths = torch.randint(seq_len // 4, seq_len - 4, (batch_size,), generator=g)
+    lengths = torch.randint(seq_len // 4, seq_len - PROMPT_LEN, (batch_size,), generator=g)
     pos = torch.arange(seq_len).unsqueeze(0)
-    token_mask = ((pos >= 4) & (pos < 4 + lengths.unsqueeze(1))).to(dtype)
+    token_mask = ((pos >= PROMPT_LEN) & (pos < PROMPT_LEN + lengths.unsqueeze(1))).to(dtype)
     rewards = (torch.rand(batch_size, generator=g) > 0.5).to(dtype)
     adv = (rewards - rewards.mean()).unsqueeze(1).expand(shape).contiguous()
     clamp = lambda t: t.clamp(max=-1e-3).to(dtype)  # noqa: E731 - log-probs stay negative

@@ -101,6 +101,20 @@ def validate_loss_inputs(
         raise TypeError(f"data must be a mapping of tensors (dict / BatchedDataDict), got {type(data).__name__}")
 
     batch, s_minus_1 = x.shape
+    if batch == 0 or s_minus_1 == 0:
+        raise ValueError(
+            f"next_token_logprobs has shape {_shape(x)}: an empty batch; the loss needs B >= 1 sequences and S-1 >= 1 "
+            "tokens (skip the loss call for an empty micro-batch)"
+        )
+    # every [B, S] data tensor as wide as the log-probs: the log-probs, not the data, are one column too wide
+    token_shapes = {tuple(data[k].shape) for k in ("token_mask", "advantages", *_LOGPROB_KEYS)
+                    if isinstance(data.get(k), torch.Tensor)}
+    if token_shapes == {(batch, s_minus_1)}:
+        raise ValueError(
+            f"next_token_logprobs has shape {_shape(x)}, the shape of the [B, S] data tensors; the log-probs must "
+            f"be [B, S-1] = [{batch}, {s_minus_1 - 1}]: one per predicted token 1..S-1, from the logits at positions "
+            "0..S-2 (drop the last position's logits, or the first token's log-prob)"
+        )
     needed = {"token_mask", "sample_mask", "advantages"}
     flags = {"needs_prev": needs_prev, "needs_generation": needs_generation, "needs_reference": needs_reference}
     needed.update(k for k, flag in _LOGPROB_KEYS.items() if flags[flag])

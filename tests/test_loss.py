@@ -99,7 +99,7 @@ def test_ctpo_cumulative_loss_hand_computed():
     curr = (prev[:, 1:] + d).clone().requires_grad_(True)
     data = {"token_mask": torch.tensor([[0.0, 1, 1, 1]], dtype=F64), "sample_mask": torch.ones(1, dtype=F64),
             "advantages": torch.ones(1, 4, dtype=F64), "prev_logprobs": prev, "generation_logprobs": prev}
-    cfg = {"reference_policy_kl_penalty": 0.0, "ratio_level": "cumulative", "ratio_clip_min": 10.0,
+    cfg = {"reference_policy_kl_penalty": 0.0, "ratio_level": "cumulative", "ratio_clip_min": 1.0,
            "ratio_clip_max": 10.0}
     loss, metrics = _call(cfg, curr, data)
     s = torch.cumsum(d, 0)

@@ -84,17 +84,72 @@ def test_override_syntax_add_force_delete(master):
 
 
 def test_unknown_override_key_is_refused_with_a_hint(master):
-    with pytest.raises(RecipeError, match=r"'loss_fn.ratio_clip_mn' is not in the config \(did you mean "
-                                          r"'loss_fn.ratio_clip_min'\?\); use \+loss_fn.ratio_clip_mn"):
+    with pytest.raises(RecipeError, match=r"'ratio_clip_mn' is not a loss_fn key \(did you mean "
+                                          r"'loss_fn.ratio_clip_min'\?\)"):
         load_yaml(master, ["loss_fn.ratio_clip_mn=0.3"])
+    with pytest.raises(RecipeError, match=r"'grpo.max_lne=3' matches no key of the config \(did you mean "
+                                          r"'grpo.max_len'\?\); use \+grpo.max_lne=\.\.\. to add"):
+        load_yaml(master, ["grpo.max_lne=3"])
     # a loss field absent from the file is still a known key
     assert load_loss_config(master, ["loss_fn.clip_position_power=0.0"]).clip_position_power == 0.0
+
+
+@pytest.mark.parametrize("override", ["ratio_clip_max=0.3", "policy.ratio_clip_max=0.3", "grpo.ratio_clip_max=0.3"])
+def test_a_loss_key_outside_the_loss_section_is_refused_naming_the_right_key(master, override):
+    """The reported case: without the ``loss_fn.`` prefix the override used to be silently ignored."""
+    with pytest.raises(RecipeError, match=r"matches no key of the config \(did you mean 'loss_fn.ratio_clip_max'\?\)$"):
+        load_loss_config(master, [override])
+    with pytest.raises(RecipeError, match="did you mean 'loss_fn.ratio_clip_max'"):
+        load_loss_config(ROOT / "configs" / "geo_rs_tis.yaml", ["ratio_clip_max=0.3"])
+
+
+@pytest.mark.parametrize("override", ["+loss_fn.foo=1", "++loss_fn.foo=1", "loss_fn.foo.bar=1", "~loss_fn.foo"])
+def test_every_prefix_is_refused_for_a_non_loss_key_inside_the_section(master, override):
+    with pytest.raises(RecipeError, match=r"'foo(\.bar)?' is not a loss_fn key"):
+        load_yaml(master, [override])
+
+
+def test_a_key_the_section_already_holds_may_be_overridden_even_if_no_loss_key(tmp_path):
+    """NeMo-RL sections may carry extra keys of the host; changing one is an instruction that matches something."""
+    path = _write(tmp_path, "extra.yaml", "loss_fn:\n  host_extra: 1\n")
+    cfg = load_yaml(path, ["loss_fn.host_extra=2"])
+    assert cfg.loss_fn.host_extra == 2
+    assert "host_extra" not in load_yaml(path, ["~loss_fn.host_extra"]).loss_fn
+
+
+def test_bare_section_files_take_loss_keys_with_or_without_the_prefix(tmp_path):
+    bare = _write(tmp_path, "bare.yaml", "ratio_clip_min: 0.15\n")
+    assert load_loss_config(bare, ["ratio_clip_max=0.3"]).ratio_clip_max == 0.3
+    cfg = load_loss_config(bare, ["loss_fn.ratio_clip_max=0.4"])
+    assert (cfg.ratio_clip_min, cfg.ratio_clip_max) == (0.15, 0.4)  # the file's own keys are kept
+    with pytest.raises(RecipeError, match="'ratio_clip_mx' is not a loss_fn key"):
+        load_loss_config(bare, ["ratio_clip_mx=0.3"])
+    empty = _write(tmp_path, "empty.yaml", "")
+    assert load_loss_config(empty, ["loss_fn.ratio_clip_max=0.5"]).ratio_clip_max == 0.5
+    empty_section = _write(tmp_path, "empty_section.yaml", "loss_fn:\n")
+    assert load_loss_config(empty_section, ["loss_fn.ratio_clip_max=0.6"]).ratio_clip_max == 0.6
+
+
+def test_override_values_go_through_omegaconf(master):
+    cfg = load_yaml(master, ["grpo.max_len=[1, 2]", "++grpo.d={a: 1}", "grpo.max_len=${grpo.d.a}"])
+    assert cfg.grpo.max_len == 1 and cfg.grpo.d.a == 1  # the interpolation resolves
+    with pytest.raises(RecipeError, match="not a dotted key"):
+        load_yaml(master, ["grpo..x=1"])
+    with pytest.raises(RecipeError, match="not a dotted key"):
+        load_yaml(master, ["=1"])
+
+
+def test_name_is_checked_against_the_registry(master):
+    with pytest.raises(RecipeError, match=r"unknown loss 'nemo_is\.clipped'\. Did you mean 'nemo_is\.clipped_pg'\?"):
+        load_loss_spec(master, ["loss_fn.name=nemo_is.clipped"])
+    with pytest.raises(RecipeError, match="must be a string"):
+        load_loss_spec(master, ["loss_fn.name=3"])
 
 
 def test_invalid_values_name_the_file_section_and_key(master):
     with pytest.raises(RecipeError, match=r"(?s)master.yaml: invalid 'loss_fn' section.*is_correction_level"):
         load_loss_config(master, ["loss_fn.is_correction_level=bogus"])
-    with pytest.raises(RecipeError, match=r"unknown loss_fn key\(s\): 'foo'"):
+    with pytest.raises(RecipeError, match=r"'foo' is not a loss_fn key"):
         load_loss_config(master, ["+loss_fn.foo=1"])
 
 
@@ -145,6 +200,12 @@ def test_other_section_paths_and_sources(master):
 def test_file_errors(tmp_path):
     with pytest.raises(RecipeError, match="recipe file not found"):
         load_yaml(tmp_path / "nope.yaml")
+    with pytest.raises(RecipeError, match="is a directory; a recipe is a YAML file"):
+        load_yaml(tmp_path)
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(RecipeError, match=r"model.bin: not a text file \(byte \d+ is not UTF-8\)"):
+        load_yaml(binary)
     with pytest.raises(RecipeError, match="must be a YAML mapping"):
         load_yaml(_write(tmp_path, "list.yaml", "- 1\n- 2\n"))
     with pytest.raises(RecipeError, match="a recipe is a YAML path or a mapping"):

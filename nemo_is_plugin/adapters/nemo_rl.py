@@ -175,3 +175,23 @@ def build_loss_fn(
     from nemo_is_plugin.recipes import to_loss_mapping
 
     return NeMoRLLossFn(to_loss_mapping(config, overrides, section), input_type=input_type, groups=groups)
+
+
+def dump_rollouts(train_data: Mapping[str, Any], step: int, path: Optional[Union[str, "os.PathLike[str]"]] = None, *,
+                  rewards: Optional[torch.Tensor] = None) -> int:
+    """Append one GRPO step's rollouts to a dump ``nemo-is diagnose`` reads; a no-op unless ``path`` or
+    ``$NEMO_IS_DUMP_ROLLOUTS`` names a file (``$NEMO_IS_DUMP_EVERY=k``: every k-th step). Returns the responses written.
+
+    The hook, in ``nemo_rl/algorithms/grpo.py`` (``grpo_train``), on the driver, right after
+    ``train_data["prev_logprobs"] = fprop_logprobs``::
+
+        from nemo_is_plugin.adapters.nemo_rl import dump_rollouts
+        dump_rollouts(train_data, step, rewards=repeated_batch["total_reward"])
+
+    ``train_data`` holds NeMo-RL's ``[B, S]`` ``prev_logprobs``, ``generation_logprobs``, ``token_mask``,
+    ``advantages`` and ``[B]`` ``sample_mask``, as the loss reads them.
+    """
+    from nemo_is_plugin.diagnose.hook import dump_batch
+
+    return dump_batch(train_data, step, path, rewards=rewards, prev="prev_logprobs", gen="generation_logprobs",
+                      mask="token_mask", advantages="advantages", sample_mask="sample_mask")

@@ -339,3 +339,16 @@ def register_verl_loss(name: str = VERL_LOSS_NAME, config: Any = None, *, sectio
     fn = VerlPolicyLoss(config, section=section)
     register_policy_loss(name)(fn)
     return fn
+
+
+def dump_rollouts(batch: Any, step: int, path: Optional[Union[str, "os.PathLike[str]"]] = None) -> int:
+    """Append one PPO step's rollouts to a dump ``nemo-is diagnose`` reads; a no-op unless ``path`` or
+    ``$NEMO_IS_DUMP_ROLLOUTS`` names a file. ``batch`` is verl's ``DataProto`` once advantages are computed; add
+    ``dump_rollouts(batch, self.global_steps)`` after ``compute_advantage`` in ``RayPPOTrainer.fit`` (driver), with
+    ``actor_rollout_ref.rollout.calculate_log_probs=True`` so that the batch holds ``rollout_log_probs``."""
+    from nemo_is_plugin.diagnose.hook import dump_batch
+
+    tensors = getattr(batch, "batch", batch)
+    rewards = tensors["token_level_scores"].sum(-1) if "token_level_scores" in tensors else None
+    return dump_batch(tensors, step, path, rewards=rewards, prev="old_log_probs", gen="rollout_log_probs",
+                      mask="response_mask", advantages="advantages")

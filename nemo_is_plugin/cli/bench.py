@@ -31,22 +31,19 @@ def bench(
     repeats: Optional[int] = typer.Option(
         None, help="Timing rounds after the warm-up (CPU: best round reported, default 3; CUDA: median, default 5)."),
     memory_tokens: Optional[list[int]] = typer.Option(None, "--memory-tokens", help="Token counts of the sweep."),
-    memory_sweep: bool = typer.Option(
-        True, "--memory-sweep/--no-memory-sweep", metavar="", help="The memory-vs-tokens sweep (CPU runs)."),
+    no_memory_sweep: bool = typer.Option(False, "--no-memory-sweep", help="Skip the memory-vs-tokens sweep (CPU runs)."),
     threads: int = typer.Option(1, help="torch intra-op threads."),
-    quick: bool = typer.Option(
-        False, "--quick/--no-quick", metavar="",
-        help="Tiny shapes: a seconds-long smoke run (numbers not meaningful)."),
+    quick: bool = typer.Option(False, "--quick", help="Tiny shapes: a seconds-long smoke run (numbers not meaningful)."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     dtype: Optional[str] = typer.Option(None, help="Input dtype: float32 (CPU default), bfloat16 (CUDA default)."),
     model_step: bool = typer.Option(
-        False, "--model-step/--no-model-step", metavar="",
+        False, "--model-step",
         help="Training steps of a megatron-core MoE GPT model with the naive and the fused loss, instead of the head."),
     layers: Optional[int] = typer.Option(None, help="--model-step: transformer layers (default 2)."),
     experts: Optional[int] = typer.Option(None, help="--model-step: routed experts per layer (default 16, top-4)."),
     out: Path = typer.Option(Path("bench_results"), help="Directory for results.json and the PNG figures."),
     write_docs: bool = typer.Option(
-        False, "--write-docs/--no-write-docs", metavar="",
+        False, "--write-docs",
         help="Also write docs/performance.md: a CPU run regenerates the CPU page, a GPU run its GPU section."),
     docs_dir: Path = typer.Option(Path("docs"), help="Docs directory used by --write-docs."),
     from_json: Optional[Path] = typer.Option(None, help="Render an earlier run's results.json instead of measuring."),
@@ -66,8 +63,8 @@ def bench(
                            docs_dir=docs_dir, from_json=from_json)
         return
     try:
-        cfg = _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, memory_sweep, threads, quick,
-                      device, dtype)
+        cfg = _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, not no_memory_sweep, threads,
+                      quick, device, dtype)
         if write_docs and from_json is None and cfg.is_cuda and quick:
             raise ValueError("--write-docs refuses a --quick run: its tiny shapes are not meaningful (drop --quick)")
     except ValueError as exc:

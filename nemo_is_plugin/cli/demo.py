@@ -58,11 +58,13 @@ def register(app: typer.Typer) -> None:
             None, help="Rollout numerics for the cpu backend: fp32 | bf16 | fp8 | int4 (default fp8)."
         ),
         seed: int = typer.Option(0, help="Seed of model init, data and sampling."),
-        quick: bool = typer.Option(False, help="Short run for tests: 6 GRPO steps, one long batch per setting."),
+        quick: bool = typer.Option(False, "--quick",
+                                   help="Short run for tests: 6 GRPO steps, one long batch per setting."),
         run_config: Optional[Path] = typer.Option(
             None, exists=True, dir_okay=False, help="YAML with DemoConfig overrides (model, warm_start, grpo, ...)."
         ),
-        plot_only: bool = typer.Option(False, help="Only redraw comparison.png from an existing output dir."),
+        plot_only: bool = typer.Option(False, "--plot-only",
+                                       help="Only redraw comparison.png from an existing output dir."),
     ) -> None:
         """End-to-end GRPO with IS-corrected losses side by side; writes metrics, rollouts and a comparison plot."""
         from rich.console import Console
@@ -119,14 +121,13 @@ def _run(cfg, settings, console) -> None:
     table = Table(title=f"nemo-is demo ({result.seconds:.0f} s, warm-start reward {result.warm_start_reward:.3f})")
     for col in ("setting", "final reward", "long: IS w mean", "long: IS w ESS", "long: mismatch KL"):
         table.add_column(col)
-    for name in settings:
-        long_rows = [r for r in result.rows if r["config"] == name and r["phase"] == "long"]
+    for name in settings:  # the numbers summary.json keeps under "headline" (what README.md quotes)
+        h = result.headline["settings"].get(name, {})
 
-        def avg(key: str) -> str:
-            vals = [r[key] for r in long_rows if r.get(key) is not None]
-            return f"{sum(vals) / len(vals):.3g}" if vals else "-"
+        def fmt(key: str) -> str:
+            return f"{h[key]:.3g}" if h.get(key) is not None else "-"
 
-        table.add_row(name, f"{result.final_reward.get(name, float('nan')):.3f}", avg("is_raw_weight_mean"),
-                      avg("is_raw_weight_ess"), avg("mismatch_kl_k3"))
+        table.add_row(name, f"{result.final_reward.get(name, float('nan')):.3f}", fmt("long_is_weight_mean"),
+                      fmt("long_is_weight_ess"), fmt("long_mismatch_kl_k3"))
     console.print(table)
-    console.print(f"wrote {Path(cfg.output_dir) / 'metrics.jsonl'}, metrics.csv, rollouts.jsonl, {png}")
+    console.print(f"wrote {Path(cfg.output_dir) / 'metrics.jsonl'}, metrics.csv, rollouts.jsonl, summary.json, {png}")

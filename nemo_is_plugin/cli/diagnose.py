@@ -54,7 +54,10 @@ def register(app: typer.Typer) -> None:
         out: Optional[Path] = typer.Option(None, help="Directory for the PNG plots (default: <dump dir>/diagnose)."),
         no_plots: bool = typer.Option(False, "--no-plots", help="Do not write plots."),
         json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON here."),
-        detail: bool = typer.Option(False, help="Print every statistic of every setting, bin by bin."),
+        write_config: Optional[Path] = typer.Option(
+            None, "--write-config", help="Write the recommended loss_fn section here, a YAML config ready to use."
+        ),
+        detail: bool = typer.Option(False, "--detail", help="Print every statistic of every setting, bin by bin."),
     ) -> None:
         """Diagnose the training/rollout mismatch of a rollout dump for every IS level and truncation."""
         import json
@@ -66,6 +69,11 @@ def register(app: typer.Typer) -> None:
 
         console = Console()
         try:
+            for target in (json_out, write_config):  # refuse a bad output path before anything is written
+                if target is not None and target.is_dir():
+                    raise ValueError(f"{target} is a directory; give a file path")
+            if out is not None and out.exists() and not out.is_dir() and not no_plots:
+                raise ValueError(f"--out {out} is a file; give a directory for the plots")
             bounds = {
                 "tis": (None, tis_high),
                 "icepop": _floats(icepop, "--icepop", 2),
@@ -97,6 +105,21 @@ def register(app: typer.Typer) -> None:
             for p in report.plot(out_dir):
                 console.print(f"wrote {p}")
         if json_out is not None:
-            json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(json.dumps(report.to_dict(), indent=2))
+            _write_atomically(json_out, json.dumps(report.to_dict(), indent=2))
             console.print(f"wrote {json_out}")
+        if write_config is not None:
+            rec = report.recommendation
+            verdict = "recommended" if rec.ok else "least bad (no setting is healthy)"
+            tentative = " (tentative: small sample)" if rec.tentative else ""
+            head = (f"# written by nemo-is diagnose {dump}: {verdict} setting {rec.name}{tentative}\n"
+                    "# the IS keys of a loss_fn section; every other key keeps its value (or NeMo-RL's default)\n")
+            _write_atomically(write_config, head + rec.yaml())
+            console.print(f"wrote {write_config}")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, so that a failure leaves no half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -20,10 +20,11 @@ def register(app: typer.Typer) -> None:
     @app.command("evidence")
     def evidence_cmd(
         output_dir: Path = typer.Option(
-            Path("docs/img"),
+            Path("runs/evidence"),
             "--output-dir",
             "-o",
-            help="Directory for the evidence_*.png figures and evidence_numbers.json.",
+            help="Directory for the evidence_*.png figures and evidence_numbers.json (docs/img regenerates the "
+            "repository's own figures).",
         ),
         quick: bool = typer.Option(False, "--quick", help="Small Monte Carlo sizes (seconds; noisier numbers)."),
         seed: int = typer.Option(0, help="Seed of every random draw; the same seed reproduces the same files."),

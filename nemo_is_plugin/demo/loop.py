@@ -35,6 +35,7 @@ class DemoResult:
     final_reward: dict[str, float]
     rows: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    headline: dict[str, Any] = field(default_factory=dict)  # demo.summary.headline: the numbers the docs quote
 
 
 def combine_minibatches(metrics: list[dict[str, float]]) -> dict[str, float]:
@@ -214,7 +215,10 @@ def run_demo(cfg: DemoConfig, loss_settings: dict[str, dict], hook: Optional[Hoo
 
             if ray.is_initialized():
                 ray.shutdown()
+    from nemo_is_plugin.demo.summary import headline
+
+    result.headline = headline(result.rows, records.dir, result.final_reward)
     summary = {"warm_start_reward": result.warm_start_reward, "final_reward": result.final_reward,
-               "seconds": result.seconds, "config": cfg.model_dump()}
+               "seconds": result.seconds, "headline": result.headline, "config": cfg.model_dump()}
     (records.dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return result

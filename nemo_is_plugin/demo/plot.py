@@ -79,6 +79,11 @@ def _length_panel(ax_mean, ax_ess, run_dir: Path) -> None:
     ax_mean.legend(fontsize=8)
 
 
+def cfg_eval_prompts(summary: dict) -> Any:
+    """How many prompts the final evaluation used (the stars of the reward panel)."""
+    return (summary.get("config") or {}).get("eval", {}).get("prompts", "?")
+
+
 def plot_comparison(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib
 
@@ -113,9 +118,13 @@ def plot_comparison(run_dir: str | Path, out: str | Path | None = None) -> Path:
     warm = summary.get("warm_start_reward")
     if warm is not None:
         ax.axhline(warm, color="k", ls="--", lw=1, label=f"warm start (eval) {warm:.2f}")
-    for c, v in (summary.get("final_reward") or {}).items():
+    finals = summary.get("final_reward") or {}
+    for c, v in finals.items():
         n = len(_series(rows, c, "short", "reward")[0])
         ax.plot([n], [v], marker="*", ms=12, color=colors.get(c, "k"), ls="none")
+    if finals:  # one grey legend entry explains the stars; each star has its setting's colour
+        ax.plot([], [], marker="*", ms=10, color="gray", ls="none",
+                label=f"* final eval reward ({cfg_eval_prompts(summary)} prompts, colour: setting)")
     ax.legend(fontsize=8)
     lines(axes[0, 1], "is_raw_weight_mean", "IS weight at the setting's level, mean +- std", band="is_raw_weight_std")
     axes[0, 1].axhline(1.0, color="k", lw=0.8)

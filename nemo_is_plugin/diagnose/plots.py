@@ -15,6 +15,8 @@ from nemo_is_plugin.diagnose.analysis import Analysis
 from nemo_is_plugin.diagnose.settings import IS_LEVELS
 
 _LEVEL_COLORS = {"token": "tab:blue", "sequence": "tab:red", "sequence_mean": "tab:green", "cumulative": "tab:purple"}
+_LEVEL_MARKERS = {"token": "o", "sequence": "s", "sequence_mean": "^", "cumulative": "D"}
+_DODGE = 0.3  # total horizontal spread of the settings within one length bin (bins are 1 apart)
 _TRUNC_STYLES = {"none": "-", "tis": "--", "icepop": ":", "seq-mask-tis": "-.", "seq-mis": (0, (5, 1)),
                  "geo-rs": (0, (1, 1))}
 
@@ -32,25 +34,29 @@ def plot_weights_vs_length(a: Analysis, path: str | Path) -> Path:
     """One panel per IS level: each response's mean log w (before truncation) against its length.
 
     log w rather than w: sequence weights span hundreds of orders of magnitude on long responses; the log is
-    finite, symmetric and shows the linear drift sum_t (p_t - g_t) directly. Dashed lines: log 2 and log 0.5.
+    finite, symmetric and shows the linear drift sum_t (p_t - g_t) directly. The legend names every mark: dots are
+    responses, the black line joins each length bin's median, dashed lines are w = 2 and w = 1/2, the grey line w = 1.
     """
     levels = [lv for lv in IS_LEVELS if any(r.setting.level == lv for r in a.settings)]
-    fig = _figure(3.6 * max(len(levels), 1), 3.4)
+    fig = _figure(3.6 * max(len(levels), 1), 3.8)
     axes = fig.subplots(1, max(len(levels), 1), squeeze=False)[0]
     lengths = a.valid_lengths
     ok = lengths > 0
     for ax, level in zip(axes, levels):
         r = next(r for r in a.settings if r.setting.level == level)  # log w does not depend on truncation
         y = r.response_log_w[ok]
-        ax.scatter(lengths[ok], y, s=9, alpha=0.6, color=_LEVEL_COLORS[level], edgecolors="none")
+        ax.scatter(lengths[ok], y, s=9, alpha=0.6, color=_LEVEL_COLORS[level], edgecolors="none",
+                   label="one response")
         _binned_median(ax, a, r.response_log_w, color="black")
-        for ref in (math.log(2.0), math.log(0.5)):
-            ax.axhline(ref, color="gray", linestyle="--", linewidth=0.8)
-        ax.axhline(0.0, color="gray", linewidth=0.6)
+        for ref, label in ((math.log(2.0), "w = 2 and w = 1/2"), (math.log(0.5), None)):
+            ax.axhline(ref, color="gray", linestyle="--", linewidth=0.8, label=label)
+        ax.axhline(0.0, color="gray", linewidth=0.6, label="w = 1 (no mismatch)")
         ax.set_xscale("log")
         ax.set_title(f"{level}")
         ax.set_xlabel("response length (valid tokens)")
         ax.set_ylabel("mean log w per response")
+    if levels:
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
     fig.suptitle(f"IS log-weight vs response length ({a.num_responses} responses)")
     return _save(fig, path)
 
@@ -63,7 +69,7 @@ def _binned_median(ax, a: Analysis, per_response: np.ndarray, color: str) -> Non
             xs.append(float(np.exp(np.mean(np.log(a.valid_lengths[sel])))))
             ys.append(float(np.median(per_response[sel])))
     if xs:
-        ax.plot(xs, ys, color=color, marker="o", linewidth=1.2, label="bin median")
+        ax.plot(xs, ys, color=color, marker="o", linewidth=1.2, label="median of a length bin")
 
 
 def plot_bins(a: Analysis, path: str | Path) -> Path:
@@ -71,15 +77,21 @@ def plot_bins(a: Analysis, path: str | Path) -> Path:
     fig = _figure(13.0, 4.2)
     ax_ess, ax_mean, ax_mask = fig.subplots(1, 3)
     x = np.arange(len(a.bins))
-    for r in a.settings:
-        style = dict(color=_LEVEL_COLORS.get(r.setting.level, "black"),
-                     linestyle=_TRUNC_STYLES.get(r.setting.truncation, "-"), marker="o", markersize=3, linewidth=1.2)
+    n = len(a.settings)
+    for i, r in enumerate(a.settings):
+        # settings with equal values (token and sequence_mean weights both sit at 1 for a small mismatch) would hide
+        # each other: each gets its own small horizontal offset, a marker per level and an open face
+        xi = x + (_DODGE * (i / (n - 1) - 0.5) if n > 1 else 0.0)
+        color = _LEVEL_COLORS.get(r.setting.level, "black")
+        style = dict(color=color, linestyle=_TRUNC_STYLES.get(r.setting.truncation, "-"),
+                     marker=_LEVEL_MARKERS.get(r.setting.level, "o"), markersize=5, markerfacecolor="none",
+                     markeredgecolor=color, linewidth=1.2, alpha=0.9)
         ess = [st.ess for st in r.by_bin]
         mean = [st.mean if st.mean > 0 else np.nan for st in r.by_bin]
         masked = [st.masked for st in r.by_bin]
-        ax_ess.plot(x, ess, label=r.setting.name, **style)
-        ax_mean.plot(x, mean, **style)
-        ax_mask.plot(x, masked, **style)
+        ax_ess.plot(xi, ess, label=r.setting.name, **style)
+        ax_mean.plot(xi, mean, **style)
+        ax_mask.plot(xi, masked, **style)
     labels = [b.label for b in a.bins]
     for ax, title in ((ax_ess, "effective sample size (1 = uniform)"), (ax_mean, "mean weight"),
                       (ax_mask, "fraction of tokens masked")):
@@ -91,7 +103,8 @@ def plot_bins(a: Analysis, path: str | Path) -> Path:
     ax_mean.set_yscale("log")
     ax_mean.axhline(1.0, color="gray", linewidth=0.6)
     fig.legend(*ax_ess.get_legend_handles_labels(), loc="outside right center", fontsize=7)
-    fig.suptitle("IS weights by response length (color: level; line style: truncation)")
+    fig.suptitle("IS weights by response length (colour and marker: level; line style: truncation; the settings "
+                 "are offset within each bin so that equal values stay visible)", fontsize=10)
     return _save(fig, path)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -70,6 +71,8 @@ def _read_jsonl(p: Path, tolerance: float, *, gz: bool) -> RolloutDump:
         raise DumpError(f"{p}: not a UTF-8 text file nor Parquet ({exc.reason} at byte {exc.start})") from exc
     except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
         raise DumpError(f"{p}: cannot read ({exc})") from exc
+    except zlib.error as exc:  # a gzip header followed by corrupt deflate data
+        raise DumpError(f"{p}: corrupt gzip data ({exc}); re-create or re-download the dump") from None
 
     has_mask = any(n >= 0 for n in lengths["mask"])
     if has_mask:  # records without a mask get all ones

@@ -22,6 +22,12 @@ from typing import Optional
 
 from nemo_is_plugin.diagnose.analysis import Analysis, SettingResult, WeightStats
 
+# Why a chi-square estimate E[w^2] - 1 can come out below its floor 0, and how to read it.
+CHI2_BELOW_FLOOR = (
+    "a chi-square estimate E[w^2] - 1 below 0, while the divergence itself is >= 0. E[w^2] >= E[w]^2, so this happens "
+    "only when the sample's mean weight is below 1: the sample has not seen the weights' rare large values, which "
+    "carry E[w] = 1. Read it as 'not resolved by this sample', not as 'no mismatch'."
+)
 LEVEL_ORDER = ("cumulative", "sequence", "token", "sequence_mean")
 TRUNCATION_ORDER = ("none", "tis", "icepop", "seq-mask-tis", "geo-rs", "seq-mis")
 _WHY_LEVEL = {
@@ -35,12 +41,19 @@ _WHY_LEVEL = {
 
 @dataclass(frozen=True)
 class Criteria:
+    """Thresholds of the rule above. ``min_sample``: below this many responses (with a valid token) the
+    recommendation is flagged tentative. A sequence-level weight is one value per response, so its mean has a
+    standard error std / sqrt(n); long responses spread those weights with a std up to ~0.7 (the demo's exp(sum)
+    weights at 1024 tokens), and 32 responses put that error at ~0.12: the judged band edge 0.5 is then four standard
+    errors from the ideal 1, and the ESS, which cannot go below 1/n, resolves 0.03 against its threshold 0.5."""
+
     min_ess: float = 0.5
     mean_band: tuple[float, float] = (0.5, 2.0)
     max_masked: float = 0.10
     max_truncated: float = 0.20
     max_weight: float = 10.0
     min_responses: int = 4
+    min_sample: int = 32
 
 
 @dataclass
@@ -53,6 +66,17 @@ class Recommendation:
     loss_fn: dict
     reasons: list[str]
     failures: dict[str, list[str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def tentative(self) -> bool:
+        return bool(self.warnings)
+
+    def yaml(self) -> str:
+        """The recommended ``loss_fn`` section as YAML, ready to paste into a config (validates unchanged)."""
+        import yaml
+
+        return yaml.safe_dump({"loss_fn": dict(self.loss_fn)}, sort_keys=False, default_flow_style=False)
 
 
 def check(result: SettingResult, analysis: Analysis, criteria: Criteria) -> list[str]:
@@ -83,6 +107,7 @@ def recommend(analysis: Analysis, criteria: Optional[Criteria] = None) -> Recomm
     ranked = sorted(analysis.settings, key=_rank)
     healthy = [r for r in ranked if not failures[r.setting.name]]
     notes = _mismatch_notes(analysis)
+    warnings = _sample_warnings(analysis, c)
     if healthy:
         best = healthy[0]
         reasons = [_why_healthy(best, analysis, c), _WHY_LEVEL[best.setting.level] + "."]
@@ -90,7 +115,8 @@ def recommend(analysis: Analysis, criteria: Optional[Criteria] = None) -> Recomm
             if r is best:
                 break
             reasons.append(f"not {r.setting.name}: {failures[r.setting.name][0]}")
-        return Recommendation(best.setting.name, True, best.setting.loss_fn_keys(), reasons + notes, failures)
+        return Recommendation(best.setting.name, True, best.setting.loss_fn_keys(), reasons + notes, failures,
+                              warnings)
     # Nothing healthy: the setting that keeps the most effective data in its worst bin.
     best = max(ranked, key=lambda r: _score(r, analysis, c))
     reasons = [
@@ -99,7 +125,17 @@ def recommend(analysis: Analysis, criteria: Optional[Criteria] = None) -> Recomm
         f"{best.setting.name} keeps the most effective data in its worst length bin; it fails: "
         + "; ".join(failures[best.setting.name][:3]),
     ]
-    return Recommendation(best.setting.name, False, best.setting.loss_fn_keys(), reasons + notes, failures)
+    return Recommendation(best.setting.name, False, best.setting.loss_fn_keys(), reasons + notes, failures,
+                          warnings)
+
+
+def _sample_warnings(analysis: Analysis, c: Criteria) -> list[str]:
+    n = analysis.num_responses - analysis.empty_responses
+    if n >= c.min_sample:
+        return []
+    return [f"only {n} response(s) with a valid token (fewer than {c.min_sample}): the weight statistics are too noisy "
+            "to tell the settings apart (a sequence-level mean weight has a standard error of std / sqrt(n)), so this "
+            "recommendation is tentative; dump more rollouts (several steps) and run diagnose again."]
 
 
 # -------------------------------------------------------------------------------------------------- helpers
@@ -149,6 +185,8 @@ def _mismatch_notes(analysis: Analysis) -> list[str]:
         notes.append(
             f"chi2_seq = {chi2_seq:.3g}: whole-sequence weights have a heavy tail (variance grows like (1+chi2)^L)."
         )
+    elif chi2_seq < 0:
+        notes.append(f"chi2_seq = {chi2_seq:.3g} < 0: {CHI2_BELOW_FLOOR}")
     if analysis.empty_responses:
         notes.append(f"{analysis.empty_responses} response(s) have no unmasked token and were left out.")
     return notes

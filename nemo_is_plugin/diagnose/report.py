@@ -59,7 +59,9 @@ class DiagnoseReport:
                     for r in a.settings
                 },
                 "skipped": dict(a.skipped),
-                "recommendation": {"name": rec.name, "ok": rec.ok, "loss_fn": rec.loss_fn, "reasons": rec.reasons},
+                "num_valid_tokens": int(a.valid_lengths.sum()),
+                "recommendation": {"name": rec.name, "ok": rec.ok, "loss_fn": rec.loss_fn, "reasons": rec.reasons,
+                                   "warnings": rec.warnings},
                 "criteria": asdict(self.criteria),
             }
         )

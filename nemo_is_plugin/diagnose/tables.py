@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from nemo_is_plugin.diagnose.analysis import Analysis, WeightStats
-from nemo_is_plugin.diagnose.recommend import Criteria, Recommendation
+from nemo_is_plugin.diagnose.recommend import CHI2_BELOW_FLOOR, Criteria, Recommendation
 
 _MISMATCH_COLUMNS = (
     ("k1", "mismatch_kl_k1"),
@@ -35,11 +35,15 @@ def fmt(x: Optional[float], pct: bool = False) -> str:
     return f"{x:.3g}"
 
 
+_CHI2_KEYS = ("chi2_token", "chi2_seq")
+BELOW_FLOOR_MARK = "*"
+
+
 def mismatch_table(a: Analysis) -> Table:
     t = Table(title="Training/rollout mismatch by response length (valid tokens)", title_justify="left")
     t.add_column("length", style="bold")
     t.add_column("responses", justify="right")
-    t.add_column("tokens", justify="right")
+    t.add_column("valid tokens", justify="right")
     for head, _ in _MISMATCH_COLUMNS:
         t.add_column(head, justify="right")
     for b, m in zip(a.bins, a.mismatch_by_bin):
@@ -50,7 +54,17 @@ def mismatch_table(a: Analysis) -> Table:
 
 
 def _mismatch_cells(m: dict[str, float]) -> list[str]:
-    return [str(int(m["responses"])), str(int(m["tokens"])), *[fmt(m.get(k)) for _, k in _MISMATCH_COLUMNS]]
+    cells = []
+    for _, k in _MISMATCH_COLUMNS:
+        v = m.get(k)
+        below = k in _CHI2_KEYS and v is not None and v < 0  # shown raw, marked, explained under the table
+        cells.append(fmt(v) + (BELOW_FLOOR_MARK if below else ""))
+    return [str(int(m["responses"])), str(int(m["tokens"])), *cells]
+
+
+def chi2_below_floor(a: Analysis) -> bool:
+    """Whether a chi-square cell of the mismatch table is negative (and so carries the footnote)."""
+    return any(m.get(k, 0.0) < 0 for m in [a.mismatch, *a.mismatch_by_bin] for k in _CHI2_KEYS)
 
 
 def settings_table(a: Analysis, rec: Optional[Recommendation] = None) -> Table:
@@ -105,18 +119,11 @@ def detail_table(a: Analysis, name: str) -> Table:
 
 
 def recommendation_panel(rec: Recommendation) -> Panel:
-    yaml = "loss_fn:\n" + "\n".join(f"  {k}: {_yaml(v)}" for k, v in rec.loss_fn.items())
     head = Text(("Recommended: " if rec.ok else "Least bad (no setting is healthy): ") + rec.name, style="bold")
-    body = Group(head, *[Text(f"- {r}") for r in rec.reasons], Text(""), Text(yaml, style="cyan"))
-    return Panel(body, title="recommendation", border_style="green" if rec.ok else "red")
-
-
-def _yaml(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if v is None:
-        return "null"
-    return str(v)
+    warn = [Text(f"! {w}", style="yellow") for w in rec.warnings]
+    body = Group(head, *warn, *[Text(f"- {r}") for r in rec.reasons], Text(""), Text(rec.yaml().rstrip(), style="cyan"))
+    title = "recommendation (tentative: small sample)" if rec.tentative else "recommendation"
+    return Panel(body, title=title, border_style="yellow" if rec.tentative else "green" if rec.ok else "red")
 
 
 def render(
@@ -129,10 +136,14 @@ def render(
 ) -> None:
     """Print the whole report: header, mismatch, per-setting, by-length tables, recommendation."""
     console = console or Console()
+    valid = int(a.valid_lengths.sum())
     console.print(
-        f"[bold]{a.source}[/bold]: {a.num_responses} responses, {a.num_tokens} tokens, weights computed in {a.dtype}"
+        f"[bold]{a.source}[/bold]: {a.num_responses} responses, {a.num_tokens} tokens of which {valid} are valid "
+        f"(mask = 1; the tables count valid tokens only), weights computed in {a.dtype}", highlight=False,
     )
     console.print(mismatch_table(a))
+    if chi2_below_floor(a):
+        console.print(f"{BELOW_FLOOR_MARK} {CHI2_BELOW_FLOOR}", style="dim", markup=False, highlight=False)
     console.print(settings_table(a, rec))
     console.print(by_length_table(a, criteria))
     if detail:
@@ -141,3 +152,7 @@ def render(
     for name, reason in a.skipped:
         console.print(f"[dim]skipped {name}: {reason}[/dim]")
     console.print(recommendation_panel(rec))
+    # the same section once more outside the box, as plain text that copies cleanly into a config file
+    console.print(f"# {rec.name}{' (tentative)' if rec.tentative else ''}: {'recommended' if rec.ok else 'least bad'} "
+                  "loss_fn section (nemo-is diagnose --write-config FILE writes it)", markup=False, highlight=False)
+    console.print(rec.yaml().rstrip(), markup=False, highlight=False, soft_wrap=True)

@@ -31,6 +31,9 @@ def test_quick_bench_writes_results_plots_and_docs(tmp_path):
     result = CliRunner().invoke(_app(), args)
     assert result.exit_code == 0, result.output
     assert "fused_linear" in result.output and "f+b / mm" in result.output and "tiny-b" not in result.output
+    # quick numbers are not meaningful: said once, instead of a verdict per performance target
+    assert "performance targets are not evaluated" in " ".join(result.output.split())
+    assert not any(line.startswith(("ok  ", "no  ")) for line in result.output.splitlines())
 
     results = json.loads((out / "results.json").read_text())
     rows = {(r["model"], r["path"]): r for r in results["rows"]}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import pytest
 import typer
@@ -113,3 +115,73 @@ def test_main_app_registers_diagnose():
 
     res = CliRunner().invoke(main_app, ["diagnose", "--help"])
     assert res.exit_code == 0 and "Diagnose the training/rollout mismatch" in res.output
+
+
+# ------------------------------------------------------------------ write-config, plain text, labels, small samples
+def test_write_config_writes_a_ready_to_use_loss_fn_section(app, dump_path, tmp_path):
+    import nemo_is_plugin
+    from omegaconf import OmegaConf
+
+    from nemo_is_plugin.recipes import load_loss_spec
+
+    target = tmp_path / "cfg" / "recommended.yaml"
+    res = invoke(app, dump_path, "--no-plots", "--write-config", target, "--truncations", "none,tis")
+    assert res.exit_code == 0, res.output
+    rec = diagnose(dump_path, truncations=("none", "tis")).recommendation
+    spec = load_loss_spec(target)
+    assert spec.config.model_dump(exclude_defaults=True) == rec.loss_fn
+    loss = nemo_is_plugin.build_loss_fn(OmegaConf.load(target)["loss_fn"])
+    assert loss.config == spec.config
+    # the same section is printed as plain text (no box characters), ready to copy
+    plain = rec.yaml().rstrip().splitlines()
+    lines = res.output.splitlines()
+    start = lines.index(plain[0])
+    assert lines[start:start + len(plain)] == plain and not any("│" in ln for ln in plain)
+
+
+def test_a_bad_output_path_is_refused_before_anything_is_written(app, dump_path, tmp_path):
+    out = tmp_path / "plots"
+    res = invoke(app, dump_path, "--out", out, "--write-config", tmp_path)
+    assert res.exit_code == 2 and "is a directory; give a file path" in res.output
+    assert not out.exists()
+
+
+def test_corrupt_gzip_exits_2_and_writes_nothing(app, tmp_path):
+    bad = tmp_path / "g.jsonl.gz"
+    bad.write_bytes(b"\x1f\x8b\x08\x00garbagegarbage")
+    res = invoke(app, bad, "--json", tmp_path / "r.json", "--write-config", tmp_path / "c.yaml")
+    assert res.exit_code == 2 and "corrupt gzip data" in res.output and "Traceback" not in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.jsonl.gz"]
+
+
+def test_header_labels_total_and_valid_tokens(app, tmp_path):
+    recs = synthetic_records(40, min_len=4, max_len=60, seed=2)
+    for r in recs:  # mask the last token of every response
+        r["mask"] = [1] * (len(r["generation_logprobs"]) - 1) + [0]
+    path = write_dump(recs, tmp_path / "m.jsonl")
+    res = invoke(app, path, "--no-plots", "--levels", "token", "--truncations", "none")
+    total = sum(len(r["mask"]) for r in recs)
+    assert f"40 responses, {total} tokens of which {total - 40} are valid" in res.output.replace("\n", " ")
+    assert "valid tokens" in res.output  # the mismatch table's column
+    assert re.search(rf"│ all\s+│\s+40 │\s+{total - 40} │", res.output)  # its "all" row counts valid tokens
+
+
+def test_small_sample_warns_and_says_tentative(app, tmp_path):
+    small = write_dump(synthetic_records(3, min_len=4, max_len=30, seed=1), tmp_path / "small.jsonl")
+    res = invoke(app, small, "--no-plots", "--json", tmp_path / "r.json")
+    assert res.exit_code == 0, res.output
+    assert "tentative: small sample" in res.output and "only 3 response(s) with a valid token" in res.output
+    assert json.loads((tmp_path / "r.json").read_text())["recommendation"]["warnings"]
+    big = write_dump(synthetic_records(32, min_len=4, max_len=30, seed=1), tmp_path / "big.jsonl")
+    res = invoke(app, big, "--no-plots")
+    assert res.exit_code == 0 and "tentative" not in res.output
+
+
+def test_a_negative_chi2_estimate_is_marked_and_explained(app, tmp_path):
+    # every token has p - g = -0.1: w = exp(-0.1) < 1, so E[w^2] - 1 < 0 for tokens and sequences
+    recs = [{"generation_logprobs": [-1.0] * 5, "prev_logprobs": [-1.1] * 5} for _ in range(4)]
+    path = write_dump(recs, tmp_path / "neg.jsonl")
+    res = invoke(app, path, "--no-plots", "--levels", "token", "--truncations", "none")
+    out = res.output.replace("\n", " ")
+    assert f"{math.exp(-0.2) - 1:.3g}*" in out
+    assert "* a chi-square estimate E[w^2] - 1 below 0, while the divergence itself is >= 0" in out

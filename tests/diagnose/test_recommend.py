@@ -94,3 +94,30 @@ def test_recommend_needs_settings():
     a = analyze(constant_dump([4], 0.0), [], dtype=torch.float64)
     with pytest.raises(ValueError, match="no settings were analysed"):
         recommend(a)
+
+
+@pytest.mark.parametrize("n, tentative", [(1, True), (31, True), (32, False)])
+def test_a_small_sample_makes_the_recommendation_tentative(n, tentative):
+    dump = _noisy_dump([8] * n, std=1e-3)
+    settings, _ = settings_grid(("token",), ("none",))
+    rec = recommend(analyze(dump, settings))
+    assert rec.tentative is tentative
+    if tentative:
+        assert rec.warnings == [w for w in rec.warnings if f"only {n} response(s) with a valid token" in w]
+        assert rec.ok  # the thresholds still apply; the sample size only qualifies the verdict
+
+
+def test_recommendation_yaml_is_a_loss_fn_section_that_reloads():
+    import yaml
+
+    dump = _noisy_dump([8] * 40, std=1e-3)
+    rec = recommend(analyze(dump, settings_grid(("sequence",), ("tis",))[0]))
+    section = yaml.safe_load(rec.yaml())["loss_fn"]
+    assert section == rec.loss_fn and ClippedPGLossConfig(**section).truncated_importance_sampling_ratio == 2.0
+
+
+def test_negative_chi2_seq_gets_an_explanation_not_a_heavy_tail_note():
+    dump = constant_dump([6] * 40, -0.01)  # w = e^-0.06 < 1 for every sequence: E[w^2] - 1 < 0
+    rec = recommend(analyze(dump, settings_grid(("token",), ("none",))[0]))
+    note = [r for r in rec.reasons if r.startswith("chi2_seq = ")]
+    assert len(note) == 1 and "< 0: a chi-square estimate E[w^2] - 1 below 0" in note[0]

@@ -1,0 +1,127 @@
+"""What a validated loss config actually does, resolved: every derived choice in words (``nemo-is validate
+--show-effective``). Imports without torch.
+
+The config leaves several choices implicit (an unset ``ratio_level`` follows ``sequence_level_importance_ratios``, an
+unset aggregation follows ``token_level_loss``, ``use_kl_in_reward`` moves beta out of the loss, ...); this module
+spells each one out, with where it came from.
+"""
+
+from __future__ import annotations
+
+from nemo_is_plugin.config import ClippedPGLossConfig
+
+
+def _g(x: float) -> str:
+    return f"{x:g}"
+
+
+def _ratio(cfg: ClippedPGLossConfig) -> str:
+    if cfg.disable_ppo_ratio:
+        return "none: REINFORCE surrogate -A * log pi (disable_ppo_ratio)"
+    if cfg.force_on_policy_ratio:
+        return "fixed to 1 with the policy gradient (force_on_policy_ratio)"
+    level = cfg.effective_ratio_level
+    source = "ratio_level" if cfg.ratio_level is not None else (
+        "from sequence_level_importance_ratios=true" if cfg.sequence_level_importance_ratios else "NeMo-RL default")
+    return f"{level} ({source})"
+
+
+def _clip(cfg: ClippedPGLossConfig) -> str:
+    if cfg.disable_ppo_ratio:
+        dual = f", dual clip c = {_g(cfg.ratio_clip_c)}" if cfg.ratio_clip_c is not None else ""
+        return "none" + dual
+    if cfg.use_cispo:
+        return (f"CISPO: stop-gradient weight clamp(r, {_g(1 - cfg.ratio_clip_min)}, {_g(1 + cfg.ratio_clip_max)}) "
+                "times -A * log pi")
+    if cfg.uses_log_space_clip:
+        p = cfg.clip_position_power
+        pos = f" * t^{_g(p)}" if p != 0 else ""
+        dual = f", dual clip exp({_g(cfg.log_ratio_clip_c)}{pos})" if cfg.log_ratio_clip_c is not None else ""
+        return f"log space [-{_g(cfg.log_ratio_clip_low)}{pos}, {_g(cfg.log_ratio_clip_high)}{pos}]{dual}"
+    dual = f", dual clip c = {_g(cfg.ratio_clip_c)}" if cfg.ratio_clip_c is not None else ", no dual clip"
+    return f"ratio space [{_g(1 - cfg.ratio_clip_min)}, {_g(1 + cfg.ratio_clip_max)}]{dual}"
+
+
+def _log_ratio_guards(cfg: ClippedPGLossConfig) -> str:
+    parts = []
+    if cfg.token_log_ratio_clamp is not None:
+        parts.append(f"each token log-ratio clamped to +-{_g(cfg.token_log_ratio_clamp)}")
+    if cfg.max_log_ratio is not None:
+        parts.append(f"log r capped at {_g(cfg.max_log_ratio)}")
+    return "; ".join(parts) or "none"
+
+
+def _is_level(cfg: ClippedPGLossConfig) -> str:
+    level = cfg.effective_is_level
+    if cfg.is_correction_level is not None:
+        return f"{level} (is_correction_level; log-space, saturates at w = e^30)"
+    source = "from sequence_level_importance_ratios=true" if cfg.sequence_level_importance_ratios else "default"
+    return f"{level} ({source}; NeMo-RL's float32 path: an overflowing weight becomes 0)"
+
+
+def _truncation(cfg: ClippedPGLossConfig) -> str:
+    t = cfg.truncated_importance_sampling_type
+    if t is None:
+        return "none"
+    lo = cfg.truncated_importance_sampling_ratio_min
+    band = f"[{_g(lo if lo is not None else 0.0)}, {_g(cfg.truncated_importance_sampling_ratio)}]"
+    what = {"tis": "clamp the weight to", "icepop": "zero token weights outside",
+            "seq-mask-tis": "zero a sequence's weights when its geometric-mean weight is outside",
+            "seq-mis": "reject a sequence when exp(sum x) is outside",
+            "geo-rs": "reject a sequence when exp(mean x) is outside"}[t]
+    return f"{t}: {what} {band}"
+
+
+def _rejection(cfg: ClippedPGLossConfig) -> str:
+    parts = []
+    if cfg.importance_sampling_rejection is not None:
+        parts.append(f"{cfg.importance_sampling_rejection} outside [{_g(cfg.importance_sampling_rejection_min)}, "
+                     f"{_g(cfg.importance_sampling_rejection_max)}] (on top of the truncation)")
+    if cfg.importance_sampling_veto_threshold is not None:
+        parts.append(f"veto a sequence with a token weight < {_g(cfg.importance_sampling_veto_threshold)}")
+    return "; ".join(parts) or "none"
+
+
+def _kl(cfg: ClippedPGLossConfig) -> str:
+    if cfg.use_kl_in_reward:
+        return f"in the reward (use_kl_in_reward; beta {_g(cfg.reference_policy_kl_penalty)} is not in the loss)"
+    if cfg.reference_policy_kl_penalty == 0:
+        return "off (reference_policy_kl_penalty = 0; no reference log-probs are read)"
+    clamps = []
+    if cfg.kl_input_clamp_value is not None:
+        clamps.append(f"input +-{_g(cfg.kl_input_clamp_value)}")
+    if cfg.kl_output_clamp_value is not None:
+        clamps.append(f"output +-{_g(cfg.kl_output_clamp_value)}")
+    weight = "exp(c - g) (on-policy approximation)" if cfg.use_on_policy_kl_approximation else "exp(c - sg[c])"
+    grad = "k2 (straight-through)" if cfg.reference_policy_kl_gradient == "k2" else "the estimator's own"
+    return (f"{cfg.reference_policy_kl_type}, beta {_g(cfg.reference_policy_kl_penalty)}, clamps "
+            f"{', '.join(clamps) or 'none'}, weight {weight}, gradient {grad}")
+
+
+def _aggregation(cfg: ClippedPGLossConfig) -> str:
+    agg = cfg.effective_loss_aggregation
+    source = "loss_aggregation" if cfg.loss_aggregation is not None else f"from token_level_loss={cfg.token_level_loss}"
+    norm = f", divisor {_g(cfg.loss_aggregation_norm)}" if cfg.loss_aggregation_norm is not None else ""
+    return f"{agg} ({source}{norm}; over the global valid token / sequence counts)"
+
+
+def effective_settings(cfg: ClippedPGLossConfig) -> dict[str, str]:
+    """Every effective choice of ``cfg`` in words, in the loss's order (ratio, clip, IS, KL, aggregation)."""
+    is_on = cfg.use_importance_sampling_correction
+    return {
+        "policy ratio": _ratio(cfg),
+        "ratio clip": _clip(cfg),
+        "log-ratio guards": _log_ratio_guards(cfg),
+        "IS correction": "applied to the loss" if is_on else "off (weights are still computed for the metrics)",
+        "IS level": _is_level(cfg),
+        "IS truncation": _truncation(cfg),
+        "IS rejection": _rejection(cfg),
+        "IS batch normalisation": "on (divide by the batch mean)" if cfg.importance_sampling_batch_normalize else "off",
+        "KL to the reference": _kl(cfg),
+        "aggregation": _aggregation(cfg),
+        "positive-example NLL": (f"weight {_g(cfg.positive_example_nll_weight)}" if cfg.positive_example_nll_weight
+                                 else "off"),
+    }
+
+
+__all__ = ["effective_settings"]

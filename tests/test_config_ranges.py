@@ -1,0 +1,150 @@
+"""Every numeric key of ClippedPGLossConfig: accepted inside its interval and on a closed end, refused on an open end
+and just outside, with a message naming the key, the interval and a fix; docs/config.md lists the same intervals; the
+real configs (NeMo-RL golden cases, recipes) lie inside."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pydantic
+import pytest
+from omegaconf import OmegaConf
+
+from golden_utils import load_cases
+from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.config_ranges import NUMERIC_RANGES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the smallest companion keys that make each key active, so that the only possible error is its range
+COMPANIONS = {
+    "reference_policy_kl_penalty": {},
+    "kl_input_clamp_value": {},
+    "kl_output_clamp_value": {},
+    "ratio_clip_min": {},
+    "ratio_clip_max": {},
+    "ratio_clip_c": {},
+    "truncated_importance_sampling_ratio": dict(use_importance_sampling_correction=True,
+                                                truncated_importance_sampling_type="tis"),
+    "truncated_importance_sampling_ratio_min": dict(use_importance_sampling_correction=True,
+                                                    truncated_importance_sampling_type="icepop",
+                                                    truncated_importance_sampling_ratio=5.0),
+    "positive_example_nll_weight": {},
+    "log_ratio_clip_low": dict(log_ratio_clip_high=0.05),
+    "log_ratio_clip_high": dict(log_ratio_clip_low=0.025),
+    "log_ratio_clip_c": dict(log_ratio_clip_low=0.025, log_ratio_clip_high=0.05),
+    "clip_position_power": dict(log_ratio_clip_low=0.025, log_ratio_clip_high=0.05),
+    "token_log_ratio_clamp": {},
+    "max_log_ratio": {},
+    "importance_sampling_rejection_min": dict(importance_sampling_rejection="geo-rs",
+                                              importance_sampling_rejection_max=1.001),
+    "importance_sampling_rejection_max": dict(importance_sampling_rejection="geo-rs",
+                                              importance_sampling_rejection_min=0.999),
+    "importance_sampling_veto_threshold": {},
+    "loss_aggregation_norm": dict(loss_aggregation="seq-mean-token-sum-norm"),
+}
+
+
+def _build(key: str, value: float) -> ClippedPGLossConfig:
+    return ClippedPGLossConfig(**COMPANIONS[key], **{key: value})
+
+
+def _refused(key: str, value: float) -> str:
+    with pytest.raises(pydantic.ValidationError) as err:
+        _build(key, value)
+    return str(err.value)
+
+
+def test_every_numeric_field_has_a_range():
+    numeric = {n for n, f in ClippedPGLossConfig.model_fields.items() if "float" in str(f.annotation)}
+    assert numeric == set(NUMERIC_RANGES) == set(COMPANIONS)
+
+
+def _cases() -> list[tuple[str, float, bool]]:
+    """(key, value, accepted) at and around each finite end, plus one interior point."""
+    out = []
+    for key, r in NUMERIC_RANGES.items():
+        for end, is_open, outward in ((r.low, r.low_open, -1.0), (r.high, r.high_open, +1.0)):
+            if end is None:
+                continue
+            out.append((key, end, not is_open))
+            out.append((key, end + outward * 1e-6, False))
+        lo = r.low if r.low is not None else (r.high - 2.0)
+        hi = r.high if r.high is not None else (lo + 2.0)
+        out.append((key, (lo + hi) / 2, True))
+    return out
+
+
+@pytest.mark.parametrize("key, value, accepted", _cases(), ids=lambda v: f"{v:g}" if isinstance(v, float) else str(v))
+def test_boundary(key, value, accepted):
+    if accepted:
+        assert getattr(_build(key, value), key) == value
+    else:
+        message = _refused(key, value)
+        interval = NUMERIC_RANGES[key].interval()
+        assert f"{key}={value:g} is outside its valid range {interval}" in message
+        assert NUMERIC_RANGES[key].fix in message
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"ratio_clip_max": -0.5}, "ratio_clip_max"),
+    ({"ratio_clip_min": -0.1}, "ratio_clip_min"),
+    ({"ratio_clip_min": 1.5}, "ratio_clip_min"),
+    ({"reference_policy_kl_penalty": -0.1}, "reference_policy_kl_penalty"),
+    ({"kl_input_clamp_value": -1}, "kl_input_clamp_value"),
+])
+def test_the_reported_settings_are_refused(kwargs, key):
+    with pytest.raises(pydantic.ValidationError, match=re.escape(key) + r"=\S+ is outside its valid range"):
+        ClippedPGLossConfig(**kwargs)
+
+
+def test_null_switches_a_key_off_and_is_not_range_checked():
+    cfg = ClippedPGLossConfig(kl_input_clamp_value=None, kl_output_clamp_value=None, ratio_clip_c=None)
+    assert cfg.kl_input_clamp_value is None and cfg.ratio_clip_c is None
+
+
+def test_range_errors_come_alone_and_all_together():
+    """Two out-of-range keys are both reported; the combination checks wait until the ranges hold."""
+    with pytest.raises(pydantic.ValidationError) as err:
+        ClippedPGLossConfig(ratio_clip_max=-1.0, kl_output_clamp_value=0.0, log_ratio_clip_low=0.1)
+    text = str(err.value)
+    assert "ratio_clip_max=-1" in text and "kl_output_clamp_value=0" in text
+    assert "must be set together" not in text  # the log-space pairing is checked once the ranges hold
+
+
+def test_assignment_is_range_checked_too():
+    cfg = ClippedPGLossConfig()
+    with pytest.raises(pydantic.ValidationError, match="ratio_clip_min=2 is outside"):
+        cfg.ratio_clip_min = 2.0
+
+
+def test_docs_list_the_same_intervals():
+    text = (ROOT / "docs" / "config.md").read_text()
+    section = text.split("## Valid ranges", 1)[1].split("\n## ", 1)[0]
+    listed: dict[str, str] = {}
+    for keys, interval in re.findall(r"^\| (`[^|]+`) \| `([^`]+)` \|", section, flags=re.M):
+        for key in re.findall(r"`([a-z_]+)`", keys):
+            listed[key] = interval
+    assert listed == {k: r.interval() for k, r in NUMERIC_RANGES.items()}
+
+
+def _numeric_values(cfg: dict) -> dict[str, float]:
+    return {k: v for k, v in cfg.items() if k in NUMERIC_RANGES and isinstance(v, (int, float)) and v is not None}
+
+
+def test_every_valid_nemo_rl_golden_case_is_inside_the_ranges():
+    cases = [c for c in load_cases("nemo_rl") if "error" not in c["expected"]]
+    assert len(cases) > 100
+    for case in cases:
+        for key, value in _numeric_values(case["config"]).items():
+            assert NUMERIC_RANGES[key].contains(value), (case["id"], key, value)
+        ClippedPGLossConfig(**case["config"])
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("configs/**/*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_is_inside_the_ranges(path):
+    section = OmegaConf.to_container(OmegaConf.load(path), resolve=True).get("loss_fn") or {}
+    for key, value in _numeric_values(section).items():
+        assert NUMERIC_RANGES[key].contains(value) and math.isfinite(value), (path.name, key, value)
