@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.config import STRICT_KEYS_ENV, ClippedPGLossConfig, UnknownConfigKeyWarning
 from nemo_is_plugin.recipes import (
     RecipeError,
     load_loss_config,
@@ -91,9 +91,13 @@ def test_unknown_override_key_is_refused_with_a_hint(master):
     assert load_loss_config(master, ["loss_fn.clip_position_power=0.0"]).clip_position_power == 0.0
 
 
-def test_invalid_values_name_the_file_section_and_key(master):
+def test_invalid_values_name_the_file_section_and_key(master, monkeypatch):
     with pytest.raises(RecipeError, match=r"(?s)master.yaml: invalid 'loss_fn' section.*is_correction_level"):
         load_loss_config(master, ["loss_fn.is_correction_level=bogus"])
+    # NeMo-RL accepts extra loss_fn keys: an added unknown key warns by default and is refused in strict mode
+    with pytest.warns(UnknownConfigKeyWarning, match=r"unknown loss_fn key\(s\): 'foo'"):
+        load_loss_config(master, ["+loss_fn.foo=1"])
+    monkeypatch.setenv(STRICT_KEYS_ENV, "1")
     with pytest.raises(RecipeError, match=r"unknown loss_fn key\(s\): 'foo'"):
         load_loss_config(master, ["+loss_fn.foo=1"])
 
