@@ -332,8 +332,16 @@ def _contradictions(cfg: ClippedPGLossConfig) -> list[str]:
                 f"seq-mask-tis masks token weights by the sequence geometric mean; is_correction_level="
                 f"{cfg.is_correction_level!r} is not a token-wise weight: use 'token' or 'sequence_mean'"
             )
-    elif lo is not None and cfg.truncated_importance_sampling_ratio is None:
-        out.append("truncated_importance_sampling_ratio_min is set but truncated_importance_sampling_type is null")
+    elif hi is not None:  # NeMo-RL refuses this at its first call ("Invalid truncated importance sampling type")
+        out.append(
+            "truncated_importance_sampling_ratio is set but truncated_importance_sampling_type is null: set the type "
+            "('tis', 'icepop', ...) or unset truncated_importance_sampling_ratio"
+        )
+    elif lo is not None:  # NeMo-RL runs with it (and ignores it)
+        warnings.warn(
+            "truncated_importance_sampling_ratio_min is ignored: truncated_importance_sampling_type is null",
+            UserWarning, stacklevel=2,
+        )
 
     if cfg.use_cispo:
         for flag, bad in (
