@@ -117,6 +117,7 @@ def test_config_errors_are_validation_value_and_assertion_errors():
           "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.5},
          ["truncated_importance_sampling_type", "importance_sampling_rejection"]),
         ({"log_ratio_clip_low": -0.1, "log_ratio_clip_high": 0.05}, ["log_ratio_clip_low"]),
+        ({"truncated_importance_sampling_ratio": 2.0}, ["truncated_importance_sampling_type"]),  # NeMo-RL: at call
     ],
 )
 def test_contradictions_rejected_naming_fields(kwargs, fields):
@@ -146,3 +147,9 @@ def test_rejection_field_combines_with_token_truncation_and_runs_without_is_weig
         importance_sampling_rejection_max=2.0, is_correction_level="token",
     )
     assert not alone.use_importance_sampling_correction
+
+
+def test_lone_truncation_min_is_ignored_with_a_warning_as_nemo_rl_ignores_it():
+    with pytest.warns(UserWarning, match="truncated_importance_sampling_ratio_min is ignored"):
+        cfg = ClippedPGLossConfig(truncated_importance_sampling_ratio_min=0.5)
+    assert cfg.truncated_importance_sampling_type is None

@@ -106,3 +106,23 @@ def test_rejected_config_type_is_both_assertion_and_value_error():
     with pytest.raises(AssertionError) as err:
         build_loss_fn(dict(case["config"], ratio_clip_c=0.5))
     assert isinstance(err.value, (ConfigValidationError, ValueError)) and "ratio_clip_c" in str(err.value)
+
+
+EXACT_SUITES = [c for suite in ("nemo_rl", "nemo_rl_compat") for c in load_cases(suite) if "error" not in c["expected"]]
+
+
+def test_loss_and_nemo_rl_metrics_are_bit_exact_on_every_golden_case():
+    """NeMo-RL computes in float32 with sum(v * m) / (N + 1e-8); the plugin's legacy values follow the same order, so
+    the loss and every NeMo-RL metric are NeMo-RL's exact float32 values (1.0, not 0.9999999967) on all valid cases
+    of both suites (the same torch 2.13 CPU build produced them)."""
+    differ = {}
+    for case in EXACT_SUITES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss, metrics, _ = _run(case)
+        got = {"loss": loss.item(), **{k: metrics[k] for k in case["expected"]["metrics"]}}
+        want = {"loss": case["expected"]["loss"].item(), **case["expected"]["metrics"]}
+        bad = {k: (got[k], v) for k, v in want.items() if not (got[k] == v or (math.isnan(got[k]) and math.isnan(v)))}
+        if bad:
+            differ[f"{case['id']} {case['description'][:30]}"] = bad
+    assert len(EXACT_SUITES) == 140 and not differ, differ
