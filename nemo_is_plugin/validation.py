@@ -7,7 +7,7 @@ that the loss slices ``[:, 1:]``. This module checks that contract before any ma
 - wrong container / dtype -> ``TypeError`` naming the tensor and the accepted dtypes;
 - wrong shape or device -> ``ValueError`` giving the expected shape in terms of ``B`` and ``S``;
 - bad values -> ``ValueError`` naming the tensor, how many elements are bad and the first one:
-  NaN or +-inf anywhere in the current / prev / reference log-probs, advantages or rewards the loss reads (padding
+  NaN or +-inf anywhere in the current / prev / reference log-probs or advantages the loss reads (padding
   included: NeMo-RL multiplies by the mask and ``NaN * 0 = NaN``, so its loss would be NaN or inf and poison the
   weights), masks other than 0/1, negative or non-finite global counts.
 
@@ -17,11 +17,12 @@ instead of refused (:func:`input_anomalies` -> the ``input_*_fraction`` metrics,
 - NaN / +-inf in ``generation_logprobs``: NeMo-RL's ``nan_to_num`` zeroes that token's IS weight (vLLM can return
   ``-inf`` for a sampled token); its mismatch metrics become inf / NaN, as NeMo-RL's do;
 - log-probs above 0 (NeMo-RL's own tests use ``log 3``; log_softmax rounding gives ``+1e-6``): used as given;
-- ``positive_example_nll_weight > 0`` without ``rewards`` in the batch: NeMo-RL skips the NLL term.
+- ``positive_example_nll_weight > 0`` without ``rewards`` in the batch: NeMo-RL skips the NLL term; NaN / inf
+  rewards: NeMo-RL only tests ``reward > 0`` (one-time warning, no metric).
 
 With ``strict_input_checks: true`` each of these is an error instead: non-finite values anywhere and log-probs above
 ``POSITIVE_LOGPROB_TOLERANCE[dtype]`` (a genuinely positive log-prob is a bug of the log-prob computation, e.g. verl
-issue #2656: fused log-probs with mean +59), and a missing ``rewards`` key.
+issue #2656: fused log-probs with mean +59), a missing ``rewards`` key and non-finite rewards.
 
 Non-finite *IS weights* are never an input error: an ``exp`` of finite log-probs that overflows is zeroed by the loss,
 as NeMo-RL does (``nan_to_num(w, nan=0, posinf=0, neginf=0)``).
@@ -178,7 +179,8 @@ def validate_loss_inputs(
         else:
             if t.dtype == torch.bool or t.is_complex():
                 raise TypeError(f"data['rewards'] has dtype {t.dtype}, expected a real number dtype")
-            checks.append((f"data['{key}']", t, "finite"))
+            # NeMo-RL only compares rewards with 0 (NaN is not positive): tolerated, with a warning, by default
+            checks.append((f"data['{key}']", t, "finite" if strict else "compared"))
 
     for name, count in (("global_valid_seqs", global_valid_seqs), ("global_valid_toks", global_valid_toks)):
         checks.append((name, _count_tensor(name, count), "count"))
@@ -250,6 +252,11 @@ def _check_values(checks: list[tuple[str, torch.Tensor, str]]) -> None:
                 raise ValueError(f"{name} must hold only 0 and 1; {_first_bad(name, t, (t != 0) & (t != 1))}")
             continue
         mx, mn = v
+        if kind == "compared":
+            if mx != mx or mx == float("inf") or mn == float("-inf"):
+                warn_once(f"nonfinite {name}", f"{name} holds NaN or inf; only 'reward > 0' is read from it (NaN "
+                          "is not positive), as in NeMo-RL (set strict_input_checks: true to make this an error)")
+            continue
         if mx != mx or mx == float("inf") or mn == float("-inf"):
             nonfinite = ~torch.isfinite(t)
             hint = " (masked positions included: NaN * 0 is NaN in masked sums, so fill padding with 0)"

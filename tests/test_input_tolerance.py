@@ -163,3 +163,15 @@ def test_unfiltered_logprobs_are_validated_like_the_current_ones():
     with pytest.raises(ValueError, match=r"curr_logprobs_unfiltered'\] contains NaN or inf"):
         call(BASE, x, data)
     call(dict(BASE, reference_policy_kl_penalty=0.0), x, data)  # not read without the KL penalty (NeMo-RL)
+
+
+def test_non_finite_rewards_are_only_compared_with_zero_as_nemo_rl():
+    """NeMo-RL reads rewards as ``reward > 0``: NaN and -inf are not positive, +inf is."""
+    x, data = batch()
+    cfg = dict(BASE, positive_example_nll_weight=0.5)
+    want, _ = call(cfg, x, dict(data, rewards=torch.tensor([-1.0, 0.0, 3.0])))
+    with pytest.warns(UserWarning, match=r"data\['rewards'\] holds NaN or inf; only 'reward > 0' is read"):
+        got, _ = call(cfg, x, dict(data, rewards=torch.tensor([float("nan"), float("-inf"), float("inf")])))
+    assert got.item() == want.item()
+    with pytest.raises(ValueError, match=r"data\['rewards'\] contains NaN or inf"):
+        call(dict(cfg, strict_input_checks=True), x, dict(data, rewards=torch.tensor([float("nan"), 0.0, 1.0])))
