@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
+import warnings
+from contextvars import ContextVar
 from typing import Any, Literal, Optional, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from nemo_is_plugin.config_ranges import NUMERIC_RANGES, range_errors  # noqa: F401 - NUMERIC_RANGES re-exported
 
@@ -181,6 +184,72 @@ class RejectionRule(BaseModel):
                    log_ratio_clamp=None)
 
 
+class ConfigValidationError(ValidationError, ConfigError, AssertionError):
+    """An invalid loss config: what :class:`ClippedPGLossConfig` (and every loss / adapter constructor) raises.
+
+    It is pydantic's ``ValidationError`` (its message names each field, ``errors()`` lists them), a ``ValueError``
+    and a :class:`ConfigError`, and an ``AssertionError``, the type NeMo-RL's ``ClippedPGLossFn`` raises for invalid
+    combinations, so code written against either catches it.
+    """
+
+    @classmethod
+    def wrap(cls, exc: ValidationError) -> "ConfigValidationError":
+        if isinstance(exc, cls):
+            return exc
+        details = [
+            {"type": e["type"], "loc": e["loc"], "input": e["input"], **({"ctx": e["ctx"]} if "ctx" in e else {})}
+            for e in exc.errors(include_url=False)
+        ]
+        return cls.from_exception_data(exc.title, details)
+
+
+class UnknownConfigKeyWarning(UserWarning):
+    """A ``loss_fn`` key that no field of :class:`ClippedPGLossConfig` reads (ignored unless strict)."""
+
+
+# Truthy value of this variable makes unknown keys an error everywhere (NeMo-RL builds the loss itself, so a constructor
+# flag would not reach it); ``load_loss_config(..., strict=...)`` decides per call.
+STRICT_KEYS_ENV = "NEMO_IS_STRICT_CONFIG"
+
+
+# Set for the duration of one validation by ``load_loss_config(strict=...)`` / ``model_validate(context=...)``
+# (the custom ``__init__`` makes pydantic drop the validation context, so the flag travels here).
+_STRICT_KEYS: ContextVar[Optional[bool]] = ContextVar("nemo_is_strict_keys", default=None)
+
+
+def strict_keys_default() -> bool:
+    """Whether unknown keys are an error when the caller does not say: ``NEMO_IS_STRICT_CONFIG`` is 1/true/yes/on."""
+    return os.environ.get(STRICT_KEYS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def unknown_keys_message(unknown: list[str], known: set[str], section: str = "loss_fn") -> str:
+    """``unknown <section> key(s): 'x' (did you mean 'y'?), ...`` with the nearest valid key of each."""
+    hints = []
+    for key in unknown:
+        near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.5)
+        hints.append(f"'{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+    return f"unknown {section} key(s): " + ", ".join(hints)
+
+
+def check_unknown_keys(unknown: list[str], known: set[str], *, strict: bool, section: str = "loss_fn") -> None:
+    """The unknown-key policy: an error (``ConfigError``) when ``strict``, else an :class:`UnknownConfigKeyWarning`.
+
+    NeMo-RL's own config model accepts extra keys, so a section NeMo-RL runs with must not be refused by default.
+    """
+    if not unknown:
+        return
+    message = unknown_keys_message(unknown, known, section)
+    if strict:
+        raise ConfigError(
+            message + ". Valid keys are the NeMo-RL ClippedPGLossConfig keys and the plugin keys listed in "
+            f"docs/config.md (strict mode: unset {STRICT_KEYS_ENV} to only warn)."
+        )
+    warnings.warn(
+        message + f"; they are ignored (NeMo-RL accepts extra keys). Set {STRICT_KEYS_ENV}=1 to make this an error.",
+        UnknownConfigKeyWarning, stacklevel=2,
+    )
+
+
 class ClippedPGLossConfig(BaseModel):
     """Configuration of :class:`nemo_is_plugin.loss.ClippedPGLoss`.
 
@@ -272,23 +341,46 @@ class ClippedPGLossConfig(BaseModel):
         "prev", description="pi_old of the policy ratio: 'prev' (three policies) or 'generation' (verl's bypass_mode: "
         "r = pi_theta / mu, and the IS weights / rejections measure the current policy, detached, against mu).",
     )
+    strict_input_checks: bool = Field(
+        False, description="Raise on non-finite generation log-probs and on positive log-probs (above the dtype's "
+        "rounding tolerance) instead of computing them as NeMo-RL does and reporting them in the input_* metrics.",
+    )
+
+    # ------------------------------------------------------------------ construction: one exception type
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigValidationError.wrap(exc) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> "ClippedPGLossConfig":
+        """pydantic's ``model_validate``; ``context={"strict_keys": True}`` makes unknown keys an error."""
+        token = _STRICT_KEYS.set((kwargs.get("context") or {}).get("strict_keys"))
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise ConfigValidationError.wrap(exc) from None
+        finally:
+            _STRICT_KEYS.reset(token)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise ConfigValidationError.wrap(exc) from None
 
     # ------------------------------------------------------------------ validation
     @model_validator(mode="before")
     @classmethod
-    def _reject_unknown_keys(cls, data: Any) -> Any:
+    def _drop_unknown_keys(cls, data: Any) -> Any:
         if isinstance(data, dict):
             known = set(cls.model_fields)
             unknown = [k for k in data if k not in known]
             if unknown:
-                hints = []
-                for key in unknown:
-                    near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
-                    hints.append(f"'{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
-                raise ConfigError(
-                    "unknown loss_fn key(s): " + ", ".join(hints) + ". Valid keys are the NeMo-RL ClippedPGLossConfig "
-                    "keys and the plugin keys listed in docs/config.md."
-                )
+                strict = _STRICT_KEYS.get()
+                check_unknown_keys(unknown, known, strict=strict_keys_default() if strict is None else bool(strict))
+                data = {k: v for k, v in data.items() if k in known}
         return data
 
     @model_validator(mode="after")
@@ -358,7 +450,8 @@ def _contradictions(cfg: ClippedPGLossConfig) -> list[str]:
         out.append(f"reference_policy_kl_type={cfg.reference_policy_kl_type!r} is not one of 'k1', 'k2', 'k3'")
     if gspo and cfg.token_level_loss:
         out.append(
-            "sequence_level_importance_ratios=true (GSPO) requires token_level_loss=false; set token_level_loss: false"
+            "sequence-level importance sampling (e.g. GSPO) is mutually exclusive with token-level loss: "
+            "sequence_level_importance_ratios=true requires token_level_loss: false"
         )
     if tis is not None:
         if tis not in get_args(TruncationType):
@@ -373,14 +466,19 @@ def _contradictions(cfg: ClippedPGLossConfig) -> list[str]:
             )
         if hi is None or hi <= 0:
             out.append(
-                f"truncated_importance_sampling_type={tis!r} needs truncated_importance_sampling_ratio > 0 "
-                f"(got {hi})"
+                f"truncated_importance_sampling_ratio should be positive: truncated_importance_sampling_type={tis!r} "
+                f"needs truncated_importance_sampling_ratio > 0 (got {hi})"
             )
         if tis in ("icepop", *SEQUENCE_MASK_TYPES) and lo is None:
-            out.append(f"truncated_importance_sampling_type={tis!r} needs truncated_importance_sampling_ratio_min")
-        if lo is not None and hi is not None and lo > hi:
             out.append(
-                f"truncated_importance_sampling_ratio_min={lo} must be <= truncated_importance_sampling_ratio={hi}"
+                f"truncated_importance_sampling_ratio_min should be set when truncated_importance_sampling_type is "
+                f"{tis!r}: set the lower bound of the band"
+            )
+        if lo is not None and hi is not None and lo > hi:
+            # NeMo-RL's wording, which its tests match on
+            out.append(
+                "truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio "
+                f"(got {lo} > {hi}): swap them or lower truncated_importance_sampling_ratio_min"
             )
         if tis == "seq-mask-tis" and gspo and cfg.is_correction_level is None:
             out.append(
@@ -392,8 +490,16 @@ def _contradictions(cfg: ClippedPGLossConfig) -> list[str]:
                 f"seq-mask-tis masks token weights by the sequence geometric mean; is_correction_level="
                 f"{cfg.is_correction_level!r} is not a token-wise weight: use 'token' or 'sequence_mean'"
             )
-    elif lo is not None and cfg.truncated_importance_sampling_ratio is None:
-        out.append("truncated_importance_sampling_ratio_min is set but truncated_importance_sampling_type is null")
+    elif hi is not None:  # NeMo-RL refuses this at its first call ("Invalid truncated importance sampling type")
+        out.append(
+            "truncated_importance_sampling_ratio is set but truncated_importance_sampling_type is null: set the type "
+            "('tis', 'icepop', ...) or unset truncated_importance_sampling_ratio"
+        )
+    elif lo is not None:  # NeMo-RL runs with it (and ignores it)
+        warnings.warn(
+            "truncated_importance_sampling_ratio_min is ignored: truncated_importance_sampling_type is null",
+            UserWarning, stacklevel=2,
+        )
 
     if cfg.use_cispo:
         for flag, bad in (
@@ -489,8 +595,14 @@ def _rule_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     return out
 
 
-def load_loss_config(config: "ClippedPGLossConfig | dict[str, Any]") -> ClippedPGLossConfig:
-    """Validate a NeMo-RL ``loss_fn`` mapping (or pass an existing config through)."""
+def load_loss_config(
+    config: "ClippedPGLossConfig | dict[str, Any]", *, strict: Optional[bool] = None
+) -> ClippedPGLossConfig:
+    """Validate a NeMo-RL ``loss_fn`` mapping (or pass an existing config through).
+
+    Raises :class:`ConfigValidationError` (a pydantic ``ValidationError``, ``ValueError`` and ``AssertionError``).
+    ``strict``: unknown keys are an error (True) or a warning (False); None reads ``NEMO_IS_STRICT_CONFIG``.
+    """
     if isinstance(config, ClippedPGLossConfig):
         return config
     if not isinstance(config, dict):
@@ -498,4 +610,5 @@ def load_loss_config(config: "ClippedPGLossConfig | dict[str, Any]") -> ClippedP
             config = dict(config)  # e.g. an OmegaConf DictConfig converted by the caller, or a Mapping
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"loss_fn config must be a mapping, got {type(config).__name__}") from exc
-    return ClippedPGLossConfig(**config)
+    context = None if strict is None else {"strict_keys": strict}
+    return ClippedPGLossConfig.model_validate(config, context=context)

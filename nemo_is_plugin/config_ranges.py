@@ -56,14 +56,16 @@ NUMERIC_RANGES: dict[str, NumericRange] = {
         low=1.0, low_open=True, why="the dual clip caps the loss of A < 0 at -A * c, which must lie above the "
         "clipped ratio's 1", fix="use e.g. 3.0, or null to disable dual clipping"),
     "truncated_importance_sampling_ratio": NumericRange(
-        low=1.0, why="the upper bound of the IS weight; below 1 it truncates or masks on-policy tokens (w = 1) too",
-        fix="use e.g. 2.0 (tis) or 5.0 (icepop)"),
+        **_POS, why="truncated_importance_sampling_ratio should be positive: it is the upper bound of the IS weight (a "
+        "bound below 1 also truncates on-policy tokens, w = 1: a deliberate learning-rate cut that NeMo-RL's own tests "
+        "use, so it is allowed)", fix="use e.g. 2.0 (tis) or 5.0 (icepop)"),
     "truncated_importance_sampling_ratio_min": NumericRange(
-        low=0.0, high=1.0, why="the lower bound of the IS weight; above 1 it masks on-policy tokens (w = 1)",
+        low=0.0, why="the lower bound of the IS weight (0 = none); that it does not exceed "
+        "truncated_importance_sampling_ratio is checked with it, in NeMo-RL's words",
         fix="use e.g. 0.5 (icepop), 0.999 (seq-mask-tis / geo-rs) or null"),
     "positive_example_nll_weight": NumericRange(
-        low=0.0, why="the weight of the NLL of rewarded samples; a negative weight pushes their probability down",
-        fix="use 0 to turn it off"),
+        low=0.0, why="the weight of the NLL of rewarded samples; NeMo-RL silently drops the term for a weight <= 0, so a "
+        "negative weight is a typo (it would push their probability down if applied)", fix="use 0 to turn it off"),
     "log_ratio_clip_low": NumericRange(
         **_POS, why="the log-space band is [-eps_low * t^p, eps_high * t^p]; eps <= 0 excludes log r = 0",
         fix="use e.g. 0.025 (CTPO) or leave both log_ratio_clip keys null"),

@@ -4,7 +4,9 @@
 
 r_t: policy ratio at ``ratio_level`` (ratios.py), clipped in ratio or log space (surrogate.py);
 w_t: IS correction at ``is_correction_level`` with truncation / masking / rejection (correction.py);
-KL_t: k1/k2/k3 to the reference policy (kl.py); aggregate: token or sequence means over global counts (aggregation.py).
+KL_t: k1/k2/k3 to the reference policy (kl.py), on NeMo-RL's unfiltered current log-probs when the batch holds
+``curr_logprobs_unfiltered`` (top-k / top-p training); aggregate: token or sequence means over global counts
+(aggregation.py).
 
 With every plugin field unset this reproduces NeMo-RL's ClippedPGLossFn (commit 7ea279ab): loss, gradient and metrics.
 """
@@ -28,9 +30,11 @@ from nemo_is_plugin.ratios import policy_log_ratio, unmasked_positions
 from nemo_is_plugin.surrogate import (
     cispo_surrogate,
     log_space_clip_surrogate,
+    on_policy_surrogate,
     ratio_clip_surrogate,
     reinforce_surrogate,
 )
+from nemo_is_plugin.validation import input_anomalies, warn_input_anomalies
 
 # NeMo-RL's data keys; [B, S] tensors are sliced [:, 1:] to align with next-token log-probs [B, S-1].
 TOKEN_KEYS = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
@@ -53,6 +57,9 @@ class LossInputs:
     global_valid_seqs: torch.Tensor | float
     global_valid_toks: torch.Tensor | float
     rewards: Optional[torch.Tensor] = None
+    # NeMo-RL's current log-probs without top-k / top-p filtering (same shape as curr_logprobs, requires grad): the
+    # KL penalty and its weight use them when present.
+    curr_logprobs_unfiltered: Optional[torch.Tensor] = None
 
     @classmethod
     def from_tokens(
@@ -63,8 +70,9 @@ class LossInputs:
         global_valid_seqs: torch.Tensor | float,
         global_valid_toks: torch.Tensor | float,
     ) -> "LossInputs":
-        """Build from token tensors under NeMo-RL's keys (``tokens``, already aligned with ``curr_logprobs``) and the
-        per-sequence entries of ``data`` (``sample_mask``, optional ``rewards``)."""
+        """Build from token tensors under NeMo-RL's keys (``tokens``, already aligned with ``curr_logprobs``, optionally
+        ``curr_logprobs_unfiltered``) and the per-sequence entries of ``data`` (``sample_mask``, optional
+        ``rewards``)."""
         return cls(
             curr_logprobs=curr_logprobs,
             prev_logprobs=tokens.get("prev_logprobs"),
@@ -76,6 +84,7 @@ class LossInputs:
             global_valid_seqs=global_valid_seqs,
             global_valid_toks=global_valid_toks,
             rewards=data.get("rewards"),
+            curr_logprobs_unfiltered=tokens.get("curr_logprobs_unfiltered"),
         )
 
 
@@ -122,9 +131,12 @@ class ClippedPGLoss:
             needs_prev=not cfg.force_on_policy_ratio and not cfg.bypasses_prev,
             needs_generation=True,
             needs_reference=cfg.effective_kl_penalty != 0,
-            needs_rewards=cfg.positive_example_nll_weight != 0,
+            needs_rewards=cfg.positive_example_nll_weight > 0,
+            strict=cfg.strict_input_checks,
         )
         sliced = {k: data[k][:, 1:] for k in TOKEN_KEYS if k in data}
+        if "curr_logprobs_unfiltered" in data and cfg.effective_kl_penalty != 0:  # NeMo-RL reads it only then
+            sliced["curr_logprobs_unfiltered"] = data["curr_logprobs_unfiltered"]  # already [B, S-1]
         curr = next_token_logprobs
         if layout is None:
             layout = TokenLayout.padded(curr.shape[0], curr.shape[1], device=curr.device)
@@ -162,16 +174,15 @@ class ClippedPGLoss:
         # 1. Mismatch diagnostics NeMo-RL reports (no grad).
         legacy_error_metrics(book, p_is, g, valid, cfg.reference_policy_kl_type)
 
-        # 2. KL to the reference policy.
+        # 2. KL to the reference policy, on the unfiltered log-probs under top-k / top-p (NeMo-RL: the reference's are
+        # unfiltered too). beta multiplies each token before the reduction and the metric divides it out again, in
+        # NeMo-RL's order, so that kl_penalty carries NeMo-RL's exact value.
         beta = cfg.effective_kl_penalty
         kl_loss = torch.zeros((), dtype=dtype, device=c.device)
         if beta != 0:
-            kl_tok = self.kl_tokens(c, g, as_f(inputs.reference_logprobs))
-            kl = reduce(kl_tok)
-            kl_loss = beta * kl
-            book.add_sum("kl_penalty", kl.detach())
-        else:
-            book.add_sum("kl_penalty", torch.zeros((), dtype=torch.float64, device=c.device))
+            c_kl = c if inputs.curr_logprobs_unfiltered is None else inputs.curr_logprobs_unfiltered.to(dtype)
+            kl_loss = reduce(beta * self.kl_tokens(c_kl, g, as_f(inputs.reference_logprobs)))
+        book.add_sum("kl_penalty", kl_loss.detach().double() / beta if beta != 0 else kl_loss.detach())
 
         # 3. Policy ratio and surrogate. n_t (1-based position among unmasked tokens) serves the log-space clip and
         # the clip-rate-by-position metrics.
@@ -185,10 +196,11 @@ class ClippedPGLoss:
         # 5. Actor loss.
         actor_loss = reduce(corr.weights * sur.loss)
 
-        # 6. Positive-example NLL (VAPO): mean over tokens of samples with reward > 0, local count (NeMo-RL).
+        # 6. Positive-example NLL (VAPO): mean over tokens of samples with reward > 0, local count. As in NeMo-RL the
+        # term exists only for a positive weight and a batch with rewards.
         nll = torch.zeros((), dtype=dtype, device=c.device)
         mu = cfg.positive_example_nll_weight
-        if mu != 0 and inputs.rewards is not None:
+        if mu > 0 and inputs.rewards is not None:
             pos, count = positive_sample_tokens(inputs.rewards, valid, layout)
             # Without positive tokens the sum is an exact 0 (and its gradient too): no host-side test of the count.
             nll = where_mask(-c, pos).sum() / (count.to(dtype) + EPS)
@@ -212,11 +224,22 @@ class ClippedPGLoss:
         book.add_sum("approx_entropy", ent)
         book.add_sum("positive_nll_loss", nll.detach())
         book.rejection_rules(corr, sm)
-        book.mismatch(p_is, g, tm, sm)
+        # What the tolerant input mode computed as given (see validation.py); the plugin's own mismatch metrics skip
+        # tokens whose generation log-prob is not finite (NeMo-RL's names above keep NeMo-RL's inf / NaN).
+        nonfinite, positive = input_anomalies(valid, inputs.generation_logprobs, {
+            "curr": c_in, "unfiltered": inputs.curr_logprobs_unfiltered if beta != 0 else None,
+            "prev": None if cfg.force_on_policy_ratio or cfg.bypasses_prev else inputs.prev_logprobs,
+            "generation": inputs.generation_logprobs, "reference": inputs.reference_logprobs if beta != 0 else None,
+        })
+        book.token_mean("input_nonfinite_generation_fraction", nonfinite)
+        book.token_mean("input_positive_logprob_fraction", positive)
+        book.mismatch(p_is, g, tm * torch.isfinite(g).to(dtype), sm)
         book.clip_by_position(sur, positions)
         for name, value in (extra_metric_sums or {}).items():
             book.add_sum(name, value)
-        return loss, book.finish()
+        metrics = book.finish()
+        warn_input_anomalies(metrics)
+        return loss, metrics
 
     def kl_tokens(self, c: torch.Tensor, g: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         """Per-token KL penalty to the reference policy (before aggregation and beta); token-wise in ``c``."""
@@ -231,6 +254,9 @@ class ClippedPGLoss:
     def surrogate(self, c, p, adv, tm, layout, positions):
         """The per-token surrogate (:class:`~nemo_is_plugin.surrogate.SurrogateOut`) of the configured ratio."""
         cfg = self.config
+        # NeMo-RL tests force_on_policy_ratio first: with disable_ppo_ratio as well, the ratio is still exp(c - sg c).
+        if cfg.force_on_policy_ratio and not cfg.uses_log_space_clip:
+            return on_policy_surrogate(c, adv, dual_clip=cfg.ratio_clip_c)
         if cfg.disable_ppo_ratio:
             return reinforce_surrogate(c, adv, dual_clip=cfg.ratio_clip_c)
         if cfg.force_on_policy_ratio:

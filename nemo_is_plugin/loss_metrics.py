@@ -1,7 +1,9 @@
 """The loss's metrics: NeMo-RL's names and values, plus the IS, clip and mismatch statistics practitioners log.
 
 Every metric is this process's additive share (a local sum over a global count); names ending in ``_min`` / ``_max``
-are reduced with min / max. Under context parallelism :meth:`MetricBook.finish` reduces the shares over the CP group
+are reduced with min / max. NeMo-RL's metrics are computed in the loss's dtype with NeMo-RL's normalisation,
+``sum(v * m) / (N + 1e-8)``, so that they carry NeMo-RL's exact values (1.0 where NeMo-RL reports 1.0, not the
+0.9999999967 of a float64 division); the plugin's own metrics are accumulated in float64. Under context parallelism :meth:`MetricBook.finish` reduces the shares over the CP group
 in one collective, so each CP rank returns the full-sequence metrics.
 """
 
@@ -46,6 +48,16 @@ class MetricBook:
         value = where_mask(per_seq.double(), sample_mask).sum() / (self.n_seq.double() + EPS)
         self.add_replicated_scalar(name, value)
 
+    def legacy_token_mean(self, name: str, values: torch.Tensor) -> None:
+        """NeMo-RL's ``masked_mean(v, mask, global_valid_toks)`` in the loss dtype (its exact value)."""
+        v = values.detach().to(self.n_tok.dtype)
+        self.add_sum(name, where_mask(v, self.valid).sum() / (self.n_tok + EPS))
+
+    def legacy_seq_mean(self, name: str, per_seq: torch.Tensor, sample_mask: torch.Tensor) -> None:
+        """NeMo-RL's ``masked_mean(v, sample_mask, global_valid_seqs)`` of a per-sequence value, in the loss dtype."""
+        v = per_seq.detach().to(self.n_seq.dtype)
+        self.add_replicated_scalar(name, where_mask(v, sample_mask).sum() / (self.n_seq + EPS))
+
     def min_max(self, name: str, values: torch.Tensor) -> None:
         v = values.detach()
         ok = self.valid != 0
@@ -54,8 +66,8 @@ class MetricBook:
 
     # ------------------------------------------------------------------ metric groups
     def policy_ratio(self, sur: SurrogateOut) -> None:
-        self.token_mean("probs_ratio", sur.ratio)
-        self.token_mean("probs_ratio_clamped", sur.clipped_ratio)
+        self.legacy_token_mean("probs_ratio", sur.ratio)
+        self.legacy_token_mean("probs_ratio_clamped", sur.clipped_ratio)
         self.min_max("probs_ratio", sur.ratio)
         self.min_max("probs_ratio_clamped", sur.clipped_ratio)
         for name, flag in (("clip_fraction", sur.clipped), ("clip_fraction_low", sur.clipped_low),
@@ -70,12 +82,12 @@ class MetricBook:
         if legacy_gspo:
             # NeMo-RL's broadcast of [B, 1] weights against the [B] sample mask: sum_i w_i * sum_j s_j / N_seq, over
             # every row i, masked or not. The sequence weight is constant along its row, padding included.
-            seq_w = self.layout.seq_max(w_metric)
+            seq_w = self.layout.seq_max(w_metric).to(self.n_seq.dtype)
             seq_w = torch.where(torch.isfinite(seq_w), seq_w, torch.zeros_like(seq_w))
-            bugged = seq_w.double().sum() * sample_mask.double().sum() / (self.n_seq.double() + EPS)
+            bugged = (seq_w.unsqueeze(1) * sample_mask.to(seq_w.dtype).unsqueeze(0)).sum() / (self.n_seq + EPS)
             self.add_replicated_scalar("sampling_importance_ratio", bugged)
         else:
-            self.token_mean("sampling_importance_ratio", w_metric)
+            self.legacy_token_mean("sampling_importance_ratio", w_metric)
         # The corrected value: mean over sequences of each sequence's masked mean weight (its weight, for sequence
         # levels); independent of padding.
         count = self.layout.seq_sum(self.valid.double())
@@ -83,9 +95,9 @@ class MetricBook:
         self.seq_mean("sampling_importance_ratio_seq_mean", per_seq, sample_mask)
         if truncation is not None:
             if corr.seq_out_of_band is not None:
-                self.seq_mean("is_oob_ratio", corr.seq_out_of_band.double(), sample_mask)
+                self.legacy_seq_mean("is_oob_ratio", corr.seq_out_of_band, sample_mask)
             else:
-                self.token_mean("is_oob_ratio", corr.out_of_band.double())
+                self.legacy_token_mean("is_oob_ratio", corr.out_of_band)
         for prefix, w in (("is_weight", corr.weights), ("is_raw_weight", corr.raw_weights)):
             self.token_mean(f"{prefix}_mean", w)
             self.token_mean(f"{prefix}_sq_mean", w.double() ** 2)
@@ -155,10 +167,15 @@ def legacy_error_metrics(book: MetricBook, prev: torch.Tensor, gen: torch.Tensor
     The KL errors use ``reference_policy_kl_type`` without clamps, even when the KL penalty is 0 (NeMo-RL's
     behaviour); the Jensen-Shannon error is 0.5 (k3(p - M) + k3(g - M)) with M = log((e^p + e^g) / 2).
     """
-    book.token_mean("token_mult_prob_error", torch.exp(where_mask((gen - prev).abs(), valid)))
-    book.token_mean("gen_kl_error", kl_estimate(prev - gen, kl_type))
-    book.token_mean("policy_kl_error", kl_estimate(gen - prev, kl_type))
-    mix = torch.logaddexp(prev, gen) - math.log(2.0)
-    # NeMo-RL's JS term is k3-shaped whatever the KL type (its golden values match k3 for k1/k2/k3 configs).
-    js = 0.5 * (kl_estimate(prev - mix, "k3") + kl_estimate(gen - mix, "k3"))
-    book.token_mean("js_divergence_error", js)
+    book.legacy_token_mean("token_mult_prob_error", torch.exp(where_mask((gen - prev).abs(), valid)))
+    book.legacy_token_mean("gen_kl_error", kl_estimate(prev - gen, kl_type))
+    book.legacy_token_mean("policy_kl_error", kl_estimate(gen - prev, kl_type))
+    # M = log((e^p + e^g) / 2), computed as NeMo-RL does (its exact value); where that underflows (both log-probs
+    # below about -103 in float32: log 0 = -inf, then NaN) the stable logaddexp form takes over.
+    mix = torch.log(0.5 * torch.exp(prev) + 0.5 * torch.exp(gen))
+    stable = torch.logaddexp(prev, gen) - math.log(2.0)
+    mix = torch.where(torch.isfinite(mix) | ~torch.isfinite(stable), mix, stable)
+    # k3-shaped whatever the KL type, in NeMo-RL's order of operations: 0.5 (e^a - a - 1) + 0.5 (e^b - b - 1).
+    a, b = prev - mix, gen - mix
+    js = 0.5 * (torch.exp(a) - a - 1) + 0.5 * (torch.exp(b) - b - 1)
+    book.legacy_token_mean("js_divergence_error", js)

@@ -111,7 +111,7 @@ class TokenLossGradient:
                 f(inputs.prev_logprobs), f(inputs.generation_logprobs), tm, valid, layout, **is_correction_kwargs(cfg)
             )
             nll_weight = None
-            if cfg.positive_example_nll_weight != 0 and inputs.rewards is not None:
+            if cfg.positive_example_nll_weight > 0 and inputs.rewards is not None:  # as the loss: no term otherwise
                 pos, count = positive_sample_tokens(inputs.rewards, valid, layout)
                 if count > 0:
                     nll_weight = pos / (count.to(dtype) + EPS)

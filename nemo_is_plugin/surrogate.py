@@ -6,6 +6,7 @@ log-space:     L = max(-A r, -A exp(clamp(log r, -eps_low s_t, eps_high s_t))); 
                with s_t = n_t ** power and n_t the 1-based position among unmasked tokens (CTPO; power 0 = fixed)
 CISPO:         L = -A sg(clip(r, 1 - eps_low, 1 + eps_high)) log pi
 REINFORCE:     L = -A log pi  (NeMo-RL disable_ppo_ratio: the "ratio" is the log-prob itself)
+on-policy:     L = -A exp(c - sg[c])  (NeMo-RL force_on_policy_ratio: ratio 1 with its gradient, no clip)
 """
 
 from __future__ import annotations
@@ -98,6 +99,16 @@ def cispo_surrogate(
         loss, r, clipped_ratio.detach(), (r != clipped_ratio.detach()),
         (r < 1 - clip_low) & (advantages < 0), (r > 1 + clip_high) & (advantages > 0), none,
     )
+
+
+def on_policy_surrogate(curr: torch.Tensor, advantages: torch.Tensor, *, dual_clip: Optional[float]) -> SurrogateOut:
+    """NeMo-RL ``force_on_policy_ratio``: r = exp(c - sg[c]) (value 1, gradient grad c), never clipped: L = -A r;
+    the dual clip still applies."""
+    ratio = torch.exp(curr - curr.detach())
+    loss, dual = _dual_clip(-advantages * ratio, advantages, dual_clip)
+    r = ratio.detach()
+    none = torch.zeros_like(r, dtype=torch.bool)
+    return SurrogateOut(loss, r, r, none, none, none, dual)
 
 
 def reinforce_surrogate(curr: torch.Tensor, advantages: torch.Tensor, *, dual_clip: Optional[float]) -> SurrogateOut:

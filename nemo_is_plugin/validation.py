@@ -7,11 +7,24 @@ that the loss slices ``[:, 1:]``. This module checks that contract before any ma
 - wrong container / dtype -> ``TypeError`` naming the tensor and the accepted dtypes;
 - wrong shape or device -> ``ValueError`` giving the expected shape in terms of ``B`` and ``S``;
 - bad values -> ``ValueError`` naming the tensor, how many elements are bad and the first one:
-  NaN or +-inf anywhere in a log-prob, advantage or reward tensor (padding included, because ``NaN * 0 = NaN``
-  poisons masked sums), log-probs above ``POSITIVE_LOGPROB_TOLERANCE[dtype]``, masks other than 0/1, negative or
-  non-finite global counts.
+  NaN or +-inf anywhere in the current / prev / reference log-probs or advantages the loss reads (padding
+  included: NeMo-RL multiplies by the mask and ``NaN * 0 = NaN``, so its loss would be NaN or inf and poison the
+  weights), masks other than 0/1, negative or non-finite global counts.
 
-Non-finite *IS weights* are not an input error: an ``exp`` of finite log-probs that overflows is zeroed by the loss,
+What NeMo-RL computes finitely is computed the same way by default (``strict_input_checks: false``) and reported
+instead of refused (:func:`input_anomalies` -> the ``input_*_fraction`` metrics, plus a one-time warning):
+
+- NaN / +-inf in ``generation_logprobs``: NeMo-RL's ``nan_to_num`` zeroes that token's IS weight (vLLM can return
+  ``-inf`` for a sampled token); its mismatch metrics become inf / NaN, as NeMo-RL's do;
+- log-probs above 0 (NeMo-RL's own tests use ``log 3``; log_softmax rounding gives ``+1e-6``): used as given;
+- ``positive_example_nll_weight > 0`` without ``rewards`` in the batch: NeMo-RL skips the NLL term; NaN / inf
+  rewards: NeMo-RL only tests ``reward > 0`` (one-time warning, no metric).
+
+With ``strict_input_checks: true`` each of these is an error instead: non-finite values anywhere and log-probs above
+``POSITIVE_LOGPROB_TOLERANCE[dtype]`` (a genuinely positive log-prob is a bug of the log-prob computation, e.g. verl
+issue #2656: fused log-probs with mean +59), a missing ``rewards`` key and non-finite rewards.
+
+Non-finite *IS weights* are never an input error: an ``exp`` of finite log-probs that overflows is zeroed by the loss,
 as NeMo-RL does (``nan_to_num(w, nan=0, posinf=0, neginf=0)``).
 
 Cost: two reductions per float tensor (max, min; NaN propagates through max), one per non-bool mask, and a single
@@ -21,15 +34,15 @@ error has been found.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 
-# How far above 0 a log-prob may be before it is an error, per dtype. log_softmax rounds: in float32 a near-certain
-# token can come out at +1e-6; half-precision log-probs computed from half-precision logits err by up to one ulp of
-# the logit (bf16 spacing is 0.0625 at |logit| in [8, 16)). Anything beyond that is a bug of the log-prob
-# computation (verl issue #2656: fused log-probs with mean +59), which must not train silently.
+# How far above 0 a log-prob may be before it counts as positive (an error in strict mode), per dtype. log_softmax
+# rounds: in float32 a near-certain token can come out at +1e-6; half-precision log-probs computed from
+# half-precision logits err by up to one ulp of the logit (bf16 spacing is 0.0625 at |logit| in [8, 16)).
 POSITIVE_LOGPROB_TOLERANCE: dict[torch.dtype, float] = {
     torch.float64: 1e-4,
     torch.float32: 1e-4,
@@ -50,6 +63,7 @@ _WHY = {
     "generation_logprobs": "the IS weights and the mismatch metrics",
     "reference_policy_logprobs": "the KL penalty (reference_policy_kl_penalty != 0 and use_kl_in_reward=false)",
     "rewards": "positive_example_nll_weight > 0",
+    "curr_logprobs_unfiltered": "the KL penalty under top-k / top-p filtering",
     "token_mask": "every loss",
     "sample_mask": "every loss",
     "advantages": "every loss",
@@ -74,6 +88,7 @@ def validate_loss_inputs(
     needs_generation: bool,
     needs_reference: bool,
     needs_rewards: bool,
+    strict: bool = True,
 ) -> None:
     """Raise a clear error if the inputs of ``ClippedPGLoss.__call__`` break NeMo-RL's contract.
 
@@ -81,12 +96,16 @@ def validate_loss_inputs(
         next_token_logprobs: Float[B, S-1] current-policy log-probs (fp16/bf16/fp32/fp64).
         data: mapping with ``token_mask [B, S]`` (bool/int/float 0-1), ``sample_mask [B]``, ``advantages [B, S]``
             float, and, when the matching ``needs_*`` flag is set, ``prev_logprobs``, ``generation_logprobs``,
-            ``reference_policy_logprobs`` (Float[B, S]) and ``rewards [B]``. Column 0 of the ``[B, S]`` tensors is
-            never read by the loss and is not checked.
+            ``reference_policy_logprobs`` (Float[B, S]) and ``rewards [B]``; optional ``curr_logprobs_unfiltered``
+            Float[B, S-1] (NeMo-RL's unfiltered current log-probs, read with the KL penalty). Column 0 of the
+            ``[B, S]`` tensors is never read by the loss and is not checked.
         global_valid_seqs, global_valid_toks: 0-d tensors or numbers, finite and >= 0.
         num_seqs: length of the per-sequence tensors (``sample_mask``, ``rewards``) when the token layout is not one
             sequence per row (a packed ``[1, N]`` batch of several sequences); None = B.
         needs_*: whether the configured loss reads that tensor (unneeded keys are neither required nor checked).
+            ``needs_rewards`` (positive_example_nll_weight > 0): ``rewards`` is checked when present; when absent it is
+            an error if ``strict``, else NeMo-RL's behaviour (the NLL term is skipped) with a one-time warning.
+        strict: refuse non-finite generation log-probs and positive log-probs (see the module docstring).
 
     Returns:
         None. Raises ``TypeError``, ``ValueError`` or ``MissingInputError`` (a ``KeyError``).
@@ -118,8 +137,12 @@ def validate_loss_inputs(
     needed = {"token_mask", "sample_mask", "advantages"}
     flags = {"needs_prev": needs_prev, "needs_generation": needs_generation, "needs_reference": needs_reference}
     needed.update(k for k, flag in _LOGPROB_KEYS.items() if flags[flag])
-    if needs_rewards:
+    if needs_rewards and strict:
         needed.add("rewards")
+    elif needs_rewards and "rewards" not in data:
+        warn_once("rewards", "positive_example_nll_weight > 0 but data has no 'rewards': the positive-example NLL term "
+                  "is skipped, as NeMo-RL does (set strict_input_checks: true to make this an error)")
+    read_rewards = needs_rewards and "rewards" in data
     missing = sorted(k for k in needed if k not in data)
     if missing:
         raise MissingInputError(
@@ -129,7 +152,17 @@ def validate_loss_inputs(
         )
 
     # (name, tensor restricted to what the loss reads, kind) for the value checks below
-    checks: list[tuple[str, torch.Tensor, str]] = [("next_token_logprobs", x, "logprob")]
+    logprob = "logprob" if strict else "finite"
+    checks: list[tuple[str, torch.Tensor, str]] = [("next_token_logprobs", x, logprob)]
+    if needs_reference and "curr_logprobs_unfiltered" in data:
+        t = _tensor("curr_logprobs_unfiltered", data["curr_logprobs_unfiltered"], x)
+        if t.shape != x.shape:
+            raise ValueError(
+                f"data['curr_logprobs_unfiltered'] has shape {_shape(t)}, expected [B, S-1] = [{batch}, {s_minus_1}] "
+                "like next_token_logprobs (it is already aligned with the next token, not sliced)"
+            )
+        _check_float_dtype("data['curr_logprobs_unfiltered']", t)
+        checks.append(("data['curr_logprobs_unfiltered']", t, logprob))
     for key in ("token_mask", "advantages", *[k for k in _LOGPROB_KEYS if k in needed]):
         t = _tensor(key, data[key], x)
         if t.shape != (batch, s_minus_1 + 1):
@@ -142,8 +175,10 @@ def validate_loss_inputs(
             checks.append((f"data['{key}']", t[:, 1:], "mask"))
         else:
             _check_float_dtype(f"data['{key}']", t)
-            checks.append((f"data['{key}']", t[:, 1:], "logprob" if key in _LOGPROB_KEYS else "finite"))
-    for key in ("sample_mask", "rewards") if needs_rewards else ("sample_mask",):
+            if key == "generation_logprobs" and not strict:
+                continue  # NeMo-RL zeroes the IS weight of a non-finite generation log-prob
+            checks.append((f"data['{key}']", t[:, 1:], logprob if key in _LOGPROB_KEYS else "finite"))
+    for key in ("sample_mask", "rewards") if read_rewards else ("sample_mask",):
         t = _tensor(key, data[key], x)
         if num_seqs is not None and t.shape != (num_seqs,):
             raise ValueError(f"data['{key}'] has shape {_shape(t)}, expected [num_seqs] = [{num_seqs}] (the layout's)")
@@ -158,7 +193,8 @@ def validate_loss_inputs(
         else:
             if t.dtype == torch.bool or t.is_complex():
                 raise TypeError(f"data['rewards'] has dtype {t.dtype}, expected a real number dtype")
-            checks.append((f"data['{key}']", t, "finite"))
+            # NeMo-RL only compares rewards with 0 (NaN is not positive): tolerated, with a warning, by default
+            checks.append((f"data['{key}']", t, "finite" if strict else "compared"))
 
     for name, count in (("global_valid_seqs", global_valid_seqs), ("global_valid_toks", global_valid_toks)):
         checks.append((name, _count_tensor(name, count, x.device), "count"))
@@ -230,6 +266,11 @@ def _check_values(checks: list[tuple[str, torch.Tensor, str]]) -> None:
                 raise ValueError(f"{name} must hold only 0 and 1; {_first_bad(name, t, (t != 0) & (t != 1))}")
             continue
         mx, mn = v
+        if kind == "compared":
+            if mx != mx or mx == float("inf") or mn == float("-inf"):
+                warn_once(f"nonfinite {name}", f"{name} holds NaN or inf; only 'reward > 0' is read from it (NaN "
+                          "is not positive), as in NeMo-RL (set strict_input_checks: true to make this an error)")
+            continue
         if mx != mx or mx == float("inf") or mn == float("-inf"):
             nonfinite = ~torch.isfinite(t)
             hint = " (masked positions included: NaN * 0 is NaN in masked sums, so fill padding with 0)"
@@ -241,6 +282,61 @@ def _check_values(checks: list[tuple[str, torch.Tensor, str]]) -> None:
                     f"{name} holds positive log-probs (max {mx:.6g} > tolerance {tol:g} for {t.dtype}); "
                     f"log-probs must be <= 0: {_first_bad(name, t, t > tol)}"
                 )
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """A ``UserWarning`` the first time ``key`` comes up in this process (the loss runs once per micro-batch)."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+@torch.no_grad()
+def input_anomalies(
+    valid: torch.Tensor, generation: torch.Tensor, logprobs: Mapping[str, Optional[torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indicators (Float[*T], on the inputs' device, no host sync) of what the tolerant mode computes as given.
+
+    Args:
+        valid: Float[*T] token_mask * sample_mask; padding is never counted.
+        generation: Float[*T] generation log-probs as passed (any dtype).
+        logprobs: every log-prob tensor the loss reads (Float[*T] or None), in its input dtype.
+    Returns:
+        (valid tokens whose generation log-prob is NaN or +-inf, valid tokens where some finite log-prob exceeds its
+        dtype's ``POSITIVE_LOGPROB_TOLERANCE``), both 0/1 in ``valid``'s dtype.
+    """
+    ok = valid != 0
+    positive = torch.zeros_like(ok)
+    for t in logprobs.values():
+        if t is not None:
+            positive = positive | ((t > POSITIVE_LOGPROB_TOLERANCE.get(t.dtype, 1e-4)) & torch.isfinite(t))
+    nonfinite = ok & ~torch.isfinite(generation)
+    return nonfinite.to(valid.dtype), (ok & positive).to(valid.dtype)
+
+
+# metric name -> (one-time warning key, what it means)
+ANOMALY_METRICS = {
+    "input_nonfinite_generation_fraction": (
+        "nonfinite_generation",
+        "data['generation_logprobs'] holds NaN / inf on valid tokens: their IS weights are 0 and the mismatch "
+        "metrics NeMo-RL reports become inf / NaN, as in NeMo-RL",
+    ),
+    "input_positive_logprob_fraction": (
+        "positive_logprob",
+        "log-probs above 0 (beyond log_softmax rounding) on valid tokens are used as given, as in NeMo-RL",
+    ),
+}
+
+
+def warn_input_anomalies(metrics: Mapping[str, float]) -> None:
+    """One warning per kind and process when the metrics of :func:`input_anomalies` are non-zero."""
+    for name, (key, meaning) in ANOMALY_METRICS.items():
+        if metrics.get(name, 0.0) > 0:
+            warn_once(key, f"{meaning} (metric {name} = {metrics[name]:.3g}); set strict_input_checks: true to "
+                      "raise instead")
 
 
 def _first_bad(name: str, t: torch.Tensor, bad: torch.Tensor) -> str:

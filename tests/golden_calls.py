@@ -27,7 +27,7 @@ from typing import Callable, ContextManager, Optional
 
 import torch
 
-from golden_utils import GOLDEN
+from golden_utils import GOLDEN, metric_close
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import LossInputs
@@ -199,13 +199,6 @@ def _compute_runner(config: dict, cpu_inputs: LossInputs) -> Runner:
 
 
 # ---------------------------------------------------------------------------------------------------- golden checks
-def metric_close(name: str, got: float, want: float) -> bool:
-    """The NeMo-RL golden README's metric tolerances."""
-    from test_golden_nemo_rl import _close
-
-    return _close(name, got, want)
-
-
 def _nemo_rl_check(case: dict) -> Callable[[Outcome], None]:
     def check(out: Outcome) -> None:
         want = case["expected"]

@@ -6,7 +6,14 @@ import pydantic
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.config import (
+    STRICT_KEYS_ENV,
+    ClippedPGLossConfig,
+    ConfigError,
+    ConfigValidationError,
+    UnknownConfigKeyWarning,
+    load_loss_config,
+)
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 
@@ -45,9 +52,35 @@ def test_derived_levels_follow_nemo_rl():
     assert ClippedPGLossConfig(use_kl_in_reward=True).effective_kl_penalty == 0.0
 
 
-def test_unknown_key_names_nearest():
-    with pytest.raises(pydantic.ValidationError, match="did you mean 'is_correction_level'"):
-        ClippedPGLossConfig(is_corection_level="token")
+def test_unknown_key_warns_naming_nearest_and_is_ignored():
+    """NeMo-RL's config model allows extra keys: an unknown key warns (naming the nearest field) and is dropped."""
+    with pytest.warns(UnknownConfigKeyWarning, match=r"'is_corection_level' \(did you mean 'is_correction_level'\?\)"):
+        cfg = ClippedPGLossConfig(is_corection_level="token", ratio_clip_max=0.3)
+    assert cfg == ClippedPGLossConfig(ratio_clip_max=0.3)
+
+
+def test_unknown_key_is_an_error_in_strict_mode(monkeypatch):
+    with pytest.raises(ConfigValidationError, match="did you mean 'is_correction_level'"):
+        load_loss_config({"is_corection_level": "token"}, strict=True)
+    with pytest.raises(ConfigValidationError, match=r"unknown loss_fn key\(s\): 'foo'"):
+        ClippedPGLossConfig.model_validate({"foo": 1}, context={"strict_keys": True})
+    monkeypatch.setenv(STRICT_KEYS_ENV, "1")
+    with pytest.raises(ConfigValidationError, match="'foo'"):
+        ClippedPGLossConfig(foo=1)
+    with pytest.warns(UnknownConfigKeyWarning):  # an explicit strict=False wins over the environment
+        load_loss_config({"foo": 1}, strict=False)
+
+
+def test_config_errors_are_validation_value_and_assertion_errors():
+    """One exception type: pydantic's ValidationError (field-naming message), a ValueError / ConfigError, and the
+    AssertionError NeMo-RL raises for invalid combinations; from the model, load_loss_config and assignment."""
+    bad = {"use_cispo": True, "disable_ppo_ratio": True}
+    for make in (lambda: ClippedPGLossConfig(**bad), lambda: load_loss_config(bad),
+                 lambda: setattr(ClippedPGLossConfig(), "ratio_clip_c", 0.5)):
+        with pytest.raises(AssertionError) as err:
+            make()
+        assert isinstance(err.value, (ConfigValidationError, pydantic.ValidationError, ValueError, ConfigError))
+        assert err.value.errors() and ("use_cispo" in str(err.value) or "ratio_clip_c" in str(err.value))
 
 
 @pytest.mark.parametrize(
@@ -84,6 +117,7 @@ def test_unknown_key_names_nearest():
           "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.5},
          ["truncated_importance_sampling_type", "importance_sampling_rejection"]),
         ({"log_ratio_clip_low": -0.1, "log_ratio_clip_high": 0.05}, ["log_ratio_clip_low"]),
+        ({"truncated_importance_sampling_ratio": 2.0}, ["truncated_importance_sampling_type"]),  # NeMo-RL: at call
     ],
 )
 def test_contradictions_rejected_naming_fields(kwargs, fields):
@@ -113,3 +147,9 @@ def test_rejection_field_combines_with_token_truncation_and_runs_without_is_weig
         importance_sampling_rejection_max=2.0, is_correction_level="token",
     )
     assert not alone.use_importance_sampling_correction
+
+
+def test_lone_truncation_min_is_ignored_with_a_warning_as_nemo_rl_ignores_it():
+    with pytest.warns(UserWarning, match="truncated_importance_sampling_ratio_min is ignored"):
+        cfg = ClippedPGLossConfig(truncated_importance_sampling_ratio_min=0.5)
+    assert cfg.truncated_importance_sampling_type is None

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError, load_loss_config
+from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError, UnknownConfigKeyWarning, load_loss_config
 
 FIELDS = sorted(ClippedPGLossConfig.model_fields)
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -60,15 +60,24 @@ def test_any_mapping_validates_or_names_a_given_field(raw):
 @settings(max_examples=300, **_SETTINGS)
 @given(raw=configs, bad=st.text(alphabet=string.ascii_lowercase + "_", min_size=1, max_size=30))
 def test_unknown_keys_are_named(raw, bad):
+    """Strict mode refuses an unknown key by name; the default warns by name and validates the rest unchanged."""
     if bad in FIELDS:
         return
     with pytest.raises(ValidationError) as err:
-        ClippedPGLossConfig(**{**raw, bad: 1})
+        ClippedPGLossConfig.model_validate({**raw, bad: 1}, context={"strict_keys": True})
     assert f"'{bad}'" in str(err.value)
+    try:
+        want = ClippedPGLossConfig(**raw)
+    except ValidationError:
+        return
+    with pytest.warns(UnknownConfigKeyWarning, match=f"'{bad}'"):
+        assert ClippedPGLossConfig(**{**raw, bad: 1}) == want
 
 
 def test_unknown_key_suggests_the_near_field():
     with pytest.raises(ValidationError, match=r"'is_correction_levl' \(did you mean 'is_correction_level'\?\)"):
+        load_loss_config({"is_correction_levl": "token"}, strict=True)
+    with pytest.warns(UnknownConfigKeyWarning, match=r"'is_correction_levl' \(did you mean 'is_correction_level'\?\)"):
         ClippedPGLossConfig(is_correction_levl="token")
 
 

@@ -79,6 +79,8 @@ def _nemo_rl_names(tmp_path: Path) -> dict:
         "batch": verl_batch, "train_data": collections.UserDict(data), "step": 0,
         "repeated_batch": {"total_reward": data["rewards"]}, "self": types.SimpleNamespace(global_steps=0),
         "torch": torch, "_data": data,
+        # grpo.setup's names around the one-line swap
+        "loss_config": master["loss_fn"], "use_fused_linear_logprobs": False,
     }
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.config import STRICT_KEYS_ENV, ClippedPGLossConfig, UnknownConfigKeyWarning
 from nemo_is_plugin.recipes import (
     RecipeError,
     load_loss_config,
@@ -149,8 +149,19 @@ def test_name_is_checked_against_the_registry(master):
 def test_invalid_values_name_the_file_section_and_key(master):
     with pytest.raises(RecipeError, match=r"(?s)master.yaml: invalid 'loss_fn' section.*is_correction_level"):
         load_loss_config(master, ["loss_fn.is_correction_level=bogus"])
+    # an override is an explicit instruction: one that names no loss key is refused, strict mode or not
     with pytest.raises(RecipeError, match=r"'foo' is not a loss_fn key"):
         load_loss_config(master, ["+loss_fn.foo=1"])
+
+
+def test_unknown_keys_in_the_file_warn_and_are_refused_in_strict_mode(tmp_path, monkeypatch):
+    """NeMo-RL accepts extra loss_fn keys: one written in the recipe warns by default, naming the nearest key."""
+    path = _write(tmp_path, "extra.yaml", "loss_fn:\n  ratio_clip_mx: 0.3\n")
+    with pytest.warns(UnknownConfigKeyWarning, match=r"'ratio_clip_mx' \(did you mean 'ratio_clip_max'\?\)"):
+        assert load_loss_config(path).ratio_clip_max == 0.2
+    monkeypatch.setenv(STRICT_KEYS_ENV, "1")
+    with pytest.raises(RecipeError, match=r"unknown loss_fn key\(s\): 'ratio_clip_mx'"):
+        load_loss_config(path)
 
 
 def test_defaults_inheritance_child_wins(tmp_path):

@@ -44,6 +44,8 @@ def call(cfg: dict, x: torch.Tensor, data: dict, n_seq=None, n_tok=None):
 
 # KL on (needs reference), VAPO NLL on (needs rewards): every key is read
 FULL = dict(reference_policy_kl_penalty=0.01, positive_example_nll_weight=0.1, use_importance_sampling_correction=True)
+# ... with the strict input checks (non-finite generation log-probs, positive log-probs, missing rewards refused)
+STRICT = dict(FULL, strict_input_checks=True)
 
 
 # ------------------------------------------------------------------------------------------------ shapes
@@ -150,7 +152,7 @@ def test_missing_key_is_named(key):
     x, data = batch()
     del data[key]
     with pytest.raises(KeyError) as err:
-        call(FULL, x, data)
+        call(STRICT, x, data)
     assert isinstance(err.value, MissingInputError)
     assert str(err.value).startswith(f"data is missing key(s) '{key}' (needed by ")
 
@@ -184,7 +186,7 @@ def test_positive_logprobs_are_named(key):
         where = "[2, 4]"
     name = key if key == "next_token_logprobs" else f"data['{key}']"
     with pytest.raises(ValueError) as err:
-        call(FULL, x, data)
+        call(STRICT, x, data)
     msg = str(err.value)
     assert msg.startswith(f"{name} holds positive log-probs (max 0.5 > tolerance 0.0001 for torch.float32)")
     assert f"1 bad element(s), first at {where} = 0.5" in msg
@@ -195,10 +197,10 @@ def test_positive_logprobs_are_named(key):
 def test_positive_logprob_tolerance_follows_the_dtype(dtype, ok, bad):
     x, data = batch(dtype)
     x[0, 0] = ok
-    call(FULL, x, data)  # rounding of a near-certain token: accepted
+    call(STRICT, x, data)  # rounding of a near-certain token: accepted
     x[0, 0] = bad
     with pytest.raises(ValueError, match="next_token_logprobs holds positive log-probs"):
-        call(FULL, x, data)
+        call(STRICT, x, data)
 
 
 @pytest.mark.parametrize("key", ["next_token_logprobs", "advantages", *LOGPROB_KEYS, "rewards"])
@@ -213,7 +215,10 @@ def test_non_finite_inputs_are_named(key, value):
         data[key][1, 9] = value
     name = key if key == "next_token_logprobs" else f"data['{key}']"
     with pytest.raises(ValueError, match=rf"{__import__('re').escape(name)} contains NaN or inf; 1 bad element"):
-        call(FULL, x, data)
+        call(STRICT, x, data)
+    if key not in ("generation_logprobs", "rewards"):  # NeMo-RL's loss would be NaN / inf: refused by default too
+        with pytest.raises(ValueError, match=rf"{__import__('re').escape(name)} contains NaN or inf"):
+            call(FULL, x, data)
 
 
 def test_column_zero_is_not_read():

@@ -1,8 +1,14 @@
 """The plugin's loss as a NeMo-RL ``LossFunction``; enabling it in NeMo-RL is one line in ``grpo.setup``.
 
-    # nemo_rl/algorithms/grpo.py, setup():   loss_fn = ClippedPGLossFn(loss_config)   becomes
-    from nemo_is_plugin.adapters.nemo_rl import build_loss_fn
-    loss_fn = build_loss_fn(master_config)          # reads master_config["loss_fn"] only
+    # nemo_rl/algorithms/grpo.py, setup(): the loss is built as
+    #     loss_fn = ClippedPGLossFn(loss_config, use_fused_linear_logprobs=use_fused_linear_logprobs)
+    # with ClippedPGLossFn imported from the plugin instead of nemo_rl.algorithms.loss:
+    from nemo_is_plugin.adapters.nemo_rl import ClippedPGLossFn
+
+``ClippedPGLossFn`` (an alias of :class:`NeMoRLLossFn`) takes NeMo-RL's constructor arguments, ``(cfg,
+use_fused_linear_logprobs=False)`` with ``cfg`` NeMo-RL's pydantic ``ClippedPGLossConfig`` (extra keys: the plugin's),
+a mapping or the plugin's config, and exposes NeMo-RL's instance attributes with NeMo-RL's meaning. Invalid
+combinations raise :class:`~nemo_is_plugin.config.ConfigValidationError`, an ``AssertionError`` like NeMo-RL's.
 
 What NeMo-RL's workers rely on (see :mod:`nemo_is_plugin.adapters.protocol`) and how this class provides it:
 
@@ -15,7 +21,12 @@ What NeMo-RL's workers rely on (see :mod:`nemo_is_plugin.adapters.protocol`) and
 - ``metric_normalizations``: the global count each metric was divided by (TOKENS / SEQUENCES / NONE), so that the
   split API (every micro-batch called with ``global_valid_* = 1``, rescaled once per step) rescales each metric
   correctly; extrema, ``num_valid_samples`` and ``positive_nll_loss`` are NONE;
-- ``reference_policy_kl_penalty`` (the effective beta: 0 with ``use_kl_in_reward``), ``use_fused_linear_logprobs``;
+- ``reference_policy_kl_penalty`` (the effective beta: 0 with ``use_kl_in_reward``): ``prepare_loss_input`` adds
+  ``data["curr_logprobs_unfiltered"]`` under top-k / top-p filtering when it is non-zero, and the loss's KL uses it;
+- ``use_fused_linear_logprobs``: when True, NeMo-RL's Megatron model returns the next-token log-probs ``[B, S-1]``
+  computed from the hidden states (no logits) and ``prepare_loss_input`` hands them over, cast to float32 and cut to
+  ``S-1``, as ``next_token_logprobs``: the LOGPROB loss unchanged (GRPO refuses that mode with sequence packing and
+  with top-k / top-p, and NeMo-RL's fused kernel refuses CP). It therefore requires ``input_type`` LOGPROB;
 - picklable for Ray: the state is the validated config, the input type and how to find the groups; a process group
   never travels (pass ``groups="parallel_state"`` to resolve them from megatron-core inside the worker).
 
@@ -32,6 +43,7 @@ import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
+from pydantic import BaseModel
 
 from nemo_is_plugin.adapters.normalizers import loss_type_of, metric_normalizer, probe_metric_names
 from nemo_is_plugin.adapters.protocol import LossInputType, MetricNormalizer
@@ -43,11 +55,41 @@ PARALLEL_STATE = "parallel_state"  # groups sentinel: read megatron-core's group
 GroupsSpec = Union[None, str, ParallelGroups]
 
 
+# NeMo-RL's ClippedPGLossFn instance attributes that copy a config field (commit 7ea279ab), same names and meaning.
+NEMO_RL_CONFIG_ATTRIBUTES = (
+    "disable_ppo_ratio", "ratio_clip_min", "ratio_clip_max", "ratio_clip_c", "reference_policy_kl_type",
+    "kl_input_clamp_value", "kl_output_clamp_value", "use_importance_sampling_correction",
+    "truncated_importance_sampling_type", "truncated_importance_sampling_ratio", "truncated_importance_sampling_ratio_min",
+    "use_on_policy_kl_approximation", "force_on_policy_ratio", "sequence_level_importance_ratios",
+    "positive_example_nll_weight", "use_cispo",
+)
+
+
+def loss_section(cfg: Any) -> dict[str, Any]:
+    """The ``loss_fn`` keys of ``cfg``: NeMo-RL's pydantic ``ClippedPGLossConfig`` (the keys it was given, extras
+    included), the plugin's config (its non-default keys), or a mapping (``name`` may select a registered loss)."""
+    if cfg is None:
+        return {}
+    if isinstance(cfg, ClippedPGLossConfig):
+        return cfg.model_dump(exclude_unset=True)
+    if isinstance(cfg, BaseModel):  # NeMo-RL's model: unset keys are NeMo-RL's defaults, which are the plugin's
+        return cfg.model_dump(exclude_unset=True)
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    raise TypeError(
+        f"cfg must be NeMo-RL's ClippedPGLossConfig, a loss_fn mapping or a plugin ClippedPGLossConfig, got "
+        f"{type(cfg).__name__}"
+    )
+
+
 class NeMoRLLossFn:
     """A registered plugin loss (default ``nemo_is.clipped_pg``) behind NeMo-RL's ``LossFunction`` protocol.
 
     Args:
-        config: the ``loss_fn`` mapping (optionally with ``name``) or a validated ``ClippedPGLossConfig``.
+        cfg: NeMo-RL's ``ClippedPGLossConfig`` (as ``grpo.setup`` passes it), a ``loss_fn`` mapping (optionally with
+            ``name``) or a validated plugin ``ClippedPGLossConfig``.
+        use_fused_linear_logprobs: NeMo-RL's flag (``policy.megatron_cfg.use_fused_linear_logprobs``): the host
+            computes the log-probs from hidden states and passes them as ``next_token_logprobs``; LOGPROB only.
         input_type: ``"logprob"`` (default) or ``"logit"``, or NeMo-RL's ``LossInputType`` member.
         groups: LOGIT only: the TP / CP groups of the logits when the host does not pass them per call. None = one
             process; a ``ParallelGroups``; or ``"parallel_state"`` = megatron-core's, looked up at the first call.
@@ -57,11 +99,10 @@ class NeMoRLLossFn:
         logprob_chunk_size: LOGIT only: tokens per fp32 chunk of the log-prob kernel.
     """
 
-    use_fused_linear_logprobs = False
-
     def __init__(
         self,
-        config: Union[ClippedPGLossConfig, Mapping[str, Any], None] = None,
+        cfg: Any = None,
+        use_fused_linear_logprobs: bool = False,
         *,
         input_type: Any = "logprob",
         groups: GroupsSpec = None,
@@ -69,15 +110,17 @@ class NeMoRLLossFn:
         host_divides_by_cp: bool = True,
         logprob_chunk_size: int = 1024,
     ):
-        if isinstance(config, ClippedPGLossConfig):
-            name, section = DEFAULT_LOSS_NAME, config.model_dump(exclude_unset=True)
-        else:
-            section = dict(config or {})
-            name = section.get("name", DEFAULT_LOSS_NAME)
-        self._section = {**section, "name": name}
+        section = loss_section(cfg)
+        self._section = {**section, "name": section.get("name") or DEFAULT_LOSS_NAME}
+        self.use_fused_linear_logprobs = bool(use_fused_linear_logprobs)
         self.input_type = LossInputType(input_type.value if hasattr(input_type, "value") else str(input_type).lower())
         if self.input_type not in (LossInputType.LOGPROB, LossInputType.LOGIT):
             raise ValueError(f"input_type must be LOGPROB or LOGIT, got {self.input_type}")
+        if self.use_fused_linear_logprobs and self.input_type != LossInputType.LOGPROB:
+            raise ValueError(
+                "use_fused_linear_logprobs=True: NeMo-RL's model returns log-probs, not logits, and prepare_loss_input "
+                "passes them as next_token_logprobs; use input_type='logprob' (or use_fused_linear_logprobs=False)"
+            )
         if not (groups is None or groups == PARALLEL_STATE or isinstance(groups, ParallelGroups)):
             raise ValueError(f"groups must be None, a ParallelGroups or {PARALLEL_STATE!r}, got {groups!r}")
         self._groups_spec = groups
@@ -94,6 +137,8 @@ class NeMoRLLossFn:
 
             self._logit_loss = LogitClippedPGLoss(self.loss, **self._logit_options)
         self.loss_type = loss_type_of(self.config)
+        for name in NEMO_RL_CONFIG_ATTRIBUTES:
+            setattr(self, name, getattr(self.config, name))
         self.reference_policy_kl_penalty = self.config.effective_kl_penalty
         advertised = getattr(self.loss, "metric_normalizations", None)
         if advertised is not None:  # the loss knows best; map its values onto the host's enum
@@ -111,11 +156,12 @@ class NeMoRLLossFn:
                 f"groups={PARALLEL_STATE!r} to look the groups up inside the worker"
             )
         return {"section": self._section, "input_type": self.input_type.value, "groups": self._groups_spec,
-                "logit": self._logit_options}
+                "logit": self._logit_options, "fused": self.use_fused_linear_logprobs}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._section, self._groups_spec, self._logit_options = state["section"], state["groups"], state["logit"]
         self.input_type = LossInputType(state["input_type"])
+        self.use_fused_linear_logprobs = state.get("fused", False)
         self._build()
 
     # ------------------------------------------------------------------ the call
@@ -156,25 +202,28 @@ class NeMoRLLossFn:
 
 
 def build_loss_fn(
-    config: Union[str, "os.PathLike[str]", Mapping[str, Any], ClippedPGLossConfig],
+    config: Union[str, "os.PathLike[str]", Mapping[str, Any], BaseModel],
     overrides: Sequence[str] = (),
     *,
     section: str = "loss_fn",
     input_type: Any = "logprob",
     groups: GroupsSpec = None,
+    use_fused_linear_logprobs: bool = False,
 ) -> NeMoRLLossFn:
     """The NeMo-RL loss for a master config (path, mapping or OmegaConf), of which only ``section`` is read.
 
-    A bare ``loss_fn`` mapping or a ``ClippedPGLossConfig`` is accepted too. ``overrides`` are CLI-style dotted
-    overrides of the whole config (``loss_fn.is_correction_level=sequence_mean``), see :mod:`nemo_is_plugin.recipes`.
+    A bare ``loss_fn`` mapping, NeMo-RL's ``ClippedPGLossConfig`` or the plugin's ``ClippedPGLossConfig`` is accepted
+    too. ``overrides`` are CLI-style dotted overrides of the whole config (``loss_fn.is_correction_level=sequence_mean``),
+    see :mod:`nemo_is_plugin.recipes`.
     """
-    if isinstance(config, ClippedPGLossConfig):
+    options = dict(input_type=input_type, groups=groups, use_fused_linear_logprobs=use_fused_linear_logprobs)
+    if isinstance(config, BaseModel):  # a validated config object: NeMo-RL's or the plugin's
         if overrides:
             raise ValueError("overrides apply to YAML / mapping configs, not to a validated ClippedPGLossConfig")
-        return NeMoRLLossFn(config, input_type=input_type, groups=groups)
+        return NeMoRLLossFn(config, **options)
     from nemo_is_plugin.recipes import to_loss_mapping
 
-    return NeMoRLLossFn(to_loss_mapping(config, overrides, section), input_type=input_type, groups=groups)
+    return NeMoRLLossFn(to_loss_mapping(config, overrides, section), **options)
 
 
 def dump_rollouts(train_data: Mapping[str, Any], step: int, path: Optional[Union[str, "os.PathLike[str]"]] = None, *,
@@ -195,3 +244,7 @@ def dump_rollouts(train_data: Mapping[str, Any], step: int, path: Optional[Union
 
     return dump_batch(train_data, step, path, rewards=rewards, prev="prev_logprobs", gen="generation_logprobs",
                       mask="token_mask", advantages="advantages", sample_mask="sample_mask")
+
+
+# NeMo-RL's class name: ``from nemo_is_plugin.adapters.nemo_rl import ClippedPGLossFn`` is the whole swap.
+ClippedPGLossFn = NeMoRLLossFn

@@ -75,3 +75,23 @@ def test_custom_megatron_code_runs_and_matches_one_direct_call(tmp_path):
     assert metrics["sampling_importance_ratio"] == pytest.approx(direct["sampling_importance_ratio"], rel=1e-6)
     assert "is_weight_std" in metrics and "chi2_token" in metrics  # finalize_metrics ran
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
+
+
+def test_nemo_rl_doc_swap_keeps_nemo_rls_constructor(tmp_path):
+    """The grpo.setup swap in docs/nemo_rl.md runs as written on NeMo-RL's config object (a pydantic model holding the
+    example's loss_fn section, plugin keys as extras) and builds the loss the example recipe describes."""
+    from adapters.nemo_rl_host import HostLossConfig
+    from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
+    from nemo_is_plugin.adapters.protocol import LossInputType
+
+    swap, master = _blocks("nemo_rl.md", "python")[:2]
+    assert "NeMoRLLossFn(loss_config, use_fused_linear_logprobs=use_fused_linear_logprobs)" in swap
+    section = dict(load_loss_spec(EXAMPLES / "nemo_rl_grpo_tis.yaml").config.model_dump(exclude_unset=True))
+    for fused in (False, True):
+        ns = {"NeMoRLLossFn": NeMoRLLossFn, "loss_config": HostLossConfig(**section),
+              "use_fused_linear_logprobs": fused, "master_config": EXAMPLES / "nemo_rl_grpo_tis.yaml"}
+        for block in (swap, master):
+            exec(compile(block, "docs/nemo_rl.md", "exec"), ns)  # noqa: S102 - the doc's own code
+            fn = ns.pop("loss_fn")
+            assert fn.use_fused_linear_logprobs is fused and fn.input_type == LossInputType.LOGPROB
+            assert fn.config == load_loss_spec(EXAMPLES / "nemo_rl_grpo_tis.yaml").config

@@ -1,0 +1,92 @@
+"""A small model of the NeMo-RL side of the loss interface (commit 7ea279ab), for tests: NeMo-RL cannot be installed.
+
+Written from NeMo-RL's documented behaviour, not from its code:
+
+- :class:`HostLossConfig`: NeMo-RL's ``ClippedPGLossConfig``, a pydantic model with ``extra="allow"`` holding NeMo-RL's
+  keys and defaults and no cross-field checks (NeMo-RL checks combinations in the loss constructor);
+- :func:`prepare_loss_input`: what NeMo-RL's ``prepare_loss_input`` hands a LOGPROB loss: ``next_token_logprobs``
+  ``[B, S-1]`` from ``[B, S, V]`` logits (log-softmax in float32 at ``input_ids[:, 1:]``); with top-k filtering the
+  filtered log-probs (``-inf`` outside the top-k set, then set to 0 where ``-inf`` or masked) plus, when
+  ``loss_fn.reference_policy_kl_penalty != 0``, ``data["curr_logprobs_unfiltered"]``; with
+  ``loss_fn.use_fused_linear_logprobs`` the model output already holds ``[B, >= S-1]`` log-probs, cast to float32 and
+  cut to ``S-1``;
+- :func:`logits_for`: logits whose log-softmax at the target tokens equals given log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from nemo_is_plugin.adapters.protocol import LossInputType
+
+
+class HostLossConfig(BaseModel):
+    """NeMo-RL's loss_fn config model: its keys and defaults, extra keys allowed, no combination checks."""
+
+    model_config = ConfigDict(extra="allow")
+
+    disable_ppo_ratio: bool = False
+    token_level_loss: bool = True
+    sequence_level_importance_ratios: bool = False
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.2
+    ratio_clip_c: Optional[float] = None
+    reference_policy_kl_penalty: float = 0.01
+    reference_policy_kl_type: str = "k3"
+    kl_input_clamp_value: Optional[float] = 20.0
+    kl_output_clamp_value: Optional[float] = 10.0
+    use_kl_in_reward: bool = False
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_type: Optional[str] = None
+    truncated_importance_sampling_ratio: Optional[float] = None
+    truncated_importance_sampling_ratio_min: Optional[float] = None
+    use_on_policy_kl_approximation: bool = False
+    force_on_policy_ratio: bool = False
+    use_cispo: bool = False
+    positive_example_nll_weight: float = 0.0
+
+
+def _gather_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return lp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def prepare_loss_input(
+    logits: torch.Tensor, data: dict[str, Any], loss_fn: Any, top_k: Optional[int] = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(loss_input, data)`` as NeMo-RL's ``prepare_loss_input`` builds them for a LOGPROB loss."""
+    assert loss_fn.input_type == LossInputType.LOGPROB, "this model covers the LOGPROB branch only"
+    seq_len = data["input_ids"].shape[1]
+    if getattr(loss_fn, "use_fused_linear_logprobs", False):
+        return {"next_token_logprobs": logits.to(torch.float32)[:, : seq_len - 1]}, data
+    if top_k is None:
+        return {"next_token_logprobs": _gather_logprobs(logits, data["input_ids"])}, data
+    kth = logits.topk(top_k, dim=-1).values[..., -1:]
+    filtered = _gather_logprobs(logits.masked_fill(logits < kth, float("-inf")), data["input_ids"])
+    mask = (data["token_mask"] * data["sample_mask"].unsqueeze(-1))[:, 1:]
+    keep = (mask != 0) & torch.isfinite(filtered)
+    filtered = torch.where(keep, filtered, torch.zeros_like(filtered))
+    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+        data = dict(data, curr_logprobs_unfiltered=_gather_logprobs(logits, data["input_ids"]))
+    return {"next_token_logprobs": filtered}, data
+
+
+def logits_for(target_logprobs: torch.Tensor, input_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, S, V]`` logits whose log-softmax at ``input_ids[:, 1:]`` is ``target_logprobs [B, S-1]`` (<= 0).
+
+    The target token gets logit 0 and one other token log(e^{-lp} - 1), so that the partition function is e^{-lp};
+    every other token sits at -1e4 (weight 0 in float32).
+    """
+    b, s = input_ids.shape
+    logits = torch.full((b, s, vocab), -1e4, dtype=torch.float64)
+    for i in range(b):
+        for t in range(s - 1):
+            tok = int(input_ids[i, t + 1])
+            lp = float(target_logprobs[i, t])
+            logits[i, t, tok] = 0.0
+            if lp < 0:
+                logits[i, t, (tok + 1) % vocab] = torch.log(torch.expm1(torch.tensor(-lp, dtype=torch.float64)))
+    return logits.float()
