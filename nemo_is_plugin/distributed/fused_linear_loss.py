@@ -56,14 +56,15 @@ from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.separable import TokenLossGradient, single_pass_blocker
 
 
-def _scale_(grad: Optional[torch.Tensor], s: torch.Tensor) -> Optional[torch.Tensor]:
-    """``grad * s`` in place (no second dX- or dW-sized buffer); skipped for an exact 1 held on the CPU (a free
-    check there; on a GPU it would be a host sync, so the multiply always runs)."""
-    if grad is None:
-        return None
-    if s.device.type == "cpu" and bool(s == 1):
-        return grad
-    return grad.mul_(s.to(grad.dtype))
+def _is_one_on_cpu(s: torch.Tensor) -> bool:
+    """True when the upstream gradient is exactly 1 and held on the CPU, where reading it is free (on a GPU it would
+    be a host sync, so there the gradients are always scaled)."""
+    return s.device.type == "cpu" and bool(s == 1)
+
+
+def _scale_(grad: Optional[torch.Tensor], s: torch.Tensor, skip: bool) -> Optional[torch.Tensor]:
+    """``grad * s`` in place (no second dX- or dW-sized buffer)."""
+    return grad if grad is None or skip else grad.mul_(s.to(grad.dtype))
 
 
 class _SinglePassFusedLoss(torch.autograd.Function):
@@ -100,12 +101,13 @@ class _SinglePassFusedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x = _scale_(ctx.grad_x, grad_loss)
+        skip = _is_one_on_cpu(grad_loss)
+        grad_x = _scale_(ctx.grad_x, grad_loss, skip)
         grad_w = None
         if ctx.grad_weight_out is not None and ctx.grad_w is not None:
             ctx.grad_weight_out.addcmul_(ctx.grad_w, grad_loss.to(ctx.grad_weight_out.dtype))  # main_grad += s dW
         else:
-            grad_w = _scale_(ctx.grad_w, grad_loss)
+            grad_w = _scale_(ctx.grad_w, grad_loss, skip)
         ctx.grad_x = ctx.grad_w = ctx.grad_weight_out = None
         return grad_x, grad_w, None, None, None, None
 
