@@ -17,6 +17,12 @@ log-probs of the earlier tokens of t's sequence only. When the chunks visit ever
 carried from chunk to chunk gives the same value, so they take the single pass too. ``sequence`` and
 ``sequence_token`` ratios need the whole sequence first (two passes).
 
+``dL/dc_t`` itself is computed in closed form (:mod:`nemo_is_plugin.loss_derivatives`, which follows surrogate.py and
+kl.py op by op, autograd's conventions at every kink included; tests/test_loss_derivatives.py checks it against
+autograd of the whole loss): a few dozen elementwise ops on the chunk's ``[n]`` vectors, no autograd graph and no host
+synchronisation per chunk. The batch constants are computed once per call; the IS correction among them is handed to
+the loss's metrics pass so that it is not computed twice.
+
 Shapes: the constants are flat ``[N]`` (the token tensors of the layout, flattened in memory order); a chunk is a
 slice of ``[0, N)``; chunks are visited in order.
 """
