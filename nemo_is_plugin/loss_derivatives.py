@@ -42,11 +42,13 @@ def d_exp(x: Dual) -> Dual:
 
 
 def d_clamp(x: Dual, lo: Optional[float] = None, hi: Optional[float] = None) -> Dual:
-    keep = torch.ones_like(x.v, dtype=torch.bool)
-    if lo is not None:
-        keep = keep & (x.v >= lo)
-    if hi is not None:
-        keep = keep & (x.v <= hi)
+    """``x.clamp(lo, hi)``; at least one bound is given."""
+    if lo is None:
+        keep = x.v <= hi
+    elif hi is None:
+        keep = x.v >= lo
+    else:
+        keep = (x.v >= lo) & (x.v <= hi)
     return Dual(x.v.clamp(lo, hi), torch.where(keep, x.d, 0.0))
 
 

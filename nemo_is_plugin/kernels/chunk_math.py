@@ -114,7 +114,7 @@ class ChunkMath:
         global _triton_failure
         try:
             return fn(*args)
-        except ValueError:  # a caller's argument (dtype, layout): not a kernel failure
+        except tk.ChunkLayoutError:  # a caller's argument (dtype, strides): not a kernel failure
             raise
         except Exception as exc:  # compilation / launch errors of any kind
             if not self.fallback:

@@ -122,9 +122,15 @@ def owned_column(local_target: torch.Tensor, owned: torch.Tensor) -> torch.Tenso
     return torch.where(owned, local_target, -1).contiguous()
 
 
+class ChunkLayoutError(ValueError):
+    """A launcher's argument the kernels cannot take (dtype, strides): the caller's error, not a kernel failure."""
+
+
 def _check_chunk(z: torch.Tensor, name: str) -> None:
     if z.dim() != 2 or z.dtype not in TRITON_DTYPES or (z.shape[1] > 1 and z.stride(1) != 1):
-        raise ValueError(f"{name} needs a row-major [n, v] chunk of {TRITON_DTYPES}, got {z.dtype} {tuple(z.shape)}")
+        raise ChunkLayoutError(
+            f"{name} needs a row-major [n, v] chunk of {TRITON_DTYPES}, got {z.dtype} {tuple(z.shape)}"
+        )
 
 
 def triton_partials(
@@ -137,7 +143,7 @@ def triton_partials(
     if n == 0:
         return out
     if any(f is not None and f.stride(0) != 1 for f in out):
-        raise ValueError("triton_partials writes contiguous [n] outputs")
+        raise ChunkLayoutError("triton_partials writes contiguous [n] outputs")
     q_out = out.sum_zexp if with_entropy else out.max  # a valid pointer when WITH_ENTROPY is off
     _partials_kernel[(n,)](
         z, z.stride(0), target_column.contiguous(), out.max, out.sumexp, out.target, q_out, v, float(in_scale),
@@ -178,5 +184,5 @@ def triton_logits_grad(
     return out
 
 
-__all__ = ["BLOCKS", "TRITON_DTYPES", "TritonBlocks", "owned_column", "triton_logits_grad", "triton_partials",
-           "triton_usable"]
+__all__ = ["BLOCKS", "TRITON_DTYPES", "ChunkLayoutError", "TritonBlocks", "owned_column", "triton_logits_grad",
+           "triton_partials", "triton_usable"]
