@@ -16,11 +16,19 @@ so no pass over the chunk is spent on upcasting or scaling.
   lse and writes ``dz = out_scale (g (onehot - p) - h p (log p + H))`` in the output dtype, in place over z or into
   another buffer. Reads 2 B and writes 2 B per element in bf16.
 
-Block sizes (``BLOCKS``): rows are 64k-250k columns on MoE heads (V/TP). A 4096-wide block with 8 warps gives each
-thread 16 contiguous elements (two 16-byte loads in bf16), the width that keeps enough bytes in flight per SM to
-approach HBM bandwidth, and 16-61 blocks per row in pass 1 (enough to amortise the per-row setup while a chunk of
-thousands of rows fills all SMs many times over). Pass 2's 2-D grid needs no loop at all. The numbers are constants
-of one dataclass so that a GPU run can sweep them (the benchmark records them).
+Block sizes (``BLOCKS``), reasoned for H100 rows of 64k-250k columns (V/TP), not measured:
+
+- pass 1 streams a row in blocks of ``min(partials_block_v, next_pow2(V/TP))`` columns (32768 by default) with
+  one warp per 1024 columns up to ``partials_warps`` (32; half the block with the entropy term, whose extra live
+  value would spill at 32 warps): each thread keeps 32 contiguous elements in registers
+  (four 16-byte loads in bf16), and a 152k-column row is 5 blocks, so the serial max / sum reductions of the online
+  softmax are few and long. This is the configuration Liger's cross-entropy kernel ships for the same row-streaming
+  pattern on H100 (one program per row, 32k-wide blocks, 32 warps); a chunk of thousands of rows fills the 132 SMs
+  many times over.
+- pass 2 has no row-wide state, so a 2-D grid of (row, 4096-column block) programs with 8 warps (16 elements per
+  thread) needs no loop and no reduction.
+
+The numbers are fields of one dataclass so that a GPU run can sweep them (the benchmark records them).
 """
 
 from __future__ import annotations
@@ -47,10 +55,17 @@ TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class TritonBlocks:
     """Launch parameters of the two kernels (powers of two; see the module docstring for the reasoning)."""
 
-    partials_block_v: int = 4096
-    partials_warps: int = 8
+    partials_block_v: int = 32768  # an upper bound: rows narrower than this take next_pow2(row) columns
+    partials_warps: int = 32  # an upper bound: one warp per 1024 columns of the block
     grad_block_v: int = 4096
     grad_warps: int = 8
+
+    def partials_launch(self, n_cols: int, with_entropy: bool = False) -> tuple[int, int]:
+        """(block, warps) of pass 1 for rows of ``n_cols`` columns: 32 elements per thread. The entropy term keeps
+        one more block-wide value live, which spills at 1024 threads (64 registers each): half the block then."""
+        cap = self.partials_block_v // (2 if with_entropy else 1)
+        block = min(cap, 1 << max(0, n_cols - 1).bit_length())
+        return block, max(1, min(self.partials_warps, block // 1024))
 
 
 BLOCKS = TritonBlocks()
@@ -145,9 +160,10 @@ def triton_partials(
     if any(f is not None and f.stride(0) != 1 for f in out):
         raise ChunkLayoutError("triton_partials writes contiguous [n] outputs")
     q_out = out.sum_zexp if with_entropy else out.max  # a valid pointer when WITH_ENTROPY is off
+    block, warps = BLOCKS.partials_launch(v, with_entropy)
     _partials_kernel[(n,)](
         z, z.stride(0), target_column.contiguous(), out.max, out.sumexp, out.target, q_out, v, float(in_scale),
-        WITH_ENTROPY=with_entropy, BLOCK_V=BLOCKS.partials_block_v, num_warps=BLOCKS.partials_warps,
+        WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
     )
     return out
 
