@@ -268,7 +268,7 @@ def fused_linear_logprobs(
             a warning if triton is missing or a kernel fails to compile), "torch", or "triton" (no fallback).
         grad_weight_out: a ``[V/TP, H]`` floating-point buffer (typically Megatron's fp32 ``main_grad``) that the
             weight's gradient is ADDED into during the backward; ``weight`` then receives no ``.grad``. Requires
-            ``weight.requires_grad``.
+            ``weight.requires_grad``; nothing is added when no backward runs (e.g. under ``torch.no_grad``).
         grad_weight_dtype: dtype of the dW accumulator when ``grad_weight_out`` is None: None = fp32 on CPU, the
             weight's dtype on GPUs (see :mod:`nemo_is_plugin.kernels.gemm` for the numerics); ``torch.float32`` =
             exact fp32 chunk sums, rounded once (costs a ``V/TP x H`` fp32 buffer).

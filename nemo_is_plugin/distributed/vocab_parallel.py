@@ -199,8 +199,8 @@ def vocab_parallel_logprobs(
             fp32 logits take DEFAULT_CHUNK_BYTES (see default_chunk_size).
         with_entropy: also return the full-vocab entropy per token.
         backend: the chunk math's backend (see :mod:`nemo_is_plugin.kernels.chunk_math`): "auto" = Triton on CUDA
-            (the logits are read in their own dtype, never upcast; no workspace, so one chunk by default), torch
-            elsewhere; "torch"; "triton".
+            (the logits are read in their own dtype, never upcast, no workspace), torch elsewhere; "torch";
+            "triton".
 
     Returns:
         fp32 (fp64 for fp64 logits) ``[...]`` log-probs, or ``(logprobs, entropy)`` when ``with_entropy``.
@@ -209,8 +209,7 @@ def vocab_parallel_logprobs(
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree on [...] dims")
     if chunk_size is None:
-        triton_chunks = resolve_backend(backend, logits.device, logits.dtype) == "triton"
-        chunk_size = max(1, target.numel()) if triton_chunks else default_chunk_size(logits.shape[-1])
+        chunk_size = default_chunk_size(logits.shape[-1])  # Triton needs no workspace, but a torch fallback does
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     logprob, entropy = _VocabParallelLogprob.apply(logits, target, tp_group, chunk_size, with_entropy, backend)
