@@ -20,7 +20,7 @@ import torch
 
 from nemo_is_plugin.aggregation import aggregate
 from nemo_is_plugin.config import ClippedPGLossConfig, load_loss_config
-from nemo_is_plugin.correction import compute_is_correction
+from nemo_is_plugin.correction import ISCorrection, compute_is_correction
 from nemo_is_plugin.is_weights import exp_or_zero
 from nemo_is_plugin.kl import kl_penalty, score_function_weight
 from nemo_is_plugin.layout import TokenLayout
@@ -144,10 +144,15 @@ class ClippedPGLoss:
 
     # ------------------------------------------------------------------ the loss on aligned token tensors
     def compute(
-        self, inputs: LossInputs, layout: TokenLayout, *, extra_metric_sums: Optional[Mapping[str, torch.Tensor]] = None
+        self, inputs: LossInputs, layout: TokenLayout, *, is_correction: Optional[ISCorrection] = None,
+        extra_metric_sums: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss and its metrics. ``extra_metric_sums``: more 0-d additive metric shares (a caller's own, reduced
-        over CP like the loss's) to report with the loss's metrics, in the same single host synchronisation."""
+        """The loss and metrics of aligned token tensors.
+
+        ``is_correction``: the IS correction of these inputs when the caller computed it already (the fused single pass
+        builds its gradient with it); else computed here. ``extra_metric_sums``: more 0-d additive metric shares (a
+        caller's own, reduced over CP like the loss's) to report with the loss's metrics, in the same single host
+        synchronisation."""
         cfg = self.config
         c_in = inputs.curr_logprobs
         # Half-precision log-probs are upcast: the ratio / exp arithmetic needs fp32 (gradients flow back through it).
@@ -191,7 +196,9 @@ class ClippedPGLoss:
 
         # 4. IS correction.
         trunc = cfg.truncated_importance_sampling_type
-        corr = compute_is_correction(p_is, g, tm, valid, layout, **is_correction_kwargs(cfg))
+        corr = is_correction
+        if corr is None:
+            corr = compute_is_correction(p_is, g, tm, valid, layout, **is_correction_kwargs(cfg))
 
         # 5. Actor loss.
         actor_loss = reduce(corr.weights * sur.loss)

@@ -17,6 +17,12 @@ log-probs of the earlier tokens of t's sequence only. When the chunks visit ever
 carried from chunk to chunk gives the same value, so they take the single pass too. ``sequence`` and
 ``sequence_token`` ratios need the whole sequence first (two passes).
 
+``dL/dc_t`` itself is computed in closed form (:mod:`nemo_is_plugin.loss_derivatives`, which follows surrogate.py and
+kl.py op by op, autograd's conventions at every kink included; tests/test_loss_derivatives.py checks it against
+autograd of the whole loss): a few dozen elementwise ops on the chunk's ``[n]`` vectors, no autograd graph and no host
+synchronisation per chunk. The batch constants are computed once per call; the IS correction among them is handed to
+the loss's metrics pass so that it is not computed twice.
+
 Shapes: the constants are flat ``[N]`` (the token tensors of the layout, flattened in memory order); a chunk is a
 slice of ``[0, N)``; chunks are visited in order.
 """
@@ -30,16 +36,22 @@ import torch
 
 from nemo_is_plugin.aggregation import aggregate
 from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.correction import compute_is_correction
+from nemo_is_plugin.correction import ISCorrection, compute_is_correction
 from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.loss import ClippedPGLoss, LossInputs, is_correction_kwargs, positive_sample_tokens, ratio_anchor
-from nemo_is_plugin.masked import EPS, where_mask
-from nemo_is_plugin.ratios import (
-    cumulative_anchor,
-    straight_through_log_ratio,
-    token_log_ratio,
-    unmasked_positions,
+from nemo_is_plugin.loss import ClippedPGLoss, LossInputs, is_correction_kwargs, positive_sample_tokens
+from nemo_is_plugin.loss_derivatives import (
+    cispo_d,
+    exp_or_zero_d,
+    kl_penalty_d,
+    log_space_clip_d,
+    ratio_clip_d,
+    reinforce_d,
+    score_function_weight_d,
+    straight_through_log_ratio_d,
+    token_log_ratio_d,
 )
+from nemo_is_plugin.masked import EPS, where_mask
+from nemo_is_plugin.ratios import cumulative_anchor, token_log_ratio, unmasked_positions
 
 CAUSAL_LEVELS = ("cumulative", "cumulative_mean")
 
@@ -77,7 +89,11 @@ def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> Opt
 class TokenLossGradient:
     """``dL/dc`` of the chunk ``sl`` from its log-probs ``c [n]``: ``grad(sl, c) -> [n]`` (fp32, or fp64).
 
-    Build with :meth:`build`; every field is a flat ``[N]`` constant (None when the term is off).
+    Build with :meth:`build`; every tensor field is a flat ``[N]`` constant (None when the term is off).
+    ``correction`` is the batch's IS correction (reused by the loss's metrics pass).
+
+    The gradient is in closed form (:mod:`nemo_is_plugin.loss_derivatives`): a few dozen elementwise ops on ``[n]``
+    vectors per chunk, no autograd graph, no host synchronisation.
     """
 
     loss: ClippedPGLoss
@@ -92,6 +108,7 @@ class TokenLossGradient:
     reference: Optional[torch.Tensor]
     nll_weight: Optional[torch.Tensor]
     prefix: Optional["PrefixCarry"] = None
+    correction: Optional[ISCorrection] = None
 
     @classmethod
     def build(cls, loss: ClippedPGLoss, inputs: LossInputs, layout: TokenLayout) -> "TokenLossGradient":
@@ -112,9 +129,9 @@ class TokenLossGradient:
             )
             nll_weight = None
             if cfg.positive_example_nll_weight > 0 and inputs.rewards is not None:  # as the loss: no term otherwise
+                # no positive sample: pos is all 0 and so is the weight (the loss drops the term): no branch, no sync
                 pos, count = positive_sample_tokens(inputs.rewards, valid, layout)
-                if count > 0:
-                    nll_weight = pos / (count.to(dtype) + EPS)
+                nll_weight = pos / (count.to(dtype) + EPS)
         return cls(
             loss=loss,
             agg_weight=flat(aggregation_weights(cfg, tm, sm, layout, inputs)),
@@ -128,52 +145,78 @@ class TokenLossGradient:
             reference=flat(f(inputs.reference_logprobs)) if cfg.effective_kl_penalty != 0 else None,
             nll_weight=flat(nll_weight),
             prefix=None if is_token_separable(cfg) else PrefixCarry(cfg, layout),
+            correction=corr,
         )
 
     def __call__(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
         cfg = self.loss.config
         a = self.agg_weight[sl]
-        with torch.enable_grad():
-            c = c.detach().to(a.dtype).requires_grad_(True)
-            # layout=None below: a token-level ratio never looks at the layout
-            p = ratio_anchor(self.prev[sl], c, self.valid[sl])
-            tm, adv, positions = self.token_mask[sl], self.advantages[sl], self.positions[sl]
+        c = c.detach().to(a.dtype)
+        adv = self.advantages[sl]
+        if cfg.disable_ppo_ratio:
+            d_sur = reinforce_d(c, adv, dual_clip=cfg.ratio_clip_c)
+        else:
+            # loss.ratio_anchor: tokens that do not count sit at ratio 1 (their gradient is dropped below anyway)
+            p = torch.where(self.valid[sl] != 0, self.prev[sl], c)
             if self.prefix is None:
-                sur = self.loss.surrogate(c, p, adv, tm, None, positions)
+                log_r = token_log_ratio_d(c, p, cfg.token_log_ratio_clamp, cfg.max_log_ratio)
             else:
-                sur = self.loss.clipped_surrogate(self.prefix.log_ratio(sl, c, p, tm, positions), c, adv, positions)
-            term = self.is_weight[sl] * sur.loss
-            if self.reference is not None:
-                term = term + cfg.effective_kl_penalty * self.loss.kl_tokens(c, self.generation[sl], self.reference[sl])
-            # where_mask: masked tokens (a = 0) may hold inf/NaN terms; they must add 0, not NaN
-            total = (where_mask(term, a != 0) * a).sum()
-            if self.nll_weight is not None:
-                total = total - cfg.positive_example_nll_weight * (self.nll_weight[sl] * c).sum()
-            (grad,) = torch.autograd.grad(total, c)
+                anchor = self.prefix.anchor(sl, c, p, self.token_mask[sl], self.positions[sl])
+                log_r = straight_through_log_ratio_d(anchor, c, cfg.max_log_ratio)
+            d_sur = self._clipped_surrogate_d(log_r, adv, self.positions[sl])
+        d_term = self.is_weight[sl] * d_sur
+        if self.reference is not None:
+            weight = exp_or_zero_d(c - self.generation[sl]) if cfg.use_on_policy_kl_approximation else (
+                score_function_weight_d(c))
+            d_kl = kl_penalty_d(
+                c, self.reference[sl], weight, kl_type=cfg.reference_policy_kl_type,
+                input_clamp=cfg.kl_input_clamp_value, output_clamp=cfg.kl_output_clamp_value,
+                straight_through_k2=cfg.reference_policy_kl_gradient == "k2",
+            )
+            d_term = d_term + cfg.effective_kl_penalty * d_kl
+        # the loss's where_mask: tokens with a = 0 add exactly 0, whatever inf/NaN their terms hold
+        grad = torch.where(a != 0, a * d_term, 0.0)
+        if self.nll_weight is not None:
+            grad = grad - cfg.positive_example_nll_weight * self.nll_weight[sl]
         return grad
+
+    def _clipped_surrogate_d(self, log_r, adv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``ClippedPGLoss.clipped_surrogate``'s derivative."""
+        cfg = self.loss.config
+        if cfg.use_cispo:
+            return cispo_d(log_r, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max)
+        if cfg.uses_log_space_clip:
+            return log_space_clip_d(
+                log_r, adv, positions, eps_low=cfg.log_ratio_clip_low, eps_high=cfg.log_ratio_clip_high,
+                eps_c=cfg.log_ratio_clip_c, power=cfg.clip_position_power,
+            ).d
+        return ratio_clip_d(
+            log_r, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max, dual_clip=cfg.ratio_clip_c
+        ).d
 
 
 class PrefixCarry:
-    """The cumulative ratio of a chunk from its log-probs and a per-sequence running sum of the earlier chunks'.
+    """The cumulative ratio's anchor of a chunk from its log-probs and a per-sequence running sum of the earlier
+    chunks' (the layout holds whole sequences in memory order, so each sequence's tokens are consecutive).
 
-    ``log_ratio(sl, c, p, tm, positions)`` equals :func:`~nemo_is_plugin.ratios.policy_log_ratio` on those tokens
-    (value and gradient) provided every chunk is passed once, in order.
+    ``anchor(sl, c, p, tm, positions)`` equals the value of :func:`~nemo_is_plugin.ratios.policy_log_ratio` on those
+    tokens (before the ``max_log_ratio`` cap) provided every chunk is passed once, in order. No host sync: the
+    segments inside a chunk come from comparisons of neighbouring sequence ids, the carry is a scatter to unique
+    slots.
     """
 
     def __init__(self, config: ClippedPGLossConfig, layout: TokenLayout):
         self.level = config.effective_ratio_level
-        self.token_clamp, self.max_log_ratio = config.token_log_ratio_clamp, config.max_log_ratio
-        self.seq, self.pos = layout.seq_index.reshape(-1), layout.position.reshape(-1)
+        self.token_clamp = config.token_log_ratio_clamp
+        self.seq = layout.seq_index.reshape(-1)
         self.num_seqs = layout.num_seqs
         self.carry = torch.zeros(layout.num_seqs, dtype=torch.float64, device=self.seq.device)
         self.next_start = 0
 
-    def log_ratio(self, sl: slice, c, p, tm, positions) -> torch.Tensor:
-        with torch.no_grad():
-            d = token_log_ratio(c.detach(), p, self.token_clamp)
-            prefix = self.scan(sl, where_mask(d, tm)).to(c.dtype)
-            anchor = cumulative_anchor(self.level, prefix, positions, tm)
-        return straight_through_log_ratio(anchor, c, self.max_log_ratio)
+    def anchor(self, sl: slice, c, p, tm, positions) -> torch.Tensor:
+        d = token_log_ratio(c, p, self.token_clamp)
+        prefix = self.scan(sl, where_mask(d, tm)).to(c.dtype)
+        return cumulative_anchor(self.level, prefix, positions, tm)
 
     def scan(self, sl: slice, x: torch.Tensor) -> torch.Tensor:
         """Inclusive per-sequence prefix sums (fp64) of the chunk's ``x [n]``, continuing the earlier chunks'."""
@@ -181,11 +224,19 @@ class PrefixCarry:
             raise RuntimeError(f"chunks must be scanned in order: expected start {self.next_start}, got {sl.start}")
         self.next_start = sl.stop
         seq = self.seq[sl]
-        within = TokenLayout(seq, self.pos[sl], self.num_seqs).prefix_sum(x.double())
-        out = within + self.carry[seq]
-        last = torch.ones_like(seq, dtype=torch.bool)  # the last token of each sequence in this chunk
-        last[:-1] = seq[1:] != seq[:-1]
-        self.carry[seq[last]] = out[last]
+        n = seq.shape[0]
+        x = x.double()
+        total = torch.cumsum(x, 0)
+        change = seq[1:] != seq[:-1]  # a new sequence starts at i + 1
+        starts = torch.cat([change.new_ones(1), change])
+        index = torch.arange(n, device=seq.device)
+        first = torch.cummax(torch.where(starts, index, 0), 0).values  # the chunk's first token of each segment
+        out = total - (total - x)[first] + self.carry[seq]
+        # each sequence's last token in the chunk hands its sum on; the other tokens write to slots past the carry
+        last = torch.cat([change, change.new_ones(1)])
+        slots = torch.cat([self.carry, out.new_empty(n)])
+        slots.scatter_(0, torch.where(last, seq, self.num_seqs + index), out)
+        self.carry = slots[: self.num_seqs]
         return out
 
 

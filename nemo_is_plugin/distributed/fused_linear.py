@@ -4,41 +4,40 @@ Shapes: ``hidden [..., H]`` (replicated over TP, or sequence-sharded with ``sequ
 [V/TP, H]`` (this rank's rows of the LM head), ``target [...]`` global token ids. Outputs are fp32 ``[...]`` (fp64 for
 fp64 inputs).
 
-This is :mod:`vocab_parallel` with the logits never materialised: for every chunk of ``chunk_size`` tokens the
-chunk's logits ``z = hidden_c @ weight.T / temperature`` (fp32 ``[chunk, V/TP]``) are computed into one reused
-workspace and reduced to the four ``[chunk]`` softmax partials. The TP merge is vocab_parallel's
-(``localize_target``, ``reduce_partials``, ``finalize_partials``: once on the ``[N]`` partials, 2 collectives per call);
-the per-chunk math is the in-place twin of its ``chunk_partials`` / ``logits_grad`` (:mod:`kernels.chunk_inplace`,
-same values, no fresh ``[chunk, V/TP]`` allocations). Saved for backward: the inputs (by reference), ``lse [N]`` and,
-with entropy, ``H [N]``: 4-8 bytes per token. Extra memory: 1 chunk workspace (2 with entropy) + the gradients.
+This is :mod:`vocab_parallel` with the logits never materialised beyond one chunk of ``chunk_size`` tokens:
 
-Why a custom autograd.Function and not autograd over the chunks: autograd would keep every chunk's logits (or
-softmax) alive until the backward, i.e. the full ``[N, V/TP]``. Here the loss sees only ``logprobs [N]``; sequence-level
-and cumulative ratios / IS weights need the whole sequence's log-probs before any per-token gradient is known, and
-plain autograd already orders the work that way: (1) this forward produces every log-prob, (2) the loss runs on them,
-(3) ``loss.backward()`` hands this backward ``dL/dlogprob [N]``, which recomputes each chunk's logits and accumulates
+    forward,  per chunk:  z = x_c W^T  (GEMM 1, into one reused [chunk, V/TP] buffer in the compute dtype)
+                          pass 1: softmax partials of z / T per token        (kernels.chunk_math)
+              once:       TP merge of the [N] partials (2 collectives per call), log p, lse [N], entropy [N]
+    backward, per chunk:  z = x_c W^T  (GEMM 1 again: nothing of size [N, V/TP] was kept)
+                          pass 2: dz = (g (onehot - p) - h p (log p + H)) / T  in z's buffer
+                          dX_c = dz W  (GEMM 2, into dX's rows)      dW += dz^T X_c  (GEMM 3, in place)
 
-    dz    = (g (onehot - p) - h p (log p + H)) / temperature      fp32 [chunk, V/TP]   (logits_grad_)
-    dX_c  = dz @ W                                                 [chunk, H]
-    dW   += dz.T @ X_c                                             fp32 [V/TP, H]
+with ``g = dL/dlog p``, ``h = dL/dH`` the upstream gradients. Saved for backward: the inputs (by reference), ``lse
+[N]`` and, with entropy, ``H [N]``. Cost: 4 GEMMs for forward + backward (1 + 1 recompute + 2 gradient GEMMs) and two
+reads and one write of each chunk element by the elementwise passes. :mod:`fused_linear_loss` runs the loss in the
+same loop when the loss allows it (3 GEMMs).
 
-so at most one chunk of ``[tokens x vocab]`` is alive at any time. Cost: 1 GEMM forward, 3 backward (1 recompute +
-2 gradient GEMMs), i.e. 4x the forward GEMM for forward+backward.
+Why a custom autograd.Function and not autograd over the chunks: autograd would keep every chunk's logits alive
+until the backward. Here the loss sees only ``logprobs [N]``; sequence-level ratios need the whole sequence's log-probs
+before any per-token gradient is known, and plain autograd already orders the work that way.
 
 TP semantics (Megatron's): every TP rank sees the same log-probs and hence the same upstream gradient; the hidden
-states' gradient is the SUM over ranks of each shard's ``dz @ W_r``, all-reduced here once after the last chunk (the
-job Megatron's ``copy_to_tensor_model_parallel_region`` does). With ``sequence_parallel=True`` the hidden states
-arrive sharded over the sequence, are all-gathered over TP in the forward, and the backward is a reduce-scatter.
+states' gradient is the SUM over ranks of each shard's ``dz @ W_r``, all-reduced here once after the last chunk. With
+``sequence_parallel=True`` the hidden states arrive sharded over the sequence, are all-gathered over TP in the forward,
+and the backward is a reduce-scatter.
 
-Precision: on CPU each chunk is computed in fp32 (a bf16 GEMM there is ~100x slower than fp32); a bf16 weight is
-upcast once per forward and once per backward (an extra ``V/TP x H`` fp32 buffer, independent of the token count).
-On other devices the GEMMs run in the input dtype with fp32 outputs (``mm_fp32``); softmax statistics, ``dz`` and the
-``dW`` accumulator are fp32 everywhere. ``backend="triton"`` (CUDA, opt-in, see :mod:`kernels.triton_logprob`) runs the
-forward as one kernel that never writes logits, and the backward's elementwise pass as one kernel per chunk.
+Device policy. CPU: each chunk is computed in fp32 (bf16 inputs are upcast: a bf16 CPU GEMM is ~100x slower), the
+chunk is 256 MiB of fp32 logits, the torch backend does the elementwise passes. GPU: the GEMMs run in the input
+dtype, the chunk stays in it (bf16 logits, as on the naive bf16 path; statistics and ``dz`` are computed in fp32 in
+registers and ``dz`` is rounded to bf16 once, as the naive path's gradient is), chunks are sized by
+``GPU_CHUNK_BYTES`` (thousands of tokens), and the passes are Triton kernels (``backend="auto"``). The dW accumulator
+and its precision: :mod:`nemo_is_plugin.kernels.gemm`. No host synchronisation happens inside the chunk loops.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -47,28 +46,27 @@ from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_sum
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
 from nemo_is_plugin.distributed.vocab_parallel import (
     DEFAULT_CHUNK_BYTES,
-    SoftmaxPartials,
     default_chunk_size,
-    finalize_partials,
     local_vocab_range,
     localize_target,
     reduce_partials,
 )
-from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, logits_grad_
-from nemo_is_plugin.kernels.triton_logprob import fused_partials, logits_grad_triton_, triton_usable
+from nemo_is_plugin.kernels.chunk_math import BACKENDS, ChunkMath, resolve_backend
+from nemo_is_plugin.kernels.gemm import (
+    WeightGrad,
+    acc_dtype,
+    chunk_logits,
+    compute_dtype,
+    default_grad_weight_dtype,
+)
+from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials, empty_partials, finalize_partials
+from nemo_is_plugin.kernels.triton_logprob import owned_column
 
-BACKENDS = ("torch", "triton")
-
-def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """dtype the GEMMs run in: fp32 on CPU (bf16/fp16 CPU GEMMs are ~100x slower), the input dtype elsewhere."""
-    if tensor.device.type == "cpu" and tensor.dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return tensor.dtype
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of the softmax statistics and of the weight-gradient accumulator: fp32, or fp64 for fp64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
+# Budget of one chunk's buffers on a GPU (the chunk in the compute dtype, plus the torch backend's fp32 workspaces):
+# ~1.7k tokens at V/TP = 152k in bf16, ~2.9k at 129k. It sits inside the issue's "dW + dX + 1 GiB" memory target with
+# room for the [N] vectors; larger chunks amortise dW's per-chunk read-modify-write in GEMM 3 (V x H per chunk).
+GPU_CHUNK_BYTES = 768 * 2**20
+GPU_CHUNK_ALIGN = 128  # GPU chunks are a multiple of this (a GEMM tile), when at least two tiles fit
 
 
 def chunk_slices(n: int, chunk_size: int) -> Iterator[slice]:
@@ -77,78 +75,139 @@ def chunk_slices(n: int, chunk_size: int) -> Iterator[slice]:
         yield slice(start, min(start + chunk_size, n))
 
 
-def chunk_logits(x: torch.Tensor, weight: torch.Tensor, inv_temperature: float, out: torch.Tensor) -> torch.Tensor:
-    """Logits of one chunk, ``x [n, H] @ weight[V/TP, H].T * inv_temperature``, written into ``out[:n]`` (returned).
-
-    ``x`` and ``weight`` are in the compute dtype; ``out`` is the fp32 (fp64 for fp64 inputs) chunk workspace. When
-    the GEMM runs in a lower precision (bf16 on GPU) its result is upcast into ``out``.
-    """
-    z = out[: x.shape[0]]
-    if weight.dtype == z.dtype:
-        torch.mm(x, weight.t(), out=z)
-    else:  # GPU bf16: fp32 GEMM output, so the recomputed z matches the forward's fp32 lse
-        z.copy_(mm_fp32(x, weight.t()))
-    if inv_temperature != 1.0:
-        z.mul_(inv_temperature)
-    return z
+def device_chunk_size(vocab_local: int, device: torch.device, z_dtype: torch.dtype, backend: str,
+                      with_entropy: bool = False) -> int:
+    """Tokens per chunk: CPU ``default_chunk_size`` (256 MiB of fp32 logits); GPU ``GPU_CHUNK_BYTES`` over the
+    bytes one token's chunk row takes (the chunk in ``z_dtype`` plus the torch backend's workspaces)."""
+    if device.type == "cpu":
+        return default_chunk_size(vocab_local)
+    acc = acc_dtype(z_dtype)
+    per_column = z_dtype.itemsize + acc.itemsize * ChunkMath.workspace_count(backend, z_dtype, acc, with_entropy)
+    rows = GPU_CHUNK_BYTES // (per_column * max(vocab_local, 1))
+    if rows >= 2 * GPU_CHUNK_ALIGN:
+        rows -= rows % GPU_CHUNK_ALIGN
+    return max(1, rows)
 
 
-def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of low-precision operands with an fp32 result: cuBLAS's ``out_dtype`` where torch has it (CUDA,
-    torch >= 2.8), else the low-precision result upcast (one extra rounding of each output)."""
-    try:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return torch.mm(a, b).float()
+def check_head_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, temperature: float, chunk_size: Optional[int],
+    *, backend: str = "auto", with_entropy: bool = False,
+) -> int:
+    """Raise ValueError naming the argument unless the shapes and settings of an LM-head call agree; returns the chunk
+    size in tokens (``device_chunk_size`` when ``chunk_size`` is None)."""
+    if hidden.shape[:-1] != target.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and target {tuple(target.shape)} disagree on [...] dims")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [V/TP, H] with H = {hidden.shape[-1]}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    dtype = compute_dtype(hidden)
+    resolved = resolve_backend(backend, hidden.device, dtype)
+    if chunk_size is None:
+        return device_chunk_size(weight.shape[0], hidden.device, dtype, resolved, with_entropy)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return chunk_size
 
 
-def add_chunk_grads(
-    dz: torch.Tensor,
-    w: torch.Tensor,
-    x_c: torch.Tensor,
-    grad_x_rows: Optional[torch.Tensor],
-    grad_w: Optional[torch.Tensor],
-    need_w: bool,
-) -> Optional[torch.Tensor]:
-    """The gradient GEMMs of one chunk: ``dX_c = dz @ W`` written into ``grad_x_rows`` (None: not wanted) and
-    ``dW += dz.T @ X_c``, returned (``grad_w`` None: this chunk's GEMM creates it).
-
-    ``dz [n, V/TP]`` and ``x_c [n, H]`` are in the compute dtype. dW is accumulated in fp32 (fp64 for fp64 inputs): a
-    bf16 running sum would lose the small per-chunk contributions. The first chunk's GEMM writes the accumulator,
-    because zero-filling then adding a V x H buffer cost 0.9x a GEMM at DeepSeek-V3's shape.
-    """
-    if grad_x_rows is not None:
-        torch.mm(dz, w, out=grad_x_rows)
-    if not need_w:
-        return grad_w
-    if dz.dtype == acc_dtype(dz.dtype):
-        return torch.mm(dz.t(), x_c) if grad_w is None else grad_w.addmm_(dz.t(), x_c)
-    # low-precision GEMM with an fp32 output, chunk sums accumulated in fp32
-    return mm_fp32(dz.t(), x_c) if grad_w is None else grad_w.add_(mm_fp32(dz.t(), x_c))
+def check_grad_weight_out(weight: torch.Tensor, grad_weight_out: Optional[torch.Tensor]) -> None:
+    """Raise ValueError unless ``grad_weight_out`` (when given) can receive the weight's gradient."""
+    if grad_weight_out is None:
+        return
+    if grad_weight_out.shape != weight.shape or grad_weight_out.device != weight.device:
+        raise ValueError(f"grad_weight_out must be {tuple(weight.shape)} on {weight.device}, got "
+                         f"{tuple(grad_weight_out.shape)} on {grad_weight_out.device}")
+    if not grad_weight_out.is_floating_point() or grad_weight_out.requires_grad:
+        raise ValueError("grad_weight_out must be a floating-point buffer that does not require grad")
+    if not weight.requires_grad:
+        raise ValueError("grad_weight_out is given but weight.requires_grad is False: nothing would be accumulated")
 
 
-def _workspace(rows: int, cols: int, dtype: torch.dtype, device: torch.device, count: int) -> list[torch.Tensor]:
-    """``count`` reusable ``[rows, cols]`` chunk buffers, allocated once per forward / backward call."""
-    return [torch.empty(rows, cols, dtype=dtype, device=device) for _ in range(count)]
+@dataclass(frozen=True)
+class HeadOptions:
+    """The non-tensor arguments of one fused LM-head call (see ``fused_linear_logprobs``)."""
+
+    tp_group: Optional[ProcessGroup]
+    chunk_size: int
+    inv_temperature: float
+    backend: str = "auto"
+    reduce_grad_hidden: bool = True
+    grad_weight_dtype: Optional[torch.dtype] = None
+    grad_weight_out: Optional[torch.Tensor] = None
+
+
+class HeadChunks:
+    """What the chunk loops of one call share: flat inputs, the target's columns, dtypes and the chunk buffers."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, target_local: torch.Tensor,
+                 owned: torch.Tensor, opts: HeadOptions, *, with_entropy: bool = False):
+        self.x = hidden.reshape(-1, hidden.shape[-1])
+        self.n, self.vocab = self.x.shape[0], weight.shape[0]
+        self.dtype = compute_dtype(self.x)
+        self.acc = acc_dtype(self.dtype)
+        self.w = weight.to(self.dtype)  # no copy unless the CPU upcast applies
+        self.local_t, self.owned = target_local, owned
+        self.target_column = owned_column(target_local, owned)
+        self.opts = opts
+        self.backend = resolve_backend(opts.backend, self.x.device, self.dtype)
+        rows = min(opts.chunk_size, self.n)
+        self.math = ChunkMath(self.backend, self.dtype, self.acc, self.x.device, rows, self.vocab,
+                              with_entropy=with_entropy, fallback=opts.backend == "auto")
+        self.zbuf = torch.empty(rows, self.vocab, dtype=self.dtype, device=self.x.device)
+
+    def slices(self) -> Iterator[slice]:
+        return chunk_slices(self.n, self.opts.chunk_size)
+
+    def rows(self, sl: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(local target, owned, target column) of the chunk ``sl``."""
+        return self.local_t[sl], self.owned[sl], self.target_column[sl]
+
+    def grad_buffers(self, need_x: bool, need_w: bool, weight: torch.Tensor):
+        """dX ``[N, H]`` in the compute dtype (or None) and the dW accumulator (or None)."""
+        grad_x = torch.empty(self.x.shape, dtype=self.dtype, device=self.x.device) if need_x else None
+        dw_dtype = default_grad_weight_dtype(weight, self.opts.grad_weight_dtype)
+        grad_w = WeightGrad(weight, dw_dtype, self.opts.grad_weight_out) if need_w else None
+        return grad_x, grad_w
+
+    def chunk_grads(self, sl: slice, dz: torch.Tensor, x_c: torch.Tensor, grad_x, grad_w) -> None:
+        """GEMMs 2 and 3 of one chunk: ``dX[sl] = dz W``, ``dW += dz^T x_c``."""
+        if grad_x is not None:
+            torch.mm(dz, self.w, out=grad_x[sl])
+        if grad_w is not None:
+            grad_w.add(dz, x_c)
+
+    def finish_grad_x(self, grad_x: Optional[torch.Tensor], hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """All-reduce dX over TP (each rank holds its vocab shard's share) unless sequence parallel reduce-scatters
+        it later; cast to the hidden states' dtype and shape."""
+        if grad_x is None:
+            return None
+        if self.opts.reduce_grad_hidden:
+            grad_x = all_reduce_sum(grad_x, self.opts.tp_group)
+        return grad_x.to(hidden.dtype).reshape(hidden.shape)
+
+
+def _chunk_partials(chunks: HeadChunks, with_entropy: bool) -> SoftmaxPartials:
+    """Pass 1 over every chunk (GEMM 1 + partials), written into ``[N]`` buffers."""
+    out = empty_partials(chunks.n, with_entropy, chunks.x.new_empty(0, dtype=chunks.acc))
+    inv_t = chunks.opts.inv_temperature
+    for sl in chunks.slices():
+        z = chunk_logits(chunks.x[sl].to(chunks.dtype), chunks.w, chunks.zbuf)  # GEMM 1
+        rows_out = SoftmaxPartials(*(None if f is None else f[sl] for f in out))
+        chunks.math.partials(z, *chunks.rows(sl), inv_t, rows_out)
+    return out
 
 
 class _FusedLinearLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, tp_group, chunk_size, inv_temperature, with_entropy, reduce_grad_hidden,
-                backend):
-        x = hidden.reshape(-1, hidden.shape[-1])
-        start, end = local_vocab_range(weight.shape[0], group_rank(tp_group))
+    def forward(ctx, hidden, weight, target, opts: HeadOptions, with_entropy: bool):
+        start, end = local_vocab_range(weight.shape[0], group_rank(opts.tp_group))
         local_t, owned = localize_target(target.reshape(-1), start, end)
-        dtype = compute_dtype(x)
-        w = weight.to(dtype)  # no copy unless the CPU upcast applies
-        if backend == "triton":  # one kernel over all tokens: logits never leave the chip
-            partials = fused_partials(x.to(dtype), w, local_t, owned, inv_temperature, with_entropy)
-        else:
-            partials = _chunked_partials(x, w, local_t, owned, chunk_size, inv_temperature, with_entropy)
-        logprob, lse, entropy = finalize_partials(reduce_partials(partials, tp_group))
+        chunks = HeadChunks(hidden, weight, local_t, owned, opts, with_entropy=with_entropy)
+        partials = _chunk_partials(chunks, with_entropy)
+        del chunks
+        logprob, lse, entropy = finalize_partials(reduce_partials(partials, opts.tp_group))
 
-        ctx.tp_group, ctx.chunk_size, ctx.inv_temperature = tp_group, chunk_size, inv_temperature
-        ctx.reduce_grad_hidden, ctx.backend = reduce_grad_hidden, backend
+        ctx.opts = opts
         ctx.save_for_backward(hidden, weight, local_t, owned, lse, entropy if with_entropy else None)
         out_entropy = entropy.reshape(target.shape) if with_entropy else logprob.new_empty(0)
         if not with_entropy:
@@ -158,73 +217,24 @@ class _FusedLinearLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
         hidden, weight, local_t, owned, lse, entropy = ctx.saved_tensors
+        opts: HeadOptions = ctx.opts
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x = hidden.reshape(-1, hidden.shape[-1])
-        dtype = compute_dtype(x)
-        w = weight.to(dtype)
-        g_lp = None if grad_logprob is None else grad_logprob.reshape(-1).to(lse.dtype)
         use_h = grad_entropy is not None and entropy is not None
+        chunks = HeadChunks(hidden, weight, local_t, owned, opts, with_entropy=use_h)
+        g_lp = None if grad_logprob is None else grad_logprob.reshape(-1).to(lse.dtype)
         g_h = grad_entropy.reshape(-1).to(lse.dtype) if use_h else None
-        rows = min(ctx.chunk_size, x.shape[0])
-        n_scratch = 2 if use_h and ctx.backend == "torch" else 1
-        buf, *scratch = _workspace(rows, w.shape[0], lse.dtype, x.device, n_scratch)
-
-        grad_x = torch.empty(x.shape, dtype=dtype, device=x.device) if need_x else None
-        grad_w = None
-        for sl in chunk_slices(x.shape[0], ctx.chunk_size):
-            x_c = x[sl].to(dtype)
-            z = chunk_logits(x_c, w, ctx.inv_temperature, buf)
-            args = (local_t[sl], owned[sl], lse[sl], None if g_lp is None else g_lp[sl],
-                    entropy[sl] if use_h else None, g_h[sl] if use_h else None)
-            if ctx.backend == "triton":
-                dz = logits_grad_triton_(z, *args, ctx.inv_temperature)
-            else:
-                dz = logits_grad_(z, *args, *scratch)
-                if ctx.inv_temperature != 1.0:
-                    dz.mul_(ctx.inv_temperature)  # z = (x W^T) / T
-            dz = dz.to(dtype)  # no-op on CPU; bf16 operands for the GPU GEMMs
-            grad_w = add_chunk_grads(dz, w, x_c, grad_x[sl] if need_x else None, grad_w, need_w)
-        del buf, scratch
-        if need_w and grad_w is None:  # no tokens
-            grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
-
-        if need_x and ctx.reduce_grad_hidden:
-            grad_x = all_reduce_sum(grad_x, ctx.tp_group)  # each rank holds its vocab shard's share of dX
-        grad_x = None if grad_x is None else grad_x.to(hidden.dtype).reshape(hidden.shape)
-        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
-        return grad_x, grad_w, None, None, None, None, None, None, None
-
-
-def _chunked_partials(x, w, local_t, owned, chunk_size, inv_temperature, with_entropy) -> SoftmaxPartials:
-    """Softmax partials ``[N]`` of all tokens, one ``[chunk, V/TP]`` fp32 workspace (two with entropy) reused."""
-    dtype = w.dtype
-    rows = min(chunk_size, x.shape[0])
-    buf, *scratch = _workspace(rows, w.shape[0], acc_dtype(dtype), x.device, 2 if with_entropy else 1)
-    parts: list[SoftmaxPartials] = []
-    for sl in chunk_slices(x.shape[0], chunk_size):
-        z = chunk_logits(x[sl].to(dtype), w, inv_temperature, buf)
-        parts.append(chunk_partials_(z, local_t[sl], owned[sl], with_entropy, *scratch))
-    if not parts:  # no tokens
-        empty = buf.new_empty(0)
-        return SoftmaxPartials(empty, empty, empty, empty if with_entropy else None)
-    return SoftmaxPartials(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
-
-
-def check_head_inputs(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, temperature: float, chunk_size: Optional[int]
-) -> int:
-    """Raise ValueError naming the argument unless the shapes and settings of an LM-head call agree; returns the chunk
-    size in tokens (``default_chunk_size`` of the shard when ``chunk_size`` is None)."""
-    if hidden.shape[:-1] != target.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and target {tuple(target.shape)} disagree on [...] dims")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight {tuple(weight.shape)} must be [V/TP, H] with H = {hidden.shape[-1]}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else chunk_size
-    if chunk < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return chunk
+        grad_x, grad_w = chunks.grad_buffers(need_x, need_w, weight)
+        inv_t = opts.inv_temperature
+        for sl in chunks.slices():
+            x_c = chunks.x[sl].to(chunks.dtype)
+            z = chunk_logits(x_c, chunks.w, chunks.zbuf)  # GEMM 1, recomputed
+            dz = chunks.math.logits_grad(
+                z, z, *chunks.rows(sl), lse[sl], None if g_lp is None else g_lp[sl],
+                entropy[sl] if use_h else None, g_h[sl] if use_h else None, inv_t, inv_t,
+            )
+            chunks.chunk_grads(sl, dz, x_c, grad_x, grad_w)  # GEMMs 2 and 3
+        grad_x = chunks.finish_grad_x(grad_x, hidden)
+        return grad_x, None if grad_w is None else grad_w.result(), None, None, None
 
 
 def fused_linear_logprobs(
@@ -237,7 +247,9 @@ def fused_linear_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     sequence_parallel: bool = False,
-    backend: str = "torch",
+    backend: str = "auto",
+    grad_weight_out: Optional[torch.Tensor] = None,
+    grad_weight_dtype: Optional[torch.dtype] = None,
 ):
     """Log-prob of ``target`` under ``softmax(hidden @ W.T / temperature)`` with W's rows sharded over ``tp_group``.
 
@@ -247,33 +259,38 @@ def fused_linear_logprobs(
         weight: ``[V/TP, H]`` this rank's LM-head rows (global ids ``[r V/TP, (r+1) V/TP)``).
         target: long ``[...]`` global token ids (an id outside ``[0, V)`` gives ``-lse``).
         tp_group: the vocab-parallel group; None = the whole vocab is local (no communication).
-        chunk_size: tokens per chunk; bounds the extra memory to O(chunk_size x V/TP). None: ``default_chunk_size``.
+        chunk_size: tokens per chunk; bounds the extra memory to O(chunk_size x V/TP). None: ``device_chunk_size``
+            (CPU: 256 MiB of fp32 logits; GPU: ``GPU_CHUNK_BYTES`` of chunk buffers).
         temperature: logits are divided by it (sampling temperature of the rollout engine).
         with_entropy: also return the full-vocab entropy per token (differentiable).
         sequence_parallel: ``hidden`` is sharded over TP along dim 0 (Megatron sequence parallelism).
-        backend: "torch" (chunked GEMMs + allocation-free elementwise chunk math, any device) or "triton" (CUDA:
-            the forward never materialises logits; the backward's elementwise pass is one kernel). "triton" is
-            opt-in until it has been validated on a GPU (see kernels/triton_logprob.py).
+        backend: "auto" (Triton kernels for the elementwise passes on CUDA, torch elsewhere; falls back to torch with
+            a warning if triton is missing or a kernel fails to compile), "torch", or "triton" (no fallback).
+        grad_weight_out: a ``[V/TP, H]`` floating-point buffer (typically Megatron's fp32 ``main_grad``) that the
+            weight's gradient is ADDED into during the backward; ``weight`` then receives no ``.grad``. Requires
+            ``weight.requires_grad``; nothing is added when no backward runs (e.g. under ``torch.no_grad``).
+        grad_weight_dtype: dtype of the dW accumulator when ``grad_weight_out`` is None: None = fp32 on CPU, the
+            weight's dtype on GPUs (see :mod:`nemo_is_plugin.kernels.gemm` for the numerics); ``torch.float32`` =
+            exact fp32 chunk sums, rounded once (costs a ``V/TP x H`` fp32 buffer).
 
     Returns:
         fp32 ``[...]`` log-probs, or ``(logprobs, entropy)`` when ``with_entropy``. Differentiable w.r.t. ``hidden``
         (full gradient on every rank; the shard's under ``sequence_parallel``) and ``weight`` (this shard's rows).
     """
+    check_grad_weight_out(weight, grad_weight_out)
     if sequence_parallel:
         # all_gather's backward is the reduce-scatter of the per-rank partial dX: no second all-reduce inside.
         hidden = all_gather(hidden, tp_group, dim=0)
-    chunk = check_head_inputs(hidden, weight, target, temperature, chunk_size)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton" and not triton_usable(hidden.device):
-        raise ValueError("backend='triton' needs a CUDA device and an importable triton")
-    logprob, entropy = _FusedLinearLogprob.apply(
-        hidden, weight, target, tp_group, chunk, 1.0 / temperature, with_entropy, not sequence_parallel, backend
-    )
+    chunk = check_head_inputs(hidden, weight, target, temperature, chunk_size, backend=backend,
+                              with_entropy=with_entropy)
+    opts = HeadOptions(tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype,
+                       grad_weight_out)
+    logprob, entropy = _FusedLinearLogprob.apply(hidden, weight, target, opts, with_entropy)
     return (logprob, entropy) if with_entropy else logprob
 
 
 __all__ = [
-    "BACKENDS", "DEFAULT_CHUNK_BYTES", "add_chunk_grads", "check_head_inputs", "chunk_logits", "compute_dtype",
-    "default_chunk_size", "fused_linear_logprobs", "mm_fp32",
+    "BACKENDS", "DEFAULT_CHUNK_BYTES", "GPU_CHUNK_BYTES", "HeadChunks", "HeadOptions", "check_grad_weight_out",
+    "check_head_inputs", "chunk_logits", "chunk_slices", "compute_dtype", "default_chunk_size", "device_chunk_size",
+    "fused_linear_logprobs",
 ]

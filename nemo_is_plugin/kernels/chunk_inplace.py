@@ -1,12 +1,19 @@
-"""Allocation-free versions of the per-chunk softmax math of :mod:`nemo_is_plugin.distributed.vocab_parallel`.
+"""The per-chunk softmax math of the log-prob paths in PyTorch, in place: the torch backend (CPU, and CUDA without
+triton) of the two passes a chunk of logits goes through (see :mod:`nemo_is_plugin.kernels.chunk_math`).
 
-Same values as ``vocab_parallel.chunk_partials`` and ``vocab_parallel.logits_grad`` (tests assert it), but computed in
-place in the caller's chunk buffer (plus one scratch buffer when the entropy is involved), so that a chunk loop reuses
-one or two ``[chunk, V/TP]`` fp32 workspaces instead of allocating three or four fresh ones per chunk.
+- pass 1, ``chunk_partials_``: the chunk's softmax partials (max, sum exp, target logit, entropy term) per token;
+- pass 2, ``logits_grad_``: ``dz = s (g (onehot - p) - h p (log p + H))`` from the logits and the global lse, or, when
+  pass 1 has just left ``exp(z - m)`` in the buffer (the single pass on CPU), ``softmax_grad_from_exp_``, which
+  turns it into ``s g (onehot - p)`` with one multiply and a scatter.
 
-Why it matters on CPU: a fresh ``[256, 151936]`` fp32 tensor (155 MB) is an ``mmap`` whose pages fault in on first
-touch; measured here, ``chunk_partials`` on fresh buffers costs 0.6-0.7x the chunk's GEMM, the in-place sequence
-(gather, amax, sub_, exp_, sum) about 0.1x. The fused-linear forward target (1.15x the GEMM) needs the latter.
+``s`` (``scale``) is the logits' scale (1 / temperature: ``dL/d(xW^T) = dL/dz / T``), folded into the per-token
+factors so that it costs no pass over the chunk. Everything is computed in the caller's buffer (plus one scratch
+buffer when the entropy is involved): a chunk loop reuses one or two ``[chunk, V/TP]`` workspaces instead of
+allocating fresh ones per chunk (on CPU a fresh 155 MB tensor is an ``mmap`` whose pages fault in on first touch:
+measured, ``vocab_parallel.chunk_partials`` on fresh buffers costs 0.6-0.7x the chunk's GEMM, this sequence ~0.1x).
+
+No host synchronisation: the target column is added with a ``scatter_add_`` over every row (rows whose target lies
+on another TP rank add 0 at column 0), never through ``nonzero`` / boolean indexing; scalars are Python floats.
 
 Shapes: ``z`` fp32/fp64 ``[n, v]`` (overwritten), per-token vectors ``[n]``, ``scratch`` at least ``[n, v]``.
 """
@@ -17,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from nemo_is_plugin.distributed.vocab_parallel import SoftmaxPartials
+from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials
 
 
 def _scratch_rows(scratch: Optional[torch.Tensor], z: torch.Tensor) -> torch.Tensor:
@@ -26,6 +33,13 @@ def _scratch_rows(scratch: Optional[torch.Tensor], z: torch.Tensor) -> torch.Ten
         got = None if scratch is None else (tuple(scratch.shape), scratch.dtype)
         raise ValueError(f"the entropy terms need a scratch buffer [>={z.shape[0]}, {z.shape[1]}] {z.dtype}, got {got}")
     return scratch[: z.shape[0]]
+
+
+def _add_target_column_(grad: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, g: torch.Tensor):
+    """``grad[i, local_target[i]] += g[i]`` on the rows whose target this shard owns; every row takes part (the
+    others add an exact 0), so no row selection, hence no host sync."""
+    grad.scatter_add_(1, local_target.unsqueeze(-1), torch.where(owned, g, 0.0).unsqueeze(-1))
+    return grad
 
 
 def chunk_partials_(
@@ -37,8 +51,9 @@ def chunk_partials_(
 ) -> SoftmaxPartials:
     """Softmax partials of one chunk (``max``, ``sum exp(z-m)``, target logit, ``sum exp(z-m)(z-m)``); destroys ``z``.
 
-    ``scratch`` (``[>=n, v]``, same dtype) is needed only ``with_entropy``: it holds ``exp(z - m)`` while ``z`` holds
-    ``z - m``, and their row-wise dot is a batched GEMV (no ``[n, v]`` product is formed).
+    Without entropy ``z`` holds ``exp(z - m)`` afterwards (what ``softmax_grad_from_exp_`` consumes). ``scratch``
+    (``[>=n, v]``, same dtype) is needed only ``with_entropy``: it holds ``exp(z - m)`` while ``z`` holds ``z - m``,
+    and their row-wise dot is a batched GEMV (no ``[n, v]`` product is formed).
     """
     n = z.shape[0]
     target = torch.where(owned, z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
@@ -60,26 +75,28 @@ def logits_grad_(
     entropy: Optional[torch.Tensor] = None,
     grad_entropy: Optional[torch.Tensor] = None,
     scratch: Optional[torch.Tensor] = None,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """dL/dz of one chunk, ``g (onehot - p) - h p (log p + H)``, written into ``z``'s buffer (returned).
+    """dL/dz of one chunk times ``scale``, ``s (g (onehot - p) - h p (log p + H))``, written into ``z`` (returned).
 
     ``g = grad_logprob``, ``h = grad_entropy`` (each ``[n]`` or None). ``scratch`` holds ``p`` when ``h`` is given.
     """
     logp = z.sub_(lse.unsqueeze(-1))
     use_entropy = grad_entropy is not None and entropy is not None
+    gs = None if grad_logprob is None else (grad_logprob if scale == 1.0 else grad_logprob * scale)
     if not use_entropy:
-        if grad_logprob is None:
+        if gs is None:
             return logp.zero_()
-        grad = logp.exp_().mul_(grad_logprob.neg().unsqueeze(-1))  # -g p
+        grad = logp.exp_().mul_(gs.neg().unsqueeze(-1))  # -s g p
     else:
         p = torch.exp(logp, out=_scratch_rows(scratch, z))
-        grad = logp.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))  # h (log p + H)
-        if grad_logprob is not None:
-            grad.add_(grad_logprob.unsqueeze(-1))  # g + h (log p + H)
+        hs = grad_entropy if scale == 1.0 else grad_entropy * scale
+        grad = logp.add_(entropy.unsqueeze(-1)).mul_(hs.unsqueeze(-1))  # s h (log p + H)
+        if gs is not None:
+            grad.add_(gs.unsqueeze(-1))  # s g + s h (log p + H)
         grad.mul_(p).neg_()
-    if grad_logprob is not None:
-        rows = torch.nonzero(owned, as_tuple=True)[0]
-        grad.index_put_((rows, local_target[rows]), grad_logprob[rows], accumulate=True)  # + g onehot
+    if gs is not None:
+        _add_target_column_(grad, local_target, owned, gs)  # + s g onehot
     return grad
 
 
@@ -89,13 +106,14 @@ def softmax_grad_from_exp_(
     local_target: torch.Tensor,
     owned: torch.Tensor,
     grad_logprob: torch.Tensor,
+    out_scale: float = 1.0,
 ) -> torch.Tensor:
-    """dL/dz ``g (onehot - p)`` of one chunk from ``e = exp(z - m)`` (what ``chunk_partials_`` leaves in ``z``),
-    written into ``e``'s buffer (returned). ``scale = exp(m - lse) [n]`` turns ``e`` into ``p``; no recomputed GEMM."""
-    grad = e.mul_((grad_logprob * scale).neg_().unsqueeze(-1))  # -g p
-    rows = torch.nonzero(owned, as_tuple=True)[0]
-    grad.index_put_((rows, local_target[rows]), grad_logprob[rows], accumulate=True)  # + g onehot
-    return grad
+    """dL/dz ``s g (onehot - p)`` of one chunk from ``e = exp(z - m)`` (what ``chunk_partials_`` leaves in ``z``),
+    written into ``e``'s buffer (returned). ``scale = exp(m - lse) [n]`` turns ``e`` into ``p``; ``s = out_scale``.
+    No recomputed GEMM and one pass over the chunk (plus the scatter of the target column)."""
+    gs = grad_logprob if out_scale == 1.0 else grad_logprob * out_scale
+    grad = e.mul_((gs * scale).neg_().unsqueeze(-1))  # -s g p
+    return _add_target_column_(grad, local_target, owned, gs)  # + s g onehot
 
 
 __all__ = ["chunk_partials_", "logits_grad_", "softmax_grad_from_exp_"]

@@ -1,35 +1,74 @@
-"""Triton kernels (CUDA) for the fused-linear log-prob: a forward that never writes logits to memory, and the
-in-place per-chunk logits gradient of the recomputing backward.
+"""Triton kernels (CUDA) for the two elementwise passes over a chunk of logits; the GEMMs around them are cuBLAS.
 
-STATUS: no GPU was available while this was written. Both kernels are tested only through Triton's interpreter
-(``TRITON_INTERPRET=1``, numpy on CPU, tiny shapes: tests/distributed/test_fused_linear_triton.py), which checks their
-indexing and math but not compilation for, or speed on, a real GPU. Block sizes are untuned guesses.
+STATUS: no GPU was available while this was written. The kernels are tested through Triton's interpreter
+(``TRITON_INTERPRET=1``, numpy on CPU, tiny shapes: tests/kernels/test_triton_chunk_kernels.py), which checks their
+indexing and math but neither GPU compilation nor speed. The block sizes below are reasoned, not measured.
 
-Forward (``fused_partials``): grid = (token blocks, vocab splits). Each program computes its ``[BLOCK_N, BLOCK_V]``
-logit tiles with ``tl.dot`` over H in ``BLOCK_K`` steps (fp32 accumulation), scales them by 1/temperature and folds
-them into running softmax partials (max m, sum exp(z - m), target logit, sum exp(z - m)(z - m)), so only
-``4 x [splits, N]`` floats are written. The splits are merged on the host with vocab_parallel's shift identity;
-the TP merge that follows is vocab_parallel's as well.
+Both kernels read the chunk ``z [n, V/TP]`` in the GEMM's output dtype (bf16 for bf16 inputs: the values the naive
+bf16 path's logits have), upcast each element to fp32 in registers and multiply it by ``in_scale`` (1 / temperature),
+so no pass over the chunk is spent on upcasting or scaling.
 
-Backward (``logits_grad_triton_``): one elementwise pass over a recomputed fp32 chunk ``z [n, V/TP]``, in place:
-``dz = (g (onehot - p) - h p (log p + H)) / temperature`` with ``p = exp(z - lse)``; the chunk GEMMs around it
-(recompute, dX, dW) stay cuBLAS calls in ``distributed/fused_linear.py``.
+- ``partials`` (pass 1): one program per row loops over the row in ``BLOCK_V`` blocks and keeps the online softmax
+  statistics (max m, sum exp(z - m), and sum exp(z - m)(z - m) for the entropy) as fp32 scalars; the target logit is
+  one scalar load (column -1 = another TP rank owns it: 0). Reads the chunk once (2 B/element in bf16), writes
+  3-4 floats per row.
+- ``logits_grad`` (pass 2): a 2-D grid (row, column block); each program recomputes p = exp(z s - lse) from the global
+  lse and writes ``dz = out_scale (g (onehot - p) - h p (log p + H))`` in the output dtype, in place over z or into
+  another buffer. Reads 2 B and writes 2 B per element in bf16.
+
+Block sizes (``BLOCKS``), reasoned for H100 rows of 64k-250k columns (V/TP), not measured:
+
+- pass 1 streams a row in blocks of ``min(partials_block_v, next_pow2(V/TP))`` columns (32768 by default) with
+  one warp per 1024 columns up to ``partials_warps`` (32; half the block with the entropy term, whose extra live
+  value would spill at 32 warps): each thread keeps 32 contiguous elements in registers
+  (four 16-byte loads in bf16), and a 152k-column row is 5 blocks, so the serial max / sum reductions of the online
+  softmax are few and long. This is the configuration Liger's cross-entropy kernel ships for the same row-streaming
+  pattern on H100 (one program per row, 32k-wide blocks, 32 warps); a chunk of thousands of rows fills the 132 SMs
+  many times over.
+- pass 2 has no row-wide state, so a 2-D grid of (row, 4096-column block) programs with 8 warps (16 elements per
+  thread) needs no loop and no reduction.
+
+The numbers are fields of one dataclass so that a GPU run can sweep them (the benchmark records them).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from nemo_is_plugin.distributed.vocab_parallel import SoftmaxPartials, rescale_partials
+from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials
 
-try:  # triton is optional (the `liger` extra pulls it in; CUDA builds of torch ship it)
+try:  # triton is optional (CUDA builds of torch ship it; the `liger` extra pulls it in)
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
+
+# dtypes of the chunk the kernels accept (fp64 stays on the torch backend)
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class TritonBlocks:
+    """Launch parameters of the two kernels (powers of two; see the module docstring for the reasoning)."""
+
+    partials_block_v: int = 32768  # an upper bound: rows narrower than this take next_pow2(row) columns
+    partials_warps: int = 32  # an upper bound: one warp per 1024 columns of the block
+    grad_block_v: int = 4096
+    grad_warps: int = 8
+
+    def partials_launch(self, n_cols: int, with_entropy: bool = False) -> tuple[int, int]:
+        """(block, warps) of pass 1 for rows of ``n_cols`` columns: 32 elements per thread. The entropy term keeps
+        one more block-wide value live, which spills at 1024 threads (64 registers each): half the block then."""
+        cap = self.partials_block_v // (2 if with_entropy else 1)
+        block = min(cap, 1 << max(0, n_cols - 1).bit_length())
+        return block, max(1, min(self.partials_warps, block // 1024))
+
+
+BLOCKS = TritonBlocks()
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -43,60 +82,45 @@ if triton is not None:
 
     @triton.jit
     def _partials_kernel(
-        X, W, TGT, M_OUT, S_OUT, T_OUT, Q_OUT,
-        N, V, H, stride_x, stride_w, inv_temperature,
-        SPLIT_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-        WITH_ENTROPY: tl.constexpr, FP32_EXACT: tl.constexpr,
+        Z, stride_z, TGT, M_OUT, S_OUT, T_OUT, Q_OUT, n_cols, in_scale,
+        WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
-        pid_n, pid_s = tl.program_id(0), tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = rn < N
-        tgt = tl.load(TGT + rn, mask=n_mask, other=-1)  # local column, -1 when another rank owns the target
-        m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-        s = tl.zeros((BLOCK_N,), tl.float32)
-        t = tl.zeros((BLOCK_N,), tl.float32)
-        q = tl.zeros((BLOCK_N,), tl.float32)
-        for v_off in range(0, SPLIT_V, BLOCK_V):
-            rv = pid_s * SPLIT_V + v_off + tl.arange(0, BLOCK_V)
-            v_mask = rv < V
-            acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                k_mask = rk < H
-                x = tl.load(X + rn[:, None] * stride_x + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                w = tl.load(W + rv[:, None] * stride_w + rk[None, :], mask=v_mask[:, None] & k_mask[None, :], other=0.0)
-                if FP32_EXACT:  # fp32 inputs: no TF32 rounding, the parity tests hold at 1e-5
-                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-                else:  # bf16 / fp16 inputs: tensor-core MMA with fp32 accumulation
-                    acc += tl.dot(x, tl.trans(w))
-            z = acc * inv_temperature
-            new_m = tl.maximum(m, tl.max(tl.where(v_mask[None, :], z, float("-inf")), axis=1))
-            delta = tl.where(m == float("-inf"), 0.0, m - new_m)  # first tile: nothing to rescale (s = q = 0)
-            alpha = tl.exp(delta)
-            # masked columns (past V) get shifted = 0 and e = 0: no inf * 0 anywhere
-            shifted = tl.where(v_mask[None, :], z - new_m[:, None], 0.0)
-            e = tl.where(v_mask[None, :], tl.exp(shifted), 0.0)
+        row = tl.program_id(0).to(tl.int64)
+        base = Z + row * stride_z
+        m = float("-inf")
+        s = 0.0
+        q = 0.0
+        for v0 in range(0, n_cols, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            mask = cols < n_cols
+            z = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) * in_scale
+            new_m = tl.maximum(m, tl.max(z, axis=0))
+            alpha = tl.exp(m - new_m)  # first block: exp(-inf) = 0, nothing to rescale
+            e = tl.exp(z - new_m)  # columns past the row: exp(-inf) = 0
             if WITH_ENTROPY:
-                q = alpha * (q + delta * s) + tl.sum(e * shifted, axis=1)
-            s = alpha * s + tl.sum(e, axis=1)
-            t += tl.sum(tl.where(rv[None, :] == tgt[:, None], z, 0.0), axis=1)
+                delta = tl.where(m == float("-inf"), 0.0, m - new_m)  # no -inf * 0 on the first block
+                shifted = tl.where(mask, z - new_m, 0.0)  # past the row: e = 0 and no 0 * -inf
+                q = alpha * (q + delta * s) + tl.sum(e * shifted, axis=0)
+            s = alpha * s + tl.sum(e, axis=0)
             m = new_m
-        out = pid_s * N + rn
-        tl.store(M_OUT + out, m, mask=n_mask)
-        tl.store(S_OUT + out, s, mask=n_mask)
-        tl.store(T_OUT + out, t, mask=n_mask)
+        tgt = tl.load(TGT + row)  # local column, -1 when another TP rank owns the target
+        t = tl.load(base + tl.maximum(tgt, 0)).to(tl.float32) * in_scale
+        tl.store(M_OUT + row, m)
+        tl.store(S_OUT + row, s)
+        tl.store(T_OUT + row, tl.where(tgt >= 0, t, 0.0))
         if WITH_ENTROPY:
-            tl.store(Q_OUT + out, q, mask=n_mask)
+            tl.store(Q_OUT + row, q)
 
     @triton.jit
     def _logits_grad_kernel(
-        Z, stride_z, TGT, LSE, G, ENT, HG, n_cols, inv_temperature,
+        Z, stride_z, OUT, stride_out, TGT, LSE, G, ENT, HG, n_cols, in_scale, out_scale,
         HAS_G: tl.constexpr, HAS_H: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
-        row, pid_v = tl.program_id(0), tl.program_id(1)
-        cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
-        logp = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0) - tl.load(LSE + row)
+        z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32) * in_scale
+        logp = z - tl.load(LSE + row)
         p = tl.exp(logp)
         grad = tl.zeros((BLOCK_V,), tl.float32)
         if HAS_G:
@@ -104,78 +128,77 @@ if triton is not None:
             grad = tl.where(cols == tl.load(TGT + row), g, 0.0) - g * p
         if HAS_H:
             grad -= tl.load(HG + row) * p * (logp + tl.load(ENT + row))
-        tl.store(Z + row * stride_z + cols, grad * inv_temperature, mask=mask)
+        out = (grad * out_scale).to(OUT.dtype.element_ty)  # round to nearest even
+        tl.store(OUT + row * stride_out + cols, out, mask=mask)
 
 
-def _owned_column(local_target: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
-    return torch.where(owned, local_target, torch.full_like(local_target, -1)).contiguous()
+def owned_column(local_target: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+    """The kernels' target column: the local id where this shard owns the target, else -1 (long ``[n]``)."""
+    return torch.where(owned, local_target, -1).contiguous()
 
 
-def fused_partials(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    local_target: torch.Tensor,
-    owned: torch.Tensor,
-    inv_temperature: float,
-    with_entropy: bool,
-    *,
-    block_n: int = 64,
-    block_v: int = 128,
-    block_k: int = 64,
-    split_v: int = 4096,
+class ChunkLayoutError(ValueError):
+    """A launcher's argument the kernels cannot take (dtype, strides): the caller's error, not a kernel failure."""
+
+
+def _check_chunk(z: torch.Tensor, name: str) -> None:
+    if z.dim() != 2 or z.dtype not in TRITON_DTYPES or (z.shape[1] > 1 and z.stride(1) != 1):
+        raise ChunkLayoutError(
+            f"{name} needs a row-major [n, v] chunk of {TRITON_DTYPES}, got {z.dtype} {tuple(z.shape)}"
+        )
+
+
+def triton_partials(
+    z: torch.Tensor, target_column: torch.Tensor, in_scale: float, with_entropy: bool, out: SoftmaxPartials
 ) -> SoftmaxPartials:
-    """Softmax partials of ``x [N, H] @ weight[V, H].T * inv_temperature`` over this rank's vocab, fp32 ``[N]`` each.
-
-    Same values as running ``chunk_partials`` on the materialised logits. ``split_v`` (a multiple of ``block_v``)
-    sets the vocab range per program: more splits = more parallelism, more ``[splits, N]`` partials to merge.
-    """
-    if split_v % block_v:
-        raise ValueError(f"split_v={split_v} must be a multiple of block_v={block_v}")
-    x, weight = x.contiguous(), weight.contiguous()
-    n, h = x.shape
-    v = weight.shape[0]
-    splits = triton.cdiv(v, split_v)
-    out = torch.empty(4 if with_entropy else 3, splits, n, dtype=torch.float32, device=x.device)
-    q_out = out[3] if with_entropy else out[0]  # unused pointer when WITH_ENTROPY is off
-    grid = (triton.cdiv(n, block_n), splits)
-    _partials_kernel[grid](
-        x, weight, _owned_column(local_target, owned), out[0], out[1], out[2], q_out,
-        n, v, h, x.stride(0), weight.stride(0), inv_temperature,
-        SPLIT_V=split_v, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k, WITH_ENTROPY=with_entropy,
-        FP32_EXACT=x.dtype == torch.float32,
+    """Pass 1 over ``z [n, v]`` (not modified): the softmax partials of ``z * in_scale`` written into ``out``'s
+    fp32 ``[n]`` fields (contiguous). Same values as ``chunk_inplace.chunk_partials_`` on the fp32 logits."""
+    _check_chunk(z, "triton_partials")
+    n, v = z.shape
+    if n == 0:
+        return out
+    if any(f is not None and f.stride(0) != 1 for f in out):
+        raise ChunkLayoutError("triton_partials writes contiguous [n] outputs")
+    q_out = out.sum_zexp if with_entropy else out.max  # a valid pointer when WITH_ENTROPY is off
+    block, warps = BLOCKS.partials_launch(v, with_entropy)
+    _partials_kernel[(n,)](
+        z, z.stride(0), target_column.contiguous(), out.max, out.sumexp, out.target, q_out, v, float(in_scale),
+        WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
     )
-    per_split = SoftmaxPartials(out[0], out[1], out[2], out[3] if with_entropy else None)
-    global_max = out[0].amax(dim=0)  # every split holds >= 1 column: finite maxima
-    merged = rescale_partials(per_split, global_max)  # [splits, N], all relative to global_max
-    q = None if merged.sum_zexp is None else merged.sum_zexp.sum(0)
-    return SoftmaxPartials(global_max, merged.sumexp.sum(0), merged.target.sum(0), q)
+    return out
 
 
-def logits_grad_triton_(
+def triton_logits_grad(
     z: torch.Tensor,
-    local_target: torch.Tensor,
-    owned: torch.Tensor,
+    out: torch.Tensor,
+    target_column: torch.Tensor,
     lse: torch.Tensor,
     grad_logprob: Optional[torch.Tensor],
     entropy: Optional[torch.Tensor],
     grad_entropy: Optional[torch.Tensor],
-    inv_temperature: float,
-    *,
-    block_v: int = 1024,
+    in_scale: float,
+    out_scale: float,
 ) -> torch.Tensor:
-    """``chunk_inplace.logits_grad_`` times ``inv_temperature``, in one pass over the fp32 chunk ``z [n, v]``."""
-    if z.dtype != torch.float32 or z.stride(1) != 1:
-        raise ValueError("logits_grad_triton_ needs a row-major fp32 chunk")
+    """Pass 2: ``out = out_scale (g (onehot - p) - h p (log p + H))`` with ``p = exp(z in_scale - lse)``; ``out`` may
+    be ``z`` itself (in place) and has any of the accepted dtypes. Per-token vectors are fp32 ``[n]``."""
+    _check_chunk(z, "triton_logits_grad")
+    _check_chunk(out, "triton_logits_grad (out)")
     n, v = z.shape
-    has_h = grad_entropy is not None and entropy is not None
-    dummy = lse  # pointer for the disabled inputs
-    _logits_grad_kernel[(n, triton.cdiv(v, block_v))](
-        z, z.stride(0), _owned_column(local_target, owned), lse.contiguous(),
-        dummy if grad_logprob is None else grad_logprob.contiguous(),
-        entropy.contiguous() if has_h else dummy, grad_entropy.contiguous() if has_h else dummy,
-        v, inv_temperature, HAS_G=grad_logprob is not None, HAS_H=has_h, BLOCK_V=block_v,
+    if n == 0 or v == 0:
+        return out
+    has_g, has_h = grad_logprob is not None, grad_entropy is not None and entropy is not None
+    # the kernel indexes per-row vectors with stride 1: upstream gradients may arrive expanded (stride 0)
+    lse, target_column = lse.contiguous(), target_column.contiguous()
+    g = grad_logprob.contiguous() if has_g else lse  # lse: a valid pointer for a disabled input
+    ent, h = (entropy.contiguous(), grad_entropy.contiguous()) if has_h else (lse, lse)
+    block = BLOCKS.grad_block_v
+    _logits_grad_kernel[(n, triton.cdiv(v, block))](
+        z, z.stride(0), out, out.stride(0), target_column, lse, g, ent, h,
+        v, float(in_scale), float(out_scale),
+        HAS_G=has_g, HAS_H=has_h, BLOCK_V=block, num_warps=BLOCKS.grad_warps,
     )
-    return z
+    return out
 
 
-__all__ = ["fused_partials", "logits_grad_triton_", "triton_usable"]
+__all__ = ["BLOCKS", "TRITON_DTYPES", "ChunkLayoutError", "TritonBlocks", "owned_column", "triton_logits_grad",
+           "triton_partials", "triton_usable"]

@@ -1,112 +1,103 @@
-"""The Triton kernels of the fused-linear path. No GPU here: the kernels run in Triton's interpreter
-(``TRITON_INTERPRET=1``, numpy on CPU), which checks their indexing and math on tiny shapes but not GPU compilation
-or speed; the ``gpu``-marked test compares them on a real device and skips without CUDA."""
+"""The fused-linear entry points on the Triton backend. No GPU here: the kernels run in Triton's interpreter
+(``TRITON_INTERPRET=1``, numpy on CPU, tiny shapes), which checks the chunk loops and kernels end to end (two-pass
+log-probs with entropy and temperature, the single-pass loss, TP-style unowned targets) but neither GPU compilation
+(tests/kernels/test_triton_compile.py) nor speed. The ``gpu``-marked tests run the same comparisons on a CUDA device
+in fp32 and bf16 and skip without one. Kernel-level parity: tests/kernels/test_triton_chunk_kernels.py.
+"""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 
+from kernels._interpreter import interpreter_results
 from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
-from nemo_is_plugin.distributed.vocab_parallel import chunk_partials, localize_target, logits_grad
 
 triton = pytest.importorskip("triton")
-TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
-def _data(n=37, h=40, v=70, seed=0):
+def _data(n=24, h=32, v=48, seed=3, device="cpu", dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.5
-    target = torch.randint(0, v + 20, (n,), generator=g)  # the shard is [10, 10 + v): some targets elsewhere
-    return x, w, target
+    x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.3
+    target = torch.randint(0, v, (n,), generator=g)
+    return x.to(device, dtype), w.to(device, dtype), target.to(device)
 
 
-# ------------------------------------------------------------- checks run in a child process under the interpreter
-def check_forward_partials() -> None:
-    from nemo_is_plugin.kernels.triton_logprob import fused_partials
+def _small_blocks():
+    from nemo_is_plugin.kernels import triton_logprob as tk
 
-    x, w, target = _data()
-    local_t, owned = localize_target(target, 10, 80)
-    for with_entropy in (False, True):
-        # ragged everything: 37 tokens / 16, 70 vocab / split 32 / block 16, H 40 / 16
-        got = fused_partials(x, w, local_t, owned, 0.8, with_entropy, block_n=16, block_v=16, block_k=16, split_v=32)
-        want = chunk_partials((x @ w.t()) * 0.8, local_t, owned, with_entropy)
-        for a, b in zip(got, want):
-            assert (a is None) == (b is None)
-            if b is not None:
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    tk.BLOCKS.partials_block_v = tk.BLOCKS.grad_block_v = 16  # rows of 48 columns span 3 blocks
 
 
-def check_backward_logits_grad() -> None:
-    from nemo_is_plugin.kernels.triton_logprob import logits_grad_triton_
-
-    x, w, target = _data(seed=1)
-    local_t, owned = localize_target(target, 10, 80)
-    z = x @ w.t()
-    g = torch.Generator().manual_seed(2)
-    lse, ent = torch.logsumexp(z, -1), torch.rand(37, generator=g)
-    g_lp, g_h = torch.randn(37, generator=g), torch.randn(37, generator=g)
-    for args in ((g_lp, ent, g_h), (g_lp, None, None), (None, ent, g_h)):
-        want = logits_grad(z.clone(), local_t, owned, lse, *args) * 0.8
-        got = logits_grad_triton_(z.clone(), local_t, owned, lse, *args, 0.8, block_v=32)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+def _logprob_run(backend, x, w, target, coef, **kwargs):
+    xb, wb = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = fused_linear_logprobs(xb, wb, target, chunk_size=10, temperature=0.9, with_entropy=True,
+                                    backend=backend, **kwargs)
+    ((lp * coef).sum() + ent.sum()).backward()
+    return lp.detach(), ent.detach(), xb.grad, wb.grad
 
 
-def check_fused_linear_backends_agree() -> None:
-    x, w, _ = _data(n=24, h=32, v=48, seed=3)
-    target = torch.randint(0, 48, (24,), generator=torch.Generator().manual_seed(4))
-    coef = torch.randn(24, generator=torch.Generator().manual_seed(5))
-    results = {}
-    for backend in ("torch", "triton"):
-        xb, wb = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        lp, ent = fused_linear_logprobs(xb, wb, target, chunk_size=10, temperature=0.9, with_entropy=True,
-                                        backend=backend)
-        ((lp * coef).sum() + ent.sum()).backward()
-        results[backend] = (lp.detach(), ent.detach(), xb.grad, wb.grad)
-    for a, b in zip(results["triton"], results["torch"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+def check_fused_linear_backends_agree(device="cpu", dtype=torch.float32, tol=1e-5):
+    """Two-pass log-probs + entropy with temperature: triton equals torch and the float64 naive reference."""
+    _small_blocks()
+    x, w, target = _data(device=device, dtype=dtype)
+    coef = torch.randn(target.shape, generator=torch.Generator().manual_seed(5)).to(device)
+    got = _logprob_run("triton", x, w, target, coef)
+    ref = _logprob_run("torch", x, w, target, coef)
+    xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    logp = torch.log_softmax(xr @ wr.t() / 0.9, -1)
+    lp, ent = logp.gather(1, target[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+    ((lp * coef.double()).sum() + ent.sum()).backward()
+    for a, b, c in zip(got, ref, (lp.detach(), ent.detach(), xr.grad, wr.grad)):
+        assert ((a.double() - c).abs().max() / c.abs().max()).item() < tol
+        assert ((a.double() - b.double()).abs().max() / c.abs().max()).item() < tol
+
+
+def check_pg_loss_single_and_two_pass(device="cpu", dtype=torch.float32, tol=1e-5):
+    """fused_linear_pg_loss on the triton backend (single pass with TIS + k3 KL, and forced two-pass) equals the torch
+    backend: loss, metrics and gradients."""
+    from nemo_is_plugin import build_loss_fn
+    from nemo_is_plugin.bench.problem import make_problem
+    from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
+
+    _small_blocks()
+    p = make_problem(3, 9, 16, 37, seed=0)
+    cfg = dict(ratio_level="token", is_correction_level="token", use_importance_sampling_correction=True,
+               truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.05,
+               reference_policy_kl_penalty=0.1, ratio_clip_min=0.03, ratio_clip_max=0.03)
+    data = {k: v.to(device) for k, v in p.data.items()}
+    for single in (True, False):
+        out = {}
+        for backend in ("torch", "triton"):
+            h = p.hidden.to(device, dtype).clone().requires_grad_(True)
+            w = p.weight.to(device, dtype).clone().requires_grad_(True)
+            loss, metrics = fused_linear_pg_loss(
+                build_loss_fn(cfg), h, w, p.target.to(device), data, p.global_valid_seqs, p.global_valid_toks,
+                chunk_size=5, temperature=1.3, single_pass=single, backend=backend,
+            )
+            loss.backward()
+            out[backend] = (loss.detach().double().cpu(), metrics, h.grad.double().cpu(), w.grad.double().cpu())
+        (l0, m0, dx0, dw0), (l1, m1, dx1, dw1) = out["torch"], out["triton"]
+        assert abs(l1 - l0).item() <= tol * abs(l0).item() + 1e-7
+        assert m0.keys() == m1.keys() and all(m1[k] == pytest.approx(m0[k], rel=tol, abs=1e-7) for k in m0)
+        for a, b in ((dx1, dx0), (dw1, dw0)):
+            assert ((a - b).abs().max() / b.abs().max()).item() < tol * 10
 
 
 INTERPRETER_CHECKS = {
-    "forward_partials": check_forward_partials,
-    "backward_logits_grad": check_backward_logits_grad,
     "fused_linear_backends_agree": check_fused_linear_backends_agree,
+    "pg_loss_single_and_two_pass": check_pg_loss_single_and_two_pass,
 }
 
 
-def run_interpreter_checks(out_path: str) -> None:
-    """Child-process entry: every check, its traceback or None, as JSON."""
-    results = {}
-    for name, fn in INTERPRETER_CHECKS.items():
-        try:
-            fn()
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-    Path(out_path).write_text(json.dumps(results))
-
-
 @pytest.fixture(scope="module")
-def interpreter_results(tmp_path_factory):
-    """Triton reads TRITON_INTERPRET when it is first imported, so the checks run in a fresh interpreter process."""
-    out = tmp_path_factory.mktemp("triton") / "results.json"
-    code = (f"import sys; sys.path.insert(0, {TESTS_DIR!r}); from {__name__} import run_interpreter_checks; "
-            f"run_interpreter_checks({str(out)!r})")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
-    return json.loads(out.read_text())
+def results(tmp_path_factory):
+    return interpreter_results(__name__, tmp_path_factory.mktemp("triton_fused"))
 
 
 @pytest.mark.parametrize("name", list(INTERPRETER_CHECKS))
-def test_kernel_under_triton_interpreter(interpreter_results, name):
-    assert interpreter_results[name] is None, interpreter_results[name]
+def test_fused_linear_under_triton_interpreter(results, name):
+    assert results[name] is None, results[name]
 
 
 def test_triton_backend_is_refused_without_cuda_or_interpreter(monkeypatch):
@@ -118,19 +109,39 @@ def test_triton_backend_is_refused_without_cuda_or_interpreter(monkeypatch):
         fused_linear_logprobs(x, w, torch.zeros(4, dtype=torch.long), backend="cuda")
 
 
+# ------------------------------------------------------------------------------------------------------ GPU tier
+
+
+@pytest.mark.parametrize("check", [check_fused_linear_backends_agree, check_pg_loss_single_and_two_pass])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_matches_torch_and_reference_on_gpu(check, dtype, tol):
+    """fp32: TF32 is off by default for matmuls, so 1e-5 holds; bf16: inputs, logits and dz are bf16 (a few bf16
+    roundings of 2^-8 relative each reach the gradients), 3e-2 of the largest entry."""
+    from nemo_is_plugin.kernels import triton_logprob as tk
+
+    saved = (tk.BLOCKS.partials_block_v, tk.BLOCKS.grad_block_v)
+    try:
+        check(device="cuda", dtype=dtype, tol=tol)
+    finally:
+        tk.BLOCKS.partials_block_v, tk.BLOCKS.grad_block_v = saved
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_triton_matches_torch_on_gpu(dtype, tol):
+def test_default_backend_on_gpu_matches_torch(dtype, tol):
+    """A CUDA user gets the Triton backend without a flag (``auto``), with the default block sizes and chunking."""
     g = torch.Generator().manual_seed(6)
     x = torch.randn(300, 256, generator=g).to("cuda", dtype)
     w = (torch.randn(5000, 256, generator=g) / 16).to("cuda", dtype)
     target = torch.randint(0, 5000, (300,), generator=g).cuda()
     results = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "auto"):
         xb, wb = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         lp = fused_linear_logprobs(xb, wb, target, chunk_size=128, backend=backend)
         lp.sum().backward()
         results[backend] = (lp.detach().float(), xb.grad.float(), wb.grad.float())
-    for a, b in zip(results["triton"], results["torch"]):
+    for a, b in zip(results["auto"], results["torch"]):
         assert ((a - b).abs().max() / b.abs().max()).item() < tol

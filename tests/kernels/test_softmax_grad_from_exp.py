@@ -105,3 +105,14 @@ def test_float32_matches_float64():
     got = softmax_grad_from_exp_(torch.exp(z32 - m32.unsqueeze(-1)), torch.exp(m32 - lse32), target, owned, g32)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_out_scale_multiplies_the_gradient_without_a_pass():
+    """``out_scale`` (1 / temperature in the fused paths) scales the per-token factors: s g (onehot - p)."""
+    z, target, g = _case(n=5, vocab=12, seed=8)
+    m, lse = z.amax(-1), torch.logsumexp(z, -1)
+    owned = target < 9
+    got = softmax_grad_from_exp_(torch.exp(z - m.unsqueeze(-1)), torch.exp(m - lse), target, owned, g, out_scale=0.7)
+    want = _analytic(z, target, g)
+    want[~owned] = -(g.unsqueeze(-1) * torch.softmax(z, -1))[~owned]
+    torch.testing.assert_close(got, 0.7 * want, rtol=1e-13, atol=1e-15)

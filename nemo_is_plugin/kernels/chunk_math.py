@@ -1,0 +1,188 @@
+"""The two elementwise passes over a chunk of logits, on the torch or the Triton backend, behind one interface.
+
+A chunk ``z [n, V/TP]`` holds the raw logits ``x W^T`` in the GEMM's output dtype; the softmax logits are
+``z * in_scale`` (``in_scale = 1 / temperature``) and the gradient handed to the GEMMs is ``dL/d(x W^T)``, i.e. the
+softmax gradient times ``out_scale`` (again ``1 / temperature``):
+
+- pass 1, :meth:`ChunkMath.partials`: per-token softmax partials of the chunk (reduced over TP by the caller);
+- pass 2, :meth:`ChunkMath.logits_grad` (from z and the global lse) or :meth:`ChunkMath.single_pass_grad`
+  (right after pass 1 of the same chunk; the torch backend then reuses the ``exp(z - m)`` pass 1 left behind).
+
+Backends:
+
+- ``"triton"`` (:mod:`kernels.triton_logprob`): reads bf16/fp16/fp32 chunks directly, one read in pass 1, one read
+  and one write in pass 2; the chunk is never upcast. CUDA only (or Triton's interpreter in tests).
+- ``"torch"`` (:mod:`kernels.chunk_inplace`): fp32 (fp64) math in place. A low-precision chunk (bf16 on a GPU
+  without triton) is first copied into an fp32 workspace and the gradient copied back.
+- ``"auto"`` (the default of the public entry points): Triton on CUDA when triton imports and the dtype is one it
+  takes, torch otherwise. If triton is missing on CUDA, or a kernel fails at its first launch (compilation), it warns
+  once and this process uses torch from then on. An explicit ``"triton"`` never falls back: errors propagate.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from nemo_is_plugin.kernels import triton_logprob as tk
+from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, logits_grad_, softmax_grad_from_exp_
+from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials
+
+BACKENDS = ("auto", "torch", "triton")
+_triton_failure: Optional[str] = None  # set once a kernel failed under "auto": torch from then on
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``"torch"`` or ``"triton"`` for a chunk of ``dtype`` on ``device`` (see the module docstring)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    if backend == "triton":
+        if not tk.triton_usable(device):
+            raise ValueError("backend='triton' needs a CUDA device and an importable triton; use 'auto' or 'torch'")
+        if dtype not in tk.TRITON_DTYPES:
+            raise ValueError(f"backend='triton' takes {tk.TRITON_DTYPES} chunks, not {dtype}; use 'auto' or 'torch'")
+        return "triton"
+    if device.type != "cuda" or dtype not in tk.TRITON_DTYPES or _triton_failure is not None:
+        return "torch"
+    if tk.triton is None:
+        _warn_once("triton is not importable: the fused log-prob chunks run on the torch backend (slower on GPUs)")
+        return "torch"
+    return "triton"
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class ChunkMath:
+    """Pass 1 and pass 2 of one forward or backward call, with the workspaces the torch backend needs.
+
+    Args:
+        backend: ``resolve_backend``'s answer; ``fallback`` allows switching from triton to torch on a failure.
+        z_dtype: dtype of the chunks (the GEMM output); acc: dtype of the statistics and of the torch math.
+        rows, cols: the largest chunk (``[rows, cols]``), for the torch backend's workspaces.
+    """
+
+    def __init__(self, backend: str, z_dtype: torch.dtype, acc: torch.dtype, device: torch.device, rows: int,
+                 cols: int, *, with_entropy: bool = False, fallback: bool = False):
+        self.backend, self.fallback = backend, fallback
+        self.z_dtype, self.acc, self.device = z_dtype, acc, device
+        self.rows, self.cols, self.with_entropy = rows, cols, with_entropy
+        self._work: Optional[torch.Tensor] = None
+        self._scratch: Optional[torch.Tensor] = None
+        self._exp: Optional[torch.Tensor] = None  # torch single pass: exp(z - m) of the last chunk's pass 1
+
+    # ------------------------------------------------------------------------------------------- workspaces
+    @staticmethod
+    def workspace_count(backend: str, z_dtype: torch.dtype, acc: torch.dtype, with_entropy: bool) -> int:
+        """How many ``[rows, cols]`` buffers of ``acc`` the torch backend adds to the chunk itself (for budgets)."""
+        if backend == "triton":
+            return 0
+        return int(z_dtype != acc) + int(with_entropy)
+
+    def _workspace(self, n: int) -> torch.Tensor:
+        if self._work is None:
+            self._work = torch.empty(self.rows, self.cols, dtype=self.acc, device=self.device)
+        return self._work[:n]
+
+    def _scratch_buf(self) -> torch.Tensor:
+        if self._scratch is None:
+            self._scratch = torch.empty(self.rows, self.cols, dtype=self.acc, device=self.device)
+        return self._scratch
+
+    def _fp_view(self, z: torch.Tensor, in_scale: float, dest: Optional[torch.Tensor]) -> torch.Tensor:
+        """``z * in_scale`` in the accumulation dtype, in ``dest`` (which may be ``z``) when its dtype allows, else
+        in the workspace."""
+        if dest is not None and dest.dtype == self.acc:
+            work = dest if dest.data_ptr() == z.data_ptr() else dest.copy_(z)
+        else:
+            work = self._workspace(z.shape[0]).copy_(z)
+        return work if in_scale == 1.0 else work.mul_(in_scale)
+
+    # ------------------------------------------------------------------------------------------- triton guard
+    def _triton(self, fn, *args):
+        """Run a Triton launcher; under ``auto`` a failure switches this process to the torch backend."""
+        global _triton_failure
+        try:
+            return fn(*args)
+        except tk.ChunkLayoutError:  # a caller's argument (dtype, strides): not a kernel failure
+            raise
+        except Exception as exc:  # compilation / launch errors of any kind
+            if not self.fallback:
+                raise
+            _triton_failure = f"{type(exc).__name__}: {exc}"
+            _warn_once(f"a Triton log-prob kernel failed ({_triton_failure}); using the torch backend from now on")
+            self.backend = "torch"
+            return None
+
+    # ------------------------------------------------------------------------------------------- pass 1
+    def partials(self, z: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, target_column: torch.Tensor,
+                 in_scale: float, out: Optional[SoftmaxPartials] = None, *, writable: bool = True) -> SoftmaxPartials:
+        """Softmax partials ``[n]`` of ``z * in_scale``, written into ``out`` when given. With ``writable`` the
+        torch backend computes in ``z`` when it is in the accumulation dtype (destroying it); else in a workspace."""
+        if self.backend == "triton":
+            if out is None:
+                fields = torch.empty(4 if self.with_entropy else 3, z.shape[0], dtype=torch.float32, device=z.device)
+                out = SoftmaxPartials(fields[0], fields[1], fields[2], fields[3] if self.with_entropy else None)
+            done = self._triton(tk.triton_partials, z, target_column, in_scale, self.with_entropy, out)
+            if done is not None:
+                return done
+        work = self._fp_view(z, in_scale, z if writable else None)
+        scratch = self._scratch_buf() if self.with_entropy else None
+        got = chunk_partials_(work, local_target, owned, self.with_entropy, scratch)
+        self._exp = None if self.with_entropy else work
+        if out is None:
+            return got
+        for dst, src in zip(out, got):
+            if dst is not None:
+                dst.copy_(src)
+        return out
+
+    # ------------------------------------------------------------------------------------------- pass 2
+    def single_pass_grad(self, z: torch.Tensor, local: SoftmaxPartials, lse: torch.Tensor, local_target: torch.Tensor,
+                         owned: torch.Tensor, target_column: torch.Tensor, grad_logprob: torch.Tensor,
+                         in_scale: float, out_scale: float) -> torch.Tensor:
+        """``out_scale g (onehot - p)`` in ``z``'s buffer (returned), right after :meth:`partials` of this chunk.
+
+        ``local`` are this shard's partials (the torch backend turns ``exp(z - m)`` into ``p`` with
+        ``exp(m - lse)``); ``lse`` the TP-global one."""
+        if self.backend == "triton":
+            done = self._triton(tk.triton_logits_grad, z, z, target_column, lse, grad_logprob, None, None,
+                                in_scale, out_scale)
+            if done is not None:
+                return done
+        if self._exp is None:  # a triton pass 1 preceded this (fallback mid-chunk): recompute from the logits
+            return self.logits_grad(z, z, local_target, owned, target_column, lse, grad_logprob, None, None,
+                                    in_scale, out_scale)
+        e, self._exp = self._exp, None
+        grad = softmax_grad_from_exp_(e, torch.exp(local.max - lse), local_target, owned, grad_logprob, out_scale)
+        return grad if grad.data_ptr() == z.data_ptr() else z.copy_(grad)
+
+    def logits_grad(self, z: torch.Tensor, out: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor,
+                    target_column: torch.Tensor, lse: torch.Tensor, grad_logprob: Optional[torch.Tensor],
+                    entropy: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], in_scale: float,
+                    out_scale: float) -> torch.Tensor:
+        """``out = out_scale (g (onehot - p) - h p (log p + H))`` from ``z`` and the global ``lse``; ``z`` is only
+        written when ``out`` is ``z``."""
+        if self.backend == "triton":
+            done = self._triton(tk.triton_logits_grad, z, out, target_column, lse, grad_logprob, entropy,
+                                grad_entropy, in_scale, out_scale)
+            if done is not None:
+                return done
+        work = self._fp_view(z, in_scale, out)
+        use_h = grad_entropy is not None and entropy is not None
+        grad = logits_grad_(work, local_target, owned, lse, grad_logprob, entropy, grad_entropy,
+                            self._scratch_buf() if use_h else None, out_scale)
+        return out if grad.data_ptr() == out.data_ptr() else out.copy_(grad)
+
+
+__all__ = ["BACKENDS", "ChunkMath", "resolve_backend"]
