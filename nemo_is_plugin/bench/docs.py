@@ -78,7 +78,8 @@ CAVEATS = """\
   tokens and the extrapolation uses its two largest points). The memory target is checked on the direct measurement
   at 8192 tokens (naive and fused_linear, one run each); the extrapolated column is the cross-check of the fit.
 - dW (V x H fp32) is part of every path's peak here. Megatron's gradient-accumulation fusion writes it into the
-  preallocated `main_grad` instead; the fused path does not do that yet (a follow-up), so its peak above counts it.
+  preallocated `main_grad` instead: the fused entry points do that with `grad_weight_out=main_grad` (not used by this
+  benchmark, so its peak above counts dW).
 - **GPU**: these CPU numbers do not carry over to a GPU. A GPU run (`nemo-is bench --device cuda --write-docs`, bf16,
   16,384 tokens) writes its own section at the top of this page, with the GPU targets; a CPU regeneration keeps it.
 """
