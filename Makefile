@@ -3,22 +3,22 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+LOCK := requirements/ci.lock
+TORCH := 2.13.0
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 
-.PHONY: setup test demo bench evidence clean
+.PHONY: setup test demo bench evidence lock clean
 
-$(STAMP): pyproject.toml
+# Every package at the exact version of $(LOCK), installed without resolution (--no-deps), then the project.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first and pinned: the local CPU wheel; an unpinned torch may pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
-	# verl for the adapter's functional test: its registry only; a full `.[verl]` would pull its whole training
-	# stack and downgrade omegaconf, so install it without dependencies plus the few its loss module imports.
-	$(PY) -m pip install -q --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0" codetiming cloudpickle orjson
-	$(PY) -m pip install -q "transformers>=5.5.3,<5.11,!=5.6.0"
-	# triton runs the GPU log-prob kernel in its CPU interpreter (tests/distributed/test_fused_linear_triton.py).
-	$(PY) -m pip install -q "triton==3.9.0"
+	$(PY) -m pip install -q -c $(LOCK) pip
+	# torch first, resolved with its own dependencies: the local CPU wheel here (pinned: an unpinned torch may pull a
+	# multi-GB CUDA build), a CUDA build with its nvidia-* libraries on a GPU machine. The lock then sets the versions
+	# of the packages it shares with torch (triton included: the tests' CPU interpreter needs 3.9).
+	$(PY) -m pip install -q torch==$(TORCH)
+	$(PY) -m pip install -q --no-deps -r $(LOCK)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -36,5 +36,23 @@ bench: setup
 evidence: setup
 	$(VENV)/bin/nemo-is evidence
 
+# Regenerate $(LOCK) after changing the dependencies in pyproject.toml: resolve the test environment in a scratch venv
+# and freeze it. verl is installed without its declared dependencies (they pin a CUDA torch and downgrade omegaconf),
+# with the few packages its loss module imports; triton runs the GPU log-prob kernel in its CPU interpreter in tests.
+# Review `git diff $(LOCK)` (and run `make clean test`) before committing it.
+LOCK_VENV := .venv-lock
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip "setuptools>=77"
+	$(LOCK_VENV)/bin/python -m pip install -q torch==$(TORCH)
+	$(LOCK_VENV)/bin/python -m pip install -q -e ".[test]" "transformers>=5.5.3,<5.11,!=5.6.0" "triton==3.9.0"
+	$(LOCK_VENV)/bin/python -m pip install -q --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0" \
+		codetiming cloudpickle orjson
+	{ sed -n '/^#/p' $(LOCK); $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable \
+		| sed -E 's/^(torch==[^+]+)\+.*/\1/'; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf $(LOCK_VENV)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LOCK_VENV) runs .pytest_cache .hypothesis
