@@ -30,9 +30,15 @@ CORE_MODULES = (
 )
 CONFIGS = {
     "ppo": {"reference_policy_kl_penalty": 0.0, "ratio_clip_min": 0.2, "ratio_clip_max": 0.2},
-    "token_tis": {"reference_policy_kl_penalty": 0.0, "ratio_clip_min": 0.2, "ratio_clip_max": 0.2,
-                  "use_importance_sampling_correction": True, "is_correction_level": "token",
-                  "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 1.05},
+    "token_tis": {
+        "reference_policy_kl_penalty": 0.0,
+        "ratio_clip_min": 0.2,
+        "ratio_clip_max": 0.2,
+        "use_importance_sampling_correction": True,
+        "is_correction_level": "token",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.05,
+    },
 }
 
 
@@ -101,15 +107,20 @@ def loss_cases() -> dict[str, dict]:
         curr, data = batch()
         x = curr.clone().requires_grad_(True)
         valid_toks = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
-        loss, metrics = build_loss_fn(cfg)(next_token_logprobs=x, data=data,
-                                           global_valid_seqs=data["sample_mask"].sum(), global_valid_toks=valid_toks)
+        loss, metrics = build_loss_fn(cfg)(
+            next_token_logprobs=x, data=data, global_valid_seqs=data["sample_mask"].sum(), global_valid_toks=valid_toks
+        )
         (grad,) = torch.autograd.grad(loss, x)
         y = curr.clone().requires_grad_(True)
         ref = reference_loss(y, data, cfg)
         (ref_grad,) = torch.autograd.grad(ref, y)
-        out[name] = {"loss": loss.item(), "reference": ref.item(), "grad": grad.flatten().tolist(),
-                     "reference_grad": ref_grad.flatten().tolist(),
-                     **{k: metrics[k] for k in ("clip_fraction", "is_truncated_fraction")}}
+        out[name] = {
+            "loss": loss.item(),
+            "reference": ref.item(),
+            "grad": grad.flatten().tolist(),
+            "reference_grad": ref_grad.flatten().tolist(),
+            **{k: metrics[k] for k in ("clip_fraction", "is_truncated_fraction")},
+        }
     return out
 
 

@@ -91,9 +91,15 @@ def test_the_loss_and_its_gradient_equal_the_float64_reference(report, case):
 
 
 def test_the_console_script_names_the_missing_extra(clean_venv):
-    proc = subprocess.run([str(clean_venv / "bin" / "nemo-is"), "--version"], capture_output=True, text=True,
-                          env=_clean_env(), timeout=120)
+    proc = subprocess.run(
+        [str(clean_venv / "bin" / "nemo-is"), "--version"],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == ("nemo-is needs typer, which is not installed: install nemo-is-plugin[cli] "
-                                   "(pip install 'nemo-is-plugin[cli]')")
+    assert proc.stderr.strip() == (
+        "nemo-is needs typer, which is not installed: install nemo-is-plugin[cli] (pip install 'nemo-is-plugin[cli]')"
+    )

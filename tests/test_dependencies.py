@@ -76,7 +76,8 @@ def test_each_extra_brings_its_stack():
     assert {"typer", "rich", "matplotlib", "pyarrow"} <= _names(_requirements("cli"))
     assert {"ray", "megatron-core", "typer"} <= _names(_requirements("demo"))
     assert _names(_requirements("demo")) | {"pytest", "pytest-timeout", "hypothesis", "ruff", "mypy"} <= _names(
-        _requirements("test"))
+        _requirements("test")
+    )
     everything = set().union(*(_names(_requirements(e)) for e in PROJECT["optional-dependencies"] if e != "test"))
     assert _names(_requirements("all")) == everything
 
@@ -161,5 +162,7 @@ def test_the_modules_a_trainer_imports_import_only_core_dependencies():
             if top in sys.stdlib_module_names or top in ("nemo_is_plugin", "__future__"):
                 continue
             dists = {canonicalize_name(d) for d in dists_of.get(top, [])}
-            assert dists & core, f"{name} imports {top} ({sorted(dists) or 'not installed'}) at module level: " \
-                                 f"declare it in [project] dependencies or import it where it is used"
+            assert dists & core, (
+                f"{name} imports {top} ({sorted(dists) or 'not installed'}) at module level: "
+                f"declare it in [project] dependencies or import it where it is used"
+            )

@@ -8,7 +8,6 @@ missing one with the extra that brings it instead of a traceback.
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 # The top-level modules the optional extras bring, and the extra to install for each.
 EXTRA_OF_MODULE = {
@@ -22,7 +21,7 @@ EXTRA_OF_MODULE = {
 }
 
 
-def missing_extra(exc: BaseException) -> Optional[str]:
+def missing_extra(exc: BaseException) -> str | None:
     """The extra whose absence raised ``exc``; None when ``exc`` is not a missing module that an extra brings."""
     if not isinstance(exc, ModuleNotFoundError) or not exc.name:
         return None
@@ -39,5 +38,7 @@ def run() -> None:
         extra = missing_extra(exc)
         if extra is None:
             raise
-        sys.exit(f"nemo-is needs {exc.name}, which is not installed: install nemo-is-plugin[{extra}] "
-                 f"(pip install 'nemo-is-plugin[{extra}]')")
+        sys.exit(
+            f"nemo-is needs {exc.name}, which is not installed: install nemo-is-plugin[{extra}] "
+            f"(pip install 'nemo-is-plugin[{extra}]')"
+        )

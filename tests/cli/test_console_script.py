@@ -22,7 +22,8 @@ def test_missing_typer_names_the_cli_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "nemo_is_plugin.cli.main", raising=False)
     monkeypatch.setitem(sys.modules, "typer", None)  # `import typer` raises ModuleNotFoundError(name="typer")
     assert _exit_message(monkeypatch, ["--version"]) == (
-        "nemo-is needs typer, which is not installed: install nemo-is-plugin[cli] (pip install 'nemo-is-plugin[cli]')")
+        "nemo-is needs typer, which is not installed: install nemo-is-plugin[cli] (pip install 'nemo-is-plugin[cli]')"
+    )
 
 
 def test_a_command_missing_ray_names_the_demo_extra(monkeypatch):
@@ -34,7 +35,8 @@ def test_a_command_missing_ray_names_the_demo_extra(monkeypatch):
 
     monkeypatch.setattr(app_module, "app", demo_without_ray)
     assert _exit_message(monkeypatch, ["demo"]) == (
-        "nemo-is needs ray, which is not installed: install nemo-is-plugin[demo] (pip install 'nemo-is-plugin[demo]')")
+        "nemo-is needs ray, which is not installed: install nemo-is-plugin[demo] (pip install 'nemo-is-plugin[demo]')"
+    )
 
 
 def test_with_the_extra_installed_the_script_runs_the_app(monkeypatch, capsys):
@@ -42,14 +44,17 @@ def test_with_the_extra_installed_the_script_runs_the_app(monkeypatch, capsys):
     assert capsys.readouterr().out.startswith("nemo-is-plugin ")
 
 
-@pytest.mark.parametrize(("exc", "extra"), [
-    (ModuleNotFoundError("No module named 'rich'", name="rich"), "cli"),
-    (ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib.pyplot"), "cli"),
-    (ModuleNotFoundError("No module named 'megatron'", name="megatron.core"), "megatron"),
-    (ModuleNotFoundError("No module named 'ray'", name="ray"), "demo"),
-    (ModuleNotFoundError("No module named 'scipy'", name="scipy"), None),  # not an extra's: the traceback stays
-    (ImportError("cannot import name 'x' from 'rich'", name="rich"), None),  # installed but broken: not missing
-])
+@pytest.mark.parametrize(
+    ("exc", "extra"),
+    [
+        (ModuleNotFoundError("No module named 'rich'", name="rich"), "cli"),
+        (ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib.pyplot"), "cli"),
+        (ModuleNotFoundError("No module named 'megatron'", name="megatron.core"), "megatron"),
+        (ModuleNotFoundError("No module named 'ray'", name="ray"), "demo"),
+        (ModuleNotFoundError("No module named 'scipy'", name="scipy"), None),  # not an extra's: the traceback stays
+        (ImportError("cannot import name 'x' from 'rich'", name="rich"), None),  # installed but broken: not missing
+    ],
+)
 def test_missing_extra(exc, extra):
     assert missing_extra(exc) == extra
 
