@@ -17,7 +17,7 @@ import torch
 EXTRA_MODULES = ("ray", "matplotlib", "typer", "rich", "pyarrow", "megatron")
 # Modules only optional paths import (inside the commands and adapters that need them).
 OPTIONAL_MODULES = {*EXTRA_MODULES, "click", "verl", "vllm", "triton", "liger_kernel", "cut_cross_entropy"}
-# What a trainer imports: the loss, the distributed entry points, the host adapters, recipes and the dump hook.
+# What a trainer imports: the loss, the distributed entry points, the host adapters and recipes.
 CORE_MODULES = (
     "nemo_is_plugin",
     "nemo_is_plugin.recipes",
@@ -26,7 +26,6 @@ CORE_MODULES = (
     "nemo_is_plugin.distributed.logit_loss",
     "nemo_is_plugin.distributed.fused_linear",
     "nemo_is_plugin.distributed.fused_linear_loss",
-    "nemo_is_plugin.diagnose.hook",
 )
 CONFIGS = {
     "ppo": {"reference_policy_kl_penalty": 0.0, "ratio_clip_min": 0.2, "ratio_clip_max": 0.2},
@@ -124,6 +123,19 @@ def loss_cases() -> dict[str, dict]:
     return out
 
 
+def dump_lines() -> int:
+    """The rollout-dump hook a trainer calls (imported when called): the lines it writes for one batch."""
+    import tempfile
+
+    from nemo_is_plugin.adapters.nemo_rl import dump_rollouts
+
+    _, data = batch()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rollouts.jsonl"
+        assert dump_rollouts(data, 0, path) == len(data["sample_mask"])
+        return len(path.read_text().splitlines())
+
+
 def main() -> None:
     report = {"installed": {m: importlib.util.find_spec(m) is not None for m in EXTRA_MODULES}}
     for name in CORE_MODULES:
@@ -133,6 +145,7 @@ def main() -> None:
     report["plugin_file"] = nemo_is_plugin.__file__
     report["imported_extras"] = sorted(m for m in EXTRA_MODULES if m in sys.modules)
     report["cases"] = loss_cases()
+    report["dumped"] = dump_lines()
     report["import_failures"] = import_every_module()
     print(json.dumps(report))
 

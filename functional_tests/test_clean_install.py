@@ -72,6 +72,10 @@ def test_the_venv_runs_the_installed_copy_not_the_checkout(report, clean_venv):
     assert Path(report["plugin_file"]).is_relative_to(clean_venv)
 
 
+def test_the_rollout_dump_hook_writes_one_line_per_response(report):
+    assert report["dumped"] == 3
+
+
 def test_every_module_imports_or_needs_only_an_extra(report):
     """A module-level import of a package outside the core dependencies shows here as a failure to import."""
     broken = {name: why for name, why in report["import_failures"].items() if not why.startswith("optional:")}

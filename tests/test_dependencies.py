@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 LOCK = REPO / "requirements" / "ci.lock"
 APP_STACK = {"ray", "matplotlib", "typer", "rich", "pyarrow", "megatron-core", "click"}
-# What a trainer imports: the loss, the distributed entry points, the host adapters, recipes and the dump hook.
+# What a trainer imports: the loss, the distributed entry points, the host adapters and recipes (the rollout-dump
+# hook, imported when called, is called below).
 CORE_MODULES = (
     "nemo_is_plugin",
     "nemo_is_plugin.recipes",
@@ -32,7 +33,6 @@ CORE_MODULES = (
     "nemo_is_plugin.distributed.logit_loss",
     "nemo_is_plugin.distributed.fused_linear",
     "nemo_is_plugin.distributed.fused_linear_loss",
-    "nemo_is_plugin.diagnose.hook",
 )
 
 
@@ -136,12 +136,18 @@ def test_module_level_imports_skip_function_bodies_and_guarded_imports():
 
 
 def test_the_modules_a_trainer_imports_import_only_core_dependencies():
-    """Import the trainer-facing modules in a fresh interpreter; every module of the package that this loads may import
+    """Import the trainer-facing modules and dump rollouts in a fresh interpreter; every module of the package that
+    this loads may import
     at module level only the standard library, the package itself and the core dependencies' distributions, and none of
     the app stack may end up loaded."""
     script = (
-        "import importlib, json, sys\n"
+        "import importlib, json, sys, tempfile, torch\n"
         f"for m in {CORE_MODULES!r}: importlib.import_module(m)\n"
+        "from nemo_is_plugin.adapters.nemo_rl import dump_rollouts\n"
+        "ones = torch.ones(2, 4)\n"
+        "data = dict(prev_logprobs=-ones, generation_logprobs=-ones, token_mask=ones, advantages=ones,\n"
+        "            sample_mask=torch.ones(2))\n"
+        "with tempfile.TemporaryDirectory() as tmp: assert dump_rollouts(data, 0, tmp + '/d.jsonl') == 2\n"
         "mods = {n: getattr(m, '__file__', None) for n, m in list(sys.modules.items())}\n"
         "print(json.dumps(mods))\n"
     )
