@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from golden_utils import load_cases
 from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.config_ranges import NUMERIC_RANGES
+from nemo_is_plugin.config.ranges import NUMERIC_RANGES
 
 ROOT = Path(__file__).resolve().parents[1]
 
