@@ -16,7 +16,7 @@ otherwise -- is read. What is supported, in the order it is applied:
    whole config, so an unresolvable interpolation elsewhere in a master config does not matter;
 4. validation by the pydantic config, whose errors name the offending keys.
 
-The section may carry ``name: <registered loss>`` (see :mod:`nemo_is_plugin.registry`); it is checked against the
+The section may carry ``name: <registered loss>`` (see :mod:`nemo_is_plugin.loss.registry`); it is checked against the
 registry and split off before validation.
 """
 
@@ -34,7 +34,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
-from nemo_is_plugin.registry import DEFAULT_LOSS_NAME, NAME_KEY, UnknownLossError, check_loss_name, split_name
+from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME, NAME_KEY, UnknownLossError, check_loss_name, split_name
 
 Source = Union[str, "os.PathLike[str]", Mapping[str, Any], DictConfig]
 DEFAULT_SECTION = "loss_fn"

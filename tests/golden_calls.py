@@ -29,8 +29,8 @@ import torch
 
 from golden_utils import GOLDEN, metric_close
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import LossInputs
+from nemo_is_plugin.loss.layout import TokenLayout
 
 # data keys that hold log-probs in a NeMo-RL call: cast to the dtype under test.
 NEMO_RL_LOGPROB_KEYS = ("prev_logprobs", "generation_logprobs", "reference_policy_logprobs", "curr_logprobs_unfiltered")

@@ -22,9 +22,9 @@ import torch
 
 from golden_utils import case_ids, load_named_cases
 from nemo_is_plugin import build_loss_fn, finalize_metrics
-from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import LossInputs
-from nemo_is_plugin.surrogate import log_space_clip_surrogate
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.surrogate import log_space_clip_surrogate
 
 CASES = load_named_cases("ctpo")
 VALID = [c for c in CASES if "error" not in c["expected"]]

@@ -49,7 +49,7 @@ def test_golden_call_reads_the_device_back_once(call):
 
     call.run("cpu", None, counting)  # the loss call and its backward
     validated = call.fmt == "nemo_rl"  # through ClippedPGLoss.__call__, which validates its inputs
-    want = ["nemo_is_plugin/loss_metrics.py"] + ["nemo_is_plugin/validation.py"] * validated
+    want = ["nemo_is_plugin/loss/input_validation.py"] * validated + ["nemo_is_plugin/loss/metrics.py"]
     assert _files(holder["syncs"]) == want, str(holder["syncs"])
 
 
@@ -86,7 +86,7 @@ def test_random_config_is_device_clean_with_two_host_syncs(cfg, batch):
 
     (got, files), (want, _) = run_guarded_and_plain(run)
     assert_identical(got, want)
-    assert files == ["nemo_is_plugin/loss_metrics.py", "nemo_is_plugin/validation.py"], cfg
+    assert files == ["nemo_is_plugin/loss/input_validation.py", "nemo_is_plugin/loss/metrics.py"], cfg
 
 
 # ---------------------------------------------------------------------------------------------------- layouts

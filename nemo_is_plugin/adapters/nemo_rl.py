@@ -49,7 +49,7 @@ from nemo_is_plugin.adapters.normalizers import loss_type_of, metric_normalizer,
 from nemo_is_plugin.adapters.protocol import LossInputType, MetricNormalizer
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.groups import ParallelGroups
-from nemo_is_plugin.registry import DEFAULT_LOSS_NAME, build_loss
+from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME, build_loss
 
 PARALLEL_STATE = "parallel_state"  # groups sentinel: read megatron-core's groups inside the worker
 GroupsSpec = Union[None, str, ParallelGroups]

@@ -233,8 +233,8 @@ class VerlPolicyLoss:
         rollout_log_probs: Optional[torch.Tensor] = None,
         **_: Any,
     ):
-        from nemo_is_plugin.layout import TokenLayout
         from nemo_is_plugin.loss import LossInputs
+        from nemo_is_plugin.loss.layout import TokenLayout
 
         mask = response_mask.bool()
         b, t = log_prob.shape

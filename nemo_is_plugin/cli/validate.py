@@ -68,7 +68,7 @@ def _fail(console, as_json: bool, recipe: Path, message: str, head: str) -> None
 def _run(spec, batch) -> tuple[float, float, dict[str, float]]:
     """The loss the recipe names, once on the synthetic batch: (loss, |d loss / d logprobs|, finalized metrics)."""
     from nemo_is_plugin import finalize_metrics
-    from nemo_is_plugin.registry import build_loss
+    from nemo_is_plugin.loss.registry import build_loss
 
     logprobs, data = batch
     logprobs.requires_grad_(True)

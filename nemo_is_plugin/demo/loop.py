@@ -63,8 +63,8 @@ def level_stats(prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor) -> di
     has the same length, so there it is the per-sequence statistic); ``far`` is the fraction of tokens whose weight
     is outside [1/2, 2].
     """
-    from nemo_is_plugin.is_weights import IS_LEVELS, finite_exp, is_log_weight
-    from nemo_is_plugin.layout import TokenLayout
+    from nemo_is_plugin.loss.is_weights import IS_LEVELS, finite_exp, is_log_weight
+    from nemo_is_plugin.loss.layout import TokenLayout
 
     layout = TokenLayout.padded(*mask.shape)
     m = mask.double()

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from nemo_is_plugin.evidence.stats import Z95
-from nemo_is_plugin.is_weights import finite_exp, is_log_weight
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.ratios import policy_log_ratio
+from nemo_is_plugin.loss.is_weights import finite_exp, is_log_weight
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.ratios import policy_log_ratio
 
 CHI2_VALUES = (0.02, 0.05)  # per-token chi^2(pi || mu): (1+d)^31 = 1.85 and 4.54 at t = 1 for H = 32
 

@@ -15,7 +15,7 @@ from nemo_is_plugin.adapters.protocol import LossFunction, LossInputType, LossTy
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.groups import ParallelGroups
 from nemo_is_plugin.loss import ClippedPGLoss
-from nemo_is_plugin.registry import UnknownLossError
+from nemo_is_plugin.loss.registry import UnknownLossError
 
 CASES = {c["id"]: c for c in load_cases("nemo_rl") if "error" not in c["expected"]}
 # token-level TIS, sequence-level loss + icepop, GSPO + IS, seq-mask-tis, NLL + rewards

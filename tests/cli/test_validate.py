@@ -127,7 +127,7 @@ def test_a_bad_section_is_refused_by_all_three(tmp_path, section):
 
 
 def test_a_name_registered_to_another_loss_is_refused_by_the_clipped_loss():
-    from nemo_is_plugin.registry import register_loss, unregister_loss
+    from nemo_is_plugin.loss.registry import register_loss, unregister_loss
 
     register_loss("tests.other_loss", lambda config: config)
     try:

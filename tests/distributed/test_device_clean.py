@@ -33,8 +33,8 @@ from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
 from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
 from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
-from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
+from nemo_is_plugin.loss.layout import TokenLayout
 
 from ._loss_cases import LOSS_CONFIGS, cu_seqlens, global_counts, make_batch, pack, padded_lengths
 

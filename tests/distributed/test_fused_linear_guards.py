@@ -24,7 +24,7 @@ from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
 
 FUSED_FILES = ("fused_linear.py", "fused_linear_loss.py", "vocab_parallel.py", "chunk_math.py", "chunk_inplace.py",
-               "gemm.py", "softmax_partials.py", "triton_logprob.py", "separable.py", "loss_derivatives.py")
+               "gemm.py", "softmax_partials.py", "triton_logprob.py", "separable.py", "derivatives.py")
 CONFIGS = {
     "token_tis_k3_nll": dict(ratio_level="token", use_importance_sampling_correction=True,
                              truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.05,

@@ -13,7 +13,7 @@ import nemo_is_plugin.distributed.fused_linear_loss as fused_loss_module
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.paths import naive_logprobs
 from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.layout import TokenLayout
 
 from .test_fused_linear_loss import CHUNK, assert_metrics_close, level_config, rel_err, run
 from .test_fused_linear_pg_loss import _aggregation, _forbid, assert_parity, fused, problem

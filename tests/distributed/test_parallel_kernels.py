@@ -26,7 +26,7 @@ from nemo_is_plugin.distributed.cp_sharding import (
 )
 from nemo_is_plugin.distributed.groups import group_rank
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.layout import TokenLayout
 
 from ._spawn import run_checks
 

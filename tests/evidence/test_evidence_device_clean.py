@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from device_guard import assert_identical, run_guarded_and_plain
-from nemo_is_plugin.correction import compute_is_correction
-from nemo_is_plugin.diagnostics import finalize_metrics, mismatch_metric_sums
 from nemo_is_plugin.evidence.ctpo_variance import estimator_gradients, make_policy
 from nemo_is_plugin.evidence.is_collapse import IS_LEVELS, level_weights, summarise
 from nemo_is_plugin.evidence.kl_gradient_bias import ALL_VARIANTS, expected_gradient, make_problem, per_sample_penalty
 from nemo_is_plugin.evidence.stats import hotelling_test, mean_estimate, weight_summary
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.correction import compute_is_correction
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.mismatch_metrics import finalize_metrics, mismatch_metric_sums
 
 
 def _mismatch(seed: int = 0) -> torch.Tensor:
