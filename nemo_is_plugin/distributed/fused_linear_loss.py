@@ -48,9 +48,10 @@ from nemo_is_plugin.distributed.fused_linear import (
     fused_linear_logprobs,
 )
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
-from nemo_is_plugin.distributed.vocab_parallel import local_vocab_range, localize_target, reduce_partials
+from nemo_is_plugin.distributed.vocab_parallel import reduce_partials
 from nemo_is_plugin.kernels.gemm import acc_dtype, compute_dtype
 from nemo_is_plugin.kernels.softmax_partials import finalize_partials
+from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
