@@ -145,6 +145,8 @@ _HOST_DEVICE = re.compile(r"""\.cpu\(\)|\.numpy\(\)|device\s*=\s*["']cpu["']|tor
 # (file, line) pairs that name the host on purpose, with the reason.
 _HOST_BY_DESIGN = {
     ("distributed/groups.py", 'return torch.device("cpu")'): "gloo / MPI collectives reduce host tensors",
+    ("adapters/rollout_dump.py", 'host = torch.cat(parts).to("cpu", torch.float64).numpy()  # the one device -> host '
+     'transfer'): "the opt-in rollout dump writes a file on the host: one copy per training step",
 }
 
 

@@ -30,9 +30,9 @@ def validate(
     """Validate RECIPE and print its loss and metrics on a synthetic batch with a rollout/training mismatch."""
     from rich.console import Console
 
+    from nemo_is_plugin.adapters.recipes import load_loss_spec
+    from nemo_is_plugin.cli.synthetic_batch import synthetic_batch
     from nemo_is_plugin.config import ConfigError
-    from nemo_is_plugin.recipes import load_loss_spec
-    from nemo_is_plugin.synthetic_batch import synthetic_batch
 
     console = Console()
     try:

@@ -1,8 +1,8 @@
 """What the training/rollout mismatch of a dump does to each IS setting, binned by response length.
 
-The weights come from the loss's own code: ``correction.compute_is_correction`` (level -> truncation / masking /
-rejection, NeMo-RL's handling of non-finite weights) and the mismatch metrics from ``diagnostics.mismatch_metric_sums``
-+ ``finalize_metrics``. This module only selects tokens and summarises.
+The weights come from the loss's own code: ``loss.correction.compute_is_correction`` (level -> truncation / masking /
+rejection, NeMo-RL's handling of non-finite weights) and the mismatch metrics from
+``loss.mismatch_metrics.mismatch_metric_sums`` + ``finalize_metrics``. This module only selects tokens and summarises.
 
 Every statistic is over *valid tokens* (mask = 1) of the responses in a bin, i.e. token-weighted, because the loss
 applies w_t per token: a sequence-level weight counts once per token of its sequence.
