@@ -12,7 +12,6 @@ from typing import Optional
 
 from nemo_is_plugin.config.errors import ConfigError, UnknownConfigKeyWarning
 
-
 # Truthy value of this variable makes unknown keys an error everywhere (NeMo-RL builds the loss itself, so a constructor
 # flag would not reach it); ``load_loss_config(..., strict=...)`` decides per call.
 STRICT_KEYS_ENV = "NEMO_IS_STRICT_CONFIG"
