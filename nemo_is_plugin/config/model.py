@@ -16,7 +16,7 @@ unmasked tokens):
 - is_correction_level (IS weight pi_prev / pi_gen, always detached):
     token            w_t = exp(p_t - g_t)
     sequence         w_i = exp(sum_t m_t (p_t - g_t))                       (NeMo-RL GSPO default; collapses when long)
-    sequence_mean    w_i = exp(sum_t m_t (p_t - g_t) / sum_t m_t)          (PR #2269 geometric mean)
+    sequence_mean    w_i = exp(sum_t m_t (p_t - g_t) / sum_t m_t)          (NeMo-RL PR #2269, geometric mean)
     cumulative       w_it = exp(sum_{j<=t} m_j (p_j - g_j))                 (prefix correction; no framework has it)
 - log-space clip (CTPO), when log_ratio_clip_low/high are set:
     clipped ratio = exp(clamp(log r, -eps_low * t^power, eps_high * t^power)); dual clip c_t = exp(eps_c * t^power).

@@ -1,4 +1,4 @@
-"""Experiment 2 (seed 004, CTPO Props. 1-2): cumulative-token vs full-sequence IS ratio in the policy gradient.
+"""Experiment 2 (CTPO Props. 1-2; docs/evidence.md, 2): cumulative-token vs full-sequence IS ratio in the policy gradient.
 
 Synthetic policy with independent tokens: at every position t = 1..H the action a_t in {0..K-1} is drawn from the
 behaviour policy mu; the learner is pi = softmax(theta_t) with its own logits per position (all equal to theta0), and

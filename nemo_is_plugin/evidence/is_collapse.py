@@ -1,4 +1,4 @@
-"""Experiment 1 (seed 002): how the IS weight of each correction level behaves as responses get long.
+"""Experiment 1 (docs/evidence.md, 1): how the IS weight of each correction level behaves as responses get long.
 
 For each mismatch distribution (see :mod:`.mismatch`) and response length L, draw ``num_seqs`` sequences of
 per-token mismatch x = p - g, let the plugin compute the IS weight of every level (:func:`is_log_weight`
@@ -26,8 +26,8 @@ from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.truncation import tis_log
 
 LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 9000, 16384)
-SEED_LENGTH, SEED_MEAN, SEED_STD = 9000, 0.4, 0.27  # seed 002: Qwen3.5-35B-A3B, ~9k-token responses
-TIS_HIGH = 2.0  # seed 002's truncated_importance_sampling_ratio
+SEED_LENGTH, SEED_MEAN, SEED_STD = 9000, 0.4, 0.27  # the reported run: Qwen3.5-35B-A3B, ~9k-token responses
+TIS_HIGH = 2.0  # that run's truncated_importance_sampling_ratio
 
 
 def default_distributions() -> list[MismatchDistribution]:

@@ -1,4 +1,4 @@
-"""Experiment 3 (seed 003): which KL(pi_theta || pi_ref) estimators give an unbiased *gradient* as a loss.
+"""Experiment 3 (docs/evidence.md, 3): which KL(pi_theta || pi_ref) estimators give an unbiased *gradient* as a loss.
 
 Small categorical policy pi_theta = softmax(theta) over K actions and a fixed pi_ref. The exact gradient of
 KL(pi_theta || pi_ref) comes from autograd on the closed form sum_a pi (log pi - log pi_ref). The Monte Carlo draws

@@ -222,7 +222,7 @@ class ClippedPGLoss:
             legacy_gspo=cfg.sequence_level_importance_ratios and cfg.is_correction_level is None,
         )
         book.add_replicated_scalar("num_valid_samples", sm.sum().double())
-        # NeMo-RL's value, including its inf when exp(c - g) overflows (golden 088); a certain token (c = 0)
+        # NeMo-RL's value, including its inf when exp(c - g) overflows; a certain token (c = 0)
         # contributes 0 rather than inf * 0 = NaN.
         cd = c.detach()
         ent_tok = torch.where(cd == 0, torch.zeros_like(cd), torch.exp(cd - g) * cd)
