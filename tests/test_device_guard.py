@@ -1,4 +1,4 @@
-"""The CPU guard against device bugs (tests/device_guard.py): it catches what it must, and every golden case of every
+"""The CPU guard against device bugs (helpers/device_guard.py): it catches what it must, and every golden case of every
 suite under tests/data/golden runs under it with results identical to the unguarded run.
 
 On CUDA a tensor created without ``device=`` lands on the CPU and crashes the first ``stack`` / ``cat`` with a CUDA
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from device_guard import DeviceLessTensorError, count_host_syncs, device_guard
-from golden_calls import assert_same_outcome, case_format, golden_calls, load_suite, no_guard, suites
+from helpers.device_guard import DeviceLessTensorError, count_host_syncs, device_guard
+from helpers.golden_calls import assert_same_outcome, case_format, golden_calls, load_suite, no_guard, suites
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.loss.metrics import MetricBook
 

@@ -230,8 +230,8 @@ class ClippedPGLoss:
         book.add_sum("approx_entropy", ent)
         book.add_sum("positive_nll_loss", nll.detach())
         book.rejection_rules(corr, sm)
-        # What the tolerant input mode computed as given (see validation.py); the plugin's own mismatch metrics skip
-        # tokens whose generation log-prob is not finite (NeMo-RL's names above keep NeMo-RL's inf / NaN).
+        # What the tolerant input mode computed as given (see input_validation.py); the plugin's own mismatch metrics
+        # skip tokens whose generation log-prob is not finite (NeMo-RL's names above keep NeMo-RL's inf / NaN).
         nonfinite, positive = input_anomalies(valid, inputs.generation_logprobs, {
             "curr": c_in, "unfiltered": inputs.curr_logprobs_unfiltered if beta != 0 else None,
             "prev": None if cfg.force_on_policy_ratio or cfg.bypasses_prev else inputs.prev_logprobs,

@@ -1,4 +1,4 @@
-"""The host adapters under the CPU device guard (tests/device_guard.py): NeMo-RL's loss function (LOGPROB and LOGIT
+"""The host adapters under the CPU device guard (helpers/device_guard.py): NeMo-RL's loss function (LOGPROB and LOGIT
 inputs) and verl's policy loss. A guarded call equals the plain call bit for bit, and the call reads the device back
 once (the metrics), plus NeMo-RL's input validation (one batched check) and verl's check of the weights it inverts."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import nemo_is_plugin.adapters.verl as verl_module
-from device_guard import assert_identical, count_host_syncs, run_guarded_and_plain
 from distributed._loss_cases import LOSS_CONFIGS, global_counts, make_batch
+from helpers.device_guard import assert_identical, count_host_syncs, run_guarded_and_plain
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss
 

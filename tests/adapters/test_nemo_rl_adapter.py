@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from golden_utils import load_cases
+from helpers.golden_utils import load_cases
 from nemo_is_plugin.adapters.nemo_rl import PARALLEL_STATE, NeMoRLLossFn, build_loss_fn
 from nemo_is_plugin.adapters.normalizers import metric_normalizer, probe_metric_names, renormalize
 from nemo_is_plugin.adapters.protocol import LossFunction, LossInputType, LossType, MetricNormalizer

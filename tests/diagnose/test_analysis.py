@@ -13,7 +13,7 @@ from nemo_is_plugin.diagnose.binning import LengthBin, length_bins
 from nemo_is_plugin.diagnose.settings import make_setting, settings_grid
 from nemo_is_plugin.loss.is_weights import MAX_LOG_WEIGHT
 
-from .conftest import constant_dump
+from ._dumps import constant_dump
 
 LENGTHS = [1, 4, 16, 64]
 

@@ -19,8 +19,8 @@ from nemo_is_plugin.bench.paths import naive_logprobs
 from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
 from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
 
-from .test_fused_linear_loss import CHUNK, level_config, rel_err, run
-from .test_fused_linear_pg_loss import problem
+from ._fused_cases import CHUNK, level_config, rel_err, run
+from ._fused_cases import pg_problem as problem
 
 
 def _pg(p, cfg, weight, upstream=1.0, **kwargs):

@@ -1,4 +1,4 @@
-"""The evidence and diagnostics functions that take tensors run under the CPU device guard (tests/device_guard.py)
+"""The evidence and diagnostics functions that take tensors run under the CPU device guard (helpers/device_guard.py)
 with unchanged results: they build their layouts and masks on the inputs' device and copy to the host only for
 numpy. (The simulations' own problem generators, and ``diagnose.analyze``, which reads a file dump into host tensors,
 are host-side by design and are not run under the guard.)"""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from device_guard import assert_identical, run_guarded_and_plain
+from helpers.device_guard import assert_identical, run_guarded_and_plain
 from nemo_is_plugin.evidence.ctpo_variance import estimator_gradients, make_policy
 from nemo_is_plugin.evidence.is_collapse import IS_LEVELS, level_weights, summarise
 from nemo_is_plugin.evidence.kl_gradient_bias import ALL_VARIANTS, expected_gradient, make_problem, per_sample_penalty
