@@ -7,18 +7,15 @@ The recipe is configs/examples/nemo_rl_grpo_tis.yaml, a NeMo-RL master config of
 from __future__ import annotations
 
 import difflib
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-# The driver is a helper module next to this file; import it the same way however pytest was started.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _nemo_rl_driver import Scenario, isclose, run_dp, run_local  # noqa: E402
-from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn, build_loss_fn  # noqa: E402
-from nemo_is_plugin.adapters.protocol import LossFunction, LossType  # noqa: E402
-from nemo_is_plugin.loss import ClippedPGLoss  # noqa: E402
+from _nemo_rl_driver import Scenario, isclose, run_dp, run_local
+from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn, build_loss_fn
+from nemo_is_plugin.adapters.protocol import LossFunction, LossType
+from nemo_is_plugin.loss import ClippedPGLoss
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "examples" / "nemo_rl_grpo_tis.yaml"

@@ -4,9 +4,9 @@ Public API: ``build_loss_fn(config)`` returns a loss called exactly like NeMo-RL
 """
 
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
-from nemo_is_plugin.diagnostics import finalize_metrics
-from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs, build_loss_fn
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.mismatch_metrics import finalize_metrics
 
 __all__ = [
     "ClippedPGLoss",

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from nemo_is_plugin.aggregation import aggregate
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.aggregation import aggregate
+from nemo_is_plugin.loss.layout import TokenLayout
 
 F64 = torch.float64
 X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 100.0]], dtype=F64)
@@ -41,7 +41,7 @@ def test_token_sum_reaches_the_single_pass_through_its_aggregation_weights():
     """separable.aggregation_weights differentiates aggregate(): token-sum's weights are the valid mask itself."""
     from nemo_is_plugin.config import ClippedPGLossConfig
     from nemo_is_plugin.loss import LossInputs
-    from nemo_is_plugin.separable import aggregation_weights
+    from nemo_is_plugin.loss.separable import aggregation_weights
 
     cfg = ClippedPGLossConfig(loss_aggregation="token-sum")
     assert cfg.token_level_loss  # no per-sequence normalisation: NeMo-RL's token level

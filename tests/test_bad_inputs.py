@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 import nemo_is_plugin
 from nemo_is_plugin.adapters import nemo_rl
+from nemo_is_plugin.adapters.recipes import RecipeError
 from nemo_is_plugin.cli.main import app
+from nemo_is_plugin.cli.synthetic_batch import synthetic_batch
 from nemo_is_plugin.config import ConfigError
-from nemo_is_plugin.recipes import RecipeError
-from nemo_is_plugin.synthetic_batch import synthetic_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 GEO_RS = ROOT / "configs" / "geo_rs_tis.yaml"

@@ -145,7 +145,7 @@ _YAML_CHARS = string.ascii_letters + string.digits + " :-_.,[]{}#'\"\n\t$&*!|>%@
 @given(text=st.text(alphabet=_YAML_CHARS, max_size=80))
 @example(text="ratio_clip_min: [1, 2\n")  # the concrete reproduction: yaml.parser.ParserError escapes
 def test_malformed_yaml_recipe_gives_a_recipe_error(tmp_path_factory, text):
-    from nemo_is_plugin.recipes import load_loss_config as load_recipe
+    from nemo_is_plugin.adapters.recipes import load_recipe_config as load_recipe
 
     path: Path = tmp_path_factory.mktemp("recipe") / "r.yaml"
     path.write_text("loss_fn:\n  " + text)

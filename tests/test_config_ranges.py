@@ -12,9 +12,9 @@ import pydantic
 import pytest
 from omegaconf import OmegaConf
 
-from golden_utils import load_cases
+from helpers.golden_utils import load_cases
 from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.config_ranges import NUMERIC_RANGES
+from nemo_is_plugin.config.ranges import NUMERIC_RANGES
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from nemo_is_plugin.correction import compute_is_correction
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.correction import compute_is_correction
+from nemo_is_plugin.loss.layout import TokenLayout
 
 F64 = torch.float64
 # Two sequences of 3 tokens; log w = p - g per token:

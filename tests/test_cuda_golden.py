@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from golden_calls import PluginCall, assert_same_outcome, golden_calls, no_guard
+from helpers.golden_calls import PluginCall, assert_same_outcome, golden_calls, no_guard
 
 CALLS = golden_calls()
 _IDS = [c.id for c in CALLS]

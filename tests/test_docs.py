@@ -18,9 +18,9 @@ import typer.main
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
+from nemo_is_plugin.adapters.recipes import LOSS_KEYS, load_loss_spec
 from nemo_is_plugin.cli.main import app
 from nemo_is_plugin.demo.summary import BLOCKS, quoted
-from nemo_is_plugin.recipes import LOSS_KEYS, load_loss_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
@@ -65,7 +65,7 @@ def _nemo_rl_names(tmp_path: Path) -> dict:
     """The names the snippets presume: a master config, a NeMo-RL batch, grpo_train's train_data, verl's batch."""
     import torch
 
-    from nemo_is_plugin.synthetic_batch import synthetic_batch
+    from nemo_is_plugin.cli.synthetic_batch import synthetic_batch
 
     logprobs, data = synthetic_batch(4, 16)
     master = OmegaConf.to_container(OmegaConf.load(EXAMPLE))

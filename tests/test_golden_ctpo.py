@@ -20,11 +20,10 @@ import math
 import pytest
 import torch
 
-from golden_utils import case_ids, load_named_cases
+from helpers.golden_ctpo import ctpo_config, ctpo_inputs, is_la, loss_rtol
+from helpers.golden_utils import case_ids, load_named_cases
 from nemo_is_plugin import build_loss_fn, finalize_metrics
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.loss import LossInputs
-from nemo_is_plugin.surrogate import log_space_clip_surrogate
+from nemo_is_plugin.loss.surrogate import log_space_clip_surrogate
 
 CASES = load_named_cases("ctpo")
 VALID = [c for c in CASES if "error" not in c["expected"]]
@@ -52,77 +51,12 @@ COUNT_MAP = {
 # the is_ratio quantiles p25..p99, neg_adv_token_count and the LA-only pg_update/la_* diagnostics.
 
 
-def _is_la(params: dict) -> bool:
-    return params["loss_mode"].endswith("-la")
-
-
-def ctpo_config(params: dict, power: float | None = None) -> dict:
-    """The plugin config equivalent to one CTPO reference call (see module docstring)."""
-    ref = params["config"]
-    cfg = {
-        "reference_policy_kl_penalty": 0.0,
-        "ratio_level": "cumulative" if params["ratio_mode"] == "cumprod" else "cumulative_mean",
-        "token_log_ratio_clamp": 20.0,
-        "max_log_ratio": 10.0,
-        "loss_aggregation": params["loss_agg_mode"],
-    }
-    if _is_la(params):
-        if power is None:
-            power = 0.0 if params.get("p0_workaround") else ref["clip_ratio_la_power"]
-        cfg.update(
-            log_ratio_clip_low=ref["la_clip_low"], log_ratio_clip_high=ref["la_clip_high"],
-            log_ratio_clip_c=ref["la_clip_c"], clip_position_power=power,
-        )
-    else:
-        cfg.update(
-            ratio_clip_min=ref["clip_ratio_low"], ratio_clip_max=ref["clip_ratio_high"], ratio_clip_c=ref["clip_ratio_c"]
-        )
-    if params["uses_rollout_is_weights"]:
-        cfg.update(use_importance_sampling_correction=True, is_correction_level="token")
-    return cfg
-
-
-def ctpo_inputs(case: dict, dtype=torch.float32) -> tuple[LossInputs, TokenLayout]:
-    inp = case["inputs"]
-    old, lp = inp["old_log_prob"].to(dtype), inp["log_prob"].to(dtype)
-    m = inp["response_mask"].to(dtype)
-    w = inp["rollout_is_weights"]
-    if w is not None:
-        # g = old - log w on unmasked tokens, so that the plugin's token IS weight exp(p - g) is w.
-        w = w.to(dtype)
-        assert bool((w[m > 0] > 0).all()), "a zero IS weight on an unmasked token cannot be written as exp(p - g)"
-        gen = torch.where(m > 0, old - torch.log(torch.where(m > 0, w, torch.ones_like(w))), old)
-    else:
-        gen = old.clone()
-    B, T = old.shape
-    has_tokens = (m.sum(-1) > 0).to(dtype)
-    agg = case["params"]["loss_agg_mode"]
-    sample_mask = torch.ones(B, dtype=dtype) if agg == "token-mean" else has_tokens
-    inputs = LossInputs(
-        curr_logprobs=lp.clone().requires_grad_(True),
-        prev_logprobs=old,
-        generation_logprobs=gen,
-        reference_logprobs=None,
-        advantages=inp["advantages"].to(dtype),
-        token_mask=m,
-        sample_mask=sample_mask,
-        global_valid_seqs=float(sample_mask.sum()),
-        global_valid_toks=float(m.sum()),
-    )
-    return inputs, TokenLayout.padded(B, T)
-
-
 def run_plugin(case: dict, dtype=torch.float32, power: float | None = None):
     inputs, layout = ctpo_inputs(case, dtype)
     loss, metrics = build_loss_fn(ctpo_config(case["params"], power)).compute(inputs, layout)
     (grad,) = torch.autograd.grad(loss, inputs.curr_logprobs, allow_unused=True)
     grad = torch.zeros_like(inputs.curr_logprobs) if grad is None else grad
     return loss.detach(), grad, finalize_metrics(metrics), inputs
-
-
-def _loss_rtol(case: dict) -> float:
-    # README: rtol 1e-5 for pg_loss / grad, 1e-4 for the T = 2048 cases (long float32 prefix sums).
-    return 1e-4 if case["params"]["T"] >= 2048 else 1e-5
 
 
 def _close(got: float, want: float, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
@@ -142,7 +76,7 @@ def test_suite_shape():
 def test_loss_and_gradient(case):
     loss, grad, _, inputs = run_plugin(case)
     want = case["expected"]
-    rtol = _loss_rtol(case)
+    rtol = loss_rtol(case)
     torch.testing.assert_close(loss, want["pg_loss"].to(loss.dtype), rtol=rtol, atol=1e-6)
     torch.testing.assert_close(grad, want["grad_log_prob"].to(grad.dtype), rtol=rtol, atol=1e-6)
     # Masked positions hold arbitrary log-probs on purpose: nothing may leak into them.
@@ -207,7 +141,7 @@ def reference_formulas(case: dict, power: float | None = None):
     k = torch.where(m > 0, k, torch.zeros_like(k)).detach()
     l = torch.clamp(k + lp - lp.detach(), max=10.0)
     r = torch.where(m > 0, torch.exp(l), torch.zeros_like(l))
-    if _is_la(params):
+    if is_la(params):
         p = ref["clip_ratio_la_power"] if power is None else power
         s = n.clamp(min=1) ** p
         rc = torch.exp(torch.minimum(torch.maximum(l, -ref["la_clip_low"] * s), ref["la_clip_high"] * s))
@@ -236,7 +170,7 @@ def reference_formulas(case: dict, power: float | None = None):
 def test_reference_formulas_reproduce_golden(case):
     """Keeps the float64 re-implementation used for cases 042 / 043 honest: it must reproduce every golden case."""
     loss, grad = reference_formulas(case, power=0.0 if case["params"].get("p0_workaround") else None)
-    rtol = _loss_rtol(case)
+    rtol = loss_rtol(case)
     torch.testing.assert_close(loss, case["expected"]["pg_loss"].double(), rtol=rtol, atol=1e-6)
     torch.testing.assert_close(grad, case["expected"]["grad_log_prob"].double(), rtol=rtol, atol=1e-6)
 
@@ -246,7 +180,7 @@ def test_power_zero_reference_crash_is_handled(case):
     """Reference bug: CTPO-LA with clip_ratio_la_power = 0.0 raises TypeError (exp() of a Python float). The plugin
     accepts p = 0 (uniform log-space window [e^-low, e^high], dual clip e^c) and computes the intended loss."""
     assert case["expected"]["error"]["raises"] == "TypeError"
-    assert case["params"]["config"]["clip_ratio_la_power"] == 0.0 and _is_la(case["params"])
+    assert case["params"]["config"]["clip_ratio_la_power"] == 0.0 and is_la(case["params"])
     loss, grad, metrics, _ = run_plugin(case)
     assert ctpo_config(case["params"])["clip_position_power"] == 0.0
     assert math.isfinite(float(loss)) and bool(torch.isfinite(grad).all())

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from golden_utils import case_ids, load_cases, metric_close
+from helpers.golden_utils import case_ids, load_cases, metric_close
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.config import ConfigValidationError
 

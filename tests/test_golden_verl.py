@@ -13,25 +13,22 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 
 import pytest
 import torch
 
-from golden_utils import case_ids, load_named_cases
+from helpers.golden_utils import case_ids, load_named_cases
+from helpers.golden_verl import loss_inputs, plugin_keys
 from nemo_is_plugin import build_loss_fn, finalize_metrics
 from nemo_is_plugin.adapters.verl_config import (
-    ROLLOUT_CORRECTION_KEYS,
     preset_settings,
     rejection_rules,
-    rollout_correction_keys,
 )
 from nemo_is_plugin.adapters.verl_metrics import PREFIX, rollout_corr_metrics
 from nemo_is_plugin.config import VERL_RS_OPTIONS, ClippedPGLossConfig
-from nemo_is_plugin.correction import compute_is_correction
-from nemo_is_plugin.is_weights import MAX_LOG_WEIGHT
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.loss import LossInputs, is_correction_kwargs
+from nemo_is_plugin.loss.clipped_pg import is_correction_kwargs
+from nemo_is_plugin.loss.correction import compute_is_correction
+from nemo_is_plugin.loss.is_weights import MAX_LOG_WEIGHT
 
 CASES = load_named_cases("verl_rollout_corr")
 VALID = [c for c in CASES if "error" not in c["expected"]]
@@ -41,27 +38,8 @@ WITH_RS = [c for c in VALID if c["params"]["rollout_rs"] is not None]
 PRESETS = [c for c in VALID if c["params"]["preset"] is not None]
 
 
-def plugin_keys(params: dict) -> dict:
-    """The plugin config of a verl call, through the project's mapping (verl's ignored keys warn, as verl ignores)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        keys = rollout_correction_keys({k: params[k] for k in ROLLOUT_CORRECTION_KEYS if k in params})
-    return {"reference_policy_kl_penalty": 0.0, **keys}
-
-
-def loss_inputs(case: dict) -> tuple[LossInputs, TokenLayout]:
-    inp = case["inputs"]
-    p, g, m = inp["old_log_prob"], inp["rollout_log_prob"], inp["response_mask"]
-    B, T = p.shape
-    return LossInputs(
-        curr_logprobs=p.clone().requires_grad_(True), prev_logprobs=p, generation_logprobs=g,
-        reference_logprobs=None, advantages=torch.ones_like(p), token_mask=m, sample_mask=torch.ones(B),
-        global_valid_seqs=float(B), global_valid_toks=float(m.sum()),
-    ), TokenLayout.padded(B, T)
-
-
 def correction(keys: dict, case: dict):
-    """compute_is_correction with exactly the arguments loss.py passes for this config."""
+    """compute_is_correction with exactly the arguments clipped_pg.py passes for this config."""
     cfg = ClippedPGLossConfig(**keys)
     inputs, layout = loss_inputs(case)
     tm = inputs.token_mask

@@ -1,6 +1,6 @@
 """The default input policy (``strict_input_checks: false``): what NeMo-RL computes finitely is computed the same way
 and reported (metrics + one warning per kind), what would make NeMo-RL's loss NaN is refused; the strict mode refuses
-all of it. See nemo_is_plugin/validation.py."""
+all of it. See nemo_is_plugin/loss/input_validation.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin import validation
-from nemo_is_plugin.validation import MissingInputError
+from nemo_is_plugin.loss import input_validation as validation
+from nemo_is_plugin.loss.input_validation import MissingInputError
 
 B, S = 3, 8
 BASE = dict(reference_policy_kl_penalty=0.05, use_importance_sampling_correction=True)

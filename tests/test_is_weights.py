@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from nemo_is_plugin.is_weights import finite_exp, is_log_weight
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.is_weights import finite_exp, is_log_weight
+from nemo_is_plugin.loss.layout import TokenLayout
 
 F64 = torch.float64
 PREV = torch.tensor([[-1.0, -2.0, -0.5, -0.7]], dtype=F64)

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from nemo_is_plugin.kl import kl_estimate, kl_penalty, score_function_weight
+from nemo_is_plugin.loss.kl import kl_estimate, kl_penalty, score_function_weight
 
 F64 = torch.float64
 

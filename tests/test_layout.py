@@ -2,7 +2,7 @@
 
 import torch
 
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.layout import TokenLayout
 
 
 def _ref_prefix(x: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

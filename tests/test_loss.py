@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_is_plugin import build_loss_fn, finalize_metrics
-from nemo_is_plugin.synthetic_batch import synthetic_batch
+from nemo_is_plugin.cli.synthetic_batch import synthetic_batch
 
 F64 = torch.float64
 # KL off: NeMo-RL's KL weight exp(c - sg[c]) is a stop-gradient device whose gradient is by design not the derivative
@@ -74,8 +74,8 @@ def test_stop_gradient_levels_equal_a_gradchecked_token_surrogate(level, clip):
     loss, _ = _call(cfg, x, data)
     (grad,) = torch.autograd.grad(loss, x)
 
-    from nemo_is_plugin.layout import TokenLayout
-    from nemo_is_plugin.ratios import policy_log_ratio
+    from nemo_is_plugin.loss.layout import TokenLayout
+    from nemo_is_plugin.loss.ratios import policy_log_ratio
 
     tm = data["token_mask"][:, 1:]
     anchor = policy_log_ratio(level, logprobs, data["prev_logprobs"][:, 1:], tm, TokenLayout.padded(*logprobs.shape))
@@ -167,7 +167,7 @@ def test_masked_padding_far_below_the_current_logprob_leaves_the_gradient_finite
 
 def test_packed_layout_takes_per_sequence_tensors_of_its_length():
     """A packed [1, N] batch of several sequences: sample_mask / rewards are [num_seqs], checked against the layout."""
-    from nemo_is_plugin.layout import TokenLayout
+    from nemo_is_plugin.loss.layout import TokenLayout
 
     logprobs, data = _batch(B=1, S=9)
     layout = TokenLayout.packed([0, 3, 8])  # two sequences in the 8 next-token positions

@@ -28,10 +28,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
-from nemo_is_plugin.ratios import unmasked_positions
-from nemo_is_plugin.separable import TokenLossGradient, single_pass_blocker
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.ratios import unmasked_positions
+from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
 
 torch.set_num_threads(1)
 F64 = torch.float64

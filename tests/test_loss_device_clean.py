@@ -7,7 +7,7 @@
 - The same configs on a packed layout and on a single-process context-parallel layout (both CP orders) of the same
   tokens, under the guard, give the padded layout's loss, gradient and metrics (float64, 1e-9 relative).
 
-Example counts: ~250 by default (``NEMO_IS_PROPERTY_SCALE`` multiplies them, as in test_properties.py).
+Example counts: ~250 by default (``NEMO_IS_PROPERTY_SCALE`` multiplies them, as in helpers/loss_strategies.py).
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from device_guard import assert_identical, count_host_syncs, device_guard, run_guarded_and_plain
-from golden_calls import golden_calls
+from helpers.device_guard import assert_identical, count_host_syncs, device_guard, run_guarded_and_plain
+from helpers.golden_calls import golden_calls
+from helpers.loss_strategies import HYPOTHESIS_SETTINGS, PROPERTY_SCALE, batches, counts, loss_configs
 from nemo_is_plugin import ClippedPGLossConfig, TokenLayout, build_loss_fn
 from nemo_is_plugin.config import SEQUENCE_MASK_TYPES
 from nemo_is_plugin.distributed.context_parallel import CPTokenLayout
 from nemo_is_plugin.distributed.cp_sharding import CP_ORDERS, local_tokens, num_chunks
 from nemo_is_plugin.loss import LossInputs
-from test_properties import _SCALE, _SETTINGS, batches, counts, loss_configs
 
 CALLS = golden_calls()
-_EXAMPLES = {"guard": 150 * _SCALE, "layouts": 100 * _SCALE}
+_EXAMPLES = {"guard": 150 * PROPERTY_SCALE, "layouts": 100 * PROPERTY_SCALE}
 
 
 def _files(syncs) -> list[str]:
@@ -49,7 +49,7 @@ def test_golden_call_reads_the_device_back_once(call):
 
     call.run("cpu", None, counting)  # the loss call and its backward
     validated = call.fmt == "nemo_rl"  # through ClippedPGLoss.__call__, which validates its inputs
-    want = ["nemo_is_plugin/loss_metrics.py"] + ["nemo_is_plugin/validation.py"] * validated
+    want = ["nemo_is_plugin/loss/input_validation.py"] * validated + ["nemo_is_plugin/loss/metrics.py"]
     assert _files(holder["syncs"]) == want, str(holder["syncs"])
 
 
@@ -69,7 +69,7 @@ def configs_with_rejection(draw) -> ClippedPGLossConfig:
     return cfg
 
 
-@settings(max_examples=_EXAMPLES["guard"], **_SETTINGS)
+@settings(max_examples=_EXAMPLES["guard"], **HYPOTHESIS_SETTINGS)
 @given(cfg=configs_with_rejection(), batch=batches(policy_scale=0.3))
 def test_random_config_is_device_clean_with_two_host_syncs(cfg, batch):
     x0, data = batch
@@ -86,7 +86,7 @@ def test_random_config_is_device_clean_with_two_host_syncs(cfg, batch):
 
     (got, files), (want, _) = run_guarded_and_plain(run)
     assert_identical(got, want)
-    assert files == ["nemo_is_plugin/loss_metrics.py", "nemo_is_plugin/validation.py"], cfg
+    assert files == ["nemo_is_plugin/loss/input_validation.py", "nemo_is_plugin/loss/metrics.py"], cfg
 
 
 # ---------------------------------------------------------------------------------------------------- layouts
@@ -128,7 +128,7 @@ def _replace(inputs: LossInputs, **kw) -> LossInputs:
     return replace(inputs, **kw)
 
 
-@settings(max_examples=_EXAMPLES["layouts"], **_SETTINGS)
+@settings(max_examples=_EXAMPLES["layouts"], **HYPOTHESIS_SETTINGS)
 @given(cfg=configs_with_rejection(), batch=batches(policy_scale=0.3, dtype=torch.float64),
        order=st.sampled_from(CP_ORDERS))
 def test_packed_and_cp_layouts_match_the_padded_one_under_the_guard(cfg, batch, order):

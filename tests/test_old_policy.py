@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nemo_is_plugin.loss import ClippedPGLoss
-from nemo_is_plugin.separable import single_pass_blocker
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.separable import single_pass_blocker
 
 F64 = torch.float64
 g = torch.Generator().manual_seed(3)

@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.ratios import policy_log_ratio, unmasked_positions
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.ratios import policy_log_ratio, unmasked_positions
 
 F64 = torch.float64
 # One sequence of 4 tokens, token 2 masked (e.g. a tool token): d = c - p = [0.1, -0.2, (5.0 masked), 0.3]

@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_is_plugin.config import STRICT_KEYS_ENV, ClippedPGLossConfig, UnknownConfigKeyWarning
-from nemo_is_plugin.recipes import (
+from nemo_is_plugin.adapters.recipes import (
     RecipeError,
-    load_loss_config,
     load_loss_spec,
+    load_recipe_config,
     load_yaml,
     loss_section,
     to_loss_mapping,
 )
+from nemo_is_plugin.config import STRICT_KEYS_ENV, ClippedPGLossConfig, UnknownConfigKeyWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" / "examples").glob("*.yaml"))
@@ -58,14 +58,14 @@ def test_master_config_reads_only_loss_fn_and_resolves_interpolations(master):
 
 
 def test_one_line_override_changes_only_that_field(master):
-    base = load_loss_config(master)
-    changed = load_loss_config(master, ["loss_fn.is_correction_level=sequence_mean"])
+    base = load_recipe_config(master)
+    changed = load_recipe_config(master, ["loss_fn.is_correction_level=sequence_mean"])
     assert changed.is_correction_level == "sequence_mean" and changed.effective_is_level == "sequence_mean"
     assert base.model_dump() | {"is_correction_level": "sequence_mean"} == changed.model_dump()
 
 
 def test_overrides_parse_values_like_a_cli(master):
-    cfg = load_loss_config(master, ["loss_fn.ratio_clip_c=3", "loss_fn.use_importance_sampling_correction=false",
+    cfg = load_recipe_config(master, ["loss_fn.ratio_clip_c=3", "loss_fn.use_importance_sampling_correction=false",
                                     "loss_fn.kl_input_clamp_value=null", "grpo.max_len=100"])
     assert cfg.ratio_clip_c == 3.0 and cfg.use_importance_sampling_correction is False
     assert cfg.kl_input_clamp_value is None
@@ -91,16 +91,16 @@ def test_unknown_override_key_is_refused_with_a_hint(master):
                                           r"'grpo.max_len'\?\); use \+grpo.max_lne=\.\.\. to add"):
         load_yaml(master, ["grpo.max_lne=3"])
     # a loss field absent from the file is still a known key
-    assert load_loss_config(master, ["loss_fn.clip_position_power=0.0"]).clip_position_power == 0.0
+    assert load_recipe_config(master, ["loss_fn.clip_position_power=0.0"]).clip_position_power == 0.0
 
 
 @pytest.mark.parametrize("override", ["ratio_clip_max=0.3", "policy.ratio_clip_max=0.3", "grpo.ratio_clip_max=0.3"])
 def test_a_loss_key_outside_the_loss_section_is_refused_naming_the_right_key(master, override):
     """The reported case: without the ``loss_fn.`` prefix the override used to be silently ignored."""
     with pytest.raises(RecipeError, match=r"matches no key of the config \(did you mean 'loss_fn.ratio_clip_max'\?\)$"):
-        load_loss_config(master, [override])
+        load_recipe_config(master, [override])
     with pytest.raises(RecipeError, match="did you mean 'loss_fn.ratio_clip_max'"):
-        load_loss_config(ROOT / "configs" / "geo_rs_tis.yaml", ["ratio_clip_max=0.3"])
+        load_recipe_config(ROOT / "configs" / "geo_rs_tis.yaml", ["ratio_clip_max=0.3"])
 
 
 @pytest.mark.parametrize("override", ["+loss_fn.foo=1", "++loss_fn.foo=1", "loss_fn.foo.bar=1", "~loss_fn.foo"])
@@ -119,15 +119,15 @@ def test_a_key_the_section_already_holds_may_be_overridden_even_if_no_loss_key(t
 
 def test_bare_section_files_take_loss_keys_with_or_without_the_prefix(tmp_path):
     bare = _write(tmp_path, "bare.yaml", "ratio_clip_min: 0.15\n")
-    assert load_loss_config(bare, ["ratio_clip_max=0.3"]).ratio_clip_max == 0.3
-    cfg = load_loss_config(bare, ["loss_fn.ratio_clip_max=0.4"])
+    assert load_recipe_config(bare, ["ratio_clip_max=0.3"]).ratio_clip_max == 0.3
+    cfg = load_recipe_config(bare, ["loss_fn.ratio_clip_max=0.4"])
     assert (cfg.ratio_clip_min, cfg.ratio_clip_max) == (0.15, 0.4)  # the file's own keys are kept
     with pytest.raises(RecipeError, match="'ratio_clip_mx' is not a loss_fn key"):
-        load_loss_config(bare, ["ratio_clip_mx=0.3"])
+        load_recipe_config(bare, ["ratio_clip_mx=0.3"])
     empty = _write(tmp_path, "empty.yaml", "")
-    assert load_loss_config(empty, ["loss_fn.ratio_clip_max=0.5"]).ratio_clip_max == 0.5
+    assert load_recipe_config(empty, ["loss_fn.ratio_clip_max=0.5"]).ratio_clip_max == 0.5
     empty_section = _write(tmp_path, "empty_section.yaml", "loss_fn:\n")
-    assert load_loss_config(empty_section, ["loss_fn.ratio_clip_max=0.6"]).ratio_clip_max == 0.6
+    assert load_recipe_config(empty_section, ["loss_fn.ratio_clip_max=0.6"]).ratio_clip_max == 0.6
 
 
 def test_override_values_go_through_omegaconf(master):
@@ -148,27 +148,27 @@ def test_name_is_checked_against_the_registry(master):
 
 def test_invalid_values_name_the_file_section_and_key(master):
     with pytest.raises(RecipeError, match=r"(?s)master.yaml: invalid 'loss_fn' section.*is_correction_level"):
-        load_loss_config(master, ["loss_fn.is_correction_level=bogus"])
+        load_recipe_config(master, ["loss_fn.is_correction_level=bogus"])
     # an override is an explicit instruction: one that names no loss key is refused, strict mode or not
     with pytest.raises(RecipeError, match=r"'foo' is not a loss_fn key"):
-        load_loss_config(master, ["+loss_fn.foo=1"])
+        load_recipe_config(master, ["+loss_fn.foo=1"])
 
 
 def test_unknown_keys_in_the_file_warn_and_are_refused_in_strict_mode(tmp_path, monkeypatch):
     """NeMo-RL accepts extra loss_fn keys: one written in the recipe warns by default, naming the nearest key."""
     path = _write(tmp_path, "extra.yaml", "loss_fn:\n  ratio_clip_mx: 0.3\n")
     with pytest.warns(UnknownConfigKeyWarning, match=r"'ratio_clip_mx' \(did you mean 'ratio_clip_max'\?\)"):
-        assert load_loss_config(path).ratio_clip_max == 0.2
+        assert load_recipe_config(path).ratio_clip_max == 0.2
     monkeypatch.setenv(STRICT_KEYS_ENV, "1")
     with pytest.raises(RecipeError, match=r"unknown loss_fn key\(s\): 'ratio_clip_mx'"):
-        load_loss_config(path)
+        load_recipe_config(path)
 
 
 def test_defaults_inheritance_child_wins(tmp_path):
     _write(tmp_path, "base.yaml", "loss_fn:\n  ratio_clip_min: 0.1\n  ratio_clip_max: 0.3\n")
     _write(tmp_path, "mid.yaml", "defaults: base.yaml\nloss_fn:\n  ratio_clip_max: 0.4\n")
     child = _write(tmp_path, "child.yaml", "defaults: [mid.yaml]\nloss_fn:\n  ratio_clip_c: 3.0\n")
-    cfg = load_loss_config(child)
+    cfg = load_recipe_config(child)
     assert (cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.ratio_clip_c) == (0.1, 0.4, 3.0)
 
 
@@ -187,21 +187,21 @@ def test_bare_section_file_and_empty_section(tmp_path):
     spec = load_loss_spec(bare)
     assert spec.name == "nemo_is.clipped_pg" and spec.config.ratio_clip_min == 0.15
     empty = _write(tmp_path, "empty.yaml", "policy: {a: 1}\nloss_fn:\n")
-    assert load_loss_config(empty) == ClippedPGLossConfig()
+    assert load_recipe_config(empty) == ClippedPGLossConfig()
 
 
 def test_missing_section_lists_top_level_keys(tmp_path):
     path = _write(tmp_path, "nolo.yaml", "grpo: {a: 1}\npolicy: {b: 2}\n")
     with pytest.raises(RecipeError, match=r"no 'loss_fn' section in the config \(top-level keys: grpo, policy\)"):
-        load_loss_config(path)
+        load_recipe_config(path)
 
 
 def test_other_section_paths_and_sources(master):
     cfg = OmegaConf.create({"actor": {"policy_loss": {"nemo_is": {"ratio_clip_min": 0.05}}}})
-    assert load_loss_config(cfg, section="actor.policy_loss.nemo_is").ratio_clip_min == 0.05
-    changed = load_loss_config(cfg, ["actor.policy_loss.nemo_is.ratio_clip_min=0.5"], "actor.policy_loss.nemo_is")
+    assert load_recipe_config(cfg, section="actor.policy_loss.nemo_is").ratio_clip_min == 0.05
+    changed = load_recipe_config(cfg, ["actor.policy_loss.nemo_is.ratio_clip_min=0.5"], "actor.policy_loss.nemo_is")
     assert changed.ratio_clip_min == 0.5 and cfg.actor.policy_loss.nemo_is.ratio_clip_min == 0.05  # caller untouched
-    assert load_loss_config({"loss_fn": {"ratio_clip_min": 0.07}}).ratio_clip_min == 0.07
+    assert load_recipe_config({"loss_fn": {"ratio_clip_min": 0.07}}).ratio_clip_min == 0.07
     assert to_loss_mapping(master)["loss_aggregation_norm"] == 4096
     assert to_loss_mapping(None) == {}
     with pytest.raises(RecipeError, match="cannot resolve 'policy'"):
@@ -225,9 +225,9 @@ def test_file_errors(tmp_path):
 
 def test_env_interpolation_with_default(tmp_path, monkeypatch):
     path = _write(tmp_path, "env.yaml", "loss_fn:\n  ratio_clip_min: ${oc.env:NEMO_IS_TEST_CLIP,0.25}\n")
-    assert load_loss_config(path).ratio_clip_min == 0.25
+    assert load_recipe_config(path).ratio_clip_min == 0.25
     monkeypatch.setenv("NEMO_IS_TEST_CLIP", "0.125")
-    assert load_loss_config(path).ratio_clip_min == 0.125
+    assert load_recipe_config(path).ratio_clip_min == 0.125
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(ROOT)))

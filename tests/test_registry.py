@@ -6,9 +6,8 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from nemo_is_plugin import registry
-from nemo_is_plugin.loss import ClippedPGLoss
-from nemo_is_plugin.registry import (
+from nemo_is_plugin.loss import ClippedPGLoss, registry
+from nemo_is_plugin.loss.registry import (
     DEFAULT_LOSS_NAME,
     UnknownLossError,
     build_loss,

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from nemo_is_plugin.config import ClippedPGLossConfig, RejectionRule
-from nemo_is_plugin.correction import compute_is_correction
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.rejection import evaluate_rule, evaluate_rules, token_statistic
+from nemo_is_plugin.loss.correction import compute_is_correction
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.rejection import evaluate_rule, evaluate_rules, token_statistic
 
 F64 = torch.float64
 # y = p - g per token; seq 1's third token is masked (its 50 must not count), seq 2 has no tokens.

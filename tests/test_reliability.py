@@ -1,5 +1,5 @@
 """Bad inputs to the loss fail clearly (an error naming the tensor / key and the expected shape or dtype) or stay
-finite where NeMo-RL has a handling; see ``nemo_is_plugin/validation.py`` for the rules."""
+finite where NeMo-RL has a handling; see ``nemo_is_plugin/loss/input_validation.py`` for the rules."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.is_weights import MAX_LOG_WEIGHT
-from nemo_is_plugin.validation import MissingInputError, validate_loss_inputs
+from nemo_is_plugin.loss.input_validation import MissingInputError, validate_loss_inputs
+from nemo_is_plugin.loss.is_weights import MAX_LOG_WEIGHT
 
 torch.set_num_threads(1)
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.distributed.context_parallel import CPTokenLayout
-from nemo_is_plugin.separable import (
+from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.separable import (
     PrefixCarry,
     TokenLossGradient,
     aggregation_weights,
@@ -150,7 +150,7 @@ def test_aggregation_weights_packed_layout_equal_the_padded_ones(mode):
 
 def test_aggregation_weights_are_linear_exact_for_the_loss():
     """sum_t a_t x_t equals the aggregated loss for any x (the weights are the whole aggregation)."""
-    from nemo_is_plugin.aggregation import aggregate
+    from nemo_is_plugin.loss.aggregation import aggregate
 
     x = torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):

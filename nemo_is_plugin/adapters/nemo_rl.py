@@ -49,7 +49,7 @@ from nemo_is_plugin.adapters.normalizers import loss_type_of, metric_normalizer,
 from nemo_is_plugin.adapters.protocol import LossInputType, MetricNormalizer
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.groups import ParallelGroups
-from nemo_is_plugin.registry import DEFAULT_LOSS_NAME, build_loss
+from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME, build_loss
 
 PARALLEL_STATE = "parallel_state"  # groups sentinel: read megatron-core's groups inside the worker
 GroupsSpec = Union[None, str, ParallelGroups]
@@ -214,14 +214,14 @@ def build_loss_fn(
 
     A bare ``loss_fn`` mapping, NeMo-RL's ``ClippedPGLossConfig`` or the plugin's ``ClippedPGLossConfig`` is accepted
     too. ``overrides`` are CLI-style dotted overrides of the whole config (``loss_fn.is_correction_level=sequence_mean``),
-    see :mod:`nemo_is_plugin.recipes`.
+    see :mod:`nemo_is_plugin.adapters.recipes`.
     """
     options = dict(input_type=input_type, groups=groups, use_fused_linear_logprobs=use_fused_linear_logprobs)
     if isinstance(config, BaseModel):  # a validated config object: NeMo-RL's or the plugin's
         if overrides:
             raise ValueError("overrides apply to YAML / mapping configs, not to a validated ClippedPGLossConfig")
         return NeMoRLLossFn(config, **options)
-    from nemo_is_plugin.recipes import to_loss_mapping
+    from nemo_is_plugin.adapters.recipes import to_loss_mapping
 
     return NeMoRLLossFn(to_loss_mapping(config, overrides, section), **options)
 
@@ -240,7 +240,7 @@ def dump_rollouts(train_data: Mapping[str, Any], step: int, path: Optional[Union
     ``train_data`` holds NeMo-RL's ``[B, S]`` ``prev_logprobs``, ``generation_logprobs``, ``token_mask``,
     ``advantages`` and ``[B]`` ``sample_mask``, as the loss reads them.
     """
-    from nemo_is_plugin.diagnose.hook import dump_batch
+    from nemo_is_plugin.adapters.rollout_dump import dump_batch
 
     return dump_batch(train_data, step, path, rewards=rewards, prev="prev_logprobs", gen="generation_logprobs",
                       mask="token_mask", advantages="advantages", sample_mask="sample_mask")

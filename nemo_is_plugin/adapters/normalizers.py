@@ -15,7 +15,7 @@ import torch
 from nemo_is_plugin.adapters.protocol import LossType, MetricNormalizer, is_extremum
 from nemo_is_plugin.config import SEQUENCE_MASK_TYPES, ClippedPGLossConfig, ConfigError
 
-# Metric -> the count it is divided by, where it is not the token count (see nemo_is_plugin.loss_metrics).
+# Metric -> the count it is divided by, where it is not the token count (see nemo_is_plugin.loss.metrics).
 _SEQUENCE_METRICS = frozenset({
     "sampling_importance_ratio_seq_mean", "is_rejected_seq_fraction",
     "training_log_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff", "is_seq_weight_sq_mean",

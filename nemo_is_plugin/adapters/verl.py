@@ -90,7 +90,7 @@ def _user_keys(config: Any, section: str) -> dict[str, Any]:
     ``rollout_correction`` entries mapped, see :func:`~nemo_is_plugin.adapters.verl_config.plugin_section_keys`)."""
     if isinstance(config, ClippedPGLossConfig):
         return config.model_dump(exclude_unset=True)
-    from nemo_is_plugin.recipes import to_loss_mapping
+    from nemo_is_plugin.adapters.recipes import to_loss_mapping
 
     return plugin_section_keys(to_loss_mapping(config, section=section))
 
@@ -233,8 +233,8 @@ class VerlPolicyLoss:
         rollout_log_probs: Optional[torch.Tensor] = None,
         **_: Any,
     ):
-        from nemo_is_plugin.layout import TokenLayout
         from nemo_is_plugin.loss import LossInputs
+        from nemo_is_plugin.loss.layout import TokenLayout
 
         mask = response_mask.bool()
         b, t = log_prob.shape
@@ -346,7 +346,7 @@ def dump_rollouts(batch: Any, step: int, path: Optional[Union[str, "os.PathLike[
     ``$NEMO_IS_DUMP_ROLLOUTS`` names a file. ``batch`` is verl's ``DataProto`` once advantages are computed; add
     ``dump_rollouts(batch, self.global_steps)`` after ``compute_advantage`` in ``RayPPOTrainer.fit`` (driver), with
     ``actor_rollout_ref.rollout.calculate_log_probs=True`` so that the batch holds ``rollout_log_probs``."""
-    from nemo_is_plugin.diagnose.hook import dump_batch
+    from nemo_is_plugin.adapters.rollout_dump import dump_batch
 
     tensors = getattr(batch, "batch", batch)
     rewards = tensors["token_level_scores"].sum(-1) if "token_level_scores" in tensors else None

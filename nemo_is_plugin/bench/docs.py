@@ -136,7 +136,7 @@ Raw results: [`img/perf_results.json`]({img_prefix}perf_results.json).{skipped}
 
 ![memory]({img_prefix}perf_memory.png)
 
-## Targets (issue 6, checkable on CPU)
+## Targets (checkable on CPU)
 
 {_target_lines(results)}
 

@@ -1,14 +1,12 @@
-"""``nemo-is bench --model-step``: run the model-step benchmark with a progress bar, print its table, write its JSON and
-(from a real GPU run) its section of ``docs/performance.md``."""
+"""The model-step benchmark's results (``nemo-is bench --model-step``) as a rich table and as the markdown of its
+section of ``docs/performance.md``."""
 
 from __future__ import annotations
 
-import json
 import textwrap
-from pathlib import Path
 from typing import Optional
 
-from nemo_is_plugin.bench.report import GIB, QUICK_NOTE, markdown_table, write_json
+from nemo_is_plugin.bench.report import GIB, markdown_table
 
 COLUMNS = ("loss path", "step ms", "tokens/s", "peak GiB", "head + loss ms", "share of step", "loss",
            "loss vs {base}", "qkv grad vs {base}")
@@ -77,45 +75,4 @@ weights, same batch).
 {('Not measured:' + skipped) if skipped else ''}"""
 
 
-def model_step_command(console, *, device: str, dtype: Optional[str], quick: bool, tokens: Optional[int],
-                       repeats: Optional[int], layers: Optional[int], experts: Optional[int],
-                       chunk_size: Optional[int], out: Path, write_docs: bool, docs_dir: Path,
-                       from_json: Optional[Path]) -> None:
-    import typer
-    from rich.markup import escape
-
-    from nemo_is_plugin.bench.device import BenchDevice
-    from nemo_is_plugin.bench.gpu_docs import gpu_docs_refusal, write_gpu_section
-    from nemo_is_plugin.bench.model_step import StepConfig, count_model_steps, run_model_step
-    from nemo_is_plugin.bench.progress import progress_bar
-
-    if from_json is not None:
-        results = json.loads(from_json.read_text())
-    else:
-        try:
-            BenchDevice.resolve(device, dtype)
-            extra = {"repeats": repeats} if repeats is not None else {}
-            cfg = StepConfig.for_device(device, quick=quick, tokens=tokens, layers=layers, experts=experts,
-                                        dtype=dtype, chunk_size=chunk_size, **extra)
-            if write_docs and (why := gpu_docs_refusal({"config": {"device": device.split(":")[0], "quick": quick}})):
-                raise ValueError(why)
-        except ValueError as exc:
-            console.print(f"[red]error:[/red] {escape(str(exc))}")
-            raise typer.Exit(code=2) from exc
-        with progress_bar(console, count_model_steps(cfg)) as progress:
-            results = run_model_step(cfg, progress)
-    console.print(model_step_table(results))
-    for name, why in results.get("skipped", {}).items():
-        console.print(f"[yellow]not measured: {name}:[/yellow] {escape(why)}")
-    if results["config"].get("quick"):
-        console.print(f"[bold yellow]note:[/bold yellow] {escape(QUICK_NOTE)}")
-    written = [write_json(results, out / "model_step.json")]
-    if write_docs:
-        if why := gpu_docs_refusal(results):
-            console.print(f"[red]error:[/red] {escape(why)}")
-            raise typer.Exit(code=2)
-        written += write_gpu_section(results, docs_dir, "model-step")
-    console.print("wrote " + ", ".join(str(p) for p in written))
-
-
-__all__ = ["model_step_command", "model_step_markdown", "model_step_table"]
+__all__ = ["model_step_markdown", "model_step_table"]

@@ -5,7 +5,7 @@ Shapes: ``hidden [..., H]``, ``weight [V, H]`` (one TP rank's shard in the bench
 
 - ``naive``: NeMo-RL's default (``DistributedLogprob``): full logits ``[N, V]``, fp32 ``log_softmax`` (saved for
   backward), gather. Also the test reference.
-- ``from_logits``: the full logits, then issue 3's chunked ``vocab_parallel_logprobs`` (online lse per chunk, saves
+- ``from_logits``: the full logits, then the chunked ``vocab_parallel_logprobs`` (online lse per chunk, saves
   ``lse [N]`` and the logits by reference, recomputing backward): no fp32 softmax, but the ``[N, V]`` logits live.
 - the fused variants (``FUSED_VARIANTS``, one line each: name, schedule, keyword arguments of the fused entry
   points): ``fused_linear`` is ``fused_linear_logprobs`` for the forward and ``fused_linear_pg_loss`` for
@@ -15,15 +15,16 @@ Shapes: ``hidden [..., H]``, ``weight [V, H]`` (one TP rank's shard in the bench
 - baselines that live in their own modules: Liger's chunked GRPO loss (:mod:`bench.liger`, its own loss) and
   cut-cross-entropy (:mod:`bench.cce`, per-token log-probs into our loss).
 
-``logprob_paths`` is the plugin's own torch paths (also used by the fused-path parity tests); ``bench_paths`` adds the
-Triton variants and the baselines, each with ``unavailable`` set when it cannot run here (not installed, needs CUDA,
-an entry point without the keyword it needs): the benchmark reports those and never crashes on them.
+``logprob_paths`` is the plugin's own torch paths (also used by the fused-path parity tests);
+:func:`nemo_is_plugin.bench.catalog.bench_paths` adds the Triton variants and the baselines, each with ``unavailable``
+set when it cannot run here (not installed, needs CUDA, an entry point without the keyword it needs): the benchmark
+reports those and never crashes on them.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -100,7 +101,7 @@ def _names(keys: list[str]) -> str:
     return ", ".join(f"`{k}`" for k in keys) + (" argument" if len(keys) == 1 else " arguments")
 
 
-def _fused_path(variant: FusedVariant, chunk_size: Optional[int]) -> LogprobPath:
+def fused_path(variant: FusedVariant, chunk_size: Optional[int]) -> LogprobPath:
     kw = dict(variant.kwargs) if chunk_size is None else {**variant.kwargs, "chunk_size": chunk_size}
     missing_lp = _accepts(fused_linear_logprobs, kw)
     missing_loss = _accepts(fused_linear_pg_loss, kw)
@@ -139,38 +140,12 @@ def logprob_paths(chunk_size: Optional[int] = None) -> list[LogprobPath]:
             "full logits + chunked online-lse log-prob, recomputing backward (vocab_parallel)",
             lambda h, w, t: vocab_parallel_logprobs(lm_head_logits(h, w), t, **logits_kw),
         ),
-        _fused_path(fused["fused_linear"], chunk_size),
-        _fused_path(fused["fused_2pass"], chunk_size),
+        fused_path(fused["fused_linear"], chunk_size),
+        fused_path(fused["fused_2pass"], chunk_size),
     ]
 
 
-def _triton_unavailable(device: torch.device) -> Optional[str]:
-    try:
-        from nemo_is_plugin.kernels.triton_logprob import triton_usable
-    except ImportError as exc:
-        return f"the Triton kernels do not import ({exc})"
-    if not triton_usable(device):
-        return f"the Triton backend needs a CUDA device and triton (device here: {device.type})"
-    return None
-
-
-def bench_paths(chunk_size: Optional[int] = None, device: Optional[torch.device] = None) -> list[LogprobPath]:
-    """Every path the benchmark knows (``PATHS`` order), with ``unavailable`` filled in for ``device``."""
-    from nemo_is_plugin.bench.cce import cce_path
-    from nemo_is_plugin.bench.liger import liger_path
-
-    device = device or torch.device("cpu")
-    paths = logprob_paths(chunk_size)
-    for variant in FUSED_VARIANTS:
-        if variant.name in PLUGIN_PATHS:
-            continue
-        path = _fused_path(variant, chunk_size)
-        why = _triton_unavailable(device) if variant.kwargs.get("backend") == "triton" else None
-        paths.append(replace(path, unavailable=why) if why and not path.unavailable else path)
-    return paths + [liger_path(device), cce_path(device)]
-
-
 __all__ = [
-    "FUSED_VARIANTS", "FusedVariant", "LogprobPath", "LossPathFn", "PLUGIN_PATHS", "bench_paths", "lm_head_logits",
+    "FUSED_VARIANTS", "FusedVariant", "LogprobPath", "LossPathFn", "PLUGIN_PATHS", "fused_path", "lm_head_logits",
     "logprob_paths", "naive_logprobs",
 ]

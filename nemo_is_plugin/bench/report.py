@@ -129,7 +129,7 @@ def memory_fit(results: dict) -> dict[str, dict]:
 
 
 def targets(results: dict) -> list[dict]:
-    """The issue's CPU-checkable targets, each with the measured value and whether it holds."""
+    """The benchmark's CPU-checkable targets, each with the measured value and whether it holds."""
     rows, out = derived_rows(results), []
     fused = [r for r in rows if r["path"] == "fused_linear"]
     naive = {r["model"]: r for r in rows if r["path"] == "naive"}

@@ -23,12 +23,13 @@ from typing import Callable, Optional
 
 import torch
 
+from nemo_is_plugin.bench.catalog import bench_paths
 from nemo_is_plugin.bench.device import BenchDevice, Measured, dtype_name
 from nemo_is_plugin.bench.jobs import BENCH_LOSS_CONFIG, Job, bench_loss_fn, fwd_bwd_job, matmul_jobs, path_jobs
 from nemo_is_plugin.bench.jobs import path_loss as _path_loss
 from nemo_is_plugin.bench.liger import liger_mean_logprob_grad
 from nemo_is_plugin.bench.measure import max_abs_err, max_rel_err, path_errors, reference_logprobs_and_grad
-from nemo_is_plugin.bench.paths import LogprobPath, bench_paths, lm_head_logits
+from nemo_is_plugin.bench.paths import LogprobPath, lm_head_logits
 from nemo_is_plugin.bench.problem import HeadProblem, make_problem
 from nemo_is_plugin.bench.reference import compare, reference_loss_and_grads
 from nemo_is_plugin.bench.shapes import BenchConfig, ModelShape

@@ -56,8 +56,6 @@ def bench(
     if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, 130))
     if model_step:
-        from nemo_is_plugin.bench.model_report import model_step_command
-
         model_step_command(console, device=device, dtype=dtype, quick=quick, tokens=tokens, repeats=repeats,
                            layers=layers, experts=experts, chunk_size=chunk_size, out=out, write_docs=write_docs,
                            docs_dir=docs_dir, from_json=from_json)
@@ -136,6 +134,51 @@ def _report(results: dict, console, out: Path, write_docs: bool, docs_dir: Path)
         written += write_gpu_section(results, docs_dir, "head")
     elif write_docs:
         written += write_cpu_docs(results, docs_dir)
+    console.print("wrote " + ", ".join(str(p) for p in written))
+
+
+
+def model_step_command(console, *, device: str, dtype: Optional[str], quick: bool, tokens: Optional[int],
+                       repeats: Optional[int], layers: Optional[int], experts: Optional[int],
+                       chunk_size: Optional[int], out: Path, write_docs: bool, docs_dir: Path,
+                       from_json: Optional[Path]) -> None:
+    """Run the model-step benchmark with a progress bar, print its table, write its JSON and (from a real GPU run)
+    its section of ``docs/performance.md``."""
+    from rich.markup import escape
+
+    from nemo_is_plugin.bench.device import BenchDevice
+    from nemo_is_plugin.bench.gpu_docs import gpu_docs_refusal, write_gpu_section
+    from nemo_is_plugin.bench.model_report import model_step_table
+    from nemo_is_plugin.bench.model_step import StepConfig, count_model_steps, run_model_step
+    from nemo_is_plugin.bench.progress import progress_bar
+    from nemo_is_plugin.bench.report import QUICK_NOTE, write_json
+
+    if from_json is not None:
+        results = json.loads(from_json.read_text())
+    else:
+        try:
+            BenchDevice.resolve(device, dtype)
+            extra = {"repeats": repeats} if repeats is not None else {}
+            cfg = StepConfig.for_device(device, quick=quick, tokens=tokens, layers=layers, experts=experts,
+                                        dtype=dtype, chunk_size=chunk_size, **extra)
+            if write_docs and (why := gpu_docs_refusal({"config": {"device": device.split(":")[0], "quick": quick}})):
+                raise ValueError(why)
+        except ValueError as exc:
+            console.print(f"[red]error:[/red] {escape(str(exc))}")
+            raise typer.Exit(code=2) from exc
+        with progress_bar(console, count_model_steps(cfg)) as progress:
+            results = run_model_step(cfg, progress)
+    console.print(model_step_table(results))
+    for name, why in results.get("skipped", {}).items():
+        console.print(f"[yellow]not measured: {name}:[/yellow] {escape(why)}")
+    if results["config"].get("quick"):
+        console.print(f"[bold yellow]note:[/bold yellow] {escape(QUICK_NOTE)}")
+    written = [write_json(results, out / "model_step.json")]
+    if write_docs:
+        if why := gpu_docs_refusal(results):
+            console.print(f"[red]error:[/red] {escape(why)}")
+            raise typer.Exit(code=2)
+        written += write_gpu_section(results, docs_dir, "model-step")
     console.print("wrote " + ", ".join(str(p) for p in written))
 
 

@@ -30,9 +30,9 @@ def validate(
     """Validate RECIPE and print its loss and metrics on a synthetic batch with a rollout/training mismatch."""
     from rich.console import Console
 
+    from nemo_is_plugin.adapters.recipes import load_loss_spec
+    from nemo_is_plugin.cli.synthetic_batch import synthetic_batch
     from nemo_is_plugin.config import ConfigError
-    from nemo_is_plugin.recipes import load_loss_spec
-    from nemo_is_plugin.synthetic_batch import synthetic_batch
 
     console = Console()
     try:
@@ -68,7 +68,7 @@ def _fail(console, as_json: bool, recipe: Path, message: str, head: str) -> None
 def _run(spec, batch) -> tuple[float, float, dict[str, float]]:
     """The loss the recipe names, once on the synthetic batch: (loss, |d loss / d logprobs|, finalized metrics)."""
     from nemo_is_plugin import finalize_metrics
-    from nemo_is_plugin.registry import build_loss
+    from nemo_is_plugin.loss.registry import build_loss
 
     logprobs, data = batch
     logprobs.requires_grad_(True)
@@ -92,7 +92,7 @@ def _finite(x: Any) -> Any:
 
 
 def _json_report(recipe, section, spec, loss, grad_norm, metrics) -> dict[str, Any]:
-    from nemo_is_plugin.effective import effective_settings
+    from nemo_is_plugin.config.effective import effective_settings
 
     return {
         "valid": True, "recipe": str(recipe), "section": section, "name": spec.name,
@@ -107,7 +107,7 @@ def _print_report(console, recipe, section, spec, loss, grad_norm, metrics, show
     from rich.table import Table
     from rich.text import Text
 
-    from nemo_is_plugin.effective import effective_settings
+    from nemo_is_plugin.config.effective import effective_settings
 
     changed = spec.config.model_dump(exclude_defaults=True)
     head = f"[green]valid[/green] {recipe} (loss {spec.name})"

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+
 def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     with open(Path(run_dir) / "metrics.jsonl") as fh:
         return [json.loads(line) for line in fh if line.strip()]
@@ -50,7 +51,7 @@ def long_batches(run_dir: Path) -> list[tuple[Any, Any, Any]]:
 def _length_panel(ax_mean, ax_ess, run_dir: Path) -> None:
     """IS-weight mean and ESS vs response length, every level, from the long batches cut at length L (the first L
     tokens of an EOS-ignoring response are themselves a sample of an L-token response)."""
-    from nemo_is_plugin.demo.loop import level_stats
+    from nemo_is_plugin.demo.level_stats import level_stats
 
     batches = long_batches(run_dir) if (run_dir / "rollouts.jsonl").exists() else []
     if not batches:

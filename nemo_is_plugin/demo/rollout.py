@@ -1,13 +1,13 @@
 """Rollout backends: the engine that samples responses and reports their generation log-probs.
 
 ``cpu`` (default): :class:`~nemo_is_plugin.demo.decoder.KVCachedDecoder` in the configured precision, embedded in the
-rollout worker. ``vllm``: :mod:`nemo_is_plugin.demo.vllm_backend`, only when vLLM is installed and a GPU is present.
-Either way the log-probs returned here are the ``generation_logprobs`` the loss consumes.
+rollout worker. ``vllm``: :mod:`nemo_is_plugin.demo.vllm_backend`, only when vLLM is installed and a GPU is present
+(:mod:`nemo_is_plugin.demo.backends` picks one). Either way the log-probs returned here are the
+``generation_logprobs`` the loss consumes.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,22 +59,3 @@ class CPUBackend:
         )
         return RolloutOutput(tokens, logprobs, mask)
 
-
-def vllm_available() -> bool:
-    """vLLM is importable and a CUDA device is visible (the official wheel is CUDA-only)."""
-    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
-
-
-def make_backend(name: str, shape: ModelShape, precision: str, temperature: float, seed: int) -> RolloutBackend:
-    if name == "cpu":
-        return CPUBackend(shape, precision, temperature)
-    if name == "vllm":
-        if not vllm_available():
-            raise RuntimeError(
-                "rollout backend 'vllm' needs the vllm package and a CUDA GPU (pip install 'nemo-is-plugin[vllm]'); "
-                "use --backend cpu on this machine"
-            )
-        from nemo_is_plugin.demo.vllm_backend import VLLMBackend
-
-        return VLLMBackend(shape, precision=precision, temperature=temperature, seed=seed)
-    raise ValueError(f"unknown rollout backend {name!r}: use 'cpu' or 'vllm'")

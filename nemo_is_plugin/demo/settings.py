@@ -1,7 +1,7 @@
 """The demo's run configuration (pydantic; the only place its defaults live) and the loss settings it compares.
 
 Loss settings are NeMo-RL ``loss_fn`` YAML files in ``configs/demo/`` (one per setting, named by file stem), loaded
-and validated with :mod:`nemo_is_plugin.recipes`. ``--configs`` takes setting names or paths to other YAML files.
+and validated with :mod:`nemo_is_plugin.adapters.recipes`. ``--configs`` takes setting names or paths to other YAML files.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def quick(cfg: DemoConfig) -> DemoConfig:
 
 def load_loss_settings(names: list[str]) -> dict[str, dict[str, Any]]:
     """Setting name -> validated ``loss_fn`` mapping. A name is a file stem in configs/demo or a YAML path."""
-    from nemo_is_plugin.recipes import load_loss_config
+    from nemo_is_plugin.adapters.recipes import load_recipe_config
 
     out: dict[str, dict[str, Any]] = {}
     for name in names:
@@ -135,6 +135,6 @@ def load_loss_settings(names: list[str]) -> dict[str, dict[str, Any]]:
         if not path.exists():
             known = sorted(p.stem for p in configs_dir().glob("*.yaml")) if configs_dir().exists() else []
             raise FileNotFoundError(f"loss setting {name!r}: no file {path}; known settings: {known}")
-        cfg = load_loss_config(str(path))
+        cfg = load_recipe_config(str(path))
         out[path.stem] = cfg.model_dump(exclude_unset=True)
     return out

@@ -29,7 +29,7 @@ def _mean(values: list[float]) -> Optional[float]:
 
 def headline(rows: list[dict[str, Any]], run_dir: str | Path, final_reward: dict[str, float]) -> dict[str, Any]:
     """The numbers above from a run's metric rows (``metrics.jsonl``) and its ``rollouts.jsonl``."""
-    from nemo_is_plugin.demo.loop import level_stats
+    from nemo_is_plugin.demo.level_stats import level_stats
     from nemo_is_plugin.demo.plot import long_batches
 
     settings: dict[str, Any] = {}

@@ -54,11 +54,11 @@ class PolicyActor:
 
 
 class RolloutActor:
-    """Holds a rollout backend (``rollout.make_backend``) and serves generate() calls."""
+    """Holds a rollout backend (``backends.make_backend``) and serves generate() calls."""
 
     def __init__(self, shape: dict, backend: str, precision: str, temperature: float, seed: int) -> None:
         torch.set_num_threads(1)
-        from nemo_is_plugin.demo.rollout import make_backend
+        from nemo_is_plugin.demo.backends import make_backend
 
         self.backend = make_backend(backend, ModelShape(**shape), precision, temperature, seed)
 

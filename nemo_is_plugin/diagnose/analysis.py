@@ -1,8 +1,8 @@
 """What the training/rollout mismatch of a dump does to each IS setting, binned by response length.
 
-The weights come from the loss's own code: ``correction.compute_is_correction`` (level -> truncation / masking /
-rejection, NeMo-RL's handling of non-finite weights) and the mismatch metrics from ``diagnostics.mismatch_metric_sums``
-+ ``finalize_metrics``. This module only selects tokens and summarises.
+The weights come from the loss's own code: ``loss.correction.compute_is_correction`` (level -> truncation / masking /
+rejection, NeMo-RL's handling of non-finite weights) and the mismatch metrics from
+``loss.mismatch_metrics.mismatch_metric_sums`` + ``finalize_metrics``. This module only selects tokens and summarises.
 
 Every statistic is over *valid tokens* (mask = 1) of the responses in a bin, i.e. token-weighted, because the loss
 applies w_t per token: a sequence-level weight counts once per token of its sequence.
@@ -16,14 +16,14 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from nemo_is_plugin.correction import compute_is_correction
 from nemo_is_plugin.diagnose.binning import LengthBin, length_bins
 from nemo_is_plugin.diagnose.dump import RolloutDump
 from nemo_is_plugin.diagnose.settings import Setting
-from nemo_is_plugin.loss import is_correction_kwargs
-from nemo_is_plugin.diagnostics import finalize_metrics, mismatch_metric_sums
-from nemo_is_plugin.is_weights import MAX_LOG_WEIGHT
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.clipped_pg import is_correction_kwargs
+from nemo_is_plugin.loss.correction import compute_is_correction
+from nemo_is_plugin.loss.is_weights import MAX_LOG_WEIGHT
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.mismatch_metrics import finalize_metrics, mismatch_metric_sums
 
 MISMATCH_KEYS = (
     "mismatch_kl_k1",

@@ -22,7 +22,7 @@ import torch
 
 from nemo_is_plugin.distributed.collectives import all_gather
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_size
-from nemo_is_plugin.layout import host_ints
+from nemo_is_plugin.loss.layout import host_ints
 
 CPOrder = Literal["load_balanced", "contiguous"]
 CP_ORDERS: tuple[str, ...] = ("load_balanced", "contiguous")

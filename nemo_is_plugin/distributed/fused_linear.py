@@ -44,14 +44,9 @@ import torch
 
 from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_sum
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
-from nemo_is_plugin.distributed.vocab_parallel import (
-    DEFAULT_CHUNK_BYTES,
-    default_chunk_size,
-    local_vocab_range,
-    localize_target,
-    reduce_partials,
-)
-from nemo_is_plugin.kernels.chunk_math import BACKENDS, ChunkMath, resolve_backend
+from nemo_is_plugin.distributed.vocab_parallel import reduce_partials
+from nemo_is_plugin.kernels.chunk_math import ChunkMath, resolve_backend
+from nemo_is_plugin.kernels.chunking import chunk_slices, device_chunk_size
 from nemo_is_plugin.kernels.gemm import (
     WeightGrad,
     acc_dtype,
@@ -60,33 +55,7 @@ from nemo_is_plugin.kernels.gemm import (
     default_grad_weight_dtype,
 )
 from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials, empty_partials, finalize_partials
-from nemo_is_plugin.kernels.triton_logprob import owned_column
-
-# Budget of one chunk's buffers on a GPU (the chunk in the compute dtype, plus the torch backend's fp32 workspaces):
-# ~1.7k tokens at V/TP = 152k in bf16, ~2.9k at 129k. It sits inside the issue's "dW + dX + 1 GiB" memory target with
-# room for the [N] vectors; larger chunks amortise dW's per-chunk read-modify-write in GEMM 3 (V x H per chunk).
-GPU_CHUNK_BYTES = 768 * 2**20
-GPU_CHUNK_ALIGN = 128  # GPU chunks are a multiple of this (a GEMM tile), when at least two tiles fit
-
-
-def chunk_slices(n: int, chunk_size: int) -> Iterator[slice]:
-    """Consecutive ``[start, start + chunk_size)`` slices covering ``range(n)``."""
-    for start in range(0, n, chunk_size):
-        yield slice(start, min(start + chunk_size, n))
-
-
-def device_chunk_size(vocab_local: int, device: torch.device, z_dtype: torch.dtype, backend: str,
-                      with_entropy: bool = False) -> int:
-    """Tokens per chunk: CPU ``default_chunk_size`` (256 MiB of fp32 logits); GPU ``GPU_CHUNK_BYTES`` over the
-    bytes one token's chunk row takes (the chunk in ``z_dtype`` plus the torch backend's workspaces)."""
-    if device.type == "cpu":
-        return default_chunk_size(vocab_local)
-    acc = acc_dtype(z_dtype)
-    per_column = z_dtype.itemsize + acc.itemsize * ChunkMath.workspace_count(backend, z_dtype, acc, with_entropy)
-    rows = GPU_CHUNK_BYTES // (per_column * max(vocab_local, 1))
-    if rows >= 2 * GPU_CHUNK_ALIGN:
-        rows -= rows % GPU_CHUNK_ALIGN
-    return max(1, rows)
+from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target, owned_column
 
 
 def check_head_inputs(
@@ -289,8 +258,4 @@ def fused_linear_logprobs(
     return (logprob, entropy) if with_entropy else logprob
 
 
-__all__ = [
-    "BACKENDS", "DEFAULT_CHUNK_BYTES", "GPU_CHUNK_BYTES", "HeadChunks", "HeadOptions", "check_grad_weight_out",
-    "check_head_inputs", "chunk_logits", "chunk_slices", "compute_dtype", "default_chunk_size", "device_chunk_size",
-    "fused_linear_logprobs",
-]
+__all__ = ["HeadChunks", "HeadOptions", "check_grad_weight_out", "check_head_inputs", "fused_linear_logprobs"]

@@ -6,7 +6,7 @@ Shapes: ``hidden [B, T, H]`` (T next-token positions; replicated over TP, or sha
 Two schedules, same loss, metrics and gradients:
 
 - **single pass** (token-level ratio or REINFORCE, any IS level / truncation / KL / aggregation; and CTPO's cumulative
-  ratios when the layout holds whole sequences in memory order, see :mod:`nemo_is_plugin.separable`). ``dL/dc_t`` is
+  ratios when the layout holds whole sequences in memory order, see :mod:`nemo_is_plugin.loss.separable`). ``dL/dc_t`` is
   known once the log-probs up to ``t`` are, so each chunk does its whole job in the forward:
 
       z = X_c W^T                     GEMM 1, in the compute dtype (bf16 on GPUs)
@@ -48,12 +48,13 @@ from nemo_is_plugin.distributed.fused_linear import (
     fused_linear_logprobs,
 )
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
-from nemo_is_plugin.distributed.vocab_parallel import local_vocab_range, localize_target, reduce_partials
+from nemo_is_plugin.distributed.vocab_parallel import reduce_partials
 from nemo_is_plugin.kernels.gemm import acc_dtype, compute_dtype
 from nemo_is_plugin.kernels.softmax_partials import finalize_partials
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target
 from nemo_is_plugin.loss import ClippedPGLoss
-from nemo_is_plugin.separable import TokenLossGradient, single_pass_blocker
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
 
 
 def _is_one_on_cpu(s: torch.Tensor) -> bool:

@@ -28,9 +28,9 @@ from nemo_is_plugin.distributed.context_parallel import cp_layout
 from nemo_is_plugin.distributed.cp_sharding import CPOrder
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank, group_size
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
-from nemo_is_plugin.layout import TokenLayout, host_ints
-from nemo_is_plugin.loss import TOKEN_KEYS, ClippedPGLoss, LossInputs
-from nemo_is_plugin.masked import EPS, where_mask
+from nemo_is_plugin.loss.clipped_pg import TOKEN_KEYS, ClippedPGLoss, LossInputs
+from nemo_is_plugin.loss.layout import TokenLayout, host_ints
+from nemo_is_plugin.loss.masked import EPS, where_mask
 
 
 def next_token_aligned(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -24,12 +24,10 @@ Gradient (g = dL/dlog p(y), h = dL/dH, p = softmax, both per token):
 
     dL/dz_v = g (1[v = y] - p_v) - h p_v (log p_v + H)
 
-The static functions below (``local_vocab_range``, ``localize_target``, ``chunk_partials``, ``reduce_partials``,
-``logits_grad``; ``SoftmaxPartials``, ``merge_partials``, ``rescale_partials``, ``finalize_partials`` re-exported from
-:mod:`nemo_is_plugin.kernels.softmax_partials`) are the communication-free steps and the TP merge; ``fused_linear.py``
-reuses them to compute the same quantities from hidden states and the LM-head shard. Keep their names and signatures
-stable. ``chunk_partials`` / ``logits_grad`` are allocating wrappers of the one torch implementation in
-:mod:`nemo_is_plugin.kernels.chunk_inplace`.
+The TP merge of the partials (``reduce_partials``) is the only step here that communicates; the chunk math (the
+softmax partials and their merge, the two elementwise passes, the vocab shard's columns, the chunk sizes) lives in
+:mod:`nemo_is_plugin.kernels`, shared with ``fused_linear.py``, which computes the same quantities from hidden states
+and the LM-head shard.
 """
 
 from __future__ import annotations
@@ -40,52 +38,16 @@ import torch
 
 from nemo_is_plugin.distributed.collectives import all_reduce_max, all_reduce_sum
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
-from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, logits_grad_
 from nemo_is_plugin.kernels.chunk_math import ChunkMath, resolve_backend
+from nemo_is_plugin.kernels.chunking import chunk_slices, default_chunk_size
+from nemo_is_plugin.kernels.gemm import acc_dtype
 from nemo_is_plugin.kernels.softmax_partials import (
     SoftmaxPartials,
     empty_partials,
     finalize_partials,
-    merge_partials,
     rescale_partials,
 )
-from nemo_is_plugin.kernels.triton_logprob import owned_column
-
-# Budget of one chunk's fp32 logits; 256 MiB keeps 256-1024 tokens per chunk at V/TP = 64k-250k (GEMM-efficient),
-# and bounds the chunk temporaries whatever the vocabulary (a fixed 1024 tokens would be 0.6 GB each at V = 152k).
-DEFAULT_CHUNK_BYTES = 256 * 2**20
-
-
-def default_chunk_size(vocab_local: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Tokens per chunk such that the chunk's fp32 logits ``[chunk, vocab_local]`` fit in ``chunk_bytes`` (>= 1)."""
-    return max(1, chunk_bytes // (4 * max(vocab_local, 1)))
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half-precision and fp32 logits, fp64 for fp64 logits."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def local_vocab_range(vocab_local: int, tp_rank: int) -> tuple[int, int]:
-    """Global ids ``[start, end)`` owned by ``tp_rank`` when each rank holds ``vocab_local`` consecutive ids."""
-    return tp_rank * vocab_local, (tp_rank + 1) * vocab_local
-
-
-def localize_target(target: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target ids ``[n]`` -> (local column ``[n]`` clamped into range, owned ``Bool[n]``)."""
-    owned = (target >= start) & (target < end)
-    local = torch.where(owned, target - start, 0)
-    return local, owned
-
-
-def chunk_partials(
-    z: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, with_entropy: bool
-) -> SoftmaxPartials:
-    """Softmax partials of one chunk (``z [n, v]`` any float dtype, not modified; computed in fp32 / fp64).
-
-    The allocating form of :func:`~nemo_is_plugin.kernels.chunk_inplace.chunk_partials_` (the one implementation)."""
-    work = z.to(compute_dtype(z.dtype), copy=True)
-    return chunk_partials_(work, local_target, owned, with_entropy, torch.empty_like(work) if with_entropy else None)
+from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target, owned_column
 
 
 def reduce_partials(p: SoftmaxPartials, tp_group: Optional[ProcessGroup]) -> SoftmaxPartials:
@@ -102,24 +64,6 @@ def reduce_partials(p: SoftmaxPartials, tp_group: Optional[ProcessGroup]) -> Sof
     return SoftmaxPartials(global_max, summed[0], summed[1], summed[2] if p.sum_zexp is not None else None)
 
 
-def logits_grad(
-    z: torch.Tensor,
-    local_target: torch.Tensor,
-    owned: torch.Tensor,
-    lse: torch.Tensor,
-    grad_logprob: Optional[torch.Tensor],
-    entropy: Optional[torch.Tensor] = None,
-    grad_entropy: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """dL/dz for one chunk, fp32 ``[n, v]``: ``g (onehot - p) - h p (log p + H)``; each ``[n]`` input per token.
-
-    ``z`` is not modified. The allocating form of :func:`~nemo_is_plugin.kernels.chunk_inplace.logits_grad_`."""
-    work = z.to(compute_dtype(z.dtype), copy=True)
-    use_h = grad_entropy is not None and entropy is not None
-    scratch = torch.empty_like(work) if use_h else None
-    return logits_grad_(work, local_target, owned, lse, grad_logprob, entropy, grad_entropy, scratch)
-
-
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp_group, chunk_size, with_entropy, backend):
@@ -131,7 +75,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         column = owned_column(local_t, owned)
         math = _chunk_math(backend, flat, chunk_size, with_entropy)
         out = empty_partials(n, with_entropy, flat.new_empty(0, dtype=math.acc))
-        for sl in _slices(n, chunk_size):
+        for sl in chunk_slices(n, chunk_size):
             rows_out = SoftmaxPartials(*(None if f is None else f[sl] for f in out))
             math.partials(flat[sl], local_t[sl], owned[sl], column[sl], 1.0, rows_out, writable=False)
         logprob, lse, entropy = finalize_partials(reduce_partials(out, tp_group))
@@ -153,7 +97,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         g_lp = None if grad_logprob is None else grad_logprob.reshape(-1).to(lse.dtype)
         g_h = grad_entropy.reshape(-1).to(lse.dtype) if use_h else None
         grad = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device)
-        for sl in _slices(flat.shape[0], ctx.chunk_size):
+        for sl in chunk_slices(flat.shape[0], ctx.chunk_size):
             math.logits_grad(
                 flat[sl], grad[sl], local_t[sl], owned[sl], column[sl], lse[sl],
                 None if g_lp is None else g_lp[sl], entropy[sl] if use_h else None, g_h[sl] if use_h else None,
@@ -171,13 +115,8 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
 def _chunk_math(backend: str, flat: torch.Tensor, chunk_size: int, with_entropy: bool) -> ChunkMath:
     resolved = resolve_backend(backend, flat.device, flat.dtype)
     rows = min(chunk_size, flat.shape[0])
-    return ChunkMath(resolved, flat.dtype, compute_dtype(flat.dtype), flat.device, rows, flat.shape[1],
+    return ChunkMath(resolved, flat.dtype, acc_dtype(flat.dtype), flat.device, rows, flat.shape[1],
                      with_entropy=with_entropy, fallback=backend == "auto")
-
-
-def _slices(n: int, chunk_size: int):
-    for start in range(0, n, chunk_size):
-        yield slice(start, min(start + chunk_size, n))
 
 
 def vocab_parallel_logprobs(

@@ -1,4 +1,4 @@
-"""Experiment 2 (seed 004, CTPO Props. 1-2): cumulative-token vs full-sequence IS ratio in the policy gradient.
+"""Experiment 2 (CTPO Props. 1-2; docs/evidence.md, 2): cumulative-token vs full-sequence IS ratio in the policy gradient.
 
 Synthetic policy with independent tokens: at every position t = 1..H the action a_t in {0..K-1} is drawn from the
 behaviour policy mu; the learner is pi = softmax(theta_t) with its own logits per position (all equal to theta0), and
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from nemo_is_plugin.evidence.stats import Z95
-from nemo_is_plugin.is_weights import finite_exp, is_log_weight
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.ratios import policy_log_ratio
+from nemo_is_plugin.loss.is_weights import finite_exp, is_log_weight
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.ratios import policy_log_ratio
 
 CHI2_VALUES = (0.02, 0.05)  # per-token chi^2(pi || mu): (1+d)^31 = 1.85 and 4.54 at t = 1 for H = 32
 

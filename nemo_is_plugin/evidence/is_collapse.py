@@ -1,11 +1,11 @@
-"""Experiment 1 (seed 002): how the IS weight of each correction level behaves as responses get long.
+"""Experiment 1 (docs/evidence.md, 1): how the IS weight of each correction level behaves as responses get long.
 
 For each mismatch distribution (see :mod:`.mismatch`) and response length L, draw ``num_seqs`` sequences of
 per-token mismatch x = p - g, let the plugin compute the IS weight of every level (:func:`is_log_weight`
-then :func:`finite_exp` of :mod:`nemo_is_plugin.is_weights`), and summarise
+then :func:`finite_exp` of :mod:`nemo_is_plugin.loss.is_weights`), and summarise
 the weight each token's gradient is multiplied by, pooled over all tokens: mean (= the effective learning-rate scale,
 since the loss is linear in the weight), std, 5th/50th/95th percentiles, effective-sample-size fraction, and the mean
-after TIS truncation at 2 (:func:`nemo_is_plugin.truncation.tis_log`; the seed ran with
+after TIS truncation at 2 (:func:`nemo_is_plugin.loss.truncation.tis_log`; the seed ran with
 ``truncated_importance_sampling_ratio: 2``).
 
 The seed reports the exp(sum) weight at mean ~0.4, std ~0.27 with ~9k-token responses; :func:`seed_check` verifies
@@ -21,13 +21,13 @@ import torch
 
 from nemo_is_plugin.evidence.mismatch import MismatchDistribution, fit_sequence_weight, unbiased_sampler
 from nemo_is_plugin.evidence.stats import weight_summary
-from nemo_is_plugin.is_weights import IS_LEVELS, finite_exp, is_log_weight
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.truncation import tis_log
+from nemo_is_plugin.loss.is_weights import IS_LEVELS, finite_exp, is_log_weight
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.truncation import tis_log
 
 LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 9000, 16384)
-SEED_LENGTH, SEED_MEAN, SEED_STD = 9000, 0.4, 0.27  # seed 002: Qwen3.5-35B-A3B, ~9k-token responses
-TIS_HIGH = 2.0  # seed 002's truncated_importance_sampling_ratio
+SEED_LENGTH, SEED_MEAN, SEED_STD = 9000, 0.4, 0.27  # the reported run: Qwen3.5-35B-A3B, ~9k-token responses
+TIS_HIGH = 2.0  # that run's truncated_importance_sampling_ratio
 
 
 def default_distributions() -> list[MismatchDistribution]:

@@ -1,8 +1,8 @@
-"""Experiment 3 (seed 003): which KL(pi_theta || pi_ref) estimators give an unbiased *gradient* as a loss.
+"""Experiment 3 (docs/evidence.md, 3): which KL(pi_theta || pi_ref) estimators give an unbiased *gradient* as a loss.
 
 Small categorical policy pi_theta = softmax(theta) over K actions and a fixed pi_ref. The exact gradient of
 KL(pi_theta || pi_ref) comes from autograd on the closed form sum_a pi (log pi - log pi_ref). The Monte Carlo draws
-x ~ pi_theta and differentiates the plugin's per-sample penalty :func:`nemo_is_plugin.kl.kl_penalty` (NeMo-RL clamps
+x ~ pi_theta and differentiates the plugin's per-sample penalty :func:`nemo_is_plugin.loss.kl.kl_penalty` (NeMo-RL clamps
 from the config defaults) through log pi_theta(x); each draw has its own copy of theta, so one backward pass yields
 every per-sample gradient.
 
@@ -11,7 +11,7 @@ Two families of variants:
 - pathwise (``weights=None``; verl, and the seed's setting): E[grad k1] = E[grad log pi] = 0, E[grad k2] = grad KL,
   E[grad k3] = -E[(pi_ref / pi) grad log pi] = pi - pi_ref (the gradient of the *reverse* KL), and the
   straight-through option (value k3, gradient k2) is unbiased.
-- score-function weight w = exp(c - sg[c]) (:func:`nemo_is_plugin.kl.score_function_weight`, NeMo-RL's default):
+- score-function weight w = exp(c - sg[c]) (:func:`nemo_is_plugin.loss.kl.score_function_weight`, NeMo-RL's default):
   the gradient becomes grad E_x~pi_theta[k(x)], so estimators with an unbiased *value* (k1, k3) give the unbiased
   gradient and k2 does not; the straight-through option detaches the weight and stays unbiased.
 
@@ -30,7 +30,7 @@ import torch
 
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.evidence.stats import hotelling_test, mean_estimate
-from nemo_is_plugin.kl import kl_penalty, score_function_weight
+from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,8 @@ def _loss_gradient(
 ) -> torch.Tensor:
     """Per-draw gradient of ClippedPGLoss's KL term: N one-token sequences, beta = 1, advantages 0 (no actor
     gradient), prev = generation = current log-probs, global_valid_toks = 1 so the token mean is a plain sum."""
-    from nemo_is_plugin.layout import TokenLayout
     from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
+    from nemo_is_plugin.loss.layout import TokenLayout
 
     n = actions.numel()
     c = logp[:, None]  # [N, 1]

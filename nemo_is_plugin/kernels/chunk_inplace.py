@@ -4,13 +4,14 @@ triton) of the two passes a chunk of logits goes through (see :mod:`nemo_is_plug
 - pass 1, ``chunk_partials_``: the chunk's softmax partials (max, sum exp, target logit, entropy term) per token;
 - pass 2, ``logits_grad_``: ``dz = s (g (onehot - p) - h p (log p + H))`` from the logits and the global lse, or, when
   pass 1 has just left ``exp(z - m)`` in the buffer (the single pass on CPU), ``softmax_grad_from_exp_``, which
-  turns it into ``s g (onehot - p)`` with one multiply and a scatter.
+  turns it into ``s g (onehot - p)`` with one multiply and a scatter (``logits_grad_`` without the entropy term is
+  that same step on ``p = exp(z - lse)``).
 
 ``s`` (``scale``) is the logits' scale (1 / temperature: ``dL/d(xW^T) = dL/dz / T``), folded into the per-token
 factors so that it costs no pass over the chunk. Everything is computed in the caller's buffer (plus one scratch
 buffer when the entropy is involved): a chunk loop reuses one or two ``[chunk, V/TP]`` workspaces instead of
-allocating fresh ones per chunk (on CPU a fresh 155 MB tensor is an ``mmap`` whose pages fault in on first touch:
-measured, ``vocab_parallel.chunk_partials`` on fresh buffers costs 0.6-0.7x the chunk's GEMM, this sequence ~0.1x).
+allocating fresh ones per chunk (on CPU a fresh 155 MB tensor is an ``mmap`` whose pages fault in on first touch;
+measured on a CPU, pass 1 into fresh buffers cost 0.6-0.7x the chunk's GEMM, into reused ones ~0.1x).
 
 No host synchronisation: the target column is added with a ``scatter_add_`` over every row (rows whose target lies
 on another TP rank add 0 at column 0), never through ``nonzero`` / boolean indexing; scalars are Python floats.
@@ -82,19 +83,17 @@ def logits_grad_(
     ``g = grad_logprob``, ``h = grad_entropy`` (each ``[n]`` or None). ``scratch`` holds ``p`` when ``h`` is given.
     """
     logp = z.sub_(lse.unsqueeze(-1))
-    use_entropy = grad_entropy is not None and entropy is not None
-    gs = None if grad_logprob is None else (grad_logprob if scale == 1.0 else grad_logprob * scale)
-    if not use_entropy:
-        if gs is None:
+    if grad_entropy is None or entropy is None:
+        if grad_logprob is None:
             return logp.zero_()
-        grad = logp.exp_().mul_(gs.neg().unsqueeze(-1))  # -s g p
-    else:
-        p = torch.exp(logp, out=_scratch_rows(scratch, z))
-        hs = grad_entropy if scale == 1.0 else grad_entropy * scale
-        grad = logp.add_(entropy.unsqueeze(-1)).mul_(hs.unsqueeze(-1))  # s h (log p + H)
-        if gs is not None:
-            grad.add_(gs.unsqueeze(-1))  # s g + s h (log p + H)
-        grad.mul_(p).neg_()
+        return softmax_grad_from_exp_(logp.exp_(), None, local_target, owned, grad_logprob, scale)  # exp(logp) = p
+    gs = None if grad_logprob is None else (grad_logprob if scale == 1.0 else grad_logprob * scale)
+    p = torch.exp(logp, out=_scratch_rows(scratch, z))
+    hs = grad_entropy if scale == 1.0 else grad_entropy * scale
+    grad = logp.add_(entropy.unsqueeze(-1)).mul_(hs.unsqueeze(-1))  # s h (log p + H)
+    if gs is not None:
+        grad.add_(gs.unsqueeze(-1))  # s g + s h (log p + H)
+    grad.mul_(p).neg_()
     if gs is not None:
         _add_target_column_(grad, local_target, owned, gs)  # + s g onehot
     return grad
@@ -102,17 +101,20 @@ def logits_grad_(
 
 def softmax_grad_from_exp_(
     e: torch.Tensor,
-    scale: torch.Tensor,
+    scale: Optional[torch.Tensor],
     local_target: torch.Tensor,
     owned: torch.Tensor,
     grad_logprob: torch.Tensor,
     out_scale: float = 1.0,
 ) -> torch.Tensor:
-    """dL/dz ``s g (onehot - p)`` of one chunk from ``e = exp(z - m)`` (what ``chunk_partials_`` leaves in ``z``),
-    written into ``e``'s buffer (returned). ``scale = exp(m - lse) [n]`` turns ``e`` into ``p``; ``s = out_scale``.
-    No recomputed GEMM and one pass over the chunk (plus the scatter of the target column)."""
+    """dL/dz ``s g (onehot - p)`` of one chunk from ``e = exp(z - m)``, written into ``e``'s buffer (returned).
+
+    ``scale = exp(m - lse) [n]`` turns ``e`` into ``p`` (None: ``e`` already is ``p``, i.e. ``m = lse``); ``s =
+    out_scale``. After pass 1 of the same chunk (``chunk_partials_`` leaves ``exp(z - m)`` in ``z``) this needs no
+    recomputed GEMM and one pass over the chunk (plus the scatter of the target column)."""
     gs = grad_logprob if out_scale == 1.0 else grad_logprob * out_scale
-    grad = e.mul_((gs * scale).neg_().unsqueeze(-1))  # -s g p
+    factor = gs.neg() if scale is None else (gs * scale).neg_()
+    grad = e.mul_(factor.unsqueeze(-1))  # -s g p
     return _add_target_column_(grad, local_target, owned, gs)  # + s g onehot
 
 

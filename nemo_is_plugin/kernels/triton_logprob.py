@@ -132,11 +132,6 @@ if triton is not None:
         tl.store(OUT + row * stride_out + cols, out, mask=mask)
 
 
-def owned_column(local_target: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
-    """The kernels' target column: the local id where this shard owns the target, else -1 (long ``[n]``)."""
-    return torch.where(owned, local_target, -1).contiguous()
-
-
 class ChunkLayoutError(ValueError):
     """A launcher's argument the kernels cannot take (dtype, strides): the caller's error, not a kernel failure."""
 
@@ -200,5 +195,5 @@ def triton_logits_grad(
     return out
 
 
-__all__ = ["BLOCKS", "TRITON_DTYPES", "ChunkLayoutError", "TritonBlocks", "owned_column", "triton_logits_grad",
-           "triton_partials", "triton_usable"]
+__all__ = ["BLOCKS", "TRITON_DTYPES", "ChunkLayoutError", "TritonBlocks", "triton_logits_grad", "triton_partials",
+           "triton_usable"]

@@ -10,7 +10,9 @@ Written from NeMo-RL's documented behaviour, not from its code:
   ``loss_fn.reference_policy_kl_penalty != 0``, ``data["curr_logprobs_unfiltered"]``; with
   ``loss_fn.use_fused_linear_logprobs`` the model output already holds ``[B, >= S-1]`` log-probs, cast to float32 and
   cut to ``S-1``;
-- :func:`logits_for`: logits whose log-softmax at the target tokens equals given log-probs.
+- :func:`logits_for`: logits whose log-softmax at the target tokens equals given log-probs;
+- NeMo-RL's unit-test batches (:func:`host_batch`, :func:`filled`), the call its tests make (:func:`run`) and their
+  hand formulas (:func:`clip_loss`, :func:`k3`).
 """
 
 from __future__ import annotations
@@ -90,3 +92,52 @@ def logits_for(target_logprobs: torch.Tensor, input_ids: torch.Tensor, vocab: in
             if lp < 0:
                 logits[i, t, (tok + 1) % vocab] = torch.log(torch.expm1(torch.tensor(-lp, dtype=torch.float64)))
     return logits.float()
+
+
+# ----------------------------------------------------------------------------------- NeMo-RL's unit-test batches
+V = 8
+
+
+def host_batch(batch: int = 1, seq: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    """NeMo-RL's test batch layout: int64 masks with token 0 masked, zero-filled float tensors to overwrite."""
+    g = torch.Generator().manual_seed(seed)
+    tm = torch.ones(batch, seq, dtype=torch.int64)
+    tm[:, 0] = 0
+    zeros = lambda: torch.zeros(batch, seq)  # noqa: E731
+    return {"input_ids": torch.randint(0, V, (batch, seq), generator=g), "token_mask": tm,
+            "sample_mask": torch.ones(batch, dtype=torch.int64), "advantages": zeros(), "prev_logprobs": zeros(),
+            "reference_policy_logprobs": zeros(), "generation_logprobs": zeros()}
+
+
+def run(loss_fn, data, curr=None, logits=None, **kw):
+    """prepare_loss_input from exact logits for ``curr`` [B, S-1], then the call as NeMo-RL's tests make it."""
+    logits = logits_for(curr, data["input_ids"], V) if logits is None else logits
+    loss_input, data = prepare_loss_input(logits, data, loss_fn, **kw)
+    return loss_fn(data=data, global_valid_seqs=torch.sum(data["sample_mask"]),
+                   global_valid_toks=torch.sum(data["sample_mask"].unsqueeze(-1) * data["token_mask"]), **loss_input)
+
+
+def clip_loss(adv, curr, prev, lo=0.2, hi=0.2):
+    r = torch.exp(curr - prev)
+    return torch.maximum(-adv * r, -adv * r.clamp(1 - lo, 1 + hi))
+
+
+ADV = torch.tensor([[2.0, -1.0, 1.0]])
+PREV = torch.tensor([[-1.2, -1.2, -1.2]])
+CURR = PREV + torch.log(torch.tensor([[0.6, 1.1, 1.4]]))  # one ratio below, one inside, one above the band
+
+
+def filled(data=None, adv=ADV, prev=PREV, gen=None, ref=None):
+    data = host_batch() if data is None else data
+    data["advantages"][:, 1:] = adv
+    data["prev_logprobs"][:, 1:] = prev
+    if gen is not None:
+        data["generation_logprobs"][:, 1:] = gen
+    if ref is not None:
+        data["reference_policy_logprobs"][:, 1:] = ref
+    return data
+
+
+def k3(c, ref):
+    logr = ref - c
+    return torch.exp(logr) - 1 - logr

@@ -1,4 +1,4 @@
-"""The host adapters under the CPU device guard (tests/device_guard.py): NeMo-RL's loss function (LOGPROB and LOGIT
+"""The host adapters under the CPU device guard (helpers/device_guard.py): NeMo-RL's loss function (LOGPROB and LOGIT
 inputs) and verl's policy loss. A guarded call equals the plain call bit for bit, and the call reads the device back
 once (the metrics), plus NeMo-RL's input validation (one batched check) and verl's check of the weights it inverts."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import nemo_is_plugin.adapters.verl as verl_module
-from device_guard import assert_identical, count_host_syncs, run_guarded_and_plain
 from distributed._loss_cases import LOSS_CONFIGS, global_counts, make_batch
+from helpers.device_guard import assert_identical, count_host_syncs, run_guarded_and_plain
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss
 
@@ -40,7 +40,7 @@ def test_nemo_rl_logprob_input_is_device_clean(name):
 
     (got, files), (want, _) = run_guarded_and_plain(run)
     assert_identical(got, want)
-    assert files == ["nemo_is_plugin/loss_metrics.py", "nemo_is_plugin/validation.py"]
+    assert files == ["nemo_is_plugin/loss/input_validation.py", "nemo_is_plugin/loss/metrics.py"]
 
 
 @pytest.mark.parametrize("name", ["nemo_rl_default", "gspo_legacy", "ctpo_cumulative_is", "seq_mis_veto"])
@@ -57,7 +57,7 @@ def test_nemo_rl_logit_input_is_device_clean(name):
 
     (got, files), (want, _) = run_guarded_and_plain(run)
     assert_identical(got, want)
-    assert files == ["nemo_is_plugin/loss_metrics.py"]
+    assert files == ["nemo_is_plugin/loss/metrics.py"]
 
 
 def _verl_batch(seed: int):
@@ -109,7 +109,7 @@ def test_verl_policy_loss_is_device_clean(user, extra, validates, agg):
 
     (got, files), (want, _) = run_guarded_and_plain(run)
     assert_identical(got, want)
-    assert files == sorted(["nemo_is_plugin/loss_metrics.py"] + (["nemo_is_plugin/adapters/verl.py"] * validates))
+    assert files == sorted(["nemo_is_plugin/loss/metrics.py"] + (["nemo_is_plugin/adapters/verl.py"] * validates))
     assert got[1]["actor/ppo_kl"] == pytest.approx(float(((old - lp0) * mask).sum() / (mask.sum() + 1e-8)), rel=1e-6)
 
 

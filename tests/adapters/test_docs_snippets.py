@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from nemo_is_plugin.adapters.nemo_rl import build_loss_fn
+from nemo_is_plugin.adapters.recipes import load_loss_spec
 from nemo_is_plugin.loss import ClippedPGLoss
-from nemo_is_plugin.recipes import load_loss_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

@@ -8,14 +8,14 @@ import pickle
 import pytest
 import torch
 
-from golden_utils import load_cases
+from helpers.golden_utils import load_cases
 from nemo_is_plugin.adapters.nemo_rl import PARALLEL_STATE, NeMoRLLossFn, build_loss_fn
 from nemo_is_plugin.adapters.normalizers import metric_normalizer, probe_metric_names, renormalize
 from nemo_is_plugin.adapters.protocol import LossFunction, LossInputType, LossType, MetricNormalizer
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.groups import ParallelGroups
 from nemo_is_plugin.loss import ClippedPGLoss
-from nemo_is_plugin.registry import UnknownLossError
+from nemo_is_plugin.loss.registry import UnknownLossError
 
 CASES = {c["id"]: c for c in load_cases("nemo_rl") if "error" not in c["expected"]}
 # token-level TIS, sequence-level loss + icepop, GSPO + IS, seq-mask-tis, NLL + rewards

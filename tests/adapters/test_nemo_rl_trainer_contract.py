@@ -11,8 +11,7 @@ import warnings
 import pytest
 import torch
 
-from adapters.nemo_rl_host import HostLossConfig, prepare_loss_input
-from adapters.test_nemo_rl_unit_contract import V, clip_loss, filled, host_batch, k3, run
+from adapters.nemo_rl_host import HostLossConfig, V, clip_loss, filled, host_batch, k3, prepare_loss_input, run
 from nemo_is_plugin.adapters.nemo_rl import NEMO_RL_CONFIG_ATTRIBUTES, ClippedPGLossFn
 
 

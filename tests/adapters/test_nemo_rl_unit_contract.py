@@ -13,51 +13,9 @@ import warnings
 import pytest
 import torch
 
-from adapters.nemo_rl_host import HostLossConfig, logits_for, prepare_loss_input
+from adapters.nemo_rl_host import ADV, CURR, PREV, HostLossConfig, V, clip_loss, filled, host_batch, k3, run
 from nemo_is_plugin.adapters.nemo_rl import ClippedPGLossFn
 from nemo_is_plugin.adapters.protocol import MetricNormalizer
-
-V = 8
-
-
-def host_batch(batch: int = 1, seq: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
-    """NeMo-RL's test batch layout: int64 masks with token 0 masked, zero-filled float tensors to overwrite."""
-    g = torch.Generator().manual_seed(seed)
-    tm = torch.ones(batch, seq, dtype=torch.int64)
-    tm[:, 0] = 0
-    zeros = lambda: torch.zeros(batch, seq)  # noqa: E731
-    return {"input_ids": torch.randint(0, V, (batch, seq), generator=g), "token_mask": tm,
-            "sample_mask": torch.ones(batch, dtype=torch.int64), "advantages": zeros(), "prev_logprobs": zeros(),
-            "reference_policy_logprobs": zeros(), "generation_logprobs": zeros()}
-
-
-def run(loss_fn, data, curr=None, logits=None, **kw):
-    """prepare_loss_input from exact logits for ``curr`` [B, S-1], then the call as NeMo-RL's tests make it."""
-    logits = logits_for(curr, data["input_ids"], V) if logits is None else logits
-    loss_input, data = prepare_loss_input(logits, data, loss_fn, **kw)
-    return loss_fn(data=data, global_valid_seqs=torch.sum(data["sample_mask"]),
-                   global_valid_toks=torch.sum(data["sample_mask"].unsqueeze(-1) * data["token_mask"]), **loss_input)
-
-
-def clip_loss(adv, curr, prev, lo=0.2, hi=0.2):
-    r = torch.exp(curr - prev)
-    return torch.maximum(-adv * r, -adv * r.clamp(1 - lo, 1 + hi))
-
-
-ADV = torch.tensor([[2.0, -1.0, 1.0]])
-PREV = torch.tensor([[-1.2, -1.2, -1.2]])
-CURR = PREV + torch.log(torch.tensor([[0.6, 1.1, 1.4]]))  # one ratio below, one inside, one above the band
-
-
-def filled(data=None, adv=ADV, prev=PREV, gen=None, ref=None):
-    data = host_batch() if data is None else data
-    data["advantages"][:, 1:] = adv
-    data["prev_logprobs"][:, 1:] = prev
-    if gen is not None:
-        data["generation_logprobs"][:, 1:] = gen
-    if ref is not None:
-        data["reference_policy_logprobs"][:, 1:] = ref
-    return data
 
 
 # ----------------------------------------------------------------------------------- the loss value, mode by mode
@@ -106,11 +64,6 @@ def test_cispo(with_is):  # test_clipped_pg_loss_cispo, ..._cispo_with_importanc
     w = torch.exp(PREV - gen) if with_is else torch.ones(1, 3)
     want = (w * -ADV * torch.exp(CURR - PREV).clamp(0.8, 1.2) * CURR).mean()
     torch.testing.assert_close(loss, want, rtol=1e-3, atol=1e-3)
-
-
-def k3(c, ref):
-    logr = ref - c
-    return torch.exp(logr) - 1 - logr
 
 
 def test_kl_penalty():  # test_clipped_pg_loss_kl_penalty

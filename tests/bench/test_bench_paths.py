@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from nemo_is_plugin.bench import runner
+from nemo_is_plugin.bench.catalog import bench_paths
 from nemo_is_plugin.bench.jobs import bench_loss_fn, fwd_bwd_job
-from nemo_is_plugin.bench.paths import FusedVariant, _fused_path, bench_paths, logprob_paths
+from nemo_is_plugin.bench.paths import FusedVariant, fused_path, logprob_paths
 from nemo_is_plugin.bench.problem import make_problem
 from nemo_is_plugin.bench.shapes import PATHS, QUICK_SHAPES, BenchConfig
 from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
@@ -37,7 +38,7 @@ def test_on_cpu_the_gpu_only_rows_say_why():
 
 
 def test_a_keyword_the_entry_points_lack_is_reported_not_passed():
-    single = _fused_path(FusedVariant("x", None, "d", {"no_such_option": 1}), chunk_size=4)
+    single = fused_path(FusedVariant("x", None, "d", {"no_such_option": 1}), chunk_size=4)
     assert "`no_such_option` argument" in single.unavailable
     if "backend" not in inspect.signature(fused_linear_pg_loss).parameters:
         triton = next(p for p in bench_paths() if p.name == "fused_triton")
@@ -47,7 +48,7 @@ def test_a_keyword_the_entry_points_lack_is_reported_not_passed():
 def test_a_two_pass_variant_falls_back_to_log_probs_then_loss():
     """A keyword only ``fused_linear_logprobs`` takes: the two-pass schedule is spelled out, and its loss and
     gradients equal the naive path's."""
-    path = _fused_path(FusedVariant("y", False, "d", {"temperature": 1.0}), chunk_size=5)
+    path = fused_path(FusedVariant("y", False, "d", {"temperature": 1.0}), chunk_size=5)
     assert path.unavailable is None and path.fwdbwd_unavailable is None and not path.times_forward
     p, loss_fn = make_problem(3, 9, 16, 40, seed=0, base_logprobs="model"), bench_loss_fn()
     got, want = fwd_bwd_job(path, p, loss_fn)(), fwd_bwd_job(logprob_paths()[0], p, loss_fn)()

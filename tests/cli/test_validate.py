@@ -14,7 +14,7 @@ import nemo_is_plugin
 from nemo_is_plugin.adapters import nemo_rl
 from nemo_is_plugin.cli.main import app
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
-from nemo_is_plugin.effective import effective_settings
+from nemo_is_plugin.config.effective import effective_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "configs" / "examples" / "nemo_rl_grpo_tis.yaml"
@@ -127,7 +127,7 @@ def test_a_bad_section_is_refused_by_all_three(tmp_path, section):
 
 
 def test_a_name_registered_to_another_loss_is_refused_by_the_clipped_loss():
-    from nemo_is_plugin.registry import register_loss, unregister_loss
+    from nemo_is_plugin.loss.registry import register_loss, unregister_loss
 
     register_loss("tests.other_loss", lambda config: config)
     try:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from nemo_is_plugin.demo.loop import level_stats
+from nemo_is_plugin.demo.level_stats import level_stats
 from nemo_is_plugin.demo.summary import demo_tables, headline, quoted, readme_sentence, render
 
 SETTINGS = ("gspo_exp_sum", "gspo_seq_mean")

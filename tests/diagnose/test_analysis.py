@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_is_plugin.is_weights import MAX_LOG_WEIGHT
 from nemo_is_plugin.diagnose.analysis import analyze
 from nemo_is_plugin.diagnose.binning import LengthBin, length_bins
 from nemo_is_plugin.diagnose.settings import make_setting, settings_grid
+from nemo_is_plugin.loss.is_weights import MAX_LOG_WEIGHT
 
-from .conftest import constant_dump
+from ._dumps import constant_dump
 
 LENGTHS = [1, 4, 16, 64]
 

@@ -119,10 +119,10 @@ def test_main_app_registers_diagnose():
 
 # ------------------------------------------------------------------ write-config, plain text, labels, small samples
 def test_write_config_writes_a_ready_to_use_loss_fn_section(app, dump_path, tmp_path):
-    import nemo_is_plugin
     from omegaconf import OmegaConf
 
-    from nemo_is_plugin.recipes import load_loss_spec
+    import nemo_is_plugin
+    from nemo_is_plugin.adapters.recipes import load_loss_spec
 
     target = tmp_path / "cfg" / "recommended.yaml"
     res = invoke(app, dump_path, "--no-plots", "--write-config", target, "--truncations", "none,tis")

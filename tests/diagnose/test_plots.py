@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nemo_is_plugin.diagnose import diagnose, synthetic_records, write_dump
-from nemo_is_plugin.diagnose import plots
+from nemo_is_plugin.diagnose import diagnose, plots, synthetic_records, write_dump
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from nemo_is_plugin.diagnose.analysis import analyze
 from nemo_is_plugin.diagnose.recommend import Criteria, check, recommend
 from nemo_is_plugin.diagnose.settings import settings_grid
 
-from .conftest import constant_dump
+from ._dumps import constant_dump
 
 
 def _noisy_dump(lengths, std, seed=0, bias=0.0):

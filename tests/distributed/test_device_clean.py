@@ -1,4 +1,4 @@
-"""The distributed entry points, single process, under the CPU device guard (tests/device_guard.py): the LOGIT loss
+"""The distributed entry points, single process, under the CPU device guard (helpers/device_guard.py): the LOGIT loss
 (padded and packed), the context-parallel layout, the vocab-parallel log-probs, the fused hidden-state log-probs
 (torch and Triton backends) and the fused loss (single and two pass). Each run under the guard must equal the plain
 run bit for bit; the host synchronisations of layout construction and of the loss call are counted.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from device_guard import assert_identical, count_host_syncs, device_guard, run_guarded_and_plain
+from helpers.device_guard import assert_identical, count_host_syncs, device_guard, run_guarded_and_plain
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.problem import make_problem
 from nemo_is_plugin.distributed.context_parallel import CPTokenLayout, cp_layout
@@ -33,8 +33,8 @@ from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
 from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
 from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
-from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
+from nemo_is_plugin.loss.layout import TokenLayout
 
 from ._loss_cases import LOSS_CONFIGS, cu_seqlens, global_counts, make_batch, pack, padded_lengths
 
@@ -219,7 +219,7 @@ def test_fused_linear_logprobs_torch_backend_is_device_clean():
 
 def check_triton_backend_under_guard() -> None:
     """Child-process entry (Triton reads TRITON_INTERPRET at import): the Triton backend under the guard."""
-    from device_guard import assert_identical, run_guarded_and_plain
+    from helpers.device_guard import assert_identical, run_guarded_and_plain
 
     g = torch.Generator().manual_seed(0)
     x0, w0 = torch.randn(24, 32, generator=g), torch.randn(48, 32, generator=g) * 0.5

@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from nemo_is_plugin.bench.memory import TensorMemoryTracker
-from nemo_is_plugin.distributed.fused_linear import default_chunk_size, fused_linear_logprobs
-from nemo_is_plugin.distributed.vocab_parallel import localize_target
-from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, logits_grad_
+from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
 
 
 def _inputs(n=(3, 7), hidden=16, vocab=37, seed=0, dtype=torch.float32, scale=1.0):
@@ -100,38 +98,6 @@ def test_out_of_range_target_gives_minus_lse():
     torch.testing.assert_close(lp.double(), -torch.logsumexp(x.double() @ w.double().t(), -1), rtol=1e-6, atol=1e-6)
 
 
-def test_inplace_chunk_math_equals_the_float64_softmax():
-    """kernels.chunk_inplace (the one torch implementation; vocab_parallel's chunk_partials / logits_grad wrap it) on a
-    vocab shard [3, 22) of a larger vocab, with targets the shard does not own, against float64 softmax algebra."""
-    g = torch.Generator().manual_seed(7)
-    z = torch.randn(6, 25, generator=g, dtype=torch.float64) * 4
-    target = torch.randint(-2, 25, (6,), generator=g)
-    local_t, owned = localize_target(target, 3, 22)
-    shard = z[:, 3:22].contiguous()
-    assert owned.any() and (~owned).any()
-    got = chunk_partials_(shard.clone(), local_t, owned, True, torch.empty(8, 19, dtype=torch.float64))
-    m = shard.amax(-1)
-    e = torch.exp(shard - m[:, None])
-    want = (m, e.sum(-1), torch.where(owned, shard.gather(1, local_t[:, None]).squeeze(1), 0.0),
-            (e * (shard - m[:, None])).sum(-1))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
-    lse = torch.logsumexp(z, -1)  # the global lse (all shards)
-    logp = shard - lse[:, None]
-    p = logp.exp()
-    ent, g_lp, g_h = torch.rand(6, generator=g, dtype=torch.float64), *torch.randn(2, 6, generator=g,
-                                                                                 dtype=torch.float64)
-    onehot = torch.zeros_like(shard)
-    onehot[owned, local_t[owned]] = 1.0
-    for args, want in (((g_lp, ent, g_h), g_lp[:, None] * (onehot - p) - g_h[:, None] * p * (logp + ent[:, None])),
-                       ((g_lp, None, None), g_lp[:, None] * (onehot - p)),
-                       ((None, ent, g_h), -g_h[:, None] * p * (logp + ent[:, None]))):
-        have = logits_grad_(shard.clone(), local_t, owned, lse, *args, scratch=torch.empty_like(shard), scale=0.5)
-        torch.testing.assert_close(have, 0.5 * want, rtol=1e-12, atol=1e-14)
-    with pytest.raises(ValueError, match="scratch"):
-        chunk_partials_(shard.clone(), local_t, owned, True, torch.empty(6, 18, dtype=torch.float64))
-
-
 def test_extra_memory_is_one_chunk_not_tokens_by_vocab():
     """Forward: lse [N] + one [chunk, V] workspace; forward+backward adds the gradients, never [N, V]."""
     hidden, vocab, chunk = 8, 2000, 16
@@ -161,11 +127,6 @@ def test_empty_batch():
     assert lp.shape == (0,) and ent.shape == (0,)
     (lp.sum() + ent.sum()).backward()
     assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
-
-
-def test_default_chunk_size_bounds_the_workspace():
-    assert default_chunk_size(151936) == 441  # 256 MiB / (4 B x 151936)
-    assert default_chunk_size(10**9) == 1
 
 
 def test_shape_errors():

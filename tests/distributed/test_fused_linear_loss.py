@@ -16,58 +16,8 @@ import torch
 import nemo_is_plugin.distributed.fused_linear as fused_linear_module
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.paths import logprob_paths, naive_logprobs
-from nemo_is_plugin.bench.problem import HeadProblem, make_problem
 
-RATIO_LEVELS = ("token", "sequence", "sequence_token", "cumulative", "cumulative_mean")
-IS_LEVELS = ("token", "sequence", "sequence_mean", "cumulative")
-CHUNK = 5  # tokens per chunk: chunks straddle sequence boundaries (T = 8 per sequence)
-
-
-def level_config(ratio_level: str, is_level: str) -> dict:
-    """Tight clip and TIS band so that clipping and truncation are active on the synthetic mismatch."""
-    return dict(
-        ratio_level=ratio_level,
-        is_correction_level=is_level,
-        use_importance_sampling_correction=True,
-        truncated_importance_sampling_type="tis",
-        truncated_importance_sampling_ratio=1.05,
-        ratio_clip_min=0.03,
-        ratio_clip_max=0.03,
-        loss_aggregation="seq-mean-token-mean" if ratio_level == "sequence" else "token-mean",
-        token_level_loss=ratio_level != "sequence",
-    )
-
-
-def problem(dtype=torch.float32, seed=0, vocab=37) -> HeadProblem:
-    """Tiny problem whose prev/gen/ref log-probs sit around the true ones (ratios near 1, both clip sides hit)."""
-    p = make_problem(3, 9, 16, vocab, seed=seed)
-    true_lp = naive_logprobs(p.hidden.double(), p.weight.double(), p.target)
-    return make_problem(3, 9, 16, vocab, seed=seed, dtype=dtype, base_logprobs=true_lp)
-
-
-def run(p: HeadProblem, logprob_fn, config: dict, hidden=None, weight=None):
-    """(loss, metrics, d hidden, d weight) of ``loss_fn(logprob_fn(hidden, weight, target))``."""
-    h = (p.hidden if hidden is None else hidden).clone().requires_grad_(True)
-    w = (p.weight if weight is None else weight).clone().requires_grad_(True)
-    loss_fn = build_loss_fn(config)
-    lp = logprob_fn(h, w, p.target)
-    loss, metrics = loss_fn(
-        next_token_logprobs=lp, data=p.data, global_valid_seqs=p.global_valid_seqs,
-        global_valid_toks=p.global_valid_toks,
-    )
-    loss.backward()
-    return loss.detach(), metrics, h.grad, w.grad
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
-
-
-def assert_metrics_close(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-7) -> None:
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        assert got[key] == pytest.approx(value, rel=rtol, abs=atol), key
-
+from ._fused_cases import CHUNK, IS_LEVELS, RATIO_LEVELS, assert_metrics_close, level_config, problem, rel_err, run
 
 FUSED_PATHS = [p for p in logprob_paths(chunk_size=CHUNK) if p.name != "naive"]
 

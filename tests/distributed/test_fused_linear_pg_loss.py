@@ -17,62 +17,26 @@ import torch
 
 import nemo_is_plugin.distributed.fused_linear as fused_linear_module
 import nemo_is_plugin.distributed.fused_linear_loss as fused_loss_module
-from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.paths import naive_logprobs
 from nemo_is_plugin.bench.problem import make_problem
-from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
 
-from .test_fused_linear_loss import CHUNK, IS_LEVELS, RATIO_LEVELS, assert_metrics_close, level_config, rel_err, run
-from .test_fused_linear_loss import problem as _base_problem
+from ._fused_cases import (
+    IS_LEVELS,
+    RATIO_LEVELS,
+    aggregation,
+    assert_metrics_close,
+    assert_parity,
+    forbid,
+    fused,
+    level_config,
+    rel_err,
+    run,
+    variant,
+)
+from ._fused_cases import pg_problem as problem
 
 CAUSAL_RATIO_LEVELS = ("cumulative", "cumulative_mean")  # single pass with a running prefix sum
 SEQUENCE_RATIO_LEVELS = [r for r in RATIO_LEVELS if r not in ("token", *CAUSAL_RATIO_LEVELS)]
-
-
-def problem(dtype=torch.float32, seed=0, vocab=37):
-    """test_fused_linear_loss's problem with per-token advantages of both signs (its own are all +0.1, so the
-    dual clip and the low clip never act) and mixed rewards (its own are all 0: no positive-sample NLL)."""
-    p = _base_problem(dtype=dtype, seed=seed, vocab=vocab)
-    g = torch.Generator().manual_seed(100 + seed)
-    p.data["advantages"] = torch.randn(p.data["advantages"].shape, generator=g)
-    p.data["rewards"] = torch.tensor([1.0, 0.0, 1.0])
-    return p
-
-
-def fused(p, cfg, *, hidden=None, weight=None, h_grad=True, w_grad=True, upstream=None, data=None, target=None,
-          **kwargs):
-    """(loss, metrics, d hidden, d weight) of ``fused_linear_pg_loss`` on problem ``p`` (CHUNK tokens per chunk)."""
-    h = (p.hidden if hidden is None else hidden).clone().requires_grad_(h_grad)
-    w = (p.weight if weight is None else weight).clone().requires_grad_(w_grad)
-    kwargs.setdefault("chunk_size", CHUNK)
-    loss, metrics = fused_linear_pg_loss(
-        build_loss_fn(cfg), h, w, p.target if target is None else target, p.data if data is None else data,
-        p.global_valid_seqs, p.global_valid_toks, **kwargs,
-    )
-    if loss.requires_grad:
-        (loss if upstream is None else upstream * loss).backward()
-    return loss.detach(), metrics, h.grad, w.grad
-
-
-def assert_parity(got, want, rtol=1e-5, grad_rtol=1e-5, metric_atol=1e-7):
-    loss, metrics, dx, dw = got
-    ref_loss, ref_metrics, ref_dx, ref_dw = want
-    # the loss like the metrics: relative + absolute (mixed-sign advantages make it a cancelling sum: e.g. -0.00834
-    # whose fp32 naive value is itself 1.2e-5 relative from fp64)
-    assert loss.item() == pytest.approx(ref_loss.item(), rel=rtol, abs=metric_atol)
-    assert_metrics_close(metrics, ref_metrics, rtol=rtol, atol=metric_atol)
-    assert dx.dtype == ref_dx.dtype or dx.dtype == torch.bfloat16
-    assert rel_err(dx, ref_dx) < grad_rtol, rel_err(dx, ref_dx)
-    assert rel_err(dw, ref_dw) < grad_rtol, rel_err(dw, ref_dw)
-    # the loss actually reaches both inputs (a test of all-zero gradients could not fail)
-    assert ref_dx.abs().max() > 0 and ref_dw.abs().max() > 0
-
-
-def _forbid(monkeypatch, module, what):
-    def boom(*args, **kwargs):
-        raise AssertionError(f"{what} must not run here")
-
-    monkeypatch.setattr(module, "chunk_logits", boom)
 
 
 # ---------------------------------------------------------------------------------------------------- every level
@@ -82,7 +46,7 @@ def test_token_ratio_every_is_level_single_pass(monkeypatch, is_level, single_pa
     """Token ratio x every IS level: the single pass runs (the two-pass kernel is forbidden) and equals naive."""
     p, cfg = problem(), level_config("token", is_level)
     want = run(p, naive_logprobs, cfg)
-    _forbid(monkeypatch, fused_linear_module, "the two-pass fused_linear_logprobs")
+    forbid(monkeypatch, fused_linear_module, "the two-pass fused_linear_logprobs")
     assert_parity(fused(p, cfg, single_pass=single_pass), want)
 
 
@@ -91,7 +55,7 @@ def test_token_ratio_forced_two_pass(monkeypatch, is_level):
     """single_pass=False takes the two-pass schedule even for a separable config: same numbers."""
     p, cfg = problem(), level_config("token", is_level)
     want = run(p, naive_logprobs, cfg)
-    _forbid(monkeypatch, fused_loss_module, "the single pass")
+    forbid(monkeypatch, fused_loss_module, "the single pass")
     assert_parity(fused(p, cfg, single_pass=False), want)
 
 
@@ -103,7 +67,7 @@ def test_cumulative_ratios_every_is_level_single_pass(monkeypatch, ratio_level, 
     split sequences, CHUNK=5 vs 8 tokens per row) equals naive at every IS level."""
     p, cfg = problem(), level_config(ratio_level, is_level)
     want = run(p, naive_logprobs, cfg)
-    _forbid(monkeypatch, fused_linear_module, "the two-pass fused_linear_logprobs")
+    forbid(monkeypatch, fused_linear_module, "the two-pass fused_linear_logprobs")
     assert_parity(fused(p, cfg, single_pass=single_pass), want)
 
 
@@ -117,7 +81,7 @@ def test_cumulative_single_pass_any_chunking_and_ctpo_clip(monkeypatch, chunk_si
     p = problem()
     cfg = {k: v for k, v in dict(level_config("cumulative", "cumulative"), **extra).items() if v is not None}
     want = run(p, naive_logprobs, cfg)
-    _forbid(monkeypatch, fused_linear_module, "the two-pass fused_linear_logprobs")
+    forbid(monkeypatch, fused_linear_module, "the two-pass fused_linear_logprobs")
     assert_parity(fused(p, cfg, single_pass=True, chunk_size=chunk_size), want)
 
 
@@ -126,7 +90,7 @@ def test_cumulative_single_pass_any_chunking_and_ctpo_clip(monkeypatch, chunk_si
 def test_sequence_ratio_levels_fall_back_to_two_pass(monkeypatch, ratio_level, is_level):
     p, cfg = problem(), level_config(ratio_level, is_level)
     want = run(p, naive_logprobs, cfg)
-    _forbid(monkeypatch, fused_loss_module, "the single pass")
+    forbid(monkeypatch, fused_loss_module, "the single pass")
     assert_parity(fused(p, cfg), want)
 
 
@@ -147,84 +111,68 @@ def test_single_pass_true_rejects_force_on_policy_ratio():
 
 
 # ---------------------------------------------------------------------------------------------------- config sweep
-def _variant(**changes) -> dict:
-    """level_config('token', 'token') with ``changes``; a value None removes the key (back to its default)."""
-    cfg = level_config("token", "token")
-    for key, value in changes.items():
-        if value is None:
-            cfg.pop(key, None)
-        else:
-            cfg[key] = value
-    return cfg
-
-
-def _aggregation(mode: str, **more) -> dict:
-    # token_level_loss would contradict a sequence aggregation: leave it to follow loss_aggregation
-    return _variant(loss_aggregation=mode, token_level_loss=None, **more)
-
-
 _KL = dict(reference_policy_kl_penalty=0.1)
 SEPARABLE_CONFIGS = {
-    "tis_with_min": _variant(truncated_importance_sampling_ratio_min=0.97),
-    "icepop": _variant(
+    "tis_with_min": variant(truncated_importance_sampling_ratio_min=0.97),
+    "icepop": variant(
         truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=1.05,
         truncated_importance_sampling_ratio_min=0.95,
     ),
-    "seq_mask_tis": _variant(
+    "seq_mask_tis": variant(
         truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=1.03,
         truncated_importance_sampling_ratio_min=0.97,
     ),
-    "seq_mis": _variant(
+    "seq_mis": variant(
         truncated_importance_sampling_type="seq-mis", truncated_importance_sampling_ratio=1.1,
         truncated_importance_sampling_ratio_min=0.9,
     ),
-    "seq_mis_without_is_weights": _variant(
+    "seq_mis_without_is_weights": variant(
         truncated_importance_sampling_type="seq-mis", truncated_importance_sampling_ratio=1.1,
         truncated_importance_sampling_ratio_min=0.9, use_importance_sampling_correction=False,
         is_correction_level=None,
     ),
-    "geo_rs": _variant(
+    "geo_rs": variant(
         truncated_importance_sampling_type="geo-rs", truncated_importance_sampling_ratio=1.03,
         truncated_importance_sampling_ratio_min=0.97,
     ),
-    "tis_plus_geo_rs_rejection": _variant(
+    "tis_plus_geo_rs_rejection": variant(
         importance_sampling_rejection="geo-rs", importance_sampling_rejection_min=0.97,
         importance_sampling_rejection_max=1.03,
     ),
-    "kl_k1": _variant(reference_policy_kl_type="k1", **_KL),
-    "kl_k2": _variant(reference_policy_kl_type="k2", **_KL),
-    "kl_k3": _variant(reference_policy_kl_type="k3", **_KL),
-    "kl_k3_k2_gradient": _variant(reference_policy_kl_type="k3", reference_policy_kl_gradient="k2", **_KL),
-    "kl_k1_k2_gradient": _variant(reference_policy_kl_type="k1", reference_policy_kl_gradient="k2", **_KL),
-    "kl_on_policy_approximation": _variant(use_on_policy_kl_approximation=True, **_KL),
-    "kl_tight_clamps": _variant(kl_input_clamp_value=0.05, kl_output_clamp_value=0.01, **_KL),
-    "agg_token_mean": _aggregation("token-mean"),
-    "agg_seq_mean_token_mean": _aggregation("seq-mean-token-mean"),
-    "agg_seq_mean_token_sum": _aggregation("seq-mean-token-sum"),
-    "agg_seq_mean_token_sum_norm": _aggregation("seq-mean-token-sum-norm", loss_aggregation_norm=8.0),
-    "agg_token_sum": _aggregation("token-sum"),
-    "verl_rejection_rules": _variant(importance_sampling_rejection_rules=[
+    "kl_k1": variant(reference_policy_kl_type="k1", **_KL),
+    "kl_k2": variant(reference_policy_kl_type="k2", **_KL),
+    "kl_k3": variant(reference_policy_kl_type="k3", **_KL),
+    "kl_k3_k2_gradient": variant(reference_policy_kl_type="k3", reference_policy_kl_gradient="k2", **_KL),
+    "kl_k1_k2_gradient": variant(reference_policy_kl_type="k1", reference_policy_kl_gradient="k2", **_KL),
+    "kl_on_policy_approximation": variant(use_on_policy_kl_approximation=True, **_KL),
+    "kl_tight_clamps": variant(kl_input_clamp_value=0.05, kl_output_clamp_value=0.01, **_KL),
+    "agg_token_mean": aggregation("token-mean"),
+    "agg_seq_mean_token_mean": aggregation("seq-mean-token-mean"),
+    "agg_seq_mean_token_sum": aggregation("seq-mean-token-sum"),
+    "agg_seq_mean_token_sum_norm": aggregation("seq-mean-token-sum-norm", loss_aggregation_norm=8.0),
+    "agg_token_sum": aggregation("token-sum"),
+    "verl_rejection_rules": variant(importance_sampling_rejection_rules=[
         {"option": "token_k1", "threshold": "0.9_1.1"}, {"option": "seq_mean_k3", "threshold": 0.002},
         {"option": "seq_max_k2", "threshold": 0.006}]),
-    "agg_legacy_token_level_loss_false": _variant(token_level_loss=False, loss_aggregation=None),
-    "cispo": _variant(use_cispo=True),
-    "disable_ppo_ratio": _variant(disable_ppo_ratio=True),
-    "disable_ppo_ratio_dual_clip": _variant(disable_ppo_ratio=True, ratio_clip_c=1.5),
-    "log_space_clip": _variant(log_ratio_clip_low=0.02, log_ratio_clip_high=0.03),
-    "log_space_clip_position_power": _variant(
+    "agg_legacy_token_level_loss_false": variant(token_level_loss=False, loss_aggregation=None),
+    "cispo": variant(use_cispo=True),
+    "disable_ppo_ratio": variant(disable_ppo_ratio=True),
+    "disable_ppo_ratio_dual_clip": variant(disable_ppo_ratio=True, ratio_clip_c=1.5),
+    "log_space_clip": variant(log_ratio_clip_low=0.02, log_ratio_clip_high=0.03),
+    "log_space_clip_position_power": variant(
         log_ratio_clip_low=0.01, log_ratio_clip_high=0.015, clip_position_power=0.5, log_ratio_clip_c=0.05,
     ),
-    "dual_clip": _variant(ratio_clip_c=1.02),
-    "token_log_ratio_clamp_and_max": _variant(token_log_ratio_clamp=0.04, max_log_ratio=0.02),
-    "positive_example_nll": _variant(positive_example_nll_weight=0.5),
-    "batch_normalize": _variant(importance_sampling_batch_normalize=True),
-    "veto": _variant(importance_sampling_veto_threshold=0.96),
-    "no_is_correction": _variant(
+    "dual_clip": variant(ratio_clip_c=1.02),
+    "token_log_ratio_clamp_and_max": variant(token_log_ratio_clamp=0.04, max_log_ratio=0.02),
+    "positive_example_nll": variant(positive_example_nll_weight=0.5),
+    "batch_normalize": variant(importance_sampling_batch_normalize=True),
+    "veto": variant(importance_sampling_veto_threshold=0.96),
+    "no_is_correction": variant(
         use_importance_sampling_correction=False, truncated_importance_sampling_type=None,
         truncated_importance_sampling_ratio=None, is_correction_level=None,
     ),
     "nemo_rl_defaults": {},
-    "kl_in_reward": _variant(use_kl_in_reward=True, **_KL),
+    "kl_in_reward": variant(use_kl_in_reward=True, **_KL),
 }
 
 
@@ -232,7 +180,7 @@ SEPARABLE_CONFIGS = {
 def test_separable_config_sweep(monkeypatch, name):
     p, cfg = problem(), SEPARABLE_CONFIGS[name]
     want = run(p, naive_logprobs, cfg)
-    _forbid(monkeypatch, fused_linear_module, "the two-pass fused_linear_logprobs")
+    forbid(monkeypatch, fused_linear_module, "the two-pass fused_linear_logprobs")
     assert_parity(fused(p, cfg, single_pass=True), want)
 
 

@@ -13,10 +13,20 @@ import nemo_is_plugin.distributed.fused_linear_loss as fused_loss_module
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.paths import naive_logprobs
 from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.layout import TokenLayout
 
-from .test_fused_linear_loss import CHUNK, assert_metrics_close, level_config, rel_err, run
-from .test_fused_linear_pg_loss import _aggregation, _forbid, assert_parity, fused, problem
+from ._fused_cases import (
+    CHUNK,
+    aggregation,
+    assert_metrics_close,
+    assert_parity,
+    forbid,
+    fused,
+    level_config,
+    rel_err,
+    run,
+)
+from ._fused_cases import pg_problem as problem
 
 
 # ---------------------------------------------------------------------------------------------------- autograd
@@ -66,7 +76,7 @@ def test_no_input_requires_grad_gives_a_constant_loss():
 def test_no_grad_returns_loss_and_metrics_without_gradients(monkeypatch, ratio_level):
     p, cfg = problem(), level_config(ratio_level, "token")
     ref_loss, ref_metrics, _, _ = run(p, naive_logprobs, cfg)
-    _forbid(monkeypatch, fused_loss_module, "the single pass (it computes gradients in its forward)")
+    forbid(monkeypatch, fused_loss_module, "the single pass (it computes gradients in its forward)")
     h, w = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
     with torch.no_grad():
         loss, metrics = fused_linear_pg_loss(
@@ -137,7 +147,7 @@ LAYOUT_CONFIGS = {
         level_config("token", "cumulative"), log_ratio_clip_low=0.01, log_ratio_clip_high=0.015,
         clip_position_power=0.5,
     ),
-    "seq_mask_tis_seq_mean": _aggregation(
+    "seq_mask_tis_seq_mean": aggregation(
         "seq-mean-token-mean", truncated_importance_sampling_type="seq-mask-tis",
         truncated_importance_sampling_ratio=1.03, truncated_importance_sampling_ratio_min=0.97,
         reference_policy_kl_penalty=0.1,

@@ -28,9 +28,7 @@ from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
 from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
 
-from ._spawn import run_checks
-from .test_fused_linear_loss import IS_LEVELS, RATIO_LEVELS, assert_metrics_close, level_config, problem, rel_err, run
-from .test_fused_linear_pg_loss import problem as pg_problem
+from ._fused_cases import IS_LEVELS, RATIO_LEVELS, assert_metrics_close, level_config, pg_problem, problem, rel_err, run
 
 WORLD = 2
 CHUNK = 5
@@ -239,11 +237,6 @@ CHECKS = [(f"levels[{r}-{i}]", _level_check(r, i)) for r, i in itertools.product
 ]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_checks(__name__, WORLD)
-
-
 @pytest.mark.parametrize("name", [name for name, _ in CHECKS])
-def test_fused_linear_tp2(results, name):
-    assert results[name] is None, results[name]
+def test_fused_linear_tp2(gloo_results, name):
+    assert gloo_results[name] is None, gloo_results[name]

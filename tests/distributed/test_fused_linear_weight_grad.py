@@ -16,15 +16,11 @@ import torch
 
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.paths import naive_logprobs
-from nemo_is_plugin.distributed.fused_linear import (
-    GPU_CHUNK_BYTES,
-    device_chunk_size,
-    fused_linear_logprobs,
-)
+from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
 from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
 
-from .test_fused_linear_loss import CHUNK, level_config, rel_err, run
-from .test_fused_linear_pg_loss import problem
+from ._fused_cases import CHUNK, level_config, rel_err, run
+from ._fused_cases import pg_problem as problem
 
 
 def _pg(p, cfg, weight, upstream=1.0, **kwargs):
@@ -94,17 +90,3 @@ def test_argument_errors_name_the_argument():
         fused_linear_logprobs(p.hidden, p.weight, p.target, grad_weight_out=torch.zeros(p.weight.shape))
     with pytest.raises(ValueError, match="chunk_size"):
         fused_linear_logprobs(p.hidden, w, p.target, chunk_size=0)
-
-
-def test_gpu_chunk_policy_sizes_chunks_by_bytes():
-    """GPU: the chunk (bf16, triton) takes at most GPU_CHUNK_BYTES, in multiples of 128 tokens; thousands of tokens on
-    MoE heads. The torch backend also counts its fp32 workspace. CPU: unchanged (256 MiB of fp32 logits)."""
-    cuda = torch.device("cuda")
-    for vocab in (129280, 151936, 201088, 248320):
-        rows = device_chunk_size(vocab, cuda, torch.bfloat16, "triton")
-        assert rows % 128 == 0 and rows * vocab * 2 <= GPU_CHUNK_BYTES < (rows + 128) * vocab * 2
-        assert 1000 < rows < 4096
-        torch_rows = device_chunk_size(vocab, cuda, torch.bfloat16, "torch")
-        assert torch_rows * vocab * (2 + 4) <= GPU_CHUNK_BYTES and torch_rows < rows
-    assert device_chunk_size(151936, torch.device("cpu"), torch.float32, "torch") == 441
-    assert device_chunk_size(10**9, cuda, torch.bfloat16, "triton") == 1

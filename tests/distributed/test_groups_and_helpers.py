@@ -16,7 +16,7 @@ from nemo_is_plugin.distributed.data_parallel import all_reduce_metrics, combine
 from nemo_is_plugin.distributed.groups import ParallelGroups, group_rank, group_size
 from nemo_is_plugin.distributed.pipeline import broadcast_metrics_from_last_stage
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.layout import TokenLayout
 
 
 def test_none_groups_are_a_single_process():

@@ -106,8 +106,13 @@ def test_loss_configs_cover_every_level_truncation_and_aggregation():
     """The parallel tests iterate LOSS_CONFIGS: it must span every choice the config offers."""
     from typing import get_args
 
-    from nemo_is_plugin.config import ClippedPGLossConfig, ISCorrectionLevel, LossAggregation, RatioLevel, \
-        TruncationType
+    from nemo_is_plugin.config import (
+        ClippedPGLossConfig,
+        ISCorrectionLevel,
+        LossAggregation,
+        RatioLevel,
+        TruncationType,
+    )
 
     cfgs = [ClippedPGLossConfig(**c) for c in LOSS_CONFIGS.values()]
     assert {c.effective_ratio_level for c in cfgs} == set(get_args(RatioLevel))

@@ -26,9 +26,7 @@ from nemo_is_plugin.distributed.cp_sharding import (
 )
 from nemo_is_plugin.distributed.groups import group_rank
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
-from nemo_is_plugin.layout import TokenLayout
-
-from ._spawn import run_checks
+from nemo_is_plugin.loss.layout import TokenLayout
 
 WORLD = 4
 GROUPS: dict[str, object] = {}  # filled in each worker by setup_workers
@@ -210,12 +208,7 @@ CHECKS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_checks(__name__, WORLD)
-
-
 @pytest.mark.parametrize("name", [name for name, _ in CHECKS])
-def test_parallel_kernels(results, name):
-    assert name in results, f"check {name} did not run"
-    assert results[name] is None, results[name]
+def test_parallel_kernels(gloo_results, name):
+    assert name in gloo_results, f"check {name} did not run"
+    assert gloo_results[name] is None, gloo_results[name]

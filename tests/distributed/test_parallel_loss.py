@@ -42,7 +42,6 @@ from ._loss_cases import (
     padded_lengths,
     reference,
 )
-from ._spawn import run_checks
 
 WORLD = 4
 VOCAB = 16
@@ -212,12 +211,7 @@ CHECKS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_checks(__name__, WORLD)
-
-
 @pytest.mark.parametrize("name", [name for name, _ in CHECKS])
-def test_parallel_loss(results, name):
-    assert name in results, f"check {name} did not run"
-    assert results[name] is None, results[name]
+def test_parallel_loss(gloo_results, name):
+    assert name in gloo_results, f"check {name} did not run"
+    assert gloo_results[name] is None, gloo_results[name]

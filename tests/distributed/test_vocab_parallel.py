@@ -5,14 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_is_plugin.distributed.vocab_parallel import (
-    chunk_partials,
-    finalize_partials,
-    local_vocab_range,
-    localize_target,
-    merge_partials,
-    vocab_parallel_logprobs,
-)
+from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_
+from nemo_is_plugin.kernels.softmax_partials import finalize_partials, merge_partials
+from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target
 
 
 def _reference(logits: torch.Tensor, target: torch.Tensor):
@@ -89,7 +85,8 @@ def test_shard_partials_merge_to_the_full_vocab():
     for rank in range(3):
         start, end = local_vocab_range(4, rank)
         local_t, owned = localize_target(target, start, end)
-        part = chunk_partials(z[:, start:end], local_t, owned, with_entropy=True)
+        shard = z[:, start:end].clone()
+        part = chunk_partials_(shard, local_t, owned, True, torch.empty_like(shard))
         merged = part if merged is None else merge_partials(merged, part)
     lp, _, ent = finalize_partials(merged)
     ref_lp, ref_ent = _reference(logits, target)

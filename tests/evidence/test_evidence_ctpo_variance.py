@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from nemo_is_plugin.evidence import ctpo_variance as cv
-from nemo_is_plugin.is_weights import is_log_weight
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.is_weights import is_log_weight
+from nemo_is_plugin.loss.layout import TokenLayout
 
 
 @pytest.fixture(scope="module")

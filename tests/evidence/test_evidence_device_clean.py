@@ -1,4 +1,4 @@
-"""The evidence and diagnostics functions that take tensors run under the CPU device guard (tests/device_guard.py)
+"""The evidence and diagnostics functions that take tensors run under the CPU device guard (helpers/device_guard.py)
 with unchanged results: they build their layouts and masks on the inputs' device and copy to the host only for
 numpy. (The simulations' own problem generators, and ``diagnose.analyze``, which reads a file dump into host tensors,
 are host-side by design and are not run under the guard.)"""
@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from device_guard import assert_identical, run_guarded_and_plain
-from nemo_is_plugin.correction import compute_is_correction
-from nemo_is_plugin.diagnostics import finalize_metrics, mismatch_metric_sums
+from helpers.device_guard import assert_identical, run_guarded_and_plain
 from nemo_is_plugin.evidence.ctpo_variance import estimator_gradients, make_policy
 from nemo_is_plugin.evidence.is_collapse import IS_LEVELS, level_weights, summarise
 from nemo_is_plugin.evidence.kl_gradient_bias import ALL_VARIANTS, expected_gradient, make_problem, per_sample_penalty
 from nemo_is_plugin.evidence.stats import hotelling_test, mean_estimate, weight_summary
-from nemo_is_plugin.layout import TokenLayout
+from nemo_is_plugin.loss.correction import compute_is_correction
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.mismatch_metrics import finalize_metrics, mismatch_metric_sums
 
 
 def _mismatch(seed: int = 0) -> torch.Tensor:

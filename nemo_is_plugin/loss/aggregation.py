@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.masked import EPS, where_mask
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.masked import EPS, where_mask
 
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 

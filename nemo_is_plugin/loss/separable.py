@@ -17,7 +17,7 @@ log-probs of the earlier tokens of t's sequence only. When the chunks visit ever
 carried from chunk to chunk gives the same value, so they take the single pass too. ``sequence`` and
 ``sequence_token`` ratios need the whole sequence first (two passes).
 
-``dL/dc_t`` itself is computed in closed form (:mod:`nemo_is_plugin.loss_derivatives`, which follows surrogate.py and
+``dL/dc_t`` itself is computed in closed form (:mod:`nemo_is_plugin.loss.derivatives`, which follows surrogate.py and
 kl.py op by op, autograd's conventions at every kink included; tests/test_loss_derivatives.py checks it against
 autograd of the whole loss): a few dozen elementwise ops on the chunk's ``[n]`` vectors, no autograd graph and no host
 synchronisation per chunk. The batch constants are computed once per call; the IS correction among them is handed to
@@ -34,12 +34,11 @@ from typing import Optional
 
 import torch
 
-from nemo_is_plugin.aggregation import aggregate
 from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.correction import ISCorrection, compute_is_correction
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.loss import ClippedPGLoss, LossInputs, is_correction_kwargs, positive_sample_tokens
-from nemo_is_plugin.loss_derivatives import (
+from nemo_is_plugin.loss.aggregation import aggregate
+from nemo_is_plugin.loss.clipped_pg import ClippedPGLoss, LossInputs, is_correction_kwargs, positive_sample_tokens
+from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
+from nemo_is_plugin.loss.derivatives import (
     cispo_d,
     exp_or_zero_d,
     kl_penalty_d,
@@ -50,8 +49,9 @@ from nemo_is_plugin.loss_derivatives import (
     straight_through_log_ratio_d,
     token_log_ratio_d,
 )
-from nemo_is_plugin.masked import EPS, where_mask
-from nemo_is_plugin.ratios import cumulative_anchor, token_log_ratio, unmasked_positions
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.masked import EPS, where_mask
+from nemo_is_plugin.loss.ratios import cumulative_anchor, token_log_ratio, unmasked_positions
 
 CAUSAL_LEVELS = ("cumulative", "cumulative_mean")
 
@@ -92,7 +92,7 @@ class TokenLossGradient:
     Build with :meth:`build`; every tensor field is a flat ``[N]`` constant (None when the term is off).
     ``correction`` is the batch's IS correction (reused by the loss's metrics pass).
 
-    The gradient is in closed form (:mod:`nemo_is_plugin.loss_derivatives`): a few dozen elementwise ops on ``[n]``
+    The gradient is in closed form (:mod:`nemo_is_plugin.loss.derivatives`): a few dozen elementwise ops on ``[n]``
     vectors per chunk, no autograd graph, no host synchronisation.
     """
 
@@ -199,7 +199,7 @@ class PrefixCarry:
     """The cumulative ratio's anchor of a chunk from its log-probs and a per-sequence running sum of the earlier
     chunks' (the layout holds whole sequences in memory order, so each sequence's tokens are consecutive).
 
-    ``anchor(sl, c, p, tm, positions)`` equals the value of :func:`~nemo_is_plugin.ratios.policy_log_ratio` on those
+    ``anchor(sl, c, p, tm, positions)`` equals the value of :func:`~nemo_is_plugin.loss.ratios.policy_log_ratio` on those
     tokens (before the ``max_log_ratio`` cap) provided every chunk is passed once, in order. No host sync: the
     segments inside a chunk come from comparisons of neighbouring sequence ids, the carry is a scatter to unique
     slots.

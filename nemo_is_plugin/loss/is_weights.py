@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.masked import where_mask
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.masked import where_mask
 
 IS_LEVELS = ("token", "sequence", "sequence_mean", "cumulative")
 

@@ -1,6 +1,6 @@
 """Policy ratios pi_theta / pi_old at each level, returned in log space with the gradient structure of each method.
 
-Notation (token tensors of a :class:`~nemo_is_plugin.layout.TokenLayout`): c = current log-probs (requires grad),
+Notation (token tensors of a :class:`~nemo_is_plugin.loss.layout.TokenLayout`): c = current log-probs (requires grad),
 p = old (proximal) log-probs, m = token mask, d_t = c_t - p_t, sg = stop-gradient.
 
 =================  ============================================================  ==========================
@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.masked import EPS, where_mask
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.masked import EPS, where_mask
 
 
 def token_log_ratio(curr: torch.Tensor, prev: torch.Tensor, clamp: Optional[float] = None) -> torch.Tensor:

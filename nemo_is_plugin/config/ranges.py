@@ -64,8 +64,8 @@ NUMERIC_RANGES: dict[str, NumericRange] = {
         "truncated_importance_sampling_ratio is checked with it, in NeMo-RL's words",
         fix="use e.g. 0.5 (icepop), 0.999 (seq-mask-tis / geo-rs) or null"),
     "positive_example_nll_weight": NumericRange(
-        low=0.0, why="the weight of the NLL of rewarded samples; NeMo-RL silently drops the term for a weight <= 0, so a "
-        "negative weight is a typo (it would push their probability down if applied)", fix="use 0 to turn it off"),
+        low=0.0, why="the weight of the NLL of rewarded samples; NeMo-RL silently drops the term for a weight <= 0, so "
+        "a negative weight is a typo (it would push their probability down if applied)", fix="use 0 to turn it off"),
     "log_ratio_clip_low": NumericRange(
         **_POS, why="the log-space band is [-eps_low * t^p, eps_high * t^p]; eps <= 0 excludes log r = 0",
         fix="use e.g. 0.025 (CTPO) or leave both log_ratio_clip keys null"),

@@ -14,11 +14,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from nemo_is_plugin import truncation as T
-from nemo_is_plugin.is_weights import MAX_LOG_WEIGHT, finite_exp, is_log_weight
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.masked import EPS, where_mask
-from nemo_is_plugin.rejection import RuleOutcome, RuleSpec, band_rule, evaluate_rules
+from nemo_is_plugin.loss import truncation as T
+from nemo_is_plugin.loss.is_weights import MAX_LOG_WEIGHT, finite_exp, is_log_weight
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.masked import EPS, where_mask
+from nemo_is_plugin.loss.rejection import RuleOutcome, RuleSpec, band_rule, evaluate_rules
 
 SEQUENCE_LEVELS = ("sequence", "sequence_mean")
 
@@ -85,7 +85,7 @@ def compute_is_correction(
         rejection, rejection_low, rejection_high: seq-mis | geo-rs | None, applied after (and independently of) the
             truncation: a sequence whose ratio is outside the band gets weight 0 (compared in log space); the same as
             the k1 rule ``rejection.band_rule``, evaluated before ``rules``.
-        rules: rejection rules (``nemo_is_plugin.rejection``) that must all pass; applied like ``rejection``.
+        rules: rejection rules (``nemo_is_plugin.loss.rejection``) that must all pass; applied like ``rejection``.
         batch_normalize: divide the truncated weights by their mean over valid tokens (sequence levels: over
             sequences), taken after the truncation type (IcePop's zeros included) and before sequence masks,
             rejections and the veto, as verl does.

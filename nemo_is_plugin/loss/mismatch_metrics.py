@@ -26,8 +26,8 @@ from typing import Mapping
 
 import torch
 
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.masked import EPS, where_mask
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.masked import EPS, where_mask
 
 # Position buckets (1-based position among unmasked tokens) for the clip rate by position.
 POSITION_BUCKETS = (1, 16, 128, 1024, 8192)

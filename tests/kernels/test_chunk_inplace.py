@@ -1,14 +1,17 @@
-"""kernels.chunk_inplace.softmax_grad_from_exp_: dL/dz = g (onehot - p) from e = exp(z - m) and scale = exp(m - lse),
-in place. Equals vocab_parallel.logits_grad (which recomputes p from z and lse) in float64, on the whole vocab and on a
-vocab shard whose local max m is not the global one, with targets the shard does not own."""
+"""kernels.chunk_inplace, the torch implementation of the chunk math, against float64 softmax algebra.
+
+Pass 1 (chunk_partials_) and pass 2 (logits_grad_) on a vocab shard with targets the shard does not own; the single
+pass's softmax_grad_from_exp_ (dL/dz = g (onehot - p) from e = exp(z - m) and scale = exp(m - lse), in place) on the
+whole vocab and on a vocab shard whose local max m is not the global one, where it equals logits_grad_ (which
+recomputes p from z and lse)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nemo_is_plugin.distributed.vocab_parallel import local_vocab_range, localize_target, logits_grad
-from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, softmax_grad_from_exp_
+from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, logits_grad_, softmax_grad_from_exp_
+from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target
 
 F64 = torch.float64
 
@@ -28,13 +31,44 @@ def _analytic(z, target, grad_logprob):
     return grad_logprob.unsqueeze(-1) * (onehot - p)
 
 
+def test_inplace_chunk_math_equals_the_float64_softmax():
+    """Pass 1 and pass 2 on a vocab shard [3, 22) of a larger vocab, with targets the shard does not own."""
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(6, 25, generator=g, dtype=torch.float64) * 4
+    target = torch.randint(-2, 25, (6,), generator=g)
+    local_t, owned = localize_target(target, 3, 22)
+    shard = z[:, 3:22].contiguous()
+    assert owned.any() and (~owned).any()
+    got = chunk_partials_(shard.clone(), local_t, owned, True, torch.empty(8, 19, dtype=torch.float64))
+    m = shard.amax(-1)
+    e = torch.exp(shard - m[:, None])
+    want = (m, e.sum(-1), torch.where(owned, shard.gather(1, local_t[:, None]).squeeze(1), 0.0),
+            (e * (shard - m[:, None])).sum(-1))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    lse = torch.logsumexp(z, -1)  # the global lse (all shards)
+    logp = shard - lse[:, None]
+    p = logp.exp()
+    ent, g_lp, g_h = torch.rand(6, generator=g, dtype=torch.float64), *torch.randn(2, 6, generator=g,
+                                                                                 dtype=torch.float64)
+    onehot = torch.zeros_like(shard)
+    onehot[owned, local_t[owned]] = 1.0
+    for args, want in (((g_lp, ent, g_h), g_lp[:, None] * (onehot - p) - g_h[:, None] * p * (logp + ent[:, None])),
+                       ((g_lp, None, None), g_lp[:, None] * (onehot - p)),
+                       ((None, ent, g_h), -g_h[:, None] * p * (logp + ent[:, None]))):
+        have = logits_grad_(shard.clone(), local_t, owned, lse, *args, scratch=torch.empty_like(shard), scale=0.5)
+        torch.testing.assert_close(have, 0.5 * want, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="scratch"):
+        chunk_partials_(shard.clone(), local_t, owned, True, torch.empty(6, 18, dtype=torch.float64))
+
+
 def test_full_vocab_equals_logits_grad_and_the_analytic_gradient():
     z, target, g = _case()
     m, lse = z.amax(-1), torch.logsumexp(z, -1)
     owned = torch.ones_like(target, dtype=torch.bool)
     e = torch.exp(z - m.unsqueeze(-1))
     got = softmax_grad_from_exp_(e, torch.exp(m - lse), target, owned, g)
-    torch.testing.assert_close(got, logits_grad(z, target, owned, lse, g), rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(got, logits_grad_(z.clone(), target, owned, lse, g), rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(got, _analytic(z, target, g), rtol=1e-13, atol=1e-15)
     # each row of g (onehot - p) sums to 0
     torch.testing.assert_close(got.sum(-1), torch.zeros_like(g), rtol=0, atol=1e-14)
@@ -62,7 +96,7 @@ def test_vocab_shard_with_local_max_and_global_lse(tp_rank):
     assert (m_local < z.amax(-1)).any()  # the shard's max is not the global max on some rows
     e = torch.exp(shard - m_local.unsqueeze(-1))
     got = softmax_grad_from_exp_(e, torch.exp(m_local - lse), local_t, owned, g)
-    torch.testing.assert_close(got, logits_grad(shard, local_t, owned, lse, g), rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(got, logits_grad_(shard.clone(), local_t, owned, lse, g), rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(got, _analytic(z, target, g)[:, start:end], rtol=1e-13, atol=1e-15)
     # not-owned rows: exactly -g p (no onehot term anywhere in the row)
     p_shard = torch.softmax(z, -1)[:, start:end]

@@ -14,12 +14,12 @@ from typing import Optional
 
 import torch
 
-from nemo_is_plugin.correction import ISCorrection
-from nemo_is_plugin.diagnostics import POSITION_BUCKETS, bucket_names, mismatch_metric_sums
-from nemo_is_plugin.kl import kl_estimate
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.masked import EPS, where_mask
-from nemo_is_plugin.surrogate import SurrogateOut
+from nemo_is_plugin.loss.correction import ISCorrection
+from nemo_is_plugin.loss.kl import kl_estimate
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.masked import EPS, where_mask
+from nemo_is_plugin.loss.mismatch_metrics import POSITION_BUCKETS, bucket_names, mismatch_metric_sums
+from nemo_is_plugin.loss.surrogate import SurrogateOut
 
 
 class MetricBook:

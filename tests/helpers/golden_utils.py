@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-GOLDEN = Path(__file__).parent / "data" / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden"
 
 
 def load_cases(suite: str) -> list[dict]:

@@ -2,7 +2,7 @@
 
 With logr = log pi_ref - log pi_theta (= ref - c):  k1 = -logr,  k2 = logr^2 / 2,  k3 = exp(logr) - 1 - logr.
 All three are (nearly) unbiased *values* of the KL for samples from pi_theta, but as losses their gradients differ:
-E[grad k2] = grad KL, while E[grad k3] = -E[(pi_ref/pi_theta) grad log pi_theta] != grad KL (seed 003).
+E[grad k2] = grad KL, while E[grad k3] = -E[(pi_ref/pi_theta) grad log pi_theta] != grad KL (docs/evidence.md, 3).
 
 ``weights`` multiplies the estimator before the output clamp. NeMo-RL passes w = exp(c - sg[c]) (value 1, gradient
 grad c), which adds the score-function term k * grad log pi; with it, w * k1 and w * k3 have unbiased expected

@@ -22,15 +22,16 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Callable, ContextManager, Optional
 
 import torch
 
-from golden_utils import GOLDEN, metric_close
+from helpers.golden_ctpo import ctpo_config, ctpo_inputs, loss_rtol
+from helpers.golden_utils import GOLDEN, metric_close
+from helpers.golden_verl import loss_inputs, plugin_keys
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.layout import TokenLayout
 from nemo_is_plugin.loss import LossInputs
+from nemo_is_plugin.loss.layout import TokenLayout
 
 # data keys that hold log-probs in a NeMo-RL call: cast to the dtype under test.
 NEMO_RL_LOGPROB_KEYS = ("prev_logprobs", "generation_logprobs", "reference_policy_logprobs", "curr_logprobs_unfiltered")
@@ -111,7 +112,7 @@ def case_format(case: dict) -> str:
     if "rollout_is" in params:
         return "verl_rollout_corr"
     raise UnknownGoldenFormat(
-        f"golden case {case.get('id')!r} ({sorted(case)}) has no known format: teach tests/golden_calls.py to map "
+        f"golden case {case.get('id')!r} ({sorted(case)}) has no known format: teach helpers/golden_calls.py to map "
         "it to plugin calls"
     )
 
@@ -121,13 +122,9 @@ def plugin_calls(suite: str, case: dict) -> list[PluginCall]:
     if fmt == "nemo_rl":
         return [PluginCall(suite, case["id"], _nemo_rl_runner(case), _nemo_rl_check(case), fmt)]
     if fmt == "ctpo":
-        from test_golden_ctpo import ctpo_config, ctpo_inputs
-
         inputs, _ = ctpo_inputs(case)
         return [PluginCall(suite, case["id"], _compute_runner(ctpo_config(case["params"]), inputs),
                            _ctpo_check(case), fmt)]
-    from test_golden_verl import loss_inputs, plugin_keys
-
     # verl's call through the project's own mapping of algorithm.rollout_correction (weights, rejections, metrics)
     configs = {"mapping": plugin_keys(case["params"])}
     inputs, _ = loss_inputs(case)
@@ -214,10 +211,8 @@ def _nemo_rl_check(case: dict) -> Callable[[Outcome], None]:
 
 
 def _ctpo_check(case: dict) -> Callable[[Outcome], None]:
-    from test_golden_ctpo import _loss_rtol
-
     def check(out: Outcome) -> None:
-        want, rtol = case["expected"], _loss_rtol(case)
+        want, rtol = case["expected"], loss_rtol(case)
         torch.testing.assert_close(out.loss.float(), want["pg_loss"].float(), rtol=rtol, atol=1e-6)
         torch.testing.assert_close(out.grads["curr_logprobs"].float(), want["grad_log_prob"].float(), rtol=rtol,
                                    atol=1e-6)

@@ -25,8 +25,8 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.masked import EPS, where_mask
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.masked import EPS, where_mask
 
 
 class RuleSpec(Protocol):

@@ -1,6 +1,6 @@
 """Closed-form derivatives w.r.t. the current log-prob ``c`` of the per-token loss pieces (surrogates, KL penalty).
 
-Each function mirrors its twin in :mod:`nemo_is_plugin.surrogate` / :mod:`nemo_is_plugin.kl` op by op and carries a
+Each function mirrors its twin in :mod:`nemo_is_plugin.loss.surrogate` / :mod:`nemo_is_plugin.loss.kl` op by op and carries a
 :class:`Dual` ``(value, d value / d c)`` through the same expressions (forward-mode differentiation written out), so
 the values that decide a branch (which side of a clip, which loss is larger) are bit-identical to the loss's, and
 each kink follows autograd's convention exactly:

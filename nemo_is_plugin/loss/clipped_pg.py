@@ -18,23 +18,24 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from nemo_is_plugin.aggregation import aggregate
-from nemo_is_plugin.config import ClippedPGLossConfig, load_loss_config
-from nemo_is_plugin.correction import ISCorrection, compute_is_correction
-from nemo_is_plugin.is_weights import exp_or_zero
-from nemo_is_plugin.kl import kl_penalty, score_function_weight
-from nemo_is_plugin.layout import TokenLayout
-from nemo_is_plugin.loss_metrics import MetricBook, legacy_error_metrics
-from nemo_is_plugin.masked import EPS, where_mask
-from nemo_is_plugin.ratios import policy_log_ratio, unmasked_positions
-from nemo_is_plugin.surrogate import (
+from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError, load_loss_config
+from nemo_is_plugin.loss.aggregation import aggregate
+from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
+from nemo_is_plugin.loss.input_validation import input_anomalies, validate_loss_inputs, warn_input_anomalies
+from nemo_is_plugin.loss.is_weights import exp_or_zero
+from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.masked import EPS, where_mask
+from nemo_is_plugin.loss.metrics import MetricBook, legacy_error_metrics
+from nemo_is_plugin.loss.ratios import policy_log_ratio, unmasked_positions
+from nemo_is_plugin.loss.registry import NAME_KEY, get_loss, split_name
+from nemo_is_plugin.loss.surrogate import (
     cispo_surrogate,
     log_space_clip_surrogate,
     on_policy_surrogate,
     ratio_clip_surrogate,
     reinforce_surrogate,
 )
-from nemo_is_plugin.validation import input_anomalies, warn_input_anomalies
 
 # NeMo-RL's data keys; [B, S] tensors are sliced [:, 1:] to align with next-token log-probs [B, S-1].
 TOKEN_KEYS = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
@@ -122,8 +123,6 @@ class ClippedPGLoss:
         layout: Optional[TokenLayout] = None,
     ) -> tuple["LossInputs", TokenLayout]:
         """Validate a NeMo-RL call's arguments and align them: ``[B, S]`` data -> ``[B, S-1]`` token tensors."""
-        from nemo_is_plugin.validation import validate_loss_inputs
-
         cfg = self.config
         validate_loss_inputs(
             next_token_logprobs, data, global_valid_seqs, global_valid_toks,
@@ -223,7 +222,7 @@ class ClippedPGLoss:
             legacy_gspo=cfg.sequence_level_importance_ratios and cfg.is_correction_level is None,
         )
         book.add_replicated_scalar("num_valid_samples", sm.sum().double())
-        # NeMo-RL's value, including its inf when exp(c - g) overflows (golden 088); a certain token (c = 0)
+        # NeMo-RL's value, including its inf when exp(c - g) overflows; a certain token (c = 0)
         # contributes 0 rather than inf * 0 = NaN.
         cd = c.detach()
         ent_tok = torch.where(cd == 0, torch.zeros_like(cd), torch.exp(cd - g) * cd)
@@ -231,8 +230,8 @@ class ClippedPGLoss:
         book.add_sum("approx_entropy", ent)
         book.add_sum("positive_nll_loss", nll.detach())
         book.rejection_rules(corr, sm)
-        # What the tolerant input mode computed as given (see validation.py); the plugin's own mismatch metrics skip
-        # tokens whose generation log-prob is not finite (NeMo-RL's names above keep NeMo-RL's inf / NaN).
+        # What the tolerant input mode computed as given (see input_validation.py); the plugin's own mismatch metrics
+        # skip tokens whose generation log-prob is not finite (NeMo-RL's names above keep NeMo-RL's inf / NaN).
         nonfinite, positive = input_anomalies(valid, inputs.generation_logprobs, {
             "curr": c_in, "unfiltered": inputs.curr_logprobs_unfiltered if beta != 0 else None,
             "prev": None if cfg.force_on_policy_ratio or cfg.bypasses_prev else inputs.prev_logprobs,
@@ -259,7 +258,7 @@ class ClippedPGLoss:
         )
 
     def surrogate(self, c, p, adv, tm, layout, positions):
-        """The per-token surrogate (:class:`~nemo_is_plugin.surrogate.SurrogateOut`) of the configured ratio."""
+        """The per-token surrogate (:class:`~nemo_is_plugin.loss.surrogate.SurrogateOut`) of the configured ratio."""
         cfg = self.config
         # NeMo-RL tests force_on_policy_ratio first: with disable_ppo_ratio as well, the ratio is still exp(c - sg c).
         if cfg.force_on_policy_ratio and not cfg.uses_log_space_clip:
@@ -291,7 +290,7 @@ class ClippedPGLoss:
 
 
 def is_correction_kwargs(cfg: ClippedPGLossConfig) -> dict[str, Any]:
-    """The one binding of config fields to :func:`~nemo_is_plugin.correction.compute_is_correction`'s arguments."""
+    """The one binding of config fields to :func:`~nemo_is_plugin.loss.correction.compute_is_correction`'s arguments."""
     return dict(
         level=cfg.effective_is_level,
         legacy=cfg.is_correction_level is None,
@@ -334,9 +333,6 @@ def own_section(section: Mapping[str, Any], cls: type) -> dict[str, Any]:
     registered is refused by all three, and one registered to another loss is refused here (build that loss through
     :func:`nemo_is_plugin.registry.build_loss`).
     """
-    from nemo_is_plugin.config import ConfigError
-    from nemo_is_plugin.registry import NAME_KEY, get_loss, split_name
-
     if NAME_KEY not in section:
         return dict(section)
     name, rest = split_name(section)

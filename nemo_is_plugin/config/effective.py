@@ -8,7 +8,7 @@ spells each one out, with where it came from.
 
 from __future__ import annotations
 
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.config.model import ClippedPGLossConfig
 
 
 def _g(x: float) -> str:

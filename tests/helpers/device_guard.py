@@ -33,13 +33,13 @@ import contextlib
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1] / "nemo_is_plugin"
+PACKAGE_DIR = Path(__file__).resolve().parents[2] / "nemo_is_plugin"
 _THIS_FILE = Path(__file__).resolve()
 
 # The constructors torch.set_default_device redirects (torch/utils/_device.py), with a fixed fallback list for torch
@@ -98,8 +98,13 @@ def device_guard() -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------------- host syncs
 @dataclass
 class SyncRecord:
+    """One host synchronisation: the op, and where: ``path:line (code)``, the package line when there is one
+    (``file`` / ``function``: that line's file name and function, None outside the package)."""
+
     op: str
     where: str
+    file: Optional[str] = None
+    function: Optional[str] = None
 
     def __str__(self) -> str:
         return f"{self.op} at {self.where}"
@@ -117,9 +122,14 @@ class HostSyncs:
     def __str__(self) -> str:
         return "\n".join(map(str, self.records)) or "(none)"
 
+    def from_files(self, files: Iterable[str]) -> list[SyncRecord]:
+        """The records made by package lines of the files named ``files`` (file names, e.g. ``fused_linear.py``)."""
+        names = set(files)
+        return [r for r in self.records if r.file in names]
 
-def _package_line() -> str:
-    """The innermost stack frame in the package (else the innermost outside torch and this module)."""
+
+def _sync_record(op: str) -> SyncRecord:
+    """``op`` at the innermost stack frame in the package (else the innermost outside torch and this module)."""
     fallback = None
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename).resolve()
@@ -128,9 +138,9 @@ def _package_line() -> str:
         where = f"{path.relative_to(PACKAGE_DIR.parent) if PACKAGE_DIR in path.parents else frame.filename}:" \
                 f"{frame.lineno} ({frame.line})"
         if PACKAGE_DIR in path.parents:
-            return where
+            return SyncRecord(op, where, path.name, frame.name)
         fallback = fallback or where
-    return fallback or "<unknown>"
+    return SyncRecord(op, fallback or "<unknown>")
 
 
 # aten ops whose CUDA kernels copy a result to the host before they return.
@@ -161,7 +171,7 @@ class _DispatchCounter(TorchDispatchMode):
         if name == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor"):
             syncs = kwargs.get("output_size") is None  # the output length is the sum of the repeats
         if syncs:
-            self.syncs.records.append(SyncRecord(f"aten.{name}", _package_line()))
+            self.syncs.records.append(_sync_record(f"aten.{name}"))
         return func(*args, **kwargs)
 
 
@@ -172,7 +182,7 @@ class _MethodCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _SYNCING_METHODS:
-            self.syncs.records.append(SyncRecord(f"Tensor.{func.__name__}", _package_line()))
+            self.syncs.records.append(_sync_record(f"Tensor.{func.__name__}"))
         return func(*args, **(kwargs or {}))
 
 

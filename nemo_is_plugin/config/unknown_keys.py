@@ -1,0 +1,56 @@
+"""The unknown-key policy of a ``loss_fn`` section: a warning by default (NeMo-RL accepts extra keys), an error in
+strict mode (per call, or for the whole process through ``NEMO_IS_STRICT_CONFIG``). Imports without torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from contextvars import ContextVar
+from typing import Optional
+
+from nemo_is_plugin.config.errors import ConfigError, UnknownConfigKeyWarning
+
+# Truthy value of this variable makes unknown keys an error everywhere (NeMo-RL builds the loss itself, so a constructor
+# flag would not reach it); ``load_loss_config(..., strict=...)`` decides per call.
+STRICT_KEYS_ENV = "NEMO_IS_STRICT_CONFIG"
+
+
+# Set for the duration of one validation by ``load_loss_config(strict=...)`` / ``model_validate(context=...)``
+# (the custom ``__init__`` makes pydantic drop the validation context, so the flag travels here).
+STRICT_KEYS_OVERRIDE: ContextVar[Optional[bool]] = ContextVar("nemo_is_strict_keys", default=None)
+
+
+def strict_keys_default() -> bool:
+    """Whether unknown keys are an error when the caller does not say: ``NEMO_IS_STRICT_CONFIG`` is 1/true/yes/on."""
+    return os.environ.get(STRICT_KEYS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def unknown_keys_message(unknown: list[str], known: set[str], section: str = "loss_fn") -> str:
+    """``unknown <section> key(s): 'x' (did you mean 'y'?), ...`` with the nearest valid key of each."""
+    hints = []
+    for key in unknown:
+        near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.5)
+        hints.append(f"'{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+    return f"unknown {section} key(s): " + ", ".join(hints)
+
+
+def check_unknown_keys(unknown: list[str], known: set[str], *, strict: bool, section: str = "loss_fn") -> None:
+    """The unknown-key policy: an error (``ConfigError``) when ``strict``, else an :class:`UnknownConfigKeyWarning`.
+
+    NeMo-RL's own config model accepts extra keys, so a section NeMo-RL runs with must not be refused by default.
+    """
+    if not unknown:
+        return
+    message = unknown_keys_message(unknown, known, section)
+    if strict:
+        raise ConfigError(
+            message + ". Valid keys are the NeMo-RL ClippedPGLossConfig keys and the plugin keys listed in "
+            f"docs/config.md (strict mode: unset {STRICT_KEYS_ENV} to only warn)."
+        )
+    warnings.warn(
+        message + f"; they are ignored (NeMo-RL accepts extra keys). Set {STRICT_KEYS_ENV}=1 to make this an error.",
+        UnknownConfigKeyWarning, stacklevel=2,
+    )
+

@@ -1,0 +1,188 @@
+"""The package's layers only point down, and no two modules import each other (directly or through others).
+
+Every ``import`` / ``from ... import`` statement of every module under ``nemo_is_plugin/`` counts, including those
+inside functions (a lazy import is still a dependency). Layers, bottom to top:
+
+    config -> loss -> kernels -> distributed -> integration -> apps
+
+A module may import from its own layer and the layers below it. The cycle check ignores imports under
+``if TYPE_CHECKING:`` (annotations only, never executed). ``from pkg import name`` depends on ``pkg.name`` when that
+is a module, else on ``pkg`` itself (its ``__init__``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "nemo_is_plugin"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+LAYERS = ("config", "loss", "kernels", "distributed", "integration", "apps")
+# Module prefix -> layer; the longest matching prefix wins. The package root (``nemo_is_plugin/__init__.py``) and the
+# ``nemo_is_plugin.registry`` / ``nemo_is_plugin.recipes`` modules re-export documented names from the layer below.
+LAYER_OF_PREFIX = {
+    "nemo_is_plugin": "loss",
+    "nemo_is_plugin.config": "config",
+    "nemo_is_plugin.loss": "loss",
+    "nemo_is_plugin.registry": "loss",
+    "nemo_is_plugin.kernels": "kernels",
+    "nemo_is_plugin.distributed": "distributed",
+    "nemo_is_plugin.adapters": "integration",
+    "nemo_is_plugin.recipes": "integration",
+    "nemo_is_plugin.cli": "apps",
+    "nemo_is_plugin.demo": "apps",
+    "nemo_is_plugin.diagnose": "apps",
+    "nemo_is_plugin.evidence": "apps",
+    "nemo_is_plugin.bench": "apps",
+}
+# Documented import paths kept for users; no module of the package imports them.
+REEXPORT_MODULES = ("nemo_is_plugin.registry", "nemo_is_plugin.recipes")
+# Third-party packages a layer must not import: the config validates without torch.
+FORBIDDEN_THIRD_PARTY = {"config": ("torch", "triton", "megatron", "omegaconf", "yaml")}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def layer_of(module: str) -> str:
+    prefix = max((p for p in LAYER_OF_PREFIX if module == p or module.startswith(p + ".")), key=len)
+    return LAYER_OF_PREFIX[prefix]
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def imports(module: str) -> list[tuple[str, int, bool]]:
+    """``(imported name, line, only under TYPE_CHECKING)`` for every import statement of ``module``; package-internal
+    names are resolved to the module they load."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    typing_only = _type_checking_lines(tree)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno, node.lineno in typing_only) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.append((sub if sub in MODULES else base, node.lineno, node.lineno in typing_only))
+    return out
+
+
+def internal_edges(include_typing: bool) -> dict[str, set[str]]:
+    return {
+        module: {name for name, _, typing in imports(module) if name in MODULES and (include_typing or not typing)}
+        for module in MODULES
+    }
+
+
+def test_every_module_has_a_layer():
+    assert set(LAYER_OF_PREFIX.values()) == set(LAYERS)
+    top = {p.name if p.is_dir() else p.stem for p in ROOT.iterdir() if p.name != "__pycache__" and
+           (p.is_dir() or p.suffix == ".py")}
+    mapped = {prefix.split(".")[1] for prefix in LAYER_OF_PREFIX if prefix != PACKAGE} | {"__init__"}
+    assert top <= mapped, f"add a layer for {sorted(top - mapped)} to LAYER_OF_PREFIX"
+
+
+def test_layers_only_point_down():
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    upward = [
+        f"{MODULES[module].relative_to(ROOT.parent)}:{line}: {layer_of(module)} imports {name} ({layer_of(name)})"
+        for module in MODULES
+        for name, line, _ in imports(module)
+        if name.split(".")[0] == PACKAGE and rank[layer_of(name)] > rank[layer_of(module)]
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_module_imports_the_documented_reexports():
+    users = [
+        f"{MODULES[module].relative_to(ROOT.parent)}:{line}: imports {name}; import its source module instead"
+        for module in MODULES
+        for name, line, _ in imports(module)
+        if name in REEXPORT_MODULES and module not in REEXPORT_MODULES
+    ]
+    assert not users, "\n".join(users)
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN_THIRD_PARTY))
+def test_layer_imports_no_forbidden_third_party_package(layer):
+    bad = [
+        f"{MODULES[module].relative_to(ROOT.parent)}:{line}: imports {name}"
+        for module in MODULES if layer_of(module) == layer
+        for name, line, _ in imports(module)
+        if name.split(".")[0] in FORBIDDEN_THIRD_PARTY[layer]
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1 or node in edges.get(node, ()):
+                cycles.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(internal_edges(include_typing=False))
+    assert not cycles, "modules that import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_checks_see_upward_imports_and_cycles():
+    """The checkers themselves: a planted upward edge and a planted cycle are found."""
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+    assert layer_of("nemo_is_plugin.kernels.chunk_math") == "kernels"
+    assert layer_of("nemo_is_plugin.distributed.vocab_parallel") == "distributed"
+    assert layer_of("nemo_is_plugin.adapters.nemo_rl") == "integration"
+    assert layer_of("nemo_is_plugin") == "loss"
+    # a lazy import inside a function counts: the NeMo-RL adapter builds the LOGIT loss that way
+    adapter_imports = {name for name, _, _ in imports("nemo_is_plugin.adapters.nemo_rl")}
+    assert "nemo_is_plugin.distributed.logit_loss" in adapter_imports
