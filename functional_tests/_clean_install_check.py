@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 # The top-level modules of the extras: none may be installed by the plugin's own dependencies.
-EXTRA_MODULES = ("ray", "matplotlib", "typer", "rich", "pyarrow", "megatron")
+EXTRA_MODULES = ("ray", "matplotlib", "typer", "rich", "pyarrow")
+# A core dependency that importing the package must not load (it costs seconds; read only where the host has it).
+LAZY_CORE_MODULES = ("megatron",)
 # Modules only optional paths import (inside the commands and adapters that need them).
 OPTIONAL_MODULES = {*EXTRA_MODULES, "click", "verl", "vllm", "triton", "liger_kernel", "cut_cross_entropy"}
 # What a trainer imports: the loss, the distributed entry points, the host adapters and recipes.
@@ -137,13 +139,14 @@ def dump_lines() -> int:
 
 
 def main() -> None:
-    report = {"installed": {m: importlib.util.find_spec(m) is not None for m in EXTRA_MODULES}}
+    report = {"installed": {m: importlib.util.find_spec(m) is not None for m in EXTRA_MODULES},
+              "lazy_core_installed": {m: importlib.util.find_spec(m) is not None for m in LAZY_CORE_MODULES}}
     for name in CORE_MODULES:
         importlib.import_module(name)
     import nemo_is_plugin
 
     report["plugin_file"] = nemo_is_plugin.__file__
-    report["imported_extras"] = sorted(m for m in EXTRA_MODULES if m in sys.modules)
+    report["imported_extras"] = sorted(m for m in (*EXTRA_MODULES, *LAZY_CORE_MODULES) if m in sys.modules)
     report["cases"] = loss_cases()
     report["dumped"] = dump_lines()
     report["import_failures"] = import_every_module()

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "requirements" / "ci.lock"
 CHECK = Path(__file__).resolve().parent / "_clean_install_check.py"
 # The extra each top-level module comes with (pyproject.toml's optional dependencies).
-EXTRA_OF = {"ray": "demo", "matplotlib": "cli", "typer": "cli", "rich": "cli", "pyarrow": "cli", "megatron": "megatron"}
+EXTRA_OF = {"ray": "demo", "matplotlib": "cli", "typer": "cli", "rich": "cli", "pyarrow": "cli"}
 
 
 def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
@@ -65,6 +65,7 @@ def report(clean_venv) -> dict:
 def test_the_install_brings_no_demo_or_command_line_stack(report):
     installed = [f"{m} (the [{EXTRA_OF[m]}] extra's)" for m, present in report["installed"].items() if present]
     assert not installed, f"pip install . installed {installed}: move it out of [project] dependencies"
+    assert all(report["lazy_core_installed"].values()), f"core dependency missing: {report['lazy_core_installed']}"
     assert report["imported_extras"] == []
 
 
