@@ -139,8 +139,10 @@ def dump_lines() -> int:
 
 
 def main() -> None:
-    report = {"installed": {m: importlib.util.find_spec(m) is not None for m in EXTRA_MODULES},
-              "lazy_core_installed": {m: importlib.util.find_spec(m) is not None for m in LAZY_CORE_MODULES}}
+    report = {
+        "installed": {m: importlib.util.find_spec(m) is not None for m in EXTRA_MODULES},
+        "lazy_core_installed": {m: importlib.util.find_spec(m) is not None for m in LAZY_CORE_MODULES},
+    }
     for name in CORE_MODULES:
         importlib.import_module(name)
     import nemo_is_plugin

@@ -26,7 +26,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,7 +108,7 @@ def _call(loss_fn, x, data, gvs, gvt):
 # ----------------------------------------------------------------------------------------------- one rank
 
 
-def run_rank(sc: Scenario, dp_rank: int, dp_size: int, dp_group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
+def run_rank(sc: Scenario, dp_rank: int, dp_size: int, dp_group: dist.ProcessGroup | None) -> dict[str, Any]:
     """This rank's part of one step; returns its loss sum, gradient rows, per-call metrics and counts."""
     if sc.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {sc.mode!r}")
@@ -159,9 +159,7 @@ def finish_step(sc: Scenario, parts: list[dict[str, Any]]) -> StepResult:
         inv = {"tokens": 1.0 / gvt, "sequences": 1.0 / gvs, "none": 1.0}
         norms = getattr(sc.loss_fn, "metric_normalizations", {})
         loss, grad = loss / n_grad, grad / n_grad
-        metrics = {
-            k: v * (inv[str(norms[k].value)] if k in norms else 1.0 / n_grad) for k, v in metrics.items()
-        }
+        metrics = {k: v * (inv[str(norms[k].value)] if k in norms else 1.0 / n_grad) for k, v in metrics.items()}
     return StepResult(loss, grad, metrics, gvs, gvt, sum(p["calls"] for p in parts), [p["calls"] for p in parts])
 
 

@@ -20,7 +20,10 @@ def demo_quick_run(tmp_path_factory) -> Path:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "nemo_is_plugin.cli.main", "demo", "--quick", "--output-dir", str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out

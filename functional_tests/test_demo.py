@@ -24,12 +24,14 @@ SETTINGS = ("gspo_exp_sum", *STABLE)
 def test_reward_is_exact_match_through_eos():
     prompts = torch.tensor([[task.BOS, 4, 5, 6, task.SEP]] * 4)
     good = [6, 5, 4, task.EOS]
-    responses = torch.tensor([
-        good + [task.PAD],
-        good + [7],  # text after the EOS is not graded (the long / ignore_eos setting)
-        [6, 5, 4, 7, task.EOS],  # an extra digit before the EOS
-        [6, 5, 4, task.PAD, task.PAD],  # never ended
-    ])
+    responses = torch.tensor(
+        [
+            good + [task.PAD],
+            good + [7],  # text after the EOS is not graded (the long / ignore_eos setting)
+            [6, 5, 4, 7, task.EOS],  # an extra digit before the EOS
+            [6, 5, 4, task.PAD, task.PAD],  # never ended
+        ]
+    )
     assert task.rewards(prompts, responses).tolist() == [1.0, 1.0, 0.0, 0.0]
 
 
@@ -46,15 +48,26 @@ def test_megatron_to_mixtral_splits_fused_qkv_and_gated_fc1():
     shape = ModelShape(layers=1, experts=2, hidden=8, heads=2, expert_ffn=4)
     hd = shape.head_dim
     # per head h: rows [q_h; k_h; v_h]; value = 100 * head + 10 * (0 q, 1 k, 2 v) + row
-    qkv = torch.tensor([[100 * h + 10 * j + r] * shape.hidden for h in range(2) for j in range(3) for r in range(hd)],
-                       dtype=torch.float32)
+    qkv = torch.tensor(
+        [[100 * h + 10 * j + r] * shape.hidden for h in range(2) for j in range(3) for r in range(hd)],
+        dtype=torch.float32,
+    )
     fc1 = torch.arange(8.0)[:, None].expand(8, shape.hidden)
-    state = {"embedding.word_embeddings.weight": torch.zeros(16, 8), "decoder.final_layernorm.weight": torch.ones(8),
-             "output_layer.weight": torch.zeros(16, 8)}
+    state = {
+        "embedding.word_embeddings.weight": torch.zeros(16, 8),
+        "decoder.final_layernorm.weight": torch.ones(8),
+        "output_layer.weight": torch.zeros(16, 8),
+    }
     pre = "decoder.layers.0."
-    state.update({pre + "self_attention.linear_qkv.weight": qkv, pre + "self_attention.linear_proj.weight": torch.eye(8),
-                  pre + "input_layernorm.weight": torch.ones(8), pre + "pre_mlp_layernorm.weight": torch.ones(8),
-                  pre + "mlp.router.weight": torch.zeros(2, 8)})
+    state.update(
+        {
+            pre + "self_attention.linear_qkv.weight": qkv,
+            pre + "self_attention.linear_proj.weight": torch.eye(8),
+            pre + "input_layernorm.weight": torch.ones(8),
+            pre + "pre_mlp_layernorm.weight": torch.ones(8),
+            pre + "mlp.router.weight": torch.zeros(2, 8),
+        }
+    )
     for e in range(2):
         state[pre + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = fc1
         state[pre + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = torch.zeros(8, 4)
@@ -129,8 +142,16 @@ def test_quick_run_writes_metrics_rollouts_and_plot(quick_run, rows):
 
 
 def test_every_logged_metric_is_finite(rows):
-    required = ("reward", "response_length", "is_weight_mean", "is_raw_weight_std", "mismatch_kl_k3",
-                "clip_fraction", "grad_norm", "loss")
+    required = (
+        "reward",
+        "response_length",
+        "is_weight_mean",
+        "is_raw_weight_std",
+        "mismatch_kl_k3",
+        "clip_fraction",
+        "grad_norm",
+        "loss",
+    )
     for r in rows:
         for key in required:
             assert key in r, key
@@ -211,13 +232,22 @@ def test_vllm_backend_generates_with_logprobs(tmp_path):
 
 def _random_state_shapes(shape) -> dict[str, tuple[int, ...]]:
     h, f = shape.hidden, shape.expert_ffn
-    out = {"embedding.word_embeddings.weight": (shape.vocab_size, h), "decoder.final_layernorm.weight": (h,),
-           "output_layer.weight": (shape.vocab_size, h)}
+    out = {
+        "embedding.word_embeddings.weight": (shape.vocab_size, h),
+        "decoder.final_layernorm.weight": (h,),
+        "output_layer.weight": (shape.vocab_size, h),
+    }
     for i in range(shape.layers):
         pre = f"decoder.layers.{i}."
-        out.update({pre + "self_attention.linear_qkv.weight": (3 * h, h), pre + "self_attention.linear_proj.weight": (h, h),
-                    pre + "input_layernorm.weight": (h,), pre + "pre_mlp_layernorm.weight": (h,),
-                    pre + "mlp.router.weight": (shape.experts, h)})
+        out.update(
+            {
+                pre + "self_attention.linear_qkv.weight": (3 * h, h),
+                pre + "self_attention.linear_proj.weight": (h, h),
+                pre + "input_layernorm.weight": (h,),
+                pre + "pre_mlp_layernorm.weight": (h,),
+                pre + "mlp.router.weight": (shape.experts, h),
+            }
+        )
         for e in range(shape.experts):
             out[pre + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
             out[pre + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from nemo_is_plugin.diagnose import synthetic_records, write_dump
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -28,8 +27,13 @@ def _check_diagnose(dump: Path, out: Path) -> dict:
     res = _run("diagnose", str(dump), "--out", str(out), "--json", str(out / "report.json"))
     assert res.returncode == 0, res.stdout + res.stderr
     text = res.stdout
-    for title in ("Training/rollout mismatch by response length", "IS weights per setting",
-                  "IS weights by response length", "recommendation", "loss_fn:"):
+    for title in (
+        "Training/rollout mismatch by response length",
+        "IS weights per setting",
+        "IS weights by response length",
+        "recommendation",
+        "loss_fn:",
+    ):
         assert title in text, text
     for png in ("diagnose_weights_vs_length.png", "diagnose_bins.png"):
         assert (out / png).read_bytes()[:8] == PNG

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _nemo_rl_driver import Scenario, isclose, run_dp, run_local
+
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn, build_loss_fn
 from nemo_is_plugin.adapters.protocol import LossFunction, LossType
 from nemo_is_plugin.loss import ClippedPGLoss
@@ -26,14 +26,24 @@ CHANGED_LINE = "  is_correction_level: sequence_mean"
 # Other NeMo-RL-style configurations driven on the same data (CLI-style overrides of the same recipe).
 VARIANTS = {
     "legacy": [],
-    "gspo": ["loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=false",
-             "loss_fn.is_correction_level=sequence_mean", "loss_fn.reference_policy_kl_penalty=0"],
-    "smtis": ["loss_fn.truncated_importance_sampling_type=seq-mask-tis",
-              "loss_fn.truncated_importance_sampling_ratio=1.02",
-              "loss_fn.truncated_importance_sampling_ratio_min=0.98"],
+    "gspo": [
+        "loss_fn.sequence_level_importance_ratios=true",
+        "loss_fn.token_level_loss=false",
+        "loss_fn.is_correction_level=sequence_mean",
+        "loss_fn.reference_policy_kl_penalty=0",
+    ],
+    "smtis": [
+        "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
+        "loss_fn.truncated_importance_sampling_ratio=1.02",
+        "loss_fn.truncated_importance_sampling_ratio_min=0.98",
+    ],
 }
-MODES_PER_VARIANT = {"legacy": ("direct", "packed", "split"), "seqmean": ("direct", "split"),
-                     "gspo": ("direct", "packed", "split"), "smtis": ("direct", "split")}
+MODES_PER_VARIANT = {
+    "legacy": ("direct", "packed", "split"),
+    "seqmean": ("direct", "split"),
+    "gspo": ("direct", "packed", "split"),
+    "smtis": ("direct", "split"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +79,8 @@ def results(golden, loss_fns):
     _, data, x = golden
     scenarios = [
         Scenario(f"{variant}/{mode}", loss_fns[variant], data, x, mode=mode, micro_batch_size=2)
-        for variant, modes in MODES_PER_VARIANT.items() for mode in modes
+        for variant, modes in MODES_PER_VARIANT.items()
+        for mode in modes
     ]
     return run_dp(scenarios, world_size=2)
 
@@ -79,8 +90,9 @@ def _direct(loss_fn: NeMoRLLossFn, data, x):
     xg = x.detach().clone().requires_grad_(True)
     sm = data["sample_mask"].double()
     gvs, gvt = sm.sum().float(), (data["token_mask"][:, 1:].double() * sm[:, None]).sum().float()
-    loss, metrics = ClippedPGLoss(loss_fn.config)(next_token_logprobs=xg, data=data, global_valid_seqs=gvs,
-                                                  global_valid_toks=gvt)
+    loss, metrics = ClippedPGLoss(loss_fn.config)(
+        next_token_logprobs=xg, data=data, global_valid_seqs=gvs, global_valid_toks=gvt
+    )
     loss.backward()
     return loss.item(), xg.grad, metrics
 
@@ -95,8 +107,11 @@ def _assert_metrics(got: dict, want: dict, rtol: float, atol: float, keys=None):
 
 
 def test_recipes_differ_by_exactly_one_line(changed_recipe):
-    diff = [d for d in difflib.ndiff(RECIPE.read_text().splitlines(), changed_recipe.read_text().splitlines())
-            if d[:1] in "+-"]
+    diff = [
+        d
+        for d in difflib.ndiff(RECIPE.read_text().splitlines(), changed_recipe.read_text().splitlines())
+        if d[:1] in "+-"
+    ]
     assert len(diff) == 2 and diff[0].startswith(f"- {LEGACY_LINE}") and diff[1] == f"+ {CHANGED_LINE}", diff
 
 
@@ -127,8 +142,10 @@ def test_unchanged_recipe_reproduces_nemo_rl_golden(results, golden, mode):
     """DP=2 x micro-batches (and packing, and the split API) reproduce NeMo-RL's own numbers for the whole batch."""
     case, _, _ = golden
     r, exp = results[f"legacy/{mode}"], case["expected"]
-    assert (r.global_valid_seqs, r.global_valid_toks) == (case["global_valid_seqs"].item(),
-                                                          case["global_valid_toks"].item())
+    assert (r.global_valid_seqs, r.global_valid_toks) == (
+        case["global_valid_seqs"].item(),
+        case["global_valid_toks"].item(),
+    )
     assert isclose(r.loss, exp["loss"].item(), 1e-4, 1e-6)
     torch.testing.assert_close(r.grad, exp["grad_next_token_logprobs"], rtol=1e-4, atol=1e-6)
     loose = {"gen_kl_error", "policy_kl_error", "js_divergence_error", "kl_penalty"}

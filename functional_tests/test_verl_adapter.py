@@ -48,11 +48,22 @@ def batch():
 
 
 def _actor(agg: str, **info) -> ActorConfig:
-    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode=agg,
-                      clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=2.0)
+    cfg = ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        loss_agg_mode=agg,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=2.0,
+    )
     # what verl's ppo_loss writes before calling the policy loss
-    cfg.global_batch_info.update(dp_size=info.get("dp_size", 1), batch_num_tokens=info.get("batch_num_tokens"),
-                                 global_batch_size=info.get("global_batch_size"), loss_scale_factor=None)
+    cfg.global_batch_info.update(
+        dp_size=info.get("dp_size", 1),
+        batch_num_tokens=info.get("batch_num_tokens"),
+        global_batch_size=info.get("global_batch_size"),
+        loss_scale_factor=None,
+    )
     return cfg
 
 
@@ -60,9 +71,16 @@ def _call_like_verl(name, batch, cfg, weights=None, **extra):
     """verl's ppo_loss call: the loss is fetched by name from verl's registry, all arguments by keyword."""
     fn = core_algos.get_policy_loss_fn(name)
     log_prob = batch["log_prob"].clone().requires_grad_(True)
-    loss, metrics = fn(old_log_prob=batch["old"], log_prob=log_prob, advantages=batch["adv"],
-                       response_mask=batch["mask"], loss_agg_mode=cfg.loss_agg_mode, config=cfg,
-                       rollout_is_weights=weights, **extra)
+    loss, metrics = fn(
+        old_log_prob=batch["old"],
+        log_prob=log_prob,
+        advantages=batch["adv"],
+        response_mask=batch["mask"],
+        loss_agg_mode=cfg.loss_agg_mode,
+        config=cfg,
+        rollout_is_weights=weights,
+        **extra,
+    )
     loss.backward()
     return loss.detach(), log_prob.grad, metrics
 
@@ -104,19 +122,30 @@ def test_no_plugin_keys_is_verls_vanilla(registered, batch, agg, with_weights, d
 def _direct(cfg_dict, batch, n_tok, n_seq, gen):
     """The plugin called directly, NeMo-RL style: [B, T+1] data whose column 0 is dropped by the loss."""
     pad = lambda t: torch.cat([torch.zeros(B, 1, dtype=t.dtype), t], 1)  # noqa: E731
-    data = {"token_mask": pad(batch["mask"].float()), "sample_mask": torch.ones(B), "advantages": pad(batch["adv"]),
-            "prev_logprobs": pad(batch["old"]), "generation_logprobs": pad(gen)}
+    data = {
+        "token_mask": pad(batch["mask"].float()),
+        "sample_mask": torch.ones(B),
+        "advantages": pad(batch["adv"]),
+        "prev_logprobs": pad(batch["old"]),
+        "generation_logprobs": pad(gen),
+    }
     x = batch["log_prob"].clone().requires_grad_(True)
-    loss, metrics = ClippedPGLoss(cfg_dict)(next_token_logprobs=x, data=data, global_valid_seqs=n_seq,
-                                             global_valid_toks=n_tok)
+    loss, metrics = ClippedPGLoss(cfg_dict)(
+        next_token_logprobs=x, data=data, global_valid_seqs=n_seq, global_valid_toks=n_tok
+    )
     loss.backward()
     return loss.detach(), x.grad, metrics
 
 
-PLUGIN_KEYS = {"reference_policy_kl_penalty": 0.0, "use_importance_sampling_correction": True,
-               "is_correction_level": "sequence_mean", "truncated_importance_sampling_type": "tis",
-               "truncated_importance_sampling_ratio": 1.003, "sequence_level_importance_ratios": True,
-               "token_level_loss": False}
+PLUGIN_KEYS = {
+    "reference_policy_kl_penalty": 0.0,
+    "use_importance_sampling_correction": True,
+    "is_correction_level": "sequence_mean",
+    "truncated_importance_sampling_type": "tis",
+    "truncated_importance_sampling_ratio": 1.003,
+    "sequence_level_importance_ratios": True,
+    "token_level_loss": False,
+}
 
 
 def test_plugin_owned_is_from_verls_raw_token_ratios_equals_direct_call(batch):
@@ -128,10 +157,12 @@ def test_plugin_owned_is_from_verls_raw_token_ratios_equals_direct_call(batch):
         raw, _ = compute_rollout_correction_weights(batch["old"] - batch["rollout"], m.float(), "token", 1e9)
         cfg = _actor("seq-mean-token-mean", dp_size=2, batch_num_tokens=100, global_batch_size=14)
         loss, grad, metrics = _call_like_verl("nemo_is.tests.gspo_seqmean", batch, cfg, raw)
-        via_logprobs = _call_like_verl("nemo_is.tests.gspo_seqmean", batch, cfg, None,
-                                       rollout_log_probs=batch["rollout"])
-        ref_cfg = dict(PLUGIN_KEYS, ratio_clip_min=0.2, ratio_clip_max=0.28, ratio_clip_c=2.0,
-                       token_log_ratio_clamp=20.0)
+        via_logprobs = _call_like_verl(
+            "nemo_is.tests.gspo_seqmean", batch, cfg, None, rollout_log_probs=batch["rollout"]
+        )
+        ref_cfg = dict(
+            PLUGIN_KEYS, ratio_clip_min=0.2, ratio_clip_max=0.28, ratio_clip_c=2.0, token_log_ratio_clamp=20.0
+        )
         ref_loss, ref_grad, ref_metrics = _direct(ref_cfg, batch, 50.0, 7.0, batch["rollout"])
         for got_loss, got_grad in ((loss, grad), via_logprobs[:2]):
             torch.testing.assert_close(got_loss, ref_loss, rtol=1e-5, atol=1e-7)
@@ -139,19 +170,22 @@ def test_plugin_owned_is_from_verls_raw_token_ratios_equals_direct_call(batch):
         # metrics come back per micro-batch: token metrics renormalised from 50 tokens to the local count
         local_toks = float(m.sum())
         assert metrics[f"{METRIC_PREFIX}is_weight_mean"] == pytest.approx(
-            ref_metrics["is_weight_mean"] * 50.0 / local_toks, rel=1e-5)
+            ref_metrics["is_weight_mean"] * 50.0 / local_toks, rel=1e-5
+        )
         assert 0 < metrics[f"{METRIC_PREFIX}is_truncated_fraction"] < 1  # TIS at 1.003 really truncates
     finally:
         core_algos.POLICY_LOSS_REGISTRY.pop("nemo_is.tests.gspo_seqmean", None)
 
 
 def test_plugin_owned_is_refuses_truncated_or_missing_weights(batch):
-    fn = register_verl_loss("nemo_is.tests.owned", {"reference_policy_kl_penalty": 0.0,
-                                                    "use_importance_sampling_correction": True})
+    fn = register_verl_loss(
+        "nemo_is.tests.owned", {"reference_policy_kl_penalty": 0.0, "use_importance_sampling_correction": True}
+    )
     try:
         cfg = _actor("token-mean")
-        icepop, _ = compute_rollout_correction_weights(batch["old"] - batch["rollout"], batch["mask"].float(),
-                                                       "token", "0.99_1.01")
+        icepop, _ = compute_rollout_correction_weights(
+            batch["old"] - batch["rollout"], batch["mask"].float(), "token", "0.99_1.01"
+        )
         with pytest.raises(ValueError, match="raw token ratios"):
             _call_like_verl("nemo_is.tests.owned", batch, cfg, icepop)
         with pytest.raises(ValueError, match="needs the rollout log-probs"):
@@ -178,8 +212,13 @@ def test_verl_plugin_entry_point_registers_on_import_verl(tmp_path: Path):
         assert fn.user_keys == {{"reference_policy_kl_penalty": 0.0, "ratio_clip_max": 0.5}}, fn.user_keys
         print("ok")
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-           CONFIG_ENV: str(recipe), "OMP_NUM_THREADS": "1", "VERL_USE_EXTERNAL_PLUGINS": "auto"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        CONFIG_ENV: str(recipe),
+        "OMP_NUM_THREADS": "1",
+        "VERL_USE_EXTERNAL_PLUGINS": "auto",
+    }
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 

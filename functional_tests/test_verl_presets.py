@@ -44,7 +44,7 @@ def batch():
     g = torch.Generator().manual_seed(11)
     old = -torch.rand(B, T, generator=g) * 2 - 0.5
     scale = torch.tensor(SCALES).unsqueeze(1)
-    rollout = old - scale * torch.randn(B, T, generator=g) - 0.5 * scale ** 2
+    rollout = old - scale * torch.randn(B, T, generator=g) - 0.5 * scale**2
     # the current policy as far from pi_old as the rollout is: bypass presets reject on pi_theta / mu
     log_prob = (old + scale.flip(0) * torch.randn(B, T, generator=g)).clamp(max=-0.01)
     adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous()
@@ -59,9 +59,16 @@ def _fields(cfg) -> dict:
 
 
 def _actor(policy_loss=None) -> ActorConfig:
-    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode="token-mean",
-                      clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                      policy_loss=policy_loss if policy_loss is not None else PolicyLossConfig())
+    cfg = ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        loss_agg_mode="token-mean",
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        policy_loss=policy_loss if policy_loss is not None else PolicyLossConfig(),
+    )
     cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
     return cfg
 
@@ -86,17 +93,27 @@ def test_preset_weights_and_masks_equal_verls(batch, name):
     verl_cfg = getattr(RolloutCorrectionConfig, name)()
     m = batch["mask"].float()
     numerator = batch["log_prob"] if verl_cfg.bypass_mode else batch["old"]
-    settings = {k: verl_cfg[k] for k in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
-                                         "rollout_rs", "rollout_rs_threshold")}
+    settings = {
+        k: verl_cfg[k]
+        for k in (
+            "rollout_is",
+            "rollout_is_threshold",
+            "rollout_is_batch_normalize",
+            "rollout_rs",
+            "rollout_rs_threshold",
+        )
+    }
     weights, verl_mask, _ = compute_rollout_correction_and_rejection_mask(numerator, batch["rollout"], m, **settings)
     applies = weights is not None and not (verl_cfg.bypass_mode and verl_cfg.loss_type == "ppo_clip")
     want = verl_mask * (weights.batch["rollout_is_weights"] if applies else 1.0)
 
     cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **preset_keys(name))
-    assert cfg.bypasses_prev == verl_cfg.bypass_mode and cfg.disable_ppo_ratio == (verl_cfg.loss_type == "reinforce"
-                                                                                  and verl_cfg.bypass_mode)
-    corr = compute_is_correction(numerator, batch["rollout"], m, m, TokenLayout.padded(B, T),
-                                 **is_correction_kwargs(cfg))
+    assert cfg.bypasses_prev == verl_cfg.bypass_mode and cfg.disable_ppo_ratio == (
+        verl_cfg.loss_type == "reinforce" and verl_cfg.bypass_mode
+    )
+    corr = compute_is_correction(
+        numerator, batch["rollout"], m, m, TokenLayout.padded(B, T), **is_correction_kwargs(cfg)
+    )
     torch.testing.assert_close(corr.weights * m, want, rtol=1e-6, atol=1e-7)
     # verl's rejection edits the response mask; IcePop only zeroes weights (in the plugin: a truncation type)
     keep = torch.ones_like(m, dtype=torch.bool) if corr.rules_keep is None else corr.rules_keep
@@ -108,8 +125,15 @@ def test_preset_weights_and_masks_equal_verls(batch, name):
 
 def _loss_and_grad(fn, batch, config, **kw):
     log_prob = batch["log_prob"].clone().requires_grad_(True)
-    loss, metrics = fn(old_log_prob=kw.pop("old", batch["old"]), log_prob=log_prob, advantages=batch["adv"],
-                       response_mask=kw.pop("mask", batch["mask"]), loss_agg_mode="token-mean", config=config, **kw)
+    loss, metrics = fn(
+        old_log_prob=kw.pop("old", batch["old"]),
+        log_prob=log_prob,
+        advantages=batch["adv"],
+        response_mask=kw.pop("mask", batch["mask"]),
+        loss_agg_mode="token-mean",
+        config=config,
+        **kw,
+    )
     loss.backward()
     return loss.detach(), log_prob.grad, metrics
 
@@ -128,18 +152,31 @@ def test_preset_loss_and_gradient_equal_verls(batch, name):
     if verl_cfg.bypass_mode:
         theirs_actor = _actor(PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=verl_cfg))
         theirs_actor.global_batch_info.update(batch_num_tokens=n_tok)
-        theirs = _loss_and_grad(core_algos.get_policy_loss_fn("bypass_mode"), batch, theirs_actor,
-                                old=batch["rollout"])
+        theirs = _loss_and_grad(core_algos.get_policy_loss_fn("bypass_mode"), batch, theirs_actor, old=batch["rollout"])
         ours = _loss_and_grad(plugin, batch, ours_actor, old=batch["rollout"])
     else:
-        settings = {k: verl_cfg[k] for k in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
-                                             "rollout_rs", "rollout_rs_threshold")}
-        w, mask, _ = compute_rollout_correction_and_rejection_mask(batch["old"], batch["rollout"],
-                                                                   batch["mask"].float(), **settings)
+        settings = {
+            k: verl_cfg[k]
+            for k in (
+                "rollout_is",
+                "rollout_is_threshold",
+                "rollout_is_batch_normalize",
+                "rollout_rs",
+                "rollout_rs_threshold",
+            )
+        }
+        w, mask, _ = compute_rollout_correction_and_rejection_mask(
+            batch["old"], batch["rollout"], batch["mask"].float(), **settings
+        )
         theirs_actor = _actor()
         theirs_actor.global_batch_info.update(batch_num_tokens=n_tok)
-        theirs = _loss_and_grad(core_algos.get_policy_loss_fn("vanilla"), batch, theirs_actor, mask=mask.bool(),
-                                rollout_is_weights=None if w is None else w.batch["rollout_is_weights"])
+        theirs = _loss_and_grad(
+            core_algos.get_policy_loss_fn("vanilla"),
+            batch,
+            theirs_actor,
+            mask=mask.bool(),
+            rollout_is_weights=None if w is None else w.batch["rollout_is_weights"],
+        )
         ours = _loss_and_grad(plugin, batch, ours_actor, rollout_log_probs=batch["rollout"])
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-6, atol=1e-8)
@@ -148,17 +185,26 @@ def test_preset_loss_and_gradient_equal_verls(batch, name):
         option = verl_cfg.rollout_rs
         assert f"rollout_corr/rollout_rs_{option}_mean" in ours[2]
         if verl_cfg.bypass_mode:
-            for key in (f"rollout_corr/rollout_rs_{option}_mean", f"rollout_corr/rollout_rs_{option}_max",
-                        "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/kl", "rollout_corr/k3_kl"):
+            for key in (
+                f"rollout_corr/rollout_rs_{option}_mean",
+                f"rollout_corr/rollout_rs_{option}_max",
+                "rollout_corr/rollout_rs_masked_fraction",
+                "rollout_corr/kl",
+                "rollout_corr/k3_kl",
+            ):
                 assert ours[2][key] == pytest.approx(theirs[2][key], rel=1e-5, abs=1e-7), key
 
 
 def test_hydra_section_is_the_plugin_config(batch):
     """policy_loss._target_ = the plugin's PolicyLossConfig carries a nemo_is section (as Hydra instantiates it: the
     node's keys as keyword arguments); plugin keys in it win over its verl-vocabulary rollout_correction."""
-    node = {"loss_mode": VERL_LOSS_NAME, "nemo_is": {"rollout_correction": {"preset": "decoupled_geo_rs_token_tis",
-                                                                          "is_threshold": 3.0},
-                                                   "truncated_importance_sampling_ratio": 2.5}}
+    node = {
+        "loss_mode": VERL_LOSS_NAME,
+        "nemo_is": {
+            "rollout_correction": {"preset": "decoupled_geo_rs_token_tis", "is_threshold": 3.0},
+            "truncated_importance_sampling_ratio": 2.5,
+        },
+    }
     actor = _actor(NemoISPolicyLossConfig(**node))
     cfg = VerlPolicyLoss().resolve(actor, "token-mean", T).config
     assert cfg.truncated_importance_sampling_ratio == 2.5 and cfg.is_correction_level == "token"
@@ -195,10 +241,15 @@ def test_icepop_with_batch_normalisation_equals_verls(batch, level):
     m = batch["mask"].float()
     band = "0.9_1.1" if level == "token" else "0.5_1.5"
     want, metrics = compute_rollout_correction_weights(batch["old"] - batch["rollout"], m, level, band, True)
-    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **rollout_correction_keys(
-        {"rollout_is": level, "rollout_is_threshold": band, "rollout_is_batch_normalize": True}))
-    corr = compute_is_correction(batch["old"], batch["rollout"], m, m, TokenLayout.padded(B, T),
-                                 **is_correction_kwargs(cfg))
+    cfg = ClippedPGLossConfig(
+        reference_policy_kl_penalty=0.0,
+        **rollout_correction_keys(
+            {"rollout_is": level, "rollout_is_threshold": band, "rollout_is_batch_normalize": True}
+        ),
+    )
+    corr = compute_is_correction(
+        batch["old"], batch["rollout"], m, m, TokenLayout.padded(B, T), **is_correction_kwargs(cfg)
+    )
     assert 0 < float((corr.weights[m > 0] == 0).float().mean()) < 1  # IcePop zeroes some weights, not all
     torch.testing.assert_close(corr.weights * m, want * m, rtol=1e-6, atol=1e-7)
     assert float(corr.batch_norm_factor) == pytest.approx(metrics["rollout_is_batch_norm_factor"], rel=1e-6)

@@ -4,7 +4,7 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA: skipped (not deselected) where there is none, run by `make test` where there is."""
+    """Tests marked ``gpu`` need CUDA: skipped (not deselected) without it, run by `make test` where there is."""
     if torch.cuda.is_available():
         return
     import pytest

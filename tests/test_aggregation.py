@@ -32,8 +32,9 @@ def test_masked_sample_and_empty_batch():
     sm = torch.tensor([1.0, 0.0], dtype=F64)
     got = aggregate(X, TM, sm, LAY, mode="token-mean", global_valid_toks=3.0, global_valid_seqs=1.0)
     assert abs(got.item() - 2.0) < 1e-7
-    zero = aggregate(X, torch.zeros_like(TM), SM, LAY, mode="seq-mean-token-mean", global_valid_toks=0.0,
-                     global_valid_seqs=2.0)
+    zero = aggregate(
+        X, torch.zeros_like(TM), SM, LAY, mode="seq-mean-token-mean", global_valid_toks=0.0, global_valid_seqs=2.0
+    )
     assert zero.item() == 0.0
 
 

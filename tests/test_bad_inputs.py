@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GEO_RS = ROOT / "configs" / "geo_rs_tis.yaml"
 
 
-def cli(*args) -> "CliRunner.invoke":
+def cli(*args) -> CliRunner.invoke:
     return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "300"})
 
 
@@ -43,25 +43,31 @@ def recipe(tmp_path: Path, body: str) -> Path:
 
 
 # ------------------------------------------------------------------ wrong settings that used to pass silently
-@pytest.mark.parametrize("line, key", [
-    ("ratio_clip_max: -0.5", "ratio_clip_max=-0.5"),
-    ("ratio_clip_min: -0.2", "ratio_clip_min=-0.2"),
-    ("ratio_clip_min: 1.5", "ratio_clip_min=1.5"),
-    ("reference_policy_kl_penalty: -0.1", "reference_policy_kl_penalty=-0.1"),
-    ("kl_input_clamp_value: -1", "kl_input_clamp_value=-1"),
-    ("max_log_ratio: -1.0", "max_log_ratio=-1"),
-    ("clip_position_power: 5", "clip_position_power=5"),
-    ("positive_example_nll_weight: -0.5", "positive_example_nll_weight=-0.5"),
-])
+@pytest.mark.parametrize(
+    "line, key",
+    [
+        ("ratio_clip_max: -0.5", "ratio_clip_max=-0.5"),
+        ("ratio_clip_min: -0.2", "ratio_clip_min=-0.2"),
+        ("ratio_clip_min: 1.5", "ratio_clip_min=1.5"),
+        ("reference_policy_kl_penalty: -0.1", "reference_policy_kl_penalty=-0.1"),
+        ("kl_input_clamp_value: -1", "kl_input_clamp_value=-1"),
+        ("max_log_ratio: -1.0", "max_log_ratio=-1"),
+        ("clip_position_power: 5", "clip_position_power=5"),
+        ("positive_example_nll_weight: -0.5", "positive_example_nll_weight=-0.5"),
+    ],
+)
 def test_an_out_of_range_setting_is_refused_naming_the_key(tmp_path, line, key):
     refused(cli("validate", recipe(tmp_path, f"loss_fn:\n  {line}\n")), key, "is outside its valid range", "use ")
 
 
-@pytest.mark.parametrize("override, hint", [
-    ("ratio_clip_max=0.3", "did you mean 'loss_fn.ratio_clip_max'?"),
-    ("loss_fn.ratio_clip_mx=0.3", "did you mean 'loss_fn.ratio_clip_max'?"),
-    ("+loss_fn.bogus_key=1", "'bogus_key' is not a loss_fn key"),
-])
+@pytest.mark.parametrize(
+    "override, hint",
+    [
+        ("ratio_clip_max=0.3", "did you mean 'loss_fn.ratio_clip_max'?"),
+        ("loss_fn.ratio_clip_mx=0.3", "did you mean 'loss_fn.ratio_clip_max'?"),
+        ("+loss_fn.bogus_key=1", "'bogus_key' is not a loss_fn key"),
+    ],
+)
 def test_an_override_that_matches_nothing_is_refused(override, hint):
     refused(cli("validate", GEO_RS, "-o", override), hint)
     with pytest.raises(RecipeError, match=hint.replace("?", r"\?").replace(".", r"\.")):
@@ -91,11 +97,14 @@ def test_a_missing_recipe(tmp_path):
     refused(cli("validate", tmp_path / "nope.yaml"), "recipe file not found")
 
 
-@pytest.mark.parametrize("args, phrase", [
-    (["--batch-size", "0"], "--batch-size=0: the synthetic batch needs at least 1 sequence"),
-    (["--seq-len", "4"], "--seq-len=4 is too short"),
-    (["--mismatch-std", "-1"], "--mismatch-std=-1.0 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, phrase",
+    [
+        (["--batch-size", "0"], "--batch-size=0: the synthetic batch needs at least 1 sequence"),
+        (["--seq-len", "4"], "--seq-len=4 is too short"),
+        (["--mismatch-std", "-1"], "--mismatch-std=-1.0 must be >= 0"),
+    ],
+)
 def test_validate_options(args, phrase):
     refused(cli("validate", GEO_RS, *args), phrase)
 
@@ -103,8 +112,9 @@ def test_validate_options(args, phrase):
 def test_a_corrupt_gzip_dump_writes_nothing(tmp_path):
     dump = tmp_path / "g.jsonl.gz"
     dump.write_bytes(b"\x1f\x8b\x08\x00garbagegarbage")
-    refused(cli("diagnose", dump, "--json", tmp_path / "r.json", "--write-config", tmp_path / "c.yaml"),
-            "corrupt gzip data")
+    refused(
+        cli("diagnose", dump, "--json", tmp_path / "r.json", "--write-config", tmp_path / "c.yaml"), "corrupt gzip data"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.jsonl.gz"]  # no plots, no JSON, no config
 
 
@@ -121,8 +131,10 @@ def test_diagnose_plot_directory_that_is_a_file_writes_nothing(tmp_path):
 
     dump = write_dump(synthetic_records(8, min_len=4, max_len=20, seed=0), tmp_path / "rollouts.jsonl")
     (tmp_path / "plots").write_text("not a directory")
-    refused(cli("diagnose", dump, "--out", tmp_path / "plots", "--json", tmp_path / "r.json"),
-            "is a file; give a directory for the plots")
+    refused(
+        cli("diagnose", dump, "--out", tmp_path / "plots", "--json", tmp_path / "r.json"),
+        "is a file; give a directory for the plots",
+    )
     assert not (tmp_path / "r.json").exists()
 
 
@@ -151,6 +163,9 @@ def test_an_empty_batch_is_named(tmp_path):
 def test_log_probs_as_wide_as_the_data_are_named():
     x, data = _inputs()
     full = torch.cat([x, x[:, -1:]], dim=1)  # [B, S]: one log-prob too many per row
-    with pytest.raises(ValueError, match=r"next_token_logprobs has shape \[3, 10\], the shape of the \[B, S\] data "
-                                         r"tensors; the log-probs must be \[B, S-1\] = \[3, 9\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"next_token_logprobs has shape \[3, 10\], the shape of the \[B, S\] data "
+        r"tensors; the log-probs must be \[B, S-1\] = \[3, 9\]",
+    ):
         _call(full, data)

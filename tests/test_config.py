@@ -18,13 +18,25 @@ from nemo_is_plugin.config import (
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 
 NEMO_RL_DEFAULTS = {
-    "reference_policy_kl_penalty": 0.01, "reference_policy_kl_type": "k3", "kl_input_clamp_value": 20.0,
-    "kl_output_clamp_value": 10.0, "ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "ratio_clip_c": None,
-    "use_on_policy_kl_approximation": False, "use_importance_sampling_correction": False,
-    "truncated_importance_sampling_type": None, "truncated_importance_sampling_ratio": None,
-    "truncated_importance_sampling_ratio_min": None, "token_level_loss": True,
-    "sequence_level_importance_ratios": False, "force_on_policy_ratio": False, "use_kl_in_reward": False,
-    "disable_ppo_ratio": False, "use_cispo": False, "positive_example_nll_weight": 0.0,
+    "reference_policy_kl_penalty": 0.01,
+    "reference_policy_kl_type": "k3",
+    "kl_input_clamp_value": 20.0,
+    "kl_output_clamp_value": 10.0,
+    "ratio_clip_min": 0.2,
+    "ratio_clip_max": 0.2,
+    "ratio_clip_c": None,
+    "use_on_policy_kl_approximation": False,
+    "use_importance_sampling_correction": False,
+    "truncated_importance_sampling_type": None,
+    "truncated_importance_sampling_ratio": None,
+    "truncated_importance_sampling_ratio_min": None,
+    "token_level_loss": True,
+    "sequence_level_importance_ratios": False,
+    "force_on_policy_ratio": False,
+    "use_kl_in_reward": False,
+    "disable_ppo_ratio": False,
+    "use_cispo": False,
+    "positive_example_nll_weight": 0.0,
 }
 
 
@@ -45,7 +57,9 @@ def test_derived_levels_follow_nemo_rl():
     assert (gspo.effective_ratio_level, gspo.effective_is_level) == ("sequence", "sequence")
     assert gspo.effective_loss_aggregation == "seq-mean-token-mean"
     decoupled = ClippedPGLossConfig(
-        sequence_level_importance_ratios=True, token_level_loss=False, is_correction_level="sequence_mean",
+        sequence_level_importance_ratios=True,
+        token_level_loss=False,
+        is_correction_level="sequence_mean",
         use_importance_sampling_correction=True,
     )
     assert (decoupled.effective_ratio_level, decoupled.effective_is_level) == ("sequence", "sequence_mean")
@@ -75,8 +89,11 @@ def test_config_errors_are_validation_value_and_assertion_errors():
     """One exception type: pydantic's ValidationError (field-naming message), a ValueError / ConfigError, and the
     AssertionError NeMo-RL raises for invalid combinations; from the model, load_loss_config and assignment."""
     bad = {"use_cispo": True, "disable_ppo_ratio": True}
-    for make in (lambda: ClippedPGLossConfig(**bad), lambda: load_loss_config(bad),
-                 lambda: setattr(ClippedPGLossConfig(), "ratio_clip_c", 0.5)):
+    for make in (
+        lambda: ClippedPGLossConfig(**bad),
+        lambda: load_loss_config(bad),
+        lambda: setattr(ClippedPGLossConfig(), "ratio_clip_c", 0.5),
+    ):
         with pytest.raises(AssertionError) as err:
             make()
         assert isinstance(err.value, (ConfigValidationError, pydantic.ValidationError, ValueError, ConfigError))
@@ -98,24 +115,56 @@ def test_config_errors_are_validation_value_and_assertion_errors():
         ({"reference_policy_kl_gradient": "k2", "reference_policy_kl_penalty": 0.0}, ["reference_policy_kl_penalty"]),
         ({"use_cispo": True, "ratio_level": "cumulative"}, ["ratio_level"]),
         ({"disable_ppo_ratio": True, "ratio_level": "sequence"}, ["ratio_level"]),
-        ({"truncated_importance_sampling_type": "geo-rs", "truncated_importance_sampling_ratio": 1.001},
-         ["truncated_importance_sampling_ratio_min"]),
-        ({"use_importance_sampling_correction": True, "is_correction_level": "cumulative",
-          "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio": 2.0,
-          "truncated_importance_sampling_ratio_min": 0.5}, ["is_correction_level"]),
+        (
+            {"truncated_importance_sampling_type": "geo-rs", "truncated_importance_sampling_ratio": 1.001},
+            ["truncated_importance_sampling_ratio_min"],
+        ),
+        (
+            {
+                "use_importance_sampling_correction": True,
+                "is_correction_level": "cumulative",
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 2.0,
+                "truncated_importance_sampling_ratio_min": 0.5,
+            },
+            ["is_correction_level"],
+        ),
         ({"importance_sampling_veto_threshold": 1.5}, ["importance_sampling_veto_threshold"]),
-        ({"importance_sampling_rejection": "geo-rs", "importance_sampling_rejection_max": 1.001},
-         ["importance_sampling_rejection_min"]),
-        ({"importance_sampling_rejection_min": 0.5, "importance_sampling_rejection_max": 2.0},
-         ["importance_sampling_rejection"]),
-        ({"importance_sampling_rejection": "seq-mis", "importance_sampling_rejection_min": 2.0,
-          "importance_sampling_rejection_max": 0.5}, ["importance_sampling_rejection_min"]),
-        ({"importance_sampling_rejection": "bogus", "importance_sampling_rejection_min": 0.5,
-          "importance_sampling_rejection_max": 2.0}, ["importance_sampling_rejection"]),
-        ({"importance_sampling_rejection": "geo-rs", "importance_sampling_rejection_min": 0.999,
-          "importance_sampling_rejection_max": 1.001, "truncated_importance_sampling_type": "seq-mis",
-          "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.5},
-         ["truncated_importance_sampling_type", "importance_sampling_rejection"]),
+        (
+            {"importance_sampling_rejection": "geo-rs", "importance_sampling_rejection_max": 1.001},
+            ["importance_sampling_rejection_min"],
+        ),
+        (
+            {"importance_sampling_rejection_min": 0.5, "importance_sampling_rejection_max": 2.0},
+            ["importance_sampling_rejection"],
+        ),
+        (
+            {
+                "importance_sampling_rejection": "seq-mis",
+                "importance_sampling_rejection_min": 2.0,
+                "importance_sampling_rejection_max": 0.5,
+            },
+            ["importance_sampling_rejection_min"],
+        ),
+        (
+            {
+                "importance_sampling_rejection": "bogus",
+                "importance_sampling_rejection_min": 0.5,
+                "importance_sampling_rejection_max": 2.0,
+            },
+            ["importance_sampling_rejection"],
+        ),
+        (
+            {
+                "importance_sampling_rejection": "geo-rs",
+                "importance_sampling_rejection_min": 0.999,
+                "importance_sampling_rejection_max": 1.001,
+                "truncated_importance_sampling_type": "seq-mis",
+                "truncated_importance_sampling_ratio": 2.0,
+                "truncated_importance_sampling_ratio_min": 0.5,
+            },
+            ["truncated_importance_sampling_type", "importance_sampling_rejection"],
+        ),
         ({"log_ratio_clip_low": -0.1, "log_ratio_clip_high": 0.05}, ["log_ratio_clip_low"]),
         ({"truncated_importance_sampling_ratio": 2.0}, ["truncated_importance_sampling_type"]),  # NeMo-RL: at call
     ],
@@ -129,7 +178,8 @@ def test_contradictions_rejected_naming_fields(kwargs, fields):
 
 def test_rejection_types_run_without_is_weights():
     cfg = ClippedPGLossConfig(
-        truncated_importance_sampling_type="geo-rs", truncated_importance_sampling_ratio_min=0.999,
+        truncated_importance_sampling_type="geo-rs",
+        truncated_importance_sampling_ratio_min=0.999,
         truncated_importance_sampling_ratio=1.001,
     )
     assert not cfg.use_importance_sampling_correction
@@ -137,14 +187,19 @@ def test_rejection_types_run_without_is_weights():
 
 def test_rejection_field_combines_with_token_truncation_and_runs_without_is_weights():
     tis_geo = ClippedPGLossConfig(
-        use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-        truncated_importance_sampling_ratio=2.0, importance_sampling_rejection="geo-rs",
-        importance_sampling_rejection_min=0.999, importance_sampling_rejection_max=1.001,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=2.0,
+        importance_sampling_rejection="geo-rs",
+        importance_sampling_rejection_min=0.999,
+        importance_sampling_rejection_max=1.001,
     )
     assert tis_geo.importance_sampling_rejection == "geo-rs"
     alone = ClippedPGLossConfig(
-        importance_sampling_rejection="seq-mis", importance_sampling_rejection_min=0.5,
-        importance_sampling_rejection_max=2.0, is_correction_level="token",
+        importance_sampling_rejection="seq-mis",
+        importance_sampling_rejection_min=0.5,
+        importance_sampling_rejection_max=2.0,
+        is_correction_level="token",
     )
     assert not alone.use_importance_sampling_correction
 

@@ -19,9 +19,29 @@ FIELDS = sorted(ClippedPGLossConfig.model_fields)
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # values a YAML file can hold, biased towards the ones that mean something to the config
-_LITERALS = ["token", "sequence", "sequence_mean", "cumulative", "sequence_token", "cumulative_mean", "tis", "icepop",
-             "seq-mask-tis", "seq-mis", "geo-rs", "k1", "k2", "k3", "k4", "estimator", "token-mean",
-             "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", ""]
+_LITERALS = [
+    "token",
+    "sequence",
+    "sequence_mean",
+    "cumulative",
+    "sequence_token",
+    "cumulative_mean",
+    "tis",
+    "icepop",
+    "seq-mask-tis",
+    "seq-mis",
+    "geo-rs",
+    "k1",
+    "k2",
+    "k3",
+    "k4",
+    "estimator",
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "",
+]
 scalars = st.one_of(
     st.none(),
     st.booleans(),
@@ -96,11 +116,14 @@ _ACTIVE = {
     "ratio_clip_min": {},
     "ratio_clip_max": {},
     "ratio_clip_c": {},
-    "truncated_importance_sampling_ratio": dict(use_importance_sampling_correction=True,
-                                                truncated_importance_sampling_type="tis"),
-    "truncated_importance_sampling_ratio_min": dict(use_importance_sampling_correction=True,
-                                                    truncated_importance_sampling_type="icepop",
-                                                    truncated_importance_sampling_ratio=5.0),
+    "truncated_importance_sampling_ratio": dict(
+        use_importance_sampling_correction=True, truncated_importance_sampling_type="tis"
+    ),
+    "truncated_importance_sampling_ratio_min": dict(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=5.0,
+    ),
     "positive_example_nll_weight": {},
     "log_ratio_clip_low": dict(log_ratio_clip_high=0.05),
     "log_ratio_clip_high": dict(log_ratio_clip_low=0.025),
@@ -109,10 +132,12 @@ _ACTIVE = {
     "token_log_ratio_clamp": {},
     "max_log_ratio": {},
     "importance_sampling_veto_threshold": {},
-    "importance_sampling_rejection_min": dict(importance_sampling_rejection="geo-rs",
-                                              importance_sampling_rejection_max=1.001),
-    "importance_sampling_rejection_max": dict(importance_sampling_rejection="geo-rs",
-                                              importance_sampling_rejection_min=0.999),
+    "importance_sampling_rejection_min": dict(
+        importance_sampling_rejection="geo-rs", importance_sampling_rejection_max=1.001
+    ),
+    "importance_sampling_rejection_max": dict(
+        importance_sampling_rejection="geo-rs", importance_sampling_rejection_min=0.999
+    ),
     "loss_aggregation_norm": dict(loss_aggregation="seq-mean-token-sum-norm", token_level_loss=False),
 }
 
@@ -153,4 +178,3 @@ def test_malformed_yaml_recipe_gives_a_recipe_error(tmp_path_factory, text):
         load_recipe(path)
     except (ConfigError, ValidationError):  # RecipeError is a ConfigError; both are ValueErrors naming the problem
         pass
-

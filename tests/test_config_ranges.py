@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pydantic
 import pytest
+from helpers.golden_utils import load_cases
 from omegaconf import OmegaConf
 
-from helpers.golden_utils import load_cases
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.config.ranges import NUMERIC_RANGES
 
@@ -26,11 +26,14 @@ COMPANIONS = {
     "ratio_clip_min": {},
     "ratio_clip_max": {},
     "ratio_clip_c": {},
-    "truncated_importance_sampling_ratio": dict(use_importance_sampling_correction=True,
-                                                truncated_importance_sampling_type="tis"),
-    "truncated_importance_sampling_ratio_min": dict(use_importance_sampling_correction=True,
-                                                    truncated_importance_sampling_type="icepop",
-                                                    truncated_importance_sampling_ratio=5.0),
+    "truncated_importance_sampling_ratio": dict(
+        use_importance_sampling_correction=True, truncated_importance_sampling_type="tis"
+    ),
+    "truncated_importance_sampling_ratio_min": dict(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=5.0,
+    ),
     "positive_example_nll_weight": {},
     "log_ratio_clip_low": dict(log_ratio_clip_high=0.05),
     "log_ratio_clip_high": dict(log_ratio_clip_low=0.025),
@@ -38,10 +41,12 @@ COMPANIONS = {
     "clip_position_power": dict(log_ratio_clip_low=0.025, log_ratio_clip_high=0.05),
     "token_log_ratio_clamp": {},
     "max_log_ratio": {},
-    "importance_sampling_rejection_min": dict(importance_sampling_rejection="geo-rs",
-                                              importance_sampling_rejection_max=1.001),
-    "importance_sampling_rejection_max": dict(importance_sampling_rejection="geo-rs",
-                                              importance_sampling_rejection_min=0.999),
+    "importance_sampling_rejection_min": dict(
+        importance_sampling_rejection="geo-rs", importance_sampling_rejection_max=1.001
+    ),
+    "importance_sampling_rejection_max": dict(
+        importance_sampling_rejection="geo-rs", importance_sampling_rejection_min=0.999
+    ),
     "importance_sampling_veto_threshold": {},
     "loss_aggregation_norm": dict(loss_aggregation="seq-mean-token-sum-norm"),
 }
@@ -88,13 +93,16 @@ def test_boundary(key, value, accepted):
         assert NUMERIC_RANGES[key].fix in message
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    ({"ratio_clip_max": -0.5}, "ratio_clip_max"),
-    ({"ratio_clip_min": -0.1}, "ratio_clip_min"),
-    ({"ratio_clip_min": 1.5}, "ratio_clip_min"),
-    ({"reference_policy_kl_penalty": -0.1}, "reference_policy_kl_penalty"),
-    ({"kl_input_clamp_value": -1}, "kl_input_clamp_value"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"ratio_clip_max": -0.5}, "ratio_clip_max"),
+        ({"ratio_clip_min": -0.1}, "ratio_clip_min"),
+        ({"ratio_clip_min": 1.5}, "ratio_clip_min"),
+        ({"reference_policy_kl_penalty": -0.1}, "reference_policy_kl_penalty"),
+        ({"kl_input_clamp_value": -1}, "kl_input_clamp_value"),
+    ],
+)
 def test_the_reported_settings_are_refused(kwargs, key):
     with pytest.raises(pydantic.ValidationError, match=re.escape(key) + r"=\S+ is outside its valid range"):
         ClippedPGLossConfig(**kwargs)

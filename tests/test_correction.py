@@ -19,11 +19,34 @@ MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=F64)
 LAY = TokenLayout.padded(2, 3)
 
 
-def run(level="token", legacy=False, truncation=None, low=None, high=None, veto=None, bn=False, apply=True,
-        rejection=None, band=(None, None)):
+def run(
+    level="token",
+    legacy=False,
+    truncation=None,
+    low=None,
+    high=None,
+    veto=None,
+    bn=False,
+    apply=True,
+    rejection=None,
+    band=(None, None),
+):
     return compute_is_correction(
-        PREV, GEN, MASK, MASK, LAY, level=level, legacy=legacy, apply_weights=apply, truncation=truncation,
-        low=low, high=high, veto_threshold=veto, batch_normalize=bn, rejection=rejection, rejection_low=band[0],
+        PREV,
+        GEN,
+        MASK,
+        MASK,
+        LAY,
+        level=level,
+        legacy=legacy,
+        apply_weights=apply,
+        truncation=truncation,
+        low=low,
+        high=high,
+        veto_threshold=veto,
+        batch_normalize=bn,
+        rejection=rejection,
+        rejection_low=band[0],
         rejection_high=band[1],
     )
 

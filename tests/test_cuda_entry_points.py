@@ -12,12 +12,12 @@ gradients come back in bf16: one rounding step, rtol 1e-2 of the largest entry.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
-
 from distributed._loss_cases import LOSS_CONFIGS, cu_seqlens, global_counts, make_batch, pack, padded_lengths
+
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss
 from nemo_is_plugin.distributed.context_parallel import CPTokenLayout
@@ -46,8 +46,11 @@ def compare(run: Callable[[str, torch.dtype], Result], device: str, dtype: torch
     want, got = run("cpu", dtype), run(device, dtype)
     torch.testing.assert_close(got[0].detach().cpu().float(), want[0].detach().float(), rtol=1e-5, atol=1e-6)
     assert got[1].keys() == want[1].keys()
-    bad = {k: (got[1][k], v) for k, v in want[1].items()
-           if not (math.isclose(got[1][k], v, rel_tol=1e-4, abs_tol=1e-6) or (math.isnan(v) and math.isnan(got[1][k])))}
+    bad = {
+        k: (got[1][k], v)
+        for k, v in want[1].items()
+        if not (math.isclose(got[1][k], v, rel_tol=1e-4, abs_tol=1e-6) or (math.isnan(v) and math.isnan(got[1][k])))
+    }
     assert not bad, f"metrics differ (got, want): {bad}"
     grad_rtol = 1e-2 if dtype == torch.bfloat16 else 1e-4
     for g, w in zip(got[2:], want[2:]):
@@ -64,7 +67,8 @@ def logit_padded(name: str) -> Callable[[str, torch.dtype], Result]:
         x = _leaf(logits, device, dtype)
         d = _to(data, device)
         loss, metrics = LogitClippedPGLoss(ClippedPGLoss(LOSS_CONFIGS[name]), chunk_size=7, log_entropy=True)(
-            x, d, *global_counts(d))
+            x, d, *global_counts(d)
+        )
         loss.backward()
         return loss, metrics, x.grad
 
@@ -80,7 +84,8 @@ def logit_packed(name: str) -> Callable[[str, torch.dtype], Result]:
         x = _leaf(packed, device, dtype)
         d = _to(data, device)
         loss, metrics = LogitClippedPGLoss(ClippedPGLoss(LOSS_CONFIGS[name]), chunk_size=7)(
-            x, d, *global_counts(d), cu_seqlens_padded=cu.to(device))
+            x, d, *global_counts(d), cu_seqlens_padded=cu.to(device)
+        )
         loss.backward()
         return loss, metrics, x.grad
 
@@ -112,12 +117,27 @@ def nemo_rl_adapter(name: str, input_type: str) -> Callable[[str, torch.dtype], 
 VERL_CONFIGS = {
     "vanilla": ({}, "none"),
     "verl_weights": ({}, "weights"),
-    "gspo_seq_mean_tis": ({"use_importance_sampling_correction": True, "is_correction_level": "sequence_mean",
-                           "ratio_level": "sequence", "truncated_importance_sampling_type": "tis",
-                           "truncated_importance_sampling_ratio": 2.0}, "log_probs"),
-    "ctpo_geo_rs": ({"ratio_level": "cumulative", "log_ratio_clip_low": 0.025, "log_ratio_clip_high": 0.05,
-                     "importance_sampling_rejection": "geo-rs", "importance_sampling_rejection_min": 0.9,
-                     "importance_sampling_rejection_max": 1.1}, "log_probs"),
+    "gspo_seq_mean_tis": (
+        {
+            "use_importance_sampling_correction": True,
+            "is_correction_level": "sequence_mean",
+            "ratio_level": "sequence",
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 2.0,
+        },
+        "log_probs",
+    ),
+    "ctpo_geo_rs": (
+        {
+            "ratio_level": "cumulative",
+            "log_ratio_clip_low": 0.025,
+            "log_ratio_clip_high": 0.05,
+            "importance_sampling_rejection": "geo-rs",
+            "importance_sampling_rejection_min": 0.9,
+            "importance_sampling_rejection_max": 1.1,
+        },
+        "log_probs",
+    ),
 }
 ACTOR = {"clip_ratio": 0.2, "clip_ratio_c": 3.0, "global_batch_info": {}}
 
@@ -152,8 +172,10 @@ def cp_layout_loss(name: str, order: str) -> Callable[[str, torch.dtype], Result
     mult = num_chunks(1, order)
     lp = padded_lengths(lengths, mult)
     n_seq, n_tok = global_counts(data)
-    tokens = {k: pack(data[k][:, 1:].float(), lp) for k in ("token_mask", "advantages", "prev_logprobs",
-                                                           "generation_logprobs", "reference_policy_logprobs")}
+    tokens = {
+        k: pack(data[k][:, 1:].float(), lp)
+        for k in ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
+    }
     curr = (tokens["prev_logprobs"] + 0.05 * torch.sin(torch.arange(len(tokens["prev_logprobs"])))).clamp(max=0)
     loss_fn = ClippedPGLoss(LOSS_CONFIGS[name])
 
@@ -163,10 +185,16 @@ def cp_layout_loss(name: str, order: str) -> Callable[[str, torch.dtype], Result
         t = {k: v.to(device, dtype if k.endswith("logprobs") else torch.float32) for k, v in tokens.items()}
         c = _leaf(curr, device, dtype)
         inputs = LossInputs(
-            curr_logprobs=c, prev_logprobs=t["prev_logprobs"], generation_logprobs=t["generation_logprobs"],
-            reference_logprobs=t["reference_policy_logprobs"], advantages=t["advantages"],
-            token_mask=t["token_mask"], sample_mask=data["sample_mask"].to(device), global_valid_seqs=float(n_seq),
-            global_valid_toks=float(n_tok), rewards=data["rewards"].to(device),
+            curr_logprobs=c,
+            prev_logprobs=t["prev_logprobs"],
+            generation_logprobs=t["generation_logprobs"],
+            reference_logprobs=t["reference_policy_logprobs"],
+            advantages=t["advantages"],
+            token_mask=t["token_mask"],
+            sample_mask=data["sample_mask"].to(device),
+            global_valid_seqs=float(n_seq),
+            global_valid_toks=float(n_tok),
+            rewards=data["rewards"].to(device),
         )
         loss, metrics = loss_fn.compute(inputs, layout)
         loss.backward()
@@ -193,14 +221,25 @@ def diagnostics(level: str) -> Callable[[str, torch.dtype], Result]:
 
 CASES = (
     [pytest.param(logit_padded(n), id=f"logit_padded-{n}") for n in sorted(LOSS_CONFIGS)]
-    + [pytest.param(logit_packed(n), id=f"logit_packed-{n}") for n in ("nemo_rl_default", "ctpo_cumulative_is",
-                                                                        "gspo_legacy", "seq_mis_veto")]
-    + [pytest.param(nemo_rl_adapter(n, it), id=f"nemo_rl_{it}-{n}") for it in ("logprob", "logit")
-       for n in ("nemo_rl_default", "gspo_legacy", "gspo_token_seqmean_is_tis", "reinforce_on_policy_kl_nll")]
-    + [pytest.param(verl_adapter(n, agg), id=f"verl-{n}-{agg}") for n in VERL_CONFIGS
-       for agg in ("token-mean", "seq-mean-token-mean")]
-    + [pytest.param(cp_layout_loss(n, o), id=f"cp_layout-{n}-{o}") for o in ("load_balanced", "contiguous")
-       for n in ("ctpo_cumulative_is", "gspo_token_seqmean_is_tis", "geo_rs_batch_norm")]
+    + [
+        pytest.param(logit_packed(n), id=f"logit_packed-{n}")
+        for n in ("nemo_rl_default", "ctpo_cumulative_is", "gspo_legacy", "seq_mis_veto")
+    ]
+    + [
+        pytest.param(nemo_rl_adapter(n, it), id=f"nemo_rl_{it}-{n}")
+        for it in ("logprob", "logit")
+        for n in ("nemo_rl_default", "gspo_legacy", "gspo_token_seqmean_is_tis", "reinforce_on_policy_kl_nll")
+    ]
+    + [
+        pytest.param(verl_adapter(n, agg), id=f"verl-{n}-{agg}")
+        for n in VERL_CONFIGS
+        for agg in ("token-mean", "seq-mean-token-mean")
+    ]
+    + [
+        pytest.param(cp_layout_loss(n, o), id=f"cp_layout-{n}-{o}")
+        for o in ("load_balanced", "contiguous")
+        for n in ("ctpo_cumulative_is", "gspo_token_seqmean_is_tis", "geo_rs_batch_norm")
+    ]
     + [pytest.param(diagnostics(level), id=f"diagnostics-{level}") for level in IS_LEVELS]
 )
 

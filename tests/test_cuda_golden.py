@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.golden_calls import PluginCall, assert_same_outcome, golden_calls, no_guard
 
 CALLS = golden_calls()

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.device_guard import DeviceLessTensorError, count_host_syncs, device_guard
 from helpers.golden_calls import assert_same_outcome, case_format, golden_calls, load_suite, no_guard, suites
+
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.loss.metrics import MetricBook
 
@@ -40,8 +40,21 @@ CALLS = golden_calls()
         lambda: torch.rand(2),
         lambda: torch.randn(2),
     ],
-    ids=["zeros", "zeros_0d", "ones", "empty", "full", "tensor", "as_tensor_list", "as_tensor_float", "arange",
-         "linspace", "eye", "rand", "randn"],
+    ids=[
+        "zeros",
+        "zeros_0d",
+        "ones",
+        "empty",
+        "full",
+        "tensor",
+        "as_tensor_list",
+        "as_tensor_float",
+        "arange",
+        "linspace",
+        "eye",
+        "rand",
+        "randn",
+    ],
 )
 def test_guard_rejects_a_factory_without_device(make):
     with device_guard(), pytest.raises(DeviceLessTensorError, match=r"without device=.*test_device_guard\.py"):
@@ -52,9 +65,15 @@ def test_guard_lets_device_aware_code_through_with_real_values():
     x = torch.arange(4.0)
     with device_guard():
         out = [
-            torch.zeros(2, device=x.device), torch.tensor(2.0, device=x.device), torch.as_tensor(x),
-            torch.as_tensor(x, dtype=torch.float64), torch.zeros_like(x), x.new_zeros(2), torch.full_like(x, 3.0),
-            torch.where(x > 1, x, 0.0), x * 2.0 + 1,
+            torch.zeros(2, device=x.device),
+            torch.tensor(2.0, device=x.device),
+            torch.as_tensor(x),
+            torch.as_tensor(x, dtype=torch.float64),
+            torch.zeros_like(x),
+            x.new_zeros(2),
+            torch.full_like(x, 3.0),
+            torch.where(x > 1, x, 0.0),
+            x * 2.0 + 1,
         ]
     assert all(t.device == x.device for t in out)
     torch.testing.assert_close(out[8], torch.tensor([1.0, 3.0, 5.0, 7.0]))
@@ -102,8 +121,14 @@ def test_sync_counter_sees_every_kind_of_host_read():
         y[x < 0] = 0.0
         torch.equal(x, y)
     ops = [r.op for r in syncs.records]
-    assert ops == ["aten._local_scalar_dense"] * 3 + ["Tensor.tolist", "aten.nonzero", "aten.index",
-                                                      "aten.repeat_interleave", "aten.index_put_", "aten.equal"], ops
+    assert ops == ["aten._local_scalar_dense"] * 3 + [
+        "Tensor.tolist",
+        "aten.nonzero",
+        "aten.index",
+        "aten.repeat_interleave",
+        "aten.index_put_",
+        "aten.equal",
+    ], ops
     assert all("test_device_guard.py" in r.where for r in syncs.records)
 
 
@@ -145,8 +170,10 @@ _HOST_DEVICE = re.compile(r"""\.cpu\(\)|\.numpy\(\)|device\s*=\s*["']cpu["']|tor
 # (file, line) pairs that name the host on purpose, with the reason.
 _HOST_BY_DESIGN = {
     ("distributed/groups.py", 'return torch.device("cpu")'): "gloo / MPI collectives reduce host tensors",
-    ("adapters/rollout_dump.py", 'host = torch.cat(parts).to("cpu", torch.float64).numpy()  # the one device -> host '
-     'transfer'): "the opt-in rollout dump writes a file on the host: one copy per training step",
+    (
+        "adapters/rollout_dump.py",
+        'host = torch.cat(parts).to("cpu", torch.float64).numpy()  # the one device -> host transfer',
+    ): "the opt-in rollout dump writes a file on the host: one copy per training step",
 }
 
 
@@ -155,7 +182,8 @@ def test_loss_path_code_names_no_host_device():
     root = Path(__file__).resolve().parents[1] / "nemo_is_plugin"
     hits = [
         f"{path.relative_to(root)}:{n}: {line.strip()}"
-        for path in sorted(root.rglob("*.py")) if path.relative_to(root).parts[0] not in _HOST_SIDE
+        for path in sorted(root.rglob("*.py"))
+        if path.relative_to(root).parts[0] not in _HOST_SIDE
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if _HOST_DEVICE.search(line) and (str(path.relative_to(root)), line.strip()) not in _HOST_BY_DESIGN
     ]
@@ -165,6 +193,12 @@ def test_loss_path_code_names_no_host_device():
 def test_build_loss_fn_reads_no_tensor():
     """Building the loss creates no tensor at all (configs are validated on the host)."""
     with device_guard(), count_host_syncs() as syncs:
-        build_loss_fn({"is_correction_level": "sequence_mean", "use_importance_sampling_correction": True,
-                       "sequence_level_importance_ratios": True, "token_level_loss": False})
+        build_loss_fn(
+            {
+                "is_correction_level": "sequence_mean",
+                "use_importance_sampling_correction": True,
+                "sequence_level_importance_ratios": True,
+                "token_level_loss": False,
+            }
+        )
     assert len(syncs) == 0

@@ -71,16 +71,30 @@ def _nemo_rl_names(tmp_path: Path) -> dict:
     master = OmegaConf.to_container(OmegaConf.load(EXAMPLE))
     (tmp_path / "grpo.yaml").write_text((ROOT / "configs" / "examples" / "nemo_rl_grpo_tis.yaml").read_text())
     mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
-    verl_batch = types.SimpleNamespace(batch={
-        "old_log_probs": data["prev_logprobs"], "rollout_log_probs": data["generation_logprobs"],
-        "response_mask": data["token_mask"], "advantages": data["advantages"], "token_level_scores": data["token_mask"]})
+    verl_batch = types.SimpleNamespace(
+        batch={
+            "old_log_probs": data["prev_logprobs"],
+            "rollout_log_probs": data["generation_logprobs"],
+            "response_mask": data["token_mask"],
+            "advantages": data["advantages"],
+            "token_level_scores": data["token_mask"],
+        }
+    )
     return {
-        "master_config": master, "logprobs": logprobs, "n_seq": data["sample_mask"].sum(), "n_tok": mask.sum(),
-        "batch": verl_batch, "train_data": collections.UserDict(data), "step": 0,
-        "repeated_batch": {"total_reward": data["rewards"]}, "self": types.SimpleNamespace(global_steps=0),
-        "torch": torch, "_data": data,
+        "master_config": master,
+        "logprobs": logprobs,
+        "n_seq": data["sample_mask"].sum(),
+        "n_tok": mask.sum(),
+        "batch": verl_batch,
+        "train_data": collections.UserDict(data),
+        "step": 0,
+        "repeated_batch": {"total_reward": data["rewards"]},
+        "self": types.SimpleNamespace(global_steps=0),
+        "torch": torch,
+        "_data": data,
         # grpo.setup's names around the one-line swap
-        "loss_config": master["loss_fn"], "use_fused_linear_logprobs": False,
+        "loss_config": master["loss_fn"],
+        "use_fused_linear_logprobs": False,
     }
 
 
@@ -97,8 +111,12 @@ def _diagnose_names(tmp_path: Path) -> dict:
     return {}
 
 
-NAMES = {"README.md": _readme_names, "docs/nemo_rl.md": _nemo_rl_names, "docs/verl.md": _nemo_rl_names,
-         "docs/diagnose.md": _diagnose_names}
+NAMES = {
+    "README.md": _readme_names,
+    "docs/nemo_rl.md": _nemo_rl_names,
+    "docs/verl.md": _nemo_rl_names,
+    "docs/diagnose.md": _diagnose_names,
+}
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "python")])
@@ -154,9 +172,11 @@ def test_command_line_parses(case):
         pytest.fail(f"`nemo-is {' '.join(args)}`: {exc.format_message()}")
 
 
-@pytest.mark.parametrize("case", [c for c in COMMANDS if c[2][0] == "validate" and len(c[2]) > 1
-                                  and (ROOT / c[2][1]).is_file()],
-                         ids=lambda c: " ".join(c[2]))
+@pytest.mark.parametrize(
+    "case",
+    [c for c in COMMANDS if c[2][0] == "validate" and len(c[2]) > 1 and (ROOT / c[2][1]).is_file()],
+    ids=lambda c: " ".join(c[2]),
+)
 def test_validate_command_runs(case, monkeypatch):
     monkeypatch.chdir(ROOT)
     result = CliRunner().invoke(app, case[2])
@@ -171,10 +191,13 @@ def test_the_diagnose_example_is_the_current_output(tmp_path):
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        write_dump(synthetic_records(128, min_len=16, max_len=4096, mismatch_std=0.02, steps=4, seed=7),
-                   "runs/synthetic/rollouts.jsonl")
-        result = CliRunner().invoke(app, ["diagnose", "runs/synthetic/rollouts.jsonl", "--no-plots"],
-                                    env={"COLUMNS": "140"})
+        write_dump(
+            synthetic_records(128, min_len=16, max_len=4096, mismatch_std=0.02, steps=4, seed=7),
+            "runs/synthetic/rollouts.jsonl",
+        )
+        result = CliRunner().invoke(
+            app, ["diagnose", "runs/synthetic/rollouts.jsonl", "--no-plots"], env={"COLUMNS": "140"}
+        )
     finally:
         os.chdir(cwd)
     assert result.exit_code == 0, result.output
@@ -189,7 +212,8 @@ def test_demo_numbers_are_the_committed_summary(page):
     summary = json.loads(SUMMARY.read_text())
     tag, render = BLOCKS[page]
     assert quoted((ROOT / page).read_text(), tag) == render(summary), (
-        f"{page} does not quote docs/demo_summary.json: run python -m nemo_is_plugin.demo.summary {SUMMARY}")
+        f"{page} does not quote docs/demo_summary.json: run python -m nemo_is_plugin.demo.summary {SUMMARY}"
+    )
 
 
 def test_the_committed_summary_is_a_default_run():

@@ -94,19 +94,29 @@ def test_documented_file_exists(path):
 
 def test_the_public_entry_points_are_documented():
     """The paths users start from are among those checked (so the extraction finds them at all)."""
-    for name in ("nemo_is_plugin.build_loss_fn", "nemo_is_plugin.adapters.nemo_rl.NeMoRLLossFn",
-                 "nemo_is_plugin.loss.ClippedPGLoss", "nemo_is_plugin.cli.main.app",
-                 "nemo_is_plugin.registry.build_loss", "nemo_is_plugin.recipes.load_loss_spec",
-                 "nemo_is_plugin.adapters.verl_plugin"):
+    for name in (
+        "nemo_is_plugin.build_loss_fn",
+        "nemo_is_plugin.adapters.nemo_rl.NeMoRLLossFn",
+        "nemo_is_plugin.loss.ClippedPGLoss",
+        "nemo_is_plugin.cli.main.app",
+        "nemo_is_plugin.registry.build_loss",
+        "nemo_is_plugin.recipes.load_loss_spec",
+        "nemo_is_plugin.adapters.verl_plugin",
+    ):
         assert name in DOTTED, name
 
 
 def test_a_path_that_does_not_exist_is_caught():
-    text = ("```python\nfrom nemo_is_plugin.loss import ClippedPGLoss, NoSuchLoss\n```\n"
-            "see `nemo_is_plugin.no_such_module.f` and `nemo_is_plugin/no_such_file.py`")
+    text = (
+        "```python\nfrom nemo_is_plugin.loss import ClippedPGLoss, NoSuchLoss\n```\n"
+        "see `nemo_is_plugin.no_such_module.f` and `nemo_is_plugin/no_such_file.py`"
+    )
     dotted, files = extract(text)
-    assert {"nemo_is_plugin.loss.ClippedPGLoss", "nemo_is_plugin.loss.NoSuchLoss",
-            "nemo_is_plugin.no_such_module.f"} <= dotted
+    assert {
+        "nemo_is_plugin.loss.ClippedPGLoss",
+        "nemo_is_plugin.loss.NoSuchLoss",
+        "nemo_is_plugin.no_such_module.f",
+    } <= dotted
     assert files == {"nemo_is_plugin/no_such_file.py"}
     resolve("nemo_is_plugin.loss.ClippedPGLoss")
     with pytest.raises(AttributeError):

@@ -19,9 +19,9 @@ import math
 
 import pytest
 import torch
-
 from helpers.golden_ctpo import ctpo_config, ctpo_inputs, is_la, loss_rtol
 from helpers.golden_utils import case_ids, load_named_cases
+
 from nemo_is_plugin import build_loss_fn, finalize_metrics
 from nemo_is_plugin.loss.surrogate import log_space_clip_surrogate
 
@@ -106,8 +106,11 @@ def test_metrics(case):
     assert not bad, f"{case['id']} {case['description']}: (plugin key, got, want): {bad}"
 
 
-@pytest.mark.parametrize("case", [c for c in VALID if c["params"]["uses_rollout_is_weights"]],
-                         ids=case_ids([c for c in VALID if c["params"]["uses_rollout_is_weights"]]))
+@pytest.mark.parametrize(
+    "case",
+    [c for c in VALID if c["params"]["uses_rollout_is_weights"]],
+    ids=case_ids([c for c in VALID if c["params"]["uses_rollout_is_weights"]]),
+)
 def test_rollout_is_weights_are_applied_as_given(case):
     """The mapping g = old - log w hands the plugin exactly the reference's weights (no truncation configured)."""
     _, _, metrics, inputs = run_plugin(case)
@@ -139,12 +142,12 @@ def reference_formulas(case: dict, power: float | None = None):
     S, n = torch.cumsum(m * d, -1), torch.cumsum(m, -1)
     k = S if params["ratio_mode"] == "cumprod" else S / n.clamp(min=1)
     k = torch.where(m > 0, k, torch.zeros_like(k)).detach()
-    l = torch.clamp(k + lp - lp.detach(), max=10.0)
-    r = torch.where(m > 0, torch.exp(l), torch.zeros_like(l))
+    log_r = torch.clamp(k + lp - lp.detach(), max=10.0)
+    r = torch.where(m > 0, torch.exp(log_r), torch.zeros_like(log_r))
     if is_la(params):
         p = ref["clip_ratio_la_power"] if power is None else power
         s = n.clamp(min=1) ** p
-        rc = torch.exp(torch.minimum(torch.maximum(l, -ref["la_clip_low"] * s), ref["la_clip_high"] * s))
+        rc = torch.exp(torch.minimum(torch.maximum(log_r, -ref["la_clip_low"] * s), ref["la_clip_high"] * s))
         rc = torch.where(m > 0, rc, torch.zeros_like(rc))
         c = torch.where(m > 0, torch.exp(ref["la_clip_c"] * s), torch.zeros_like(s))
     else:
@@ -215,8 +218,13 @@ def test_la_power_zero_is_not_the_ratio_space_clip():
     assert not torch.allclose(grad_la, grad_plain)
     # The windows themselves: e^-0.2 = 0.8187 vs 0.8, e^0.2 = 1.2214 vs 1.2; dual e^{ln 3} = 3 = c.
     out = log_space_clip_surrogate(
-        torch.log(torch.tensor([0.5, 2.0, 5.0])), torch.tensor([1.0, 1.0, -1.0]), torch.ones(3),
-        eps_low=0.2, eps_high=0.2, eps_c=math.log(3.0), power=0.0,
+        torch.log(torch.tensor([0.5, 2.0, 5.0])),
+        torch.tensor([1.0, 1.0, -1.0]),
+        torch.ones(3),
+        eps_low=0.2,
+        eps_high=0.2,
+        eps_c=math.log(3.0),
+        power=0.0,
     )
     torch.testing.assert_close(out.clipped_ratio[:2], torch.tensor([math.exp(-0.2), math.exp(0.2)]))
     torch.testing.assert_close(out.loss[2], torch.tensor(3.0))
@@ -250,8 +258,13 @@ def test_stale_launch_comment_lower_bound():
     would need low = 0.03); the upper bound is e^{0.5} = 1.65 as the comment says."""
     t = torch.tensor([100.0, 100.0])
     out = log_space_clip_surrogate(
-        torch.log(torch.tensor([0.01, 100.0])), torch.tensor([-1.0, 1.0]), t,
-        eps_low=0.025, eps_high=0.05, eps_c=None, power=0.5,
+        torch.log(torch.tensor([0.01, 100.0])),
+        torch.tensor([-1.0, 1.0]),
+        t,
+        eps_low=0.025,
+        eps_high=0.05,
+        eps_c=None,
+        power=0.5,
     )
     torch.testing.assert_close(out.clipped_ratio, torch.tensor([math.exp(-0.25), math.exp(0.5)]))
     assert abs(float(out.clipped_ratio[0]) - 0.74) > 0.03 and abs(float(out.clipped_ratio[1]) - 1.65) < 0.01

@@ -9,8 +9,8 @@ import re
 import pydantic
 import pytest
 import torch
-
 from helpers.golden_utils import case_ids, load_cases, metric_close
+
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.config import ConfigValidationError
 
@@ -18,14 +18,17 @@ CASES = load_cases("nemo_rl")
 VALID = [c for c in CASES if "error" not in c["expected"]]
 REJECTED = [c for c in CASES if "error" in c["expected"]]
 
+
 @pytest.mark.parametrize("case", VALID, ids=case_ids(VALID))
 def test_golden_case(case):
     x = case["inputs"]["next_token_logprobs"].clone().requires_grad_(True)
     data = {k: v for k, v in case["inputs"].items() if k != "next_token_logprobs"}
     loss_fn = build_loss_fn(case["config"])
     loss, metrics = loss_fn(
-        next_token_logprobs=x, data=data,
-        global_valid_seqs=case["global_valid_seqs"], global_valid_toks=case["global_valid_toks"],
+        next_token_logprobs=x,
+        data=data,
+        global_valid_seqs=case["global_valid_seqs"],
+        global_valid_toks=case["global_valid_toks"],
     )
     want = case["expected"]
     torch.testing.assert_close(loss.detach(), want["loss"].to(loss.dtype), rtol=1e-4, atol=1e-6)
@@ -35,7 +38,11 @@ def test_golden_case(case):
     else:
         grad = torch.zeros_like(x)
     torch.testing.assert_close(grad, want["grad_next_token_logprobs"], rtol=1e-4, atol=1e-6)
-    bad = {k: (metrics.get(k), v) for k, v in want["metrics"].items() if k not in metrics or not metric_close(k, metrics[k], v)}
+    bad = {
+        k: (metrics.get(k), v)
+        for k, v in want["metrics"].items()
+        if k not in metrics or not metric_close(k, metrics[k], v)
+    }
     assert not bad, f"{case['id']} {case['description']}: metric mismatches (got, want): {bad}"
 
 

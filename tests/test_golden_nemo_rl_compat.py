@@ -12,8 +12,8 @@ import warnings
 
 import pytest
 import torch
-
 from helpers.golden_utils import case_ids, load_cases, metric_close
+
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.config import ConfigValidationError
 
@@ -29,8 +29,10 @@ def _run(case, config=None):
         inputs["curr_logprobs_unfiltered"] = inputs["curr_logprobs_unfiltered"].clone().requires_grad_(True)
         leaves.append(inputs["curr_logprobs_unfiltered"])
     loss, metrics = build_loss_fn(config or case["config"])(
-        next_token_logprobs=x, data=inputs,
-        global_valid_seqs=case["global_valid_seqs"], global_valid_toks=case["global_valid_toks"],
+        next_token_logprobs=x,
+        data=inputs,
+        global_valid_seqs=case["global_valid_seqs"],
+        global_valid_toks=case["global_valid_toks"],
     )
     grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else [None] * len(leaves)
     grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
@@ -51,7 +53,12 @@ def _finite_grad(want: torch.Tensor) -> torch.Tensor:
 def test_suite_covers_every_kind():
     kinds = [c["description"].split()[0] for c in CASES]
     assert len(CASES) == 38 and {k: kinds.count(k) for k in KINDS} == {
-        "unfiltered": 10, "neg_inf_gen": 10, "positive": 10, "nll_no_rewards": 4, "force_and_disable": 4}
+        "unfiltered": 10,
+        "neg_inf_gen": 10,
+        "positive": 10,
+        "nll_no_rewards": 4,
+        "force_and_disable": 4,
+    }
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_ids(CASES))
@@ -64,8 +71,11 @@ def test_golden_case(case):
     torch.testing.assert_close(grads[0], _finite_grad(want["grad_next_token_logprobs"]), rtol=1e-4, atol=1e-6)
     if "grad_curr_logprobs_unfiltered" in want:
         torch.testing.assert_close(grads[1], want["grad_curr_logprobs_unfiltered"], rtol=1e-4, atol=1e-6)
-    bad = {k: (metrics.get(k), v) for k, v in want["metrics"].items() if k not in metrics
-           or not metric_close(k, metrics[k], v)}
+    bad = {
+        k: (metrics.get(k), v)
+        for k, v in want["metrics"].items()
+        if k not in metrics or not metric_close(k, metrics[k], v)
+    }
     assert not bad, f"{case['id']} {case['description']}: metric mismatches (got, want): {bad}"
 
 
@@ -92,7 +102,7 @@ def test_neg_inf_generation_is_reported_and_refused_in_strict_mode(case):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loss, metrics, _ = _run(case)
-    valid = (case["inputs"]["token_mask"][:, 1:] * case["inputs"]["sample_mask"][:, None])
+    valid = case["inputs"]["token_mask"][:, 1:] * case["inputs"]["sample_mask"][:, None]
     bad = (~torch.isfinite(case["inputs"]["generation_logprobs"][:, 1:]) & (valid != 0)).sum().item()
     assert bad == 1 and torch.isfinite(loss)
     assert metrics["input_nonfinite_generation_fraction"] == pytest.approx(1 / float(case["global_valid_toks"]))

@@ -16,9 +16,9 @@ import re
 
 import pytest
 import torch
-
 from helpers.golden_utils import case_ids, load_named_cases
 from helpers.golden_verl import loss_inputs, plugin_keys
+
 from nemo_is_plugin import build_loss_fn, finalize_metrics
 from nemo_is_plugin.adapters.verl_config import (
     preset_settings,
@@ -43,8 +43,9 @@ def correction(keys: dict, case: dict):
     cfg = ClippedPGLossConfig(**keys)
     inputs, layout = loss_inputs(case)
     tm = inputs.token_mask
-    return compute_is_correction(inputs.prev_logprobs, inputs.generation_logprobs, tm, tm, layout,
-                                 **is_correction_kwargs(cfg))
+    return compute_is_correction(
+        inputs.prev_logprobs, inputs.generation_logprobs, tm, tm, layout, **is_correction_kwargs(cfg)
+    )
 
 
 def applied_weights(keys: dict, case: dict):
@@ -134,15 +135,22 @@ def test_k1_bounds_follow_verls_code_not_its_docs(case):
     lo <= rho <= hi. The mapping reproduces the code; the documented band is the k1 rule with bounds
     [-log hi, -log lo]. The two agree for reciprocal pairs and differ on the asymmetric cases (010, 016) exactly on the
     tokens / sequences whose rho lies in one band only."""
-    (rule,) = [r for r in rejection_rules(case["params"]["rollout_rs"], case["params"]["rollout_rs_threshold"])
-               if r["statistic"] == "k1"]
+    (rule,) = [
+        r
+        for r in rejection_rules(case["params"]["rollout_rs"], case["params"]["rollout_rs_threshold"])
+        if r["statistic"] == "k1"
+    ]
     lo, hi = math.exp(rule["min"]), math.exp(rule["max"])
     documented = dict(rule, min=-math.log(hi), max=-math.log(lo))
     verl_like = correction({"importance_sampling_rejection_rules": [rule]}, case)
     literal = correction({"importance_sampling_rejection_rules": [documented]}, case)
     x, m = _x64(case)
-    stat = x if rule["aggregation"] == "token" else (m * x).sum(-1, keepdim=True).expand_as(x) / (
-        1.0 if rule["aggregation"] == "sequence_sum" else m.sum(-1, keepdim=True) + 1e-8)
+    stat = (
+        x
+        if rule["aggregation"] == "token"
+        else (m * x).sum(-1, keepdim=True).expand_as(x)
+        / (1.0 if rule["aggregation"] == "sequence_sum" else m.sum(-1, keepdim=True) + 1e-8)
+    )
     in_code = (stat >= -math.log(hi)) & (stat <= -math.log(lo))
     in_docs = (stat >= math.log(lo)) & (stat <= math.log(hi))
     tie = torch.stack([(stat - b).abs() < 1e-6 for b in (math.log(lo), math.log(hi))]).any(0)
@@ -171,9 +179,11 @@ def test_shorthands_reproduce_verl_rejection(case):
     params = case["params"]
     ((rule,),) = [rejection_rules(params["rollout_rs"], params["rollout_rs_threshold"])]
     keys = {k: v for k, v in plugin_keys(params).items() if k != "importance_sampling_rejection_rules"}
-    keys.update(importance_sampling_rejection=SHORTHAND[params["rollout_rs"]],
-                importance_sampling_rejection_min=math.exp(-rule["max"]),
-                importance_sampling_rejection_max=math.exp(-rule["min"]))
+    keys.update(
+        importance_sampling_rejection=SHORTHAND[params["rollout_rs"]],
+        importance_sampling_rejection_min=math.exp(-rule["max"]),
+        importance_sampling_rejection_max=math.exp(-rule["min"]),
+    )
     m = case["inputs"]["response_mask"]
     w = case["expected"]["rollout_is_weights"]
     mask = case["expected"]["modified_response_mask"]
@@ -236,8 +246,11 @@ def plugin_intended(case: dict, name: str) -> float:
         return float(torch.exp(2 * S)[has].sum() + (~has).sum()) / len(S) - 1.0
     log_w = x if case["params"]["rollout_is"] == "token" else S.unsqueeze(-1).expand_as(x)
     w = torch.exp(log_w.clamp(max=MAX_LOG_WEIGHT))
-    return {"rollout_is_mean": lambda: float((m * w).sum() / m.sum()), "rollout_is_max": lambda: float(w[m > 0].max()),
-            "rollout_is_min": lambda: float(w[m > 0].min())}[name]()
+    return {
+        "rollout_is_mean": lambda: float((m * w).sum() / m.sum()),
+        "rollout_is_max": lambda: float(w[m > 0].max()),
+        "rollout_is_min": lambda: float(w[m > 0].min()),
+    }[name]()
 
 
 def _check(case, got: dict, names) -> int:
@@ -264,17 +277,21 @@ def test_rollout_corr_metrics(case):
     _, metrics = applied_weights(keys, case)
     m = case["inputs"]["response_mask"]
     rows, with_tokens = m.shape[0], float((m.sum(-1) > 0).sum())
-    got = rollout_corr_metrics(metrics, ClippedPGLossConfig(**keys), rows=rows, seqs_with_tokens=with_tokens,
-                               seq_count=float(rows))
-    names = [(k[len(PREFIX):], k) for k in got]
+    got = rollout_corr_metrics(
+        metrics, ClippedPGLossConfig(**keys), rows=rows, seqs_with_tokens=with_tokens, seq_count=float(rows)
+    )
+    names = [(k[len(PREFIX) :], k) for k in got]
     assert _check(case, got, names) == len(got) >= 8
     if case["params"]["rollout_rs"]:
         assert PREFIX + "rollout_rs_masked_fraction" in got and PREFIX + "rollout_rs_seq_masked_fraction" in got
 
 
 # The plugin's own IS-weight metrics against the golden commit's rollout_is_* (weights before truncation).
-IS_METRICS = {"rollout_is_mean": "is_raw_weight_mean", "rollout_is_max": "is_raw_weight_max",
-              "rollout_is_min": "is_raw_weight_min"}
+IS_METRICS = {
+    "rollout_is_mean": "is_raw_weight_mean",
+    "rollout_is_max": "is_raw_weight_max",
+    "rollout_is_min": "is_raw_weight_min",
+}
 WITH_IS = [c for c in VALID if c["params"]["rollout_is"] is not None]
 
 

@@ -29,17 +29,24 @@ def batch(seed: int = 0):
     tm = torch.ones(B, S)
     tm[:, 0] = 0
     tm[2, 6:] = 0
-    data = {"token_mask": tm, "sample_mask": torch.ones(B), "advantages": torch.randn(B, S, generator=g),
-            "prev_logprobs": lp(), "generation_logprobs": lp(), "reference_policy_logprobs": lp(),
-            "rewards": torch.tensor([1.0, 0.0, 2.0])}
+    data = {
+        "token_mask": tm,
+        "sample_mask": torch.ones(B),
+        "advantages": torch.randn(B, S, generator=g),
+        "prev_logprobs": lp(),
+        "generation_logprobs": lp(),
+        "reference_policy_logprobs": lp(),
+        "rewards": torch.tensor([1.0, 0.0, 2.0]),
+    }
     return -torch.rand(B, S - 1, generator=g) * 2 - 0.01, data
 
 
 def call(cfg, x, data, grad=False):
     x = x.clone().requires_grad_(grad)
     n_tok = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
-    loss, metrics = build_loss_fn(cfg)(next_token_logprobs=x, data=data, global_valid_seqs=data["sample_mask"].sum(),
-                                       global_valid_toks=n_tok)
+    loss, metrics = build_loss_fn(cfg)(
+        next_token_logprobs=x, data=data, global_valid_seqs=data["sample_mask"].sum(), global_valid_toks=n_tok
+    )
     if grad:
         loss.backward()
         return loss.detach(), metrics, x.grad
@@ -121,7 +128,9 @@ def test_nll_weight_without_rewards_skips_the_term_as_nemo_rl():
 def test_negative_nll_weight_is_refused_rather_than_silently_dropped():
     """NeMo-RL drops the NLL term for a weight <= 0 without a word; the plugin refuses a negative weight (a typo) with
     the key's valid range and the fix (docs/nemo_rl.md, "Where the plugin deliberately differs")."""
-    with pytest.raises(ValueError, match=r"positive_example_nll_weight=-0.5 is outside its valid range \[0, inf\).*use 0"):
+    with pytest.raises(
+        ValueError, match=r"positive_example_nll_weight=-0.5 is outside its valid range \[0, inf\).*use 0"
+    ):
         build_loss_fn(dict(BASE, positive_example_nll_weight=-0.5))
 
 

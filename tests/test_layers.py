@@ -97,8 +97,11 @@ def internal_edges(include_typing: bool) -> dict[str, set[str]]:
 
 def test_every_module_has_a_layer():
     assert set(LAYER_OF_PREFIX.values()) == set(LAYERS)
-    top = {p.name if p.is_dir() else p.stem for p in ROOT.iterdir() if p.name != "__pycache__" and
-           (p.is_dir() or p.suffix == ".py")}
+    top = {
+        p.name if p.is_dir() else p.stem
+        for p in ROOT.iterdir()
+        if p.name != "__pycache__" and (p.is_dir() or p.suffix == ".py")
+    }
     mapped = {prefix.split(".")[1] for prefix in LAYER_OF_PREFIX if prefix != PACKAGE} | {"__init__"}
     assert top <= mapped, f"add a layer for {sorted(top - mapped)} to LAYER_OF_PREFIX"
 
@@ -128,7 +131,8 @@ def test_no_module_imports_the_documented_reexports():
 def test_layer_imports_no_forbidden_third_party_package(layer):
     bad = [
         f"{MODULES[module].relative_to(ROOT.parent)}:{line}: imports {name}"
-        for module in MODULES if layer_of(module) == layer
+        for module in MODULES
+        if layer_of(module) == layer
         for name, line, _ in imports(module)
         if name.split(".")[0] in FORBIDDEN_THIRD_PARTY[layer]
     ]

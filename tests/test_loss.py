@@ -40,13 +40,25 @@ DIFFERENTIABLE = {
     "is=sequence_mean": {"is_correction_level": "sequence_mean"},
     "is=cumulative": {"is_correction_level": "cumulative"},
     "gspo-legacy": {"sequence_level_importance_ratios": True, "token_level_loss": False},
-    "log-clip-ratio=sequence": {"ratio_level": "sequence", "log_ratio_clip_low": 0.025, "log_ratio_clip_high": 0.05,
-                                "log_ratio_clip_c": 0.05, "clip_position_power": 0.5},
+    "log-clip-ratio=sequence": {
+        "ratio_level": "sequence",
+        "log_ratio_clip_low": 0.025,
+        "log_ratio_clip_high": 0.05,
+        "log_ratio_clip_c": 0.05,
+        "clip_position_power": 0.5,
+    },
     "tis": {"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 1.1},
-    "icepop": {"truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 1.1,
-               "truncated_importance_sampling_ratio_min": 0.9},
-    "seq-mis": {"truncated_importance_sampling_type": "seq-mis", "truncated_importance_sampling_ratio": 3.0,
-                "truncated_importance_sampling_ratio_min": 0.3, "is_correction_level": "sequence"},
+    "icepop": {
+        "truncated_importance_sampling_type": "icepop",
+        "truncated_importance_sampling_ratio": 1.1,
+        "truncated_importance_sampling_ratio_min": 0.9,
+    },
+    "seq-mis": {
+        "truncated_importance_sampling_type": "seq-mis",
+        "truncated_importance_sampling_ratio": 3.0,
+        "truncated_importance_sampling_ratio_min": 0.3,
+        "is_correction_level": "sequence",
+    },
     "seq-mean-token-sum": {"loss_aggregation": "seq-mean-token-sum"},
     "cispo": {"use_cispo": True},
     "dual-clip": {"ratio_clip_c": 1.5},
@@ -68,7 +80,9 @@ def test_stop_gradient_levels_equal_a_gradchecked_token_surrogate(level, clip):
     point c0 they have the value and gradient of the token-level loss with prev' = c0 - a(c0) (and gen shifted by the
     same amount so the IS weights do not move). That token-level loss is gradchecked."""
     logprobs, data = _batch(seed=1)
-    extra = {"log_ratio_clip_low": 0.025, "log_ratio_clip_high": 0.05, "clip_position_power": 0.5} if clip == "log" else {}
+    extra = (
+        {"log_ratio_clip_low": 0.025, "log_ratio_clip_high": 0.05, "clip_position_power": 0.5} if clip == "log" else {}
+    )
     cfg = {**BASE, "ratio_level": level, **extra}
     x = logprobs.clone().requires_grad_(True)
     loss, _ = _call(cfg, x, data)
@@ -81,8 +95,11 @@ def test_stop_gradient_levels_equal_a_gradchecked_token_surrogate(level, clip):
     anchor = policy_log_ratio(level, logprobs, data["prev_logprobs"][:, 1:], tm, TokenLayout.padded(*logprobs.shape))
     shift = torch.zeros_like(data["prev_logprobs"])
     shift[:, 1:] = (logprobs - anchor - data["prev_logprobs"][:, 1:]) * tm
-    token_data = {**data, "prev_logprobs": data["prev_logprobs"] + shift,
-                  "generation_logprobs": data["generation_logprobs"] + shift}
+    token_data = {
+        **data,
+        "prev_logprobs": data["prev_logprobs"] + shift,
+        "generation_logprobs": data["generation_logprobs"] + shift,
+    }
     token_cfg = {**cfg, "ratio_level": "token"}
     y = logprobs.clone().requires_grad_(True)
     token_loss, _ = _call(token_cfg, y, token_data)
@@ -97,10 +114,19 @@ def test_ctpo_cumulative_loss_hand_computed():
     d = torch.tensor([0.1, -0.3, 0.2], dtype=F64)
     prev = torch.tensor([[-9.0, -1.0, -2.0, -0.5]], dtype=F64)  # column 0 is the prompt (sliced away)
     curr = (prev[:, 1:] + d).clone().requires_grad_(True)
-    data = {"token_mask": torch.tensor([[0.0, 1, 1, 1]], dtype=F64), "sample_mask": torch.ones(1, dtype=F64),
-            "advantages": torch.ones(1, 4, dtype=F64), "prev_logprobs": prev, "generation_logprobs": prev}
-    cfg = {"reference_policy_kl_penalty": 0.0, "ratio_level": "cumulative", "ratio_clip_min": 1.0,
-           "ratio_clip_max": 10.0}
+    data = {
+        "token_mask": torch.tensor([[0.0, 1, 1, 1]], dtype=F64),
+        "sample_mask": torch.ones(1, dtype=F64),
+        "advantages": torch.ones(1, 4, dtype=F64),
+        "prev_logprobs": prev,
+        "generation_logprobs": prev,
+    }
+    cfg = {
+        "reference_policy_kl_penalty": 0.0,
+        "ratio_level": "cumulative",
+        "ratio_clip_min": 1.0,
+        "ratio_clip_max": 10.0,
+    }
     loss, metrics = _call(cfg, curr, data)
     s = torch.cumsum(d, 0)
     assert math.isclose(loss.item(), -torch.exp(s).mean().item(), rel_tol=1e-8)  # denominators carry +1e-8
@@ -111,8 +137,13 @@ def test_ctpo_cumulative_loss_hand_computed():
 
 def test_microbatches_with_global_counts_sum_to_the_batch():
     logprobs, data = _batch(B=6, S=9, seed=3)
-    cfg = {**BASE, "reference_policy_kl_penalty": 0.01, "sequence_level_importance_ratios": True, "token_level_loss": False,
-           "is_correction_level": "sequence_mean"}
+    cfg = {
+        **BASE,
+        "reference_policy_kl_penalty": 0.01,
+        "sequence_level_importance_ratios": True,
+        "token_level_loss": False,
+        "is_correction_level": "sequence_mean",
+    }
     m = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
     n_seq, n_tok = data["sample_mask"].sum(), m.sum()
     fn = build_loss_fn(cfg)
@@ -122,13 +153,20 @@ def test_microbatches_with_global_counts_sum_to_the_batch():
     parts, grads, summed = [], [], {}
     for sl in (slice(0, 2), slice(2, 6)):
         xs = logprobs[sl].clone().requires_grad_(True)
-        loss, met = fn(next_token_logprobs=xs, data={k: v[sl] for k, v in data.items()},
-                       global_valid_seqs=n_seq, global_valid_toks=n_tok)
+        loss, met = fn(
+            next_token_logprobs=xs,
+            data={k: v[sl] for k, v in data.items()},
+            global_valid_seqs=n_seq,
+            global_valid_toks=n_tok,
+        )
         parts.append(loss)
         grads.append(torch.autograd.grad(loss, xs)[0])
         for k, v in met.items():
-            summed[k] = min(summed.get(k, v), v) if k.endswith("_min") else (
-                max(summed.get(k, v), v) if k.endswith("_max") else summed.get(k, 0.0) + v)
+            summed[k] = (
+                min(summed.get(k, v), v)
+                if k.endswith("_min")
+                else (max(summed.get(k, v), v) if k.endswith("_max") else summed.get(k, 0.0) + v)
+            )
     assert math.isclose(sum(p.item() for p in parts), whole.item(), rel_tol=1e-10, abs_tol=1e-12)
     assert torch.allclose(torch.cat(grads), g_whole)
     for k in ("loss", "probs_ratio", "is_weight_mean", "mismatch_kl_k3", "log_ppl_diff", "num_valid_samples"):
@@ -142,7 +180,9 @@ def test_loss_is_picklable_and_rebuilt_equal():
     assert clone.config == fn.config
 
 
-@pytest.mark.parametrize("cfg", [{}, {"ratio_level": "sequence"}, {"log_ratio_clip_low": 0.2, "log_ratio_clip_high": 0.2}])
+@pytest.mark.parametrize(
+    "cfg", [{}, {"ratio_level": "sequence"}, {"log_ratio_clip_low": 0.2, "log_ratio_clip_high": 0.2}]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_masked_padding_far_below_the_current_logprob_leaves_the_gradient_finite(cfg, dtype):
     """A padding position (token_mask 0) whose old log-prob is far below the current one has exp(c - p) = inf; the

@@ -44,20 +44,41 @@ _SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthC
 IS_PRESETS = [
     {},
     dict(use_importance_sampling_correction=True, is_correction_level="token"),
-    dict(use_importance_sampling_correction=True, is_correction_level="sequence_mean",
-         truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.05),
-    dict(use_importance_sampling_correction=True, is_correction_level="cumulative",
-         truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=1.1,
-         truncated_importance_sampling_ratio_min=0.9),
-    dict(use_importance_sampling_correction=True, is_correction_level="sequence",
-         importance_sampling_rejection="geo-rs", importance_sampling_rejection_min=0.97,
-         importance_sampling_rejection_max=1.03, importance_sampling_batch_normalize=True),
-    dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="seq-mask-tis",
-         truncated_importance_sampling_ratio=1.03, truncated_importance_sampling_ratio_min=0.97,
-         importance_sampling_veto_threshold=0.9),
+    dict(
+        use_importance_sampling_correction=True,
+        is_correction_level="sequence_mean",
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=1.05,
+    ),
+    dict(
+        use_importance_sampling_correction=True,
+        is_correction_level="cumulative",
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=1.1,
+        truncated_importance_sampling_ratio_min=0.9,
+    ),
+    dict(
+        use_importance_sampling_correction=True,
+        is_correction_level="sequence",
+        importance_sampling_rejection="geo-rs",
+        importance_sampling_rejection_min=0.97,
+        importance_sampling_rejection_max=1.03,
+        importance_sampling_batch_normalize=True,
+    ),
+    dict(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=1.03,
+        truncated_importance_sampling_ratio_min=0.97,
+        importance_sampling_veto_threshold=0.9,
+    ),
 ]
-AGGREGATIONS = [{}, dict(loss_aggregation="seq-mean-token-mean"), dict(loss_aggregation="seq-mean-token-sum"),
-                dict(loss_aggregation="seq-mean-token-sum-norm", loss_aggregation_norm=6.0)]
+AGGREGATIONS = [
+    {},
+    dict(loss_aggregation="seq-mean-token-mean"),
+    dict(loss_aggregation="seq-mean-token-sum"),
+    dict(loss_aggregation="seq-mean-token-sum-norm", loss_aggregation_norm=6.0),
+]
 
 
 @st.composite
@@ -68,8 +89,9 @@ def configs(draw) -> dict:
         cfg["disable_ppo_ratio"] = True
         cfg["ratio_clip_c"] = draw(st.sampled_from([None, 1.5, 3.0]))
     else:
-        cfg["ratio_level"] = "token" if sur == "cispo" else draw(
-            st.sampled_from(["token", "token", "cumulative", "cumulative_mean"]))
+        cfg["ratio_level"] = (
+            "token" if sur == "cispo" else draw(st.sampled_from(["token", "token", "cumulative", "cumulative_mean"]))
+        )
         cfg["ratio_clip_min"] = draw(st.sampled_from([0.0, 0.03, 0.2]))
         cfg["ratio_clip_max"] = draw(st.sampled_from([0.0, 0.03, 0.28]))
         cfg["token_log_ratio_clamp"] = draw(st.sampled_from([None, 0.04]))
@@ -79,26 +101,29 @@ def configs(draw) -> dict:
         elif sur == "ratio":
             cfg["ratio_clip_c"] = draw(st.sampled_from([None, 1.02, 1.5]))
         else:
-            cfg.update(log_ratio_clip_low=draw(st.sampled_from([0.01, 0.025])),
-                       log_ratio_clip_high=draw(st.sampled_from([0.015, 0.05])),
-                       clip_position_power=draw(st.sampled_from([0.0, 0.5, 1.0])),
-                       log_ratio_clip_c=draw(st.sampled_from([None, 0.05])))
+            cfg.update(
+                log_ratio_clip_low=draw(st.sampled_from([0.01, 0.025])),
+                log_ratio_clip_high=draw(st.sampled_from([0.015, 0.05])),
+                clip_position_power=draw(st.sampled_from([0.0, 0.5, 1.0])),
+                log_ratio_clip_c=draw(st.sampled_from([None, 0.05])),
+            )
     beta = draw(st.sampled_from([0.0, 0.1]))
     cfg["reference_policy_kl_penalty"] = beta
     if beta:
-        cfg.update(reference_policy_kl_type=draw(st.sampled_from(["k1", "k2", "k3"])),
-                   kl_input_clamp_value=draw(st.sampled_from([None, 0.05, 20.0])),
-                   kl_output_clamp_value=draw(st.sampled_from([None, 0.002, 10.0])),
-                   use_on_policy_kl_approximation=draw(st.booleans()),
-                   reference_policy_kl_gradient=draw(st.sampled_from(["estimator", "k2"])))
+        cfg.update(
+            reference_policy_kl_type=draw(st.sampled_from(["k1", "k2", "k3"])),
+            kl_input_clamp_value=draw(st.sampled_from([None, 0.05, 20.0])),
+            kl_output_clamp_value=draw(st.sampled_from([None, 0.002, 10.0])),
+            use_on_policy_kl_approximation=draw(st.booleans()),
+            reference_policy_kl_gradient=draw(st.sampled_from(["estimator", "k2"])),
+        )
     cfg.update(draw(st.sampled_from(IS_PRESETS)))
     cfg.update(draw(st.sampled_from(AGGREGATIONS[:1] if sur == "cispo" else AGGREGATIONS)))  # CISPO: token-mean
     cfg["positive_example_nll_weight"] = draw(st.sampled_from([0.0, 0.3]))
     return cfg
 
 
-KINDS = ("random", "ratio_one", "clamp_hi", "clamp_lo", "cap", "log_lo", "log_hi", "kl_in_hi", "kl_in_lo",
-         "dual_cap")
+KINDS = ("random", "ratio_one", "clamp_hi", "clamp_lo", "cap", "log_lo", "log_hi", "kl_in_hi", "kl_in_lo", "dual_cap")
 
 
 def _batch(loss: ClippedPGLoss, seed: int, kinds: list[str]):
@@ -123,7 +148,7 @@ def _batch(loss: ClippedPGLoss, seed: int, kinds: list[str]):
     adv = torch.randn(B, T, dtype=F64, generator=g)
     positions = unmasked_positions(tm, TokenLayout.padded(B, T))
     # the log-space bounds exactly as surrogate.log_space_clip_surrogate computes them
-    scale = positions ** cfg.clip_position_power if cfg.clip_position_power else torch.ones_like(c)
+    scale = positions**cfg.clip_position_power if cfg.clip_position_power else torch.ones_like(c)
     log_lo = (-(cfg.log_ratio_clip_low or 0.0) * scale).reshape(-1)
     log_hi = ((cfg.log_ratio_clip_high or 0.0) * scale).reshape(-1)
     flat = [t.view(-1) for t in (c, prev, ref, adv)]
@@ -137,8 +162,9 @@ def _batch(loss: ClippedPGLoss, seed: int, kinds: list[str]):
             pp[i], cc[i] = 0.0, cfg.max_log_ratio
         elif kind in ("log_lo", "log_hi") and cfg.uses_log_space_clip:
             pp[i], cc[i] = 0.0, (log_lo if kind == "log_lo" else log_hi)[i]
-        elif kind in ("kl_in_hi", "kl_in_lo") and cfg.kl_input_clamp_value is not None and (
-                cfg.kl_input_clamp_value < 1):  # at |logr| = 20, k3 ~ e^20 cancels against its weight term
+        elif (
+            kind in ("kl_in_hi", "kl_in_lo") and cfg.kl_input_clamp_value is not None and (cfg.kl_input_clamp_value < 1)
+        ):  # at |logr| = 20, k3 ~ e^20 cancels against its weight term
             cc[i], rr[i] = 0.0, cfg.kl_input_clamp_value * (1 if kind == "kl_in_hi" else -1)
         elif kind == "dual_cap" and cfg.ratio_clip_c is not None:
             aa[i] = -abs(aa[i].item()) - 0.1
@@ -149,8 +175,18 @@ def _batch(loss: ClippedPGLoss, seed: int, kinds: list[str]):
     masked = tm == 0
     prev[masked], gen[masked], ref[masked], adv[masked] = 1e6, -1e6, float("-inf"), 1e30
     sm = torch.tensor([1.0, 1.0, 0.0], dtype=F64)
-    inputs = LossInputs(c, prev, gen, ref, adv, tm, sm, global_valid_seqs=4.0, global_valid_toks=17.0,
-                        rewards=torch.tensor([1.0, 0.0, 1.0], dtype=F64))
+    inputs = LossInputs(
+        c,
+        prev,
+        gen,
+        ref,
+        adv,
+        tm,
+        sm,
+        global_valid_seqs=4.0,
+        global_valid_toks=17.0,
+        rewards=torch.tensor([1.0, 0.0, 1.0], dtype=F64),
+    )
     return c, inputs, TokenLayout.padded(B, T)
 
 
@@ -169,8 +205,12 @@ def _closed_form(loss, c, inputs, layout, chunk):
 
 
 @settings(max_examples=300 * _SCALE, **_SETTINGS)
-@given(cfg=configs(), seed=st.integers(0, 2**16), chunk=st.integers(1, B * T),
-       kinds=st.lists(st.sampled_from(KINDS), min_size=B * T, max_size=B * T))
+@given(
+    cfg=configs(),
+    seed=st.integers(0, 2**16),
+    chunk=st.integers(1, B * T),
+    kinds=st.lists(st.sampled_from(KINDS), min_size=B * T, max_size=B * T),
+)
 def test_closed_form_equals_autograd_of_the_loss(cfg, seed, chunk, kinds):
     loss = ClippedPGLoss(cfg)
     c, inputs, layout = _batch(loss, seed, kinds)
@@ -185,11 +225,28 @@ def test_closed_form_equals_autograd_of_the_loss(cfg, seed, chunk, kinds):
 
 def test_kinks_are_hit_by_the_batch():
     """The placed tokens really sit on the kinks (else the property test would never exercise them)."""
-    loss = ClippedPGLoss(dict(ratio_level="token", token_log_ratio_clamp=0.04, max_log_ratio=0.02,
-                              log_ratio_clip_low=0.01, log_ratio_clip_high=0.015, clip_position_power=0.5,
-                              reference_policy_kl_penalty=0.1, kl_input_clamp_value=0.05))
-    placed = {0: "clamp_hi", 1: "clamp_lo", 2: "cap", 3: "log_lo", 4: "log_hi", 5: "kl_in_hi", 9: "kl_in_lo",
-              10: "ratio_one"}  # valid tokens of rows 0 and 1
+    loss = ClippedPGLoss(
+        dict(
+            ratio_level="token",
+            token_log_ratio_clamp=0.04,
+            max_log_ratio=0.02,
+            log_ratio_clip_low=0.01,
+            log_ratio_clip_high=0.015,
+            clip_position_power=0.5,
+            reference_policy_kl_penalty=0.1,
+            kl_input_clamp_value=0.05,
+        )
+    )
+    placed = {
+        0: "clamp_hi",
+        1: "clamp_lo",
+        2: "cap",
+        3: "log_lo",
+        4: "log_hi",
+        5: "kl_in_hi",
+        9: "kl_in_lo",
+        10: "ratio_one",
+    }  # valid tokens of rows 0 and 1
     c, inputs, layout = _batch(loss, 0, [placed.get(i, "random") for i in range(B * T)])
     x = (c - inputs.prev_logprobs).reshape(-1)
     logr = (inputs.reference_logprobs - c).reshape(-1)
@@ -198,8 +255,9 @@ def test_kinks_are_hit_by_the_batch():
     assert x[3] == -0.01 * pos[3] ** 0.5 and x[4] == 0.015 * pos[4] ** 0.5
     assert logr[5] == 0.05 and logr[9] == -0.05
     # and at such a kink the closed form takes autograd's convention (here: clamp boundaries pass the gradient)
-    torch.testing.assert_close(_closed_form(loss, c, inputs, layout, 5), _autograd(loss, c, inputs, layout),
-                               rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(
+        _closed_form(loss, c, inputs, layout, 5), _autograd(loss, c, inputs, layout), rtol=1e-12, atol=1e-15
+    )
 
 
 @pytest.mark.parametrize("cap", [1.5, 3.0])

@@ -16,13 +16,13 @@ import contextlib
 
 import pytest
 import torch
+from helpers.device_guard import assert_identical, count_host_syncs, device_guard, run_guarded_and_plain
+from helpers.golden_calls import golden_calls
+from helpers.loss_strategies import HYPOTHESIS_SETTINGS, PROPERTY_SCALE, batches, counts, loss_configs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from helpers.device_guard import assert_identical, count_host_syncs, device_guard, run_guarded_and_plain
-from helpers.golden_calls import golden_calls
-from helpers.loss_strategies import HYPOTHESIS_SETTINGS, PROPERTY_SCALE, batches, counts, loss_configs
 from nemo_is_plugin import ClippedPGLossConfig, TokenLayout, build_loss_fn
 from nemo_is_plugin.config import SEQUENCE_MASK_TYPES
 from nemo_is_plugin.distributed.context_parallel import CPTokenLayout
@@ -60,8 +60,11 @@ def configs_with_rejection(draw) -> ClippedPGLossConfig:
     cfg = draw(loss_configs())
     if draw(st.booleans()) and cfg.truncated_importance_sampling_type not in SEQUENCE_MASK_TYPES:
         kind, low, high = draw(st.sampled_from([("seq-mis", 0.5, 2.0), ("geo-rs", 0.9, 1.1)]))
-        update = dict(importance_sampling_rejection=kind, importance_sampling_rejection_min=low,
-                      importance_sampling_rejection_max=high)
+        update = dict(
+            importance_sampling_rejection=kind,
+            importance_sampling_rejection_min=low,
+            importance_sampling_rejection_max=high,
+        )
         try:
             cfg = ClippedPGLossConfig(**{**cfg.model_dump(exclude_defaults=True), **update})
         except ValidationError:
@@ -97,9 +100,16 @@ def _padded_inputs(x: torch.Tensor, data: dict) -> LossInputs:
     n_seq, n_tok = counts(data)
     t = lambda k: data[k][:, 1:]  # noqa: E731
     return LossInputs(
-        curr_logprobs=x, prev_logprobs=t("prev_logprobs"), generation_logprobs=t("generation_logprobs"),
-        reference_logprobs=t("reference_policy_logprobs"), advantages=t("advantages"), token_mask=t("token_mask"),
-        sample_mask=data["sample_mask"], global_valid_seqs=n_seq, global_valid_toks=n_tok, rewards=data["rewards"],
+        curr_logprobs=x,
+        prev_logprobs=t("prev_logprobs"),
+        generation_logprobs=t("generation_logprobs"),
+        reference_logprobs=t("reference_policy_logprobs"),
+        advantages=t("advantages"),
+        token_mask=t("token_mask"),
+        sample_mask=data["sample_mask"],
+        global_valid_seqs=n_seq,
+        global_valid_toks=n_tok,
+        rewards=data["rewards"],
     )
 
 
@@ -129,8 +139,9 @@ def _replace(inputs: LossInputs, **kw) -> LossInputs:
 
 
 @settings(max_examples=_EXAMPLES["layouts"], **HYPOTHESIS_SETTINGS)
-@given(cfg=configs_with_rejection(), batch=batches(policy_scale=0.3, dtype=torch.float64),
-       order=st.sampled_from(CP_ORDERS))
+@given(
+    cfg=configs_with_rejection(), batch=batches(policy_scale=0.3, dtype=torch.float64), order=st.sampled_from(CP_ORDERS)
+)
 def test_packed_and_cp_layouts_match_the_padded_one_under_the_guard(cfg, batch, order):
     x, data = batch
     loss_fn = build_loss_fn(cfg)

@@ -43,12 +43,19 @@ def nemo_rl_rejects(c: dict) -> bool:
     hi, lo = c["truncated_importance_sampling_ratio"], c["truncated_importance_sampling_ratio_min"]
     if gspo and tok:
         return True
-    if c["use_cispo"] and (c["disable_ppo_ratio"] or c["force_on_policy_ratio"] or gspo or c["ratio_clip_c"] is not None
-                           or not tok):
+    if c["use_cispo"] and (
+        c["disable_ppo_ratio"] or c["force_on_policy_ratio"] or gspo or c["ratio_clip_c"] is not None or not tok
+    ):
         return True
-    if t is not None and (not c["use_importance_sampling_correction"] or t not in TIS_TYPES or hi is None or hi <= 0
-                          or (lo is not None and lo > hi) or (t != "tis" and lo is None)
-                          or (t == "seq-mask-tis" and gspo)):
+    if t is not None and (
+        not c["use_importance_sampling_correction"]
+        or t not in TIS_TYPES
+        or hi is None
+        or hi <= 0
+        or (lo is not None and lo > hi)
+        or (t != "tis" and lo is None)
+        or (t == "seq-mask-tis" and gspo)
+    ):
         return True
     call_time = (t is None and hi is not None) or (c["ratio_clip_c"] is not None and c["ratio_clip_c"] <= 1)
     return call_time or c["reference_policy_kl_type"] not in KL_TYPES
@@ -74,15 +81,19 @@ def nemo_rl_loss(c: dict, x: torch.Tensor, data: dict, n_seq, n_tok):
             clamped = logr.clamp(-clamp_in, clamp_in)
             w = None if w is None else torch.where(logr == clamped, w, w.detach())
             logr = clamped
-        k = {"k1": -logr, "k2": logr ** 2 / 2, "k3": torch.exp(logr) - 1 - logr}[kind]
+        k = {"k1": -logr, "k2": logr**2 / 2, "k3": torch.exp(logr) - 1 - logr}[kind]
         k = k if w is None else w * k
         return k if clamp_out is None else k.clamp(-clamp_out, clamp_out)
 
-    out = {"token_mult_prob_error": mm(torch.exp((g - p).abs() * m), m, n_tok),
-           "gen_kl_error": mm(kl(g, p), m, n_tok), "policy_kl_error": mm(kl(p, g), m, n_tok)}
+    out = {
+        "token_mult_prob_error": mm(torch.exp((g - p).abs() * m), m, n_tok),
+        "gen_kl_error": mm(kl(g, p), m, n_tok),
+        "policy_kl_error": mm(kl(p, g), m, n_tok),
+    }
     mix = torch.log(0.5 * torch.exp(p) + 0.5 * torch.exp(g))
-    out["js_divergence_error"] = mm(0.5 * (torch.exp(p - mix) - (p - mix) - 1)
-                                    + 0.5 * (torch.exp(g - mix) - (g - mix) - 1), m, n_tok)
+    out["js_divergence_error"] = mm(
+        0.5 * (torch.exp(p - mix) - (p - mix) - 1) + 0.5 * (torch.exp(g - mix) - (g - mix) - 1), m, n_tok
+    )
     kl_loss = torch.zeros((), dtype=x.dtype)
     if beta != 0:
         cu = data.get("curr_logprobs_unfiltered", x)
@@ -104,8 +115,11 @@ def nemo_rl_loss(c: dict, x: torch.Tensor, data: dict, n_seq, n_tok):
     if c["ratio_clip_c"] is not None:
         surrogate = torch.where(adv < 0, torch.minimum(surrogate, -adv * c["ratio_clip_c"]), surrogate)
     w = nan0(torch.exp(((p - g) * m).sum(-1))).detach().unsqueeze(-1) if gspo else nan0(torch.exp(p - g))
-    t, hi, lo = c["truncated_importance_sampling_type"], c["truncated_importance_sampling_ratio"], \
-        c["truncated_importance_sampling_ratio_min"]
+    t, hi, lo = (
+        c["truncated_importance_sampling_type"],
+        c["truncated_importance_sampling_ratio"],
+        c["truncated_importance_sampling_ratio_min"],
+    )
     if t == "tis":
         lo = 0.0 if lo is None else lo
         out["is_oob_ratio"] = mm(((w > hi) | (w < lo)).to(x.dtype), m, n_tok)
@@ -136,7 +150,9 @@ def nemo_rl_loss(c: dict, x: torch.Tensor, data: dict, n_seq, n_tok):
         out[f"{name}_max"] = v[valid].max() if valid.any() else torch.tensor(-math.inf)
     out.update(loss=loss.detach(), num_valid_samples=sm.sum(), positive_nll_loss=nll.detach())
     out = {k: float(v) for k, v in out.items()}
-    out["kl_penalty"] = float(kl_loss.detach()) / beta if kl_loss != 0 else 0.0  # a Python division of the loss-dtype value
+    out["kl_penalty"] = (
+        float(kl_loss.detach()) / beta if kl_loss != 0 else 0.0
+    )  # a Python division of the loss-dtype value
     return loss, out
 
 
@@ -148,18 +164,29 @@ def random_config(rng: random.Random) -> dict:
     trunc = pick([None, None, "tis", "icepop", "seq-mask-tis"]) if not gspo else pick([None, "tis", "icepop"])
     hi = pick([0.9, 1.002, 1.5, 2.0, 5.0]) if trunc else None
     cfg = {
-        "disable_ppo_ratio": rng.random() < 0.15, "token_level_loss": not gspo and rng.random() < 0.7,
+        "disable_ppo_ratio": rng.random() < 0.15,
+        "token_level_loss": not gspo and rng.random() < 0.7,
         "sequence_level_importance_ratios": gspo,
-        "ratio_clip_min": pick([0.0, 0.1, 0.2, 0.2, 0.5, 1.0]), "ratio_clip_max": pick([0.0, 0.2, 0.28, 1.0, 5.0]),
+        "ratio_clip_min": pick([0.0, 0.1, 0.2, 0.2, 0.5, 1.0]),
+        "ratio_clip_max": pick([0.0, 0.2, 0.28, 1.0, 5.0]),
         "ratio_clip_c": pick([None, None, 1.5, 3.0]),
-        "reference_policy_kl_penalty": pick([0.0, 0.01, 0.1, 1.0]), "reference_policy_kl_type": pick(KL_TYPES),
-        "kl_input_clamp_value": pick([20.0, 20.0, None, 0.3, 2.0]), "kl_output_clamp_value": pick([10.0, 10.0, None, 0.2]),
-        "use_kl_in_reward": rng.random() < 0.15, "use_importance_sampling_correction": bool(trunc) or rng.random() < 0.5,
-        "truncated_importance_sampling_type": trunc, "truncated_importance_sampling_ratio": hi,
-        "truncated_importance_sampling_ratio_min": (min(hi, pick([0.5, 0.7, 0.999])) if trunc != "tis" or
-                                                    rng.random() < 0.5 else None) if trunc else None,
-        "use_on_policy_kl_approximation": rng.random() < 0.3, "force_on_policy_ratio": rng.random() < 0.2,
-        "use_cispo": False, "positive_example_nll_weight": pick([0.0, 0.0, 0.1, 1.0, -0.5]),
+        "reference_policy_kl_penalty": pick([0.0, 0.01, 0.1, 1.0]),
+        "reference_policy_kl_type": pick(KL_TYPES),
+        "kl_input_clamp_value": pick([20.0, 20.0, None, 0.3, 2.0]),
+        "kl_output_clamp_value": pick([10.0, 10.0, None, 0.2]),
+        "use_kl_in_reward": rng.random() < 0.15,
+        "use_importance_sampling_correction": bool(trunc) or rng.random() < 0.5,
+        "truncated_importance_sampling_type": trunc,
+        "truncated_importance_sampling_ratio": hi,
+        "truncated_importance_sampling_ratio_min": (
+            min(hi, pick([0.5, 0.7, 0.999])) if trunc != "tis" or rng.random() < 0.5 else None
+        )
+        if trunc
+        else None,
+        "use_on_policy_kl_approximation": rng.random() < 0.3,
+        "force_on_policy_ratio": rng.random() < 0.2,
+        "use_cispo": False,
+        "positive_example_nll_weight": pick([0.0, 0.0, 0.1, 1.0, -0.5]),
     }
     if rng.random() < 0.2 and not gspo and cfg["token_level_loss"]:
         cfg.update(use_cispo=True, disable_ppo_ratio=False, force_on_policy_ratio=False, ratio_clip_c=None)
@@ -170,12 +197,19 @@ def random_config(rng: random.Random) -> dict:
 
 
 WHOLE_RANGE = {
-    "disable_ppo_ratio": [True, False], "token_level_loss": [True, False], "force_on_policy_ratio": [True, False],
-    "sequence_level_importance_ratios": [True, False], "use_cispo": [True, False], "ratio_clip_c": [0.5, 1.0, 2.0],
-    "reference_policy_kl_type": ["k1", "k4"], "use_importance_sampling_correction": [True, False],
+    "disable_ppo_ratio": [True, False],
+    "token_level_loss": [True, False],
+    "force_on_policy_ratio": [True, False],
+    "sequence_level_importance_ratios": [True, False],
+    "use_cispo": [True, False],
+    "ratio_clip_c": [0.5, 1.0, 2.0],
+    "reference_policy_kl_type": ["k1", "k4"],
+    "use_importance_sampling_correction": [True, False],
     "truncated_importance_sampling_type": [None, "tis", "icepop", "seq-mask-tis", "clip"],
-    "truncated_importance_sampling_ratio": [None, 0.0, 0.8, 3.0], "truncated_importance_sampling_ratio_min": [None, 0.5, 4.0],
-    "positive_example_nll_weight": [0.0, 2.0, -1.0], "use_kl_in_reward": [True, False],
+    "truncated_importance_sampling_ratio": [None, 0.0, 0.8, 3.0],
+    "truncated_importance_sampling_ratio_min": [None, 0.5, 4.0],
+    "positive_example_nll_weight": [0.0, 2.0, -1.0],
+    "use_kl_in_reward": [True, False],
 }
 
 
@@ -193,10 +227,15 @@ def random_batch(rng: random.Random, dtype: torch.dtype):
     col0 = torch.zeros(b, 1, dtype=torch.float64)
     shifted = lambda t: torch.cat([col0 - 7.0, t], 1)  # noqa: E731  (column 0 is junk NeMo-RL never reads)
     prev = curr + (u(b, s - 1) - 0.5) * spread
-    data = {"input_ids": torch.zeros(b, s, dtype=torch.long), "token_mask": tm, "sample_mask": sm,
-            "advantages": torch.cat([col0 + 5.0, torch.randn(b, s - 1, generator=g, dtype=torch.float64)], 1),
-            "prev_logprobs": shifted(prev), "generation_logprobs": shifted(prev + (u(b, s - 1) - 0.5) * spread),
-            "reference_policy_logprobs": shifted(curr + (u(b, s - 1) - 0.5) * 2 * spread)}
+    data = {
+        "input_ids": torch.zeros(b, s, dtype=torch.long),
+        "token_mask": tm,
+        "sample_mask": sm,
+        "advantages": torch.cat([col0 + 5.0, torch.randn(b, s - 1, generator=g, dtype=torch.float64)], 1),
+        "prev_logprobs": shifted(prev),
+        "generation_logprobs": shifted(prev + (u(b, s - 1) - 0.5) * spread),
+        "reference_policy_logprobs": shifted(curr + (u(b, s - 1) - 0.5) * 2 * spread),
+    }
     if rng.random() < 0.7:
         data["rewards"] = torch.randn(b, generator=g, dtype=torch.float64)
     if rng.random() < 0.3:  # top-k / top-p training: unfiltered log-probs lie below the filtered ones
@@ -231,8 +270,9 @@ def _run(fn, x, data, n_seq, n_tok):
 
 def _plugin(config):
     fn = build_loss_fn(config)
-    return lambda x, data, n_seq, n_tok: fn(next_token_logprobs=x, data=data, global_valid_seqs=n_seq,
-                                            global_valid_toks=n_tok)
+    return lambda x, data, n_seq, n_tok: fn(
+        next_token_logprobs=x, data=data, global_valid_seqs=n_seq, global_valid_toks=n_tok
+    )
 
 
 def _bitwise(a: float, b: float) -> bool:
@@ -262,7 +302,8 @@ def trial(seed: int) -> str:
             if want is not None:  # only the documented refusals of values outside a key's valid range
                 keys = [k for k, r in NUMERIC_RANGES.items() if cfg.get(k) is not None and not r.contains(cfg[k])]
                 assert keys and "is outside its valid range" in str(exc) and all(f"{k}=" in str(exc) for k in keys), (
-                    f"seed {seed}: NeMo-RL accepts {cfg}, the plugin refuses it: {exc}")
+                    f"seed {seed}: NeMo-RL accepts {cfg}, the plugin refuses it: {exc}"
+                )
                 return "out of range"
             return "both reject"
         assert want is not None, f"seed {seed}: NeMo-RL refuses {cfg}, the plugin accepts it"

@@ -29,17 +29,24 @@ def run(cfg: dict, prev=None):
         data["prev_logprobs"] = prev
     c = CURR.clone().requires_grad_(True)
     n_tok = float(TM[:, 1:].sum())
-    loss, metrics = ClippedPGLoss(cfg)(next_token_logprobs=c, data=data, global_valid_seqs=float(B),
-                                       global_valid_toks=n_tok)
+    loss, metrics = ClippedPGLoss(cfg)(
+        next_token_logprobs=c, data=data, global_valid_seqs=float(B), global_valid_toks=n_tok
+    )
     (grad,) = torch.autograd.grad(loss, c)
     return loss.detach(), grad, metrics, n_tok + 1e-8  # token-mean divides by N + 1e-8
 
 
 def test_reinforce_with_truncated_is_against_the_current_policy():
     """verl's bypass REINFORCE: L = -sum_t A_t min(pi_theta/mu, C) log pi_theta / N, the weight detached."""
-    cfg = {"reference_policy_kl_penalty": 0.0, "old_policy_logprobs": "generation", "disable_ppo_ratio": True,
-           "use_importance_sampling_correction": True, "is_correction_level": "token",
-           "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 1.2}
+    cfg = {
+        "reference_policy_kl_penalty": 0.0,
+        "old_policy_logprobs": "generation",
+        "disable_ppo_ratio": True,
+        "use_importance_sampling_correction": True,
+        "is_correction_level": "token",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.2,
+    }
     loss, grad, _, n = run(cfg)
     m, a, x = TM[:, 1:], ADV[:, 1:], CURR - GEN[:, 1:]
     w = torch.exp(x).clamp(max=1.2)
@@ -53,8 +60,11 @@ def test_reinforce_with_truncated_is_against_the_current_policy():
 def test_ppo_clip_against_mu_with_a_rejection_of_the_current_policy():
     """verl's bypass PPO-clip + K3-RS: r = pi_theta/mu clipped at [0.8, 1.2]; a sequence whose mean k3 of
     log(pi_theta/mu) exceeds 0.01 is dropped (its tokens still count in N, as in verl's bypass mode)."""
-    cfg = {"reference_policy_kl_penalty": 0.0, "old_policy_logprobs": "generation",
-           "importance_sampling_rejection_rules": [{"option": "seq_mean_k3", "threshold": 0.01}]}
+    cfg = {
+        "reference_policy_kl_penalty": 0.0,
+        "old_policy_logprobs": "generation",
+        "importance_sampling_rejection_rules": [{"option": "seq_mean_k3", "threshold": 0.01}],
+    }
     loss, grad, metrics, n = run(cfg)
     m, a, x = TM[:, 1:], ADV[:, 1:], CURR - GEN[:, 1:]
     k3 = ((torch.exp(x) - 1 - x) * m).sum(-1) / (m.sum(-1) + 1e-8)

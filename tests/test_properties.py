@@ -22,9 +22,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
-
 from helpers.loss_strategies import (
     HYPOTHESIS_SETTINGS,
     IS_LEVELS,
@@ -34,6 +31,9 @@ from helpers.loss_strategies import (
     counts,
     loss_configs,
 )
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
 from nemo_is_plugin import ClippedPGLossConfig, TokenLayout, build_loss_fn
 from nemo_is_plugin.loss.clipped_pg import is_correction_kwargs
 from nemo_is_plugin.loss.correction import compute_is_correction
@@ -41,8 +41,12 @@ from nemo_is_plugin.loss.ratios import policy_log_ratio
 
 torch.set_num_threads(1)
 
-_EXAMPLES = {"finite": 500 * PROPERTY_SCALE, "masked": 200 * PROPERTY_SCALE, "invariant": 250 * PROPERTY_SCALE,
-             "split": 300 * PROPERTY_SCALE}
+_EXAMPLES = {
+    "finite": 500 * PROPERTY_SCALE,
+    "masked": 200 * PROPERTY_SCALE,
+    "invariant": 250 * PROPERTY_SCALE,
+    "split": 300 * PROPERTY_SCALE,
+}
 
 
 def run(cfg: ClippedPGLossConfig, x: torch.Tensor, data: dict, n_seq=None, n_tok=None):
@@ -50,8 +54,9 @@ def run(cfg: ClippedPGLossConfig, x: torch.Tensor, data: dict, n_seq=None, n_tok
     if n_seq is None:
         n_seq, n_tok = counts(data)
     x = x.detach().clone().requires_grad_(True)
-    loss, metrics = build_loss_fn(cfg)(next_token_logprobs=x, data=data, global_valid_seqs=n_seq,
-                                       global_valid_toks=n_tok)
+    loss, metrics = build_loss_fn(cfg)(
+        next_token_logprobs=x, data=data, global_valid_seqs=n_seq, global_valid_toks=n_tok
+    )
     (grad,) = torch.autograd.grad(loss, x, allow_unused=True)
     return loss.detach(), (torch.zeros_like(x) if grad is None else grad), metrics
 
@@ -86,8 +91,13 @@ def test_finite_inputs_give_finite_loss_and_gradient(cfg, batch):
     batch=batches(policy_scale=1e4, is_scale=1e4, dtype=torch.float32),
 )
 def test_extreme_policy_log_ratios_are_finite_when_the_ratio_is_capped(level, is_level, batch):
-    cfg = ClippedPGLossConfig(ratio_level=level, max_log_ratio=10.0, use_importance_sampling_correction=True,
-                              is_correction_level=is_level, token_level_loss=level != "sequence")
+    cfg = ClippedPGLossConfig(
+        ratio_level=level,
+        max_log_ratio=10.0,
+        use_importance_sampling_correction=True,
+        is_correction_level=is_level,
+        token_level_loss=level != "sequence",
+    )
     x, data = batch
     loss, grad, _ = run(cfg, x, data)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
@@ -103,8 +113,14 @@ def test_lengths_1_to_32k_are_finite(length, is_level):
     s = length + 1
     prev = -torch.rand(1, s) * 2
     gen = (prev - 0.05).clamp(max=0.0)
-    data = {"token_mask": torch.ones(1, s), "sample_mask": torch.ones(1), "advantages": -torch.ones(1, s),
-            "prev_logprobs": prev, "generation_logprobs": gen, "reference_policy_logprobs": prev}
+    data = {
+        "token_mask": torch.ones(1, s),
+        "sample_mask": torch.ones(1),
+        "advantages": -torch.ones(1, s),
+        "prev_logprobs": prev,
+        "generation_logprobs": gen,
+        "reference_policy_logprobs": prev,
+    }
     cfg = ClippedPGLossConfig(use_importance_sampling_correction=True, is_correction_level=is_level)
     loss, grad, metrics = run(cfg, prev[:, 1:] + 0.0, data)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
@@ -140,18 +156,36 @@ def test_generation_equal_prev_gives_is_weight_one_at_every_level(cfg, batch):
     prev, tm = data["prev_logprobs"][:, 1:], data["token_mask"][:, 1:]
     layout = TokenLayout.padded(*prev.shape)
     for level in IS_LEVELS:
-        corr = compute_is_correction(prev, prev, tm, tm, layout, level=level, legacy=False, apply_weights=True,
-                                     truncation=None, low=None, high=None, veto_threshold=None,
-                                     batch_normalize=False)
+        corr = compute_is_correction(
+            prev,
+            prev,
+            tm,
+            tm,
+            layout,
+            level=level,
+            legacy=False,
+            apply_weights=True,
+            truncation=None,
+            low=None,
+            high=None,
+            veto_threshold=None,
+            batch_normalize=False,
+        )
         assert torch.equal(corr.weights[tm != 0], torch.ones_like(corr.weights[tm != 0])), level
     # with truncation bands that contain 1, the configured IS changes nothing: the loss equals the loss without IS
     corr = compute_is_correction(prev, prev, tm, tm, layout, **is_correction_kwargs(cfg))
     torch.testing.assert_close(corr.weights[tm != 0], torch.ones_like(corr.weights[tm != 0]), rtol=0.0, atol=0.0)
-    off = cfg.model_copy(update=dict(use_importance_sampling_correction=False, truncated_importance_sampling_type=None,
-                                     truncated_importance_sampling_ratio=None, is_correction_level=None,
-                                     truncated_importance_sampling_ratio_min=None,
-                                     importance_sampling_veto_threshold=None,
-                                     importance_sampling_batch_normalize=False))
+    off = cfg.model_copy(
+        update=dict(
+            use_importance_sampling_correction=False,
+            truncated_importance_sampling_type=None,
+            truncated_importance_sampling_ratio=None,
+            is_correction_level=None,
+            truncated_importance_sampling_ratio_min=None,
+            importance_sampling_veto_threshold=None,
+            importance_sampling_batch_normalize=False,
+        )
+    )
     l_on, g_on, _ = run(cfg, x, data)
     l_off, g_off, _ = run(off, x, data)
     torch.testing.assert_close(l_on, l_off, rtol=1e-12, atol=1e-12)
@@ -228,16 +262,24 @@ def test_micro_batches_with_global_counts_sum_to_the_whole_batch(cfg, batch, cut
         a, c = outs[0][2][k], outs[1][2][k]
         combined = min(a, c) if k.endswith("_min") else max(a, c) if k.endswith("_max") else a + c
         # NaN metrics are the finiteness tests' business; here only additivity is checked
-        assert combined == pytest.approx(v, rel=1e-9, abs=1e-12, nan_ok=True), (k, cfg.model_dump(exclude_defaults=True))
+        assert combined == pytest.approx(v, rel=1e-9, abs=1e-12, nan_ok=True), (
+            k,
+            cfg.model_dump(exclude_defaults=True),
+        )
 
 
 # ------------------------------------------------------------------ regressions of bugs these properties found
 def _one_sequence(curr: list[float], prev: list[float], gen: list[float], adv: float = -1.0):
     """B = 1: next_token_logprobs [1, S-1] = curr; prev / gen are [1, S] (column 0 unused); all tokens valid."""
     s = len(prev)
-    data = {"token_mask": torch.tensor([[0.0] + [1.0] * (s - 1)]), "sample_mask": torch.ones(1),
-            "advantages": torch.full((1, s), adv), "prev_logprobs": torch.tensor([prev]),
-            "generation_logprobs": torch.tensor([gen]), "reference_policy_logprobs": torch.tensor([prev])}
+    data = {
+        "token_mask": torch.tensor([[0.0] + [1.0] * (s - 1)]),
+        "sample_mask": torch.ones(1),
+        "advantages": torch.full((1, s), adv),
+        "prev_logprobs": torch.tensor([prev]),
+        "generation_logprobs": torch.tensor([gen]),
+        "reference_policy_logprobs": torch.tensor([prev]),
+    }
     return torch.tensor([curr]), data
 
 
@@ -267,7 +309,19 @@ def test_cumulative_is_weights_do_not_overflow_the_loss():
 def test_batch_normalised_weights_are_exactly_one_on_policy():
     prev = -torch.rand(2, 5, dtype=torch.float64)
     tm = torch.ones(2, 5, dtype=torch.float64)
-    corr = compute_is_correction(prev, prev, tm, tm, TokenLayout.padded(2, 5), level="token", legacy=False,
-                                 apply_weights=True, truncation=None, low=None, high=None, veto_threshold=None,
-                                 batch_normalize=True)
+    corr = compute_is_correction(
+        prev,
+        prev,
+        tm,
+        tm,
+        TokenLayout.padded(2, 5),
+        level="token",
+        legacy=False,
+        apply_weights=True,
+        truncation=None,
+        low=None,
+        high=None,
+        veto_threshold=None,
+        batch_normalize=True,
+    )
     assert torch.equal(corr.weights, torch.ones_like(corr.weights)), corr.weights

@@ -65,8 +65,15 @@ def test_one_line_override_changes_only_that_field(master):
 
 
 def test_overrides_parse_values_like_a_cli(master):
-    cfg = load_recipe_config(master, ["loss_fn.ratio_clip_c=3", "loss_fn.use_importance_sampling_correction=false",
-                                    "loss_fn.kl_input_clamp_value=null", "grpo.max_len=100"])
+    cfg = load_recipe_config(
+        master,
+        [
+            "loss_fn.ratio_clip_c=3",
+            "loss_fn.use_importance_sampling_correction=false",
+            "loss_fn.kl_input_clamp_value=null",
+            "grpo.max_len=100",
+        ],
+    )
     assert cfg.ratio_clip_c == 3.0 and cfg.use_importance_sampling_correction is False
     assert cfg.kl_input_clamp_value is None
     assert cfg.loss_aggregation_norm == 100.0  # an override elsewhere flows through the interpolation
@@ -84,11 +91,17 @@ def test_override_syntax_add_force_delete(master):
 
 
 def test_unknown_override_key_is_refused_with_a_hint(master):
-    with pytest.raises(RecipeError, match=r"'ratio_clip_mn' is not a loss_fn key \(did you mean "
-                                          r"'loss_fn.ratio_clip_min'\?\)"):
+    with pytest.raises(
+        RecipeError,
+        match=r"'ratio_clip_mn' is not a loss_fn key \(did you mean "
+        r"'loss_fn.ratio_clip_min'\?\)",
+    ):
         load_yaml(master, ["loss_fn.ratio_clip_mn=0.3"])
-    with pytest.raises(RecipeError, match=r"'grpo.max_lne=3' matches no key of the config \(did you mean "
-                                          r"'grpo.max_len'\?\); use \+grpo.max_lne=\.\.\. to add"):
+    with pytest.raises(
+        RecipeError,
+        match=r"'grpo.max_lne=3' matches no key of the config \(did you mean "
+        r"'grpo.max_len'\?\); use \+grpo.max_lne=\.\.\. to add",
+    ):
         load_yaml(master, ["grpo.max_lne=3"])
     # a loss field absent from the file is still a known key
     assert load_recipe_config(master, ["loss_fn.clip_position_power=0.0"]).clip_position_power == 0.0

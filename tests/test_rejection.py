@@ -49,8 +49,11 @@ def test_token_statistics(stat):
 def test_sequence_statistics_and_bounds(stat, agg):
     seq = expected_seq(stat, agg)
     bound = float(seq[:2].mean())  # between the two sequences with tokens
-    rule = RejectionRule(statistic=stat, aggregation=agg, max=bound, log_ratio_clamp=None) if stat != "k1" else \
-        RejectionRule(statistic=stat, aggregation=agg, min=-10.0, max=bound, log_ratio_clamp=None)
+    rule = (
+        RejectionRule(statistic=stat, aggregation=agg, max=bound, log_ratio_clamp=None)
+        if stat != "k1"
+        else RejectionRule(statistic=stat, aggregation=agg, min=-10.0, max=bound, log_ratio_clamp=None)
+    )
     out = evaluate_rule(rule, PREV, GEN, MASK, LAY)
     torch.testing.assert_close(out.seq_stat, seq, rtol=1e-12, atol=1e-12)
     assert out.keep.tolist() == [[bool(s <= bound)] * 3 for s in seq.tolist()]
@@ -92,21 +95,33 @@ def test_the_shorthand_band_is_a_k1_rule():
     """importance_sampling_rejection seq-mis / geo-rs keeps a sequence while lo <= exp(sum_t y) (resp. exp(mean_t y))
     <= hi: sums 0.2 / -0.45 / 0 (empty), means 0.0667 / -0.225 / 0. Computed by hand, and the same as the explicit k1
     rule on [-log hi, -log lo]."""
-    kw = dict(level="token", legacy=False, apply_weights=True, truncation=None, low=None, high=None,
-              veto_threshold=None, batch_normalize=False)
+    kw = dict(
+        level="token",
+        legacy=False,
+        apply_weights=True,
+        truncation=None,
+        low=None,
+        high=None,
+        veto_threshold=None,
+        batch_normalize=False,
+    )
     for kind, band, stat in (("seq-mis", (0.7, 1.3), "sequence_sum"), ("geo-rs", (0.9, 1.1), "sequence_mean")):
-        shorthand = compute_is_correction(PREV, GEN, MASK, MASK, LAY, rejection=kind, rejection_low=band[0],
-                                          rejection_high=band[1], **kw)
+        shorthand = compute_is_correction(
+            PREV, GEN, MASK, MASK, LAY, rejection=kind, rejection_low=band[0], rejection_high=band[1], **kw
+        )
         assert shorthand.rejected.tolist() == [[False] * 3, [True] * 3, [False] * 3], kind
-        rule = RejectionRule(statistic="k1", aggregation=stat, min=-math.log(band[1]), max=-math.log(band[0]),
-                             log_ratio_clamp=None)
+        rule = RejectionRule(
+            statistic="k1", aggregation=stat, min=-math.log(band[1]), max=-math.log(band[0]), log_ratio_clamp=None
+        )
         as_rule = compute_is_correction(PREV, GEN, MASK, MASK, LAY, rules=[rule], **kw)
         assert torch.equal(shorthand.weights, as_rule.weights) and torch.equal(shorthand.rejected, as_rule.rejected)
 
 
 def test_rules_reject_after_batch_normalisation_and_report_per_rule_metrics():
     cfg = ClippedPGLossConfig(
-        reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True, is_correction_level="token",
+        reference_policy_kl_penalty=0.0,
+        use_importance_sampling_correction=True,
+        is_correction_level="token",
         importance_sampling_batch_normalize=True,
         importance_sampling_rejection_rules=[{"option": "seq_max_k2", "threshold": 0.1}],
     )

@@ -25,9 +25,15 @@ def batch(dtype: torch.dtype = torch.float32, seed: int = 0):
     tm = torch.ones(B, S)
     tm[:, 0] = 0
     tm[1, 7:] = 0
-    data = {"token_mask": tm, "sample_mask": torch.ones(B), "advantages": torch.randn(B, S, generator=g),
-            "prev_logprobs": lp(), "generation_logprobs": lp(), "reference_policy_logprobs": lp(),
-            "rewards": torch.tensor([1.0, 0.0, 1.0, 0.0])}
+    data = {
+        "token_mask": tm,
+        "sample_mask": torch.ones(B),
+        "advantages": torch.randn(B, S, generator=g),
+        "prev_logprobs": lp(),
+        "generation_logprobs": lp(),
+        "reference_policy_logprobs": lp(),
+        "rewards": torch.tensor([1.0, 0.0, 1.0, 0.0]),
+    }
     x = (-torch.rand(B, S - 1, generator=g) * 2 - 1e-3).to(dtype)
     return x, data
 
@@ -94,8 +100,11 @@ def test_integer_logprobs_are_rejected(key, dtype):
     else:
         data[key] = data[key].to(dtype)
     name = key if key == "next_token_logprobs" else f"data['{key}']"
-    with pytest.raises(TypeError, match=rf"{__import__('re').escape(name)} has dtype {dtype}, expected float16, "
-                                        "bfloat16, float32 or float64"):
+    with pytest.raises(
+        TypeError,
+        match=rf"{__import__('re').escape(name)} has dtype {dtype}, expected float16, "
+        "bfloat16, float32 or float64",
+    ):
         call(FULL, x, data)
 
 
@@ -192,8 +201,9 @@ def test_positive_logprobs_are_named(key):
     assert f"1 bad element(s), first at {where} = 0.5" in msg
 
 
-@pytest.mark.parametrize(("dtype", "ok", "bad"), [(torch.float32, 5e-5, 2e-4), (torch.float16, 5e-3, 2e-2),
-                                                  (torch.bfloat16, 0.0625, 0.25)])
+@pytest.mark.parametrize(
+    ("dtype", "ok", "bad"), [(torch.float32, 5e-5, 2e-4), (torch.float16, 5e-3, 2e-2), (torch.bfloat16, 0.0625, 0.25)]
+)
 def test_positive_logprob_tolerance_follows_the_dtype(dtype, ok, bad):
     x, data = batch(dtype)
     x[0, 0] = ok
@@ -248,14 +258,17 @@ def test_overflowing_finite_inputs_are_not_an_error(level):
         assert metrics["is_weight_max"] == pytest.approx(math.exp(MAX_LOG_WEIGHT), rel=1e-6)
 
 
-@pytest.mark.parametrize(("name", "value", "exc", "pattern"), [
-    ("global_valid_toks", -1.0, ValueError, "global_valid_toks = -1.0 is negative"),
-    ("global_valid_seqs", float("nan"), ValueError, "global_valid_seqs = nan is not finite"),
-    ("global_valid_toks", torch.tensor(float("inf")), ValueError, "global_valid_toks = inf is not finite"),
-    ("global_valid_seqs", torch.ones(2), ValueError, r"global_valid_seqs must be a scalar .* got shape \[2\]"),
-    ("global_valid_toks", True, TypeError, "global_valid_toks must be a number or a 0-d tensor, got bool"),
-    ("global_valid_seqs", "4", TypeError, "global_valid_seqs must be a number or a 0-d tensor, got str"),
-])
+@pytest.mark.parametrize(
+    ("name", "value", "exc", "pattern"),
+    [
+        ("global_valid_toks", -1.0, ValueError, "global_valid_toks = -1.0 is negative"),
+        ("global_valid_seqs", float("nan"), ValueError, "global_valid_seqs = nan is not finite"),
+        ("global_valid_toks", torch.tensor(float("inf")), ValueError, "global_valid_toks = inf is not finite"),
+        ("global_valid_seqs", torch.ones(2), ValueError, r"global_valid_seqs must be a scalar .* got shape \[2\]"),
+        ("global_valid_toks", True, TypeError, "global_valid_toks must be a number or a 0-d tensor, got bool"),
+        ("global_valid_seqs", "4", TypeError, "global_valid_seqs must be a number or a 0-d tensor, got str"),
+    ],
+)
 def test_bad_global_counts(name, value, exc, pattern):
     x, data = batch()
     kw = {"n_seq": 4.0, "n_tok": 30.0}
@@ -265,11 +278,20 @@ def test_bad_global_counts(name, value, exc, pattern):
 
 
 # ------------------------------------------------------------------------------------------------ all masked
-@pytest.mark.parametrize("cfg", [{}, FULL, dict(use_importance_sampling_correction=True, is_correction_level="cumulative",
-                                                truncated_importance_sampling_type="tis",
-                                                truncated_importance_sampling_ratio=2.0),
-                                 dict(sequence_level_importance_ratios=True, token_level_loss=False,
-                                      use_importance_sampling_correction=True)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},
+        FULL,
+        dict(
+            use_importance_sampling_correction=True,
+            is_correction_level="cumulative",
+            truncated_importance_sampling_type="tis",
+            truncated_importance_sampling_ratio=2.0,
+        ),
+        dict(sequence_level_importance_ratios=True, token_level_loss=False, use_importance_sampling_correction=True),
+    ],
+)
 @pytest.mark.parametrize("which", ["token_mask", "sample_mask"])
 def test_all_masked_batch(cfg, which):
     x, data = batch()
@@ -288,8 +310,13 @@ def test_all_masked_batch(cfg, which):
 
 def test_one_all_masked_sample_does_not_change_the_others():
     x, data = batch()
-    want, _ = call(FULL, x[[0, 2, 3]], {k: v[[0, 2, 3]] for k, v in data.items()},
-                   n_seq=torch.tensor(3.0), n_tok=(data["token_mask"][[0, 2, 3], 1:]).sum())
+    want, _ = call(
+        FULL,
+        x[[0, 2, 3]],
+        {k: v[[0, 2, 3]] for k, v in data.items()},
+        n_seq=torch.tensor(3.0),
+        n_tok=(data["token_mask"][[0, 2, 3], 1:]).sum(),
+    )
     data["sample_mask"][1] = 0
     x[1] = -3.0  # whatever the masked sample holds
     got, _ = call(FULL, x, data)

@@ -183,43 +183,80 @@ def _batch(seed=0, extreme=None):
         tensors[name][tm == 0] = value
     sm = torch.tensor([1.0, 1.0, 0.0], dtype=F64)
     inputs = LossInputs(
-        c, tensors["prev"], tensors["gen"], tensors["ref"], tensors["adv"], tm, sm,
-        global_valid_seqs=4.0, global_valid_toks=17.0, rewards=torch.tensor([1.0, 0.0, 1.0], dtype=F64),
+        c,
+        tensors["prev"],
+        tensors["gen"],
+        tensors["ref"],
+        tensors["adv"],
+        tm,
+        sm,
+        global_valid_seqs=4.0,
+        global_valid_toks=17.0,
+        rewards=torch.tensor([1.0, 0.0, 1.0], dtype=F64),
     )
     return c, inputs, TokenLayout.padded(B, T)
 
 
 TIS = dict(
-    ratio_level="token", use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-    truncated_importance_sampling_ratio=1.05, ratio_clip_min=0.03, ratio_clip_max=0.03,
+    ratio_level="token",
+    use_importance_sampling_correction=True,
+    truncated_importance_sampling_type="tis",
+    truncated_importance_sampling_ratio=1.05,
+    ratio_clip_min=0.03,
+    ratio_clip_max=0.03,
 )
 GRAD_CONFIGS = {
     "tis_token_k3": dict(TIS, is_correction_level="token", reference_policy_kl_penalty=0.1),
     "cumulative_is_seq_mean_agg_k1": dict(
-        TIS, is_correction_level="cumulative", loss_aggregation="seq-mean-token-mean",
-        reference_policy_kl_penalty=0.1, reference_policy_kl_type="k1",
+        TIS,
+        is_correction_level="cumulative",
+        loss_aggregation="seq-mean-token-mean",
+        reference_policy_kl_penalty=0.1,
+        reference_policy_kl_type="k1",
     ),
     "log_clip_nll_batch_norm": dict(
-        TIS, is_correction_level="sequence_mean", log_ratio_clip_low=0.02, log_ratio_clip_high=0.03,
-        clip_position_power=0.5, log_ratio_clip_c=0.05, positive_example_nll_weight=0.3,
+        TIS,
+        is_correction_level="sequence_mean",
+        log_ratio_clip_low=0.02,
+        log_ratio_clip_high=0.03,
+        clip_position_power=0.5,
+        log_ratio_clip_c=0.05,
+        positive_example_nll_weight=0.3,
         importance_sampling_batch_normalize=True,
     ),
     "cispo_geo_rs_on_policy_kl": dict(
-        use_cispo=True, truncated_importance_sampling_type="geo-rs", truncated_importance_sampling_ratio=1.03,
-        truncated_importance_sampling_ratio_min=0.97, use_on_policy_kl_approximation=True,
+        use_cispo=True,
+        truncated_importance_sampling_type="geo-rs",
+        truncated_importance_sampling_ratio=1.03,
+        truncated_importance_sampling_ratio_min=0.97,
+        use_on_policy_kl_approximation=True,
         reference_policy_kl_penalty=0.1,
     ),
     "cumulative_ratio_seq_is_k3": dict(
-        TIS, ratio_level="cumulative", is_correction_level="sequence", reference_policy_kl_penalty=0.1,
+        TIS,
+        ratio_level="cumulative",
+        is_correction_level="sequence",
+        reference_policy_kl_penalty=0.1,
     ),
     "cumulative_mean_ratio_ctpo_clip_nll": dict(
-        TIS, ratio_level="cumulative_mean", is_correction_level="cumulative", log_ratio_clip_low=0.02,
-        log_ratio_clip_high=0.03, clip_position_power=0.5, log_ratio_clip_c=0.05, token_log_ratio_clamp=0.04,
-        max_log_ratio=0.02, positive_example_nll_weight=0.3,
+        TIS,
+        ratio_level="cumulative_mean",
+        is_correction_level="cumulative",
+        log_ratio_clip_low=0.02,
+        log_ratio_clip_high=0.03,
+        clip_position_power=0.5,
+        log_ratio_clip_c=0.05,
+        token_log_ratio_clamp=0.04,
+        max_log_ratio=0.02,
+        positive_example_nll_weight=0.3,
     ),
     "reinforce_dual_clip_sum_norm_k2_gradient": dict(
-        disable_ppo_ratio=True, ratio_clip_c=1.5, loss_aggregation="seq-mean-token-sum-norm",
-        loss_aggregation_norm=7.0, reference_policy_kl_penalty=0.1, reference_policy_kl_gradient="k2",
+        disable_ppo_ratio=True,
+        ratio_clip_c=1.5,
+        loss_aggregation="seq-mean-token-sum-norm",
+        loss_aggregation_norm=7.0,
+        reference_policy_kl_penalty=0.1,
+        reference_policy_kl_gradient="k2",
     ),
 }
 
@@ -280,8 +317,17 @@ def test_token_loss_gradient_upcasts_half_precision_to_fp32():
 
 # Masked tokens holding extreme inputs: the validation of ClippedPGLoss.__call__ rejects +-inf but lets any finite
 # value (<= 1e-4 for log-probs) through, so padding can hold e.g. -1e6.
-SAFE_EXTREMES = [("prev", 1e6), ("prev", -50.0), ("gen", -1e6), ("gen", float("-inf")), ("gen", 1e6),
-                 ("ref", -1e6), ("ref", float("-inf")), ("ref", 1e6), ("adv", 1e30)]
+SAFE_EXTREMES = [
+    ("prev", 1e6),
+    ("prev", -50.0),
+    ("gen", -1e6),
+    ("gen", float("-inf")),
+    ("gen", 1e6),
+    ("ref", -1e6),
+    ("ref", float("-inf")),
+    ("ref", 1e6),
+    ("adv", 1e30),
+]
 
 
 @pytest.mark.parametrize("extreme", SAFE_EXTREMES, ids=lambda e: f"{e[0]}={e[1]}")

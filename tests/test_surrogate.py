@@ -41,8 +41,13 @@ def test_log_space_clip_bounds_grow_like_t_power():
 def test_log_space_dual_clip_caps_negative_advantages():
     log_r = torch.tensor([1.0, 1.0], dtype=F64)
     out = log_space_clip_surrogate(
-        log_r, torch.tensor([-1.0, -1.0], dtype=F64), torch.tensor([1.0, 400.0], dtype=F64),
-        eps_low=0.025, eps_high=0.05, eps_c=0.05, power=0.5,
+        log_r,
+        torch.tensor([-1.0, -1.0], dtype=F64),
+        torch.tensor([1.0, 400.0], dtype=F64),
+        eps_low=0.025,
+        eps_high=0.05,
+        eps_c=0.05,
+        power=0.5,
     )
     # t=1: cap exp(0.05) bites; t=400: cap exp(1.0) = ratio, loss = e
     assert torch.allclose(out.loss, torch.tensor([math.exp(0.05), math.e], dtype=F64))
@@ -51,8 +56,13 @@ def test_log_space_dual_clip_caps_negative_advantages():
 def test_power_zero_is_fixed_window():
     log_r = torch.tensor([0.3, 0.3], dtype=F64)
     out = log_space_clip_surrogate(
-        log_r, torch.ones(2, dtype=F64), torch.tensor([1.0, 5000.0], dtype=F64),
-        eps_low=0.2, eps_high=0.2, eps_c=None, power=0.0,
+        log_r,
+        torch.ones(2, dtype=F64),
+        torch.tensor([1.0, 5000.0], dtype=F64),
+        eps_low=0.2,
+        eps_high=0.2,
+        eps_c=None,
+        power=0.0,
     )
     assert torch.allclose(out.loss, torch.full((2,), -math.exp(0.2), dtype=F64))
 

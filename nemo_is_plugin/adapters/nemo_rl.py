@@ -40,7 +40,8 @@ every other key: the plugin's other ``*_min``/``*_max`` metrics are only meaning
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from pydantic import BaseModel
@@ -52,16 +53,27 @@ from nemo_is_plugin.distributed.groups import ParallelGroups
 from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME, build_loss
 
 PARALLEL_STATE = "parallel_state"  # groups sentinel: read megatron-core's groups inside the worker
-GroupsSpec = Union[None, str, ParallelGroups]
+GroupsSpec = None | str | ParallelGroups
 
 
 # NeMo-RL's ClippedPGLossFn instance attributes that copy a config field (commit 7ea279ab), same names and meaning.
 NEMO_RL_CONFIG_ATTRIBUTES = (
-    "disable_ppo_ratio", "ratio_clip_min", "ratio_clip_max", "ratio_clip_c", "reference_policy_kl_type",
-    "kl_input_clamp_value", "kl_output_clamp_value", "use_importance_sampling_correction",
-    "truncated_importance_sampling_type", "truncated_importance_sampling_ratio", "truncated_importance_sampling_ratio_min",
-    "use_on_policy_kl_approximation", "force_on_policy_ratio", "sequence_level_importance_ratios",
-    "positive_example_nll_weight", "use_cispo",
+    "disable_ppo_ratio",
+    "ratio_clip_min",
+    "ratio_clip_max",
+    "ratio_clip_c",
+    "reference_policy_kl_type",
+    "kl_input_clamp_value",
+    "kl_output_clamp_value",
+    "use_importance_sampling_correction",
+    "truncated_importance_sampling_type",
+    "truncated_importance_sampling_ratio",
+    "truncated_importance_sampling_ratio_min",
+    "use_on_policy_kl_approximation",
+    "force_on_policy_ratio",
+    "sequence_level_importance_ratios",
+    "positive_example_nll_weight",
+    "use_cispo",
 )
 
 
@@ -124,8 +136,11 @@ class NeMoRLLossFn:
         if not (groups is None or groups == PARALLEL_STATE or isinstance(groups, ParallelGroups)):
             raise ValueError(f"groups must be None, a ParallelGroups or {PARALLEL_STATE!r}, got {groups!r}")
         self._groups_spec = groups
-        self._logit_options = {"cp_order": cp_order, "host_divides_by_cp": host_divides_by_cp,
-                               "chunk_size": logprob_chunk_size}
+        self._logit_options = {
+            "cp_order": cp_order,
+            "host_divides_by_cp": host_divides_by_cp,
+            "chunk_size": logprob_chunk_size,
+        }
         self._build()
 
     def _build(self) -> None:
@@ -155,8 +170,13 @@ class NeMoRLLossFn:
                 "a NeMoRLLossFn holding process groups cannot be pickled; build it with "
                 f"groups={PARALLEL_STATE!r} to look the groups up inside the worker"
             )
-        return {"section": self._section, "input_type": self.input_type.value, "groups": self._groups_spec,
-                "logit": self._logit_options, "fused": self.use_fused_linear_logprobs}
+        return {
+            "section": self._section,
+            "input_type": self.input_type.value,
+            "groups": self._groups_spec,
+            "logit": self._logit_options,
+            "fused": self.use_fused_linear_logprobs,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._section, self._groups_spec, self._logit_options = state["section"], state["groups"], state["logit"]
@@ -174,12 +194,12 @@ class NeMoRLLossFn:
 
     def __call__(
         self,
-        next_token_logprobs: Optional[torch.Tensor] = None,
-        data: Optional[Mapping[str, Any]] = None,
+        next_token_logprobs: torch.Tensor | None = None,
+        data: Mapping[str, Any] | None = None,
         global_valid_seqs: Any = None,
         global_valid_toks: Any = None,
         *,
-        logits: Optional[torch.Tensor] = None,
+        logits: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if data is None or global_valid_seqs is None or global_valid_toks is None:
@@ -196,13 +216,15 @@ class NeMoRLLossFn:
         elif next_token_logprobs is None:
             raise TypeError("input_type=LOGPROB: pass next_token_logprobs=[B, S-1]")
         return self.loss(
-            next_token_logprobs=next_token_logprobs, data=data,
-            global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks,
+            next_token_logprobs=next_token_logprobs,
+            data=data,
+            global_valid_seqs=global_valid_seqs,
+            global_valid_toks=global_valid_toks,
         )
 
 
 def build_loss_fn(
-    config: Union[str, "os.PathLike[str]", Mapping[str, Any], BaseModel],
+    config: str | os.PathLike[str] | Mapping[str, Any] | BaseModel,
     overrides: Sequence[str] = (),
     *,
     section: str = "loss_fn",
@@ -213,8 +235,8 @@ def build_loss_fn(
     """The NeMo-RL loss for a master config (path, mapping or OmegaConf), of which only ``section`` is read.
 
     A bare ``loss_fn`` mapping, NeMo-RL's ``ClippedPGLossConfig`` or the plugin's ``ClippedPGLossConfig`` is accepted
-    too. ``overrides`` are CLI-style dotted overrides of the whole config (``loss_fn.is_correction_level=sequence_mean``),
-    see :mod:`nemo_is_plugin.adapters.recipes`.
+    too. ``overrides`` are CLI-style dotted overrides of the whole config
+    (``loss_fn.is_correction_level=sequence_mean``), see :mod:`nemo_is_plugin.adapters.recipes`.
     """
     options = dict(input_type=input_type, groups=groups, use_fused_linear_logprobs=use_fused_linear_logprobs)
     if isinstance(config, BaseModel):  # a validated config object: NeMo-RL's or the plugin's
@@ -226,8 +248,13 @@ def build_loss_fn(
     return NeMoRLLossFn(to_loss_mapping(config, overrides, section), **options)
 
 
-def dump_rollouts(train_data: Mapping[str, Any], step: int, path: Optional[Union[str, "os.PathLike[str]"]] = None, *,
-                  rewards: Optional[torch.Tensor] = None) -> int:
+def dump_rollouts(
+    train_data: Mapping[str, Any],
+    step: int,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    rewards: torch.Tensor | None = None,
+) -> int:
     """Append one GRPO step's rollouts to a dump ``nemo-is diagnose`` reads; a no-op unless ``path`` or
     ``$NEMO_IS_DUMP_ROLLOUTS`` names a file (``$NEMO_IS_DUMP_EVERY=k``: every k-th step). Returns the responses written.
 
@@ -242,8 +269,17 @@ def dump_rollouts(train_data: Mapping[str, Any], step: int, path: Optional[Union
     """
     from nemo_is_plugin.adapters.rollout_dump import dump_batch
 
-    return dump_batch(train_data, step, path, rewards=rewards, prev="prev_logprobs", gen="generation_logprobs",
-                      mask="token_mask", advantages="advantages", sample_mask="sample_mask")
+    return dump_batch(
+        train_data,
+        step,
+        path,
+        rewards=rewards,
+        prev="prev_logprobs",
+        gen="generation_logprobs",
+        mask="token_mask",
+        advantages="advantages",
+        sample_mask="sample_mask",
+    )
 
 
 # NeMo-RL's class name: ``from nemo_is_plugin.adapters.nemo_rl import ClippedPGLossFn`` is the whole swap.

@@ -16,10 +16,17 @@ from nemo_is_plugin.adapters.protocol import LossType, MetricNormalizer, is_extr
 from nemo_is_plugin.config import SEQUENCE_MASK_TYPES, ClippedPGLossConfig, ConfigError
 
 # Metric -> the count it is divided by, where it is not the token count (see nemo_is_plugin.loss.metrics).
-_SEQUENCE_METRICS = frozenset({
-    "sampling_importance_ratio_seq_mean", "is_rejected_seq_fraction",
-    "training_log_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff", "is_seq_weight_sq_mean",
-})
+_SEQUENCE_METRICS = frozenset(
+    {
+        "sampling_importance_ratio_seq_mean",
+        "is_rejected_seq_fraction",
+        "training_log_ppl",
+        "rollout_log_ppl",
+        "log_ppl_diff",
+        "log_ppl_abs_diff",
+        "is_seq_weight_sq_mean",
+    }
+)
 _RAW_METRICS = frozenset({"num_valid_samples", "positive_nll_loss"})  # a count, and a mean over a local count
 _LOSS_METRICS = frozenset({"loss", "kl_penalty"})  # divided like the gradient
 
@@ -32,8 +39,10 @@ def loss_type_of(config: ClippedPGLossConfig) -> Any:
     """
     agg = config.effective_loss_aggregation
     if agg == "token-sum":
-        raise ConfigError("loss_aggregation='token-sum' divides by no count, which NeMo-RL's LossType (TOKEN_LEVEL / "
-                          "SEQUENCE_LEVEL) cannot express: use 'token-mean' with NeMo-RL (token-sum is verl's mode)")
+        raise ConfigError(
+            "loss_aggregation='token-sum' divides by no count, which NeMo-RL's LossType (TOKEN_LEVEL / "
+            "SEQUENCE_LEVEL) cannot express: use 'token-mean' with NeMo-RL (token-sum is verl's mode)"
+        )
     return LossType.TOKEN_LEVEL if agg == "token-mean" else LossType.SEQUENCE_LEVEL
 
 
@@ -51,8 +60,11 @@ def metric_normalizer(name: str, config: ClippedPGLossConfig) -> Any:
     # is_oob_ratio counts sequences for the sequence-masking truncation types
     if name == "is_oob_ratio" and config.truncated_importance_sampling_type in SEQUENCE_MASK_TYPES:
         return MetricNormalizer.SEQUENCES
-    if name == "sampling_importance_ratio" and config.sequence_level_importance_ratios \
-            and config.is_correction_level is None:
+    if (
+        name == "sampling_importance_ratio"
+        and config.sequence_level_importance_ratios
+        and config.is_correction_level is None
+    ):
         return MetricNormalizer.SEQUENCES  # NeMo-RL's GSPO value: a sum over sequences divided by N_seq
     return MetricNormalizer.TOKENS
 
@@ -66,7 +78,9 @@ def probe_metric_names(loss: Any) -> list[str]:
         "token_mask": torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]]),
         "sample_mask": torch.ones(b),
         "advantages": torch.randn(b, s, generator=g),
-        "prev_logprobs": logp(), "generation_logprobs": logp(), "reference_policy_logprobs": logp(),
+        "prev_logprobs": logp(),
+        "generation_logprobs": logp(),
+        "reference_policy_logprobs": logp(),
         "rewards": torch.tensor([1.0, 0.0]),
         "input_ids": torch.zeros(b, s, dtype=torch.long),
     }

@@ -25,9 +25,10 @@ from __future__ import annotations
 import copy
 import difflib
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Union
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -122,7 +123,7 @@ def apply_override(cfg: DictConfig, item: str, section: str = DEFAULT_SECTION) -
     """
     text = item.strip()
     mode = "~" if text.startswith("~") else "++" if text.startswith("++") else "+" if text.startswith("+") else ""
-    body = text[len(mode):]
+    body = text[len(mode) :]
     if mode != "~" and "=" not in body:
         raise RecipeError(f"override {item!r} is not of the form key=value")
     key, _, raw = body.partition("=")
@@ -165,14 +166,14 @@ def _is_bare(cfg: DictConfig, section: str) -> bool:
 def _relative_to_bare_section(cfg: DictConfig, key: str, section: str) -> str:
     """In a bare loss-section file, ``loss_fn.ratio_clip_min`` means the top-level ``ratio_clip_min``."""
     if key.startswith(section + ".") and _is_bare(cfg, section):
-        return key[len(section) + 1:]
+        return key[len(section) + 1 :]
     return key
 
 
-def _loss_leaf(cfg: DictConfig, key: str, section: str) -> Optional[str]:
+def _loss_leaf(cfg: DictConfig, key: str, section: str) -> str | None:
     """The part of ``key`` below the loss section (e.g. ``ratio_clip_min``), or None when ``key`` is outside it."""
     if key.startswith(section + "."):
-        return key[len(section) + 1:]
+        return key[len(section) + 1 :]
     if _is_bare(cfg, section):
         return key
     return None
@@ -242,8 +243,9 @@ def loss_section(cfg: DictConfig, section: str = DEFAULT_SECTION) -> dict[str, A
     return {str(k): v for k, v in resolved.items()}
 
 
-def load_loss_spec(source: Source, overrides: Sequence[str] = (), section: str = DEFAULT_SECTION,
-                   default_name: str = DEFAULT_LOSS_NAME) -> LossSpec:
+def load_loss_spec(
+    source: Source, overrides: Sequence[str] = (), section: str = DEFAULT_SECTION, default_name: str = DEFAULT_LOSS_NAME
+) -> LossSpec:
     """Read ``section`` of a recipe (YAML path, mapping or DictConfig) into a :class:`LossSpec`."""
     cfg = load_yaml(source, overrides, section)
     where = f"{source}" if isinstance(source, (str, os.PathLike)) else "config"
@@ -259,15 +261,17 @@ def load_loss_spec(source: Source, overrides: Sequence[str] = (), section: str =
     return LossSpec(name=name, config=config, given=tuple(values), empty_source=len(cfg) == 0)
 
 
-def load_recipe_config(source: Source, overrides: Sequence[str] = (), section: str = DEFAULT_SECTION
-                       ) -> ClippedPGLossConfig:
+def load_recipe_config(
+    source: Source, overrides: Sequence[str] = (), section: str = DEFAULT_SECTION
+) -> ClippedPGLossConfig:
     """The validated loss config of a recipe (a YAML path, mapping or DictConfig); ``name`` is ignored (see
     :func:`load_loss_spec`). :func:`nemo_is_plugin.config.load_loss_config` validates a ``loss_fn`` mapping alone."""
     return load_loss_spec(source, overrides, section).config
 
 
-def to_loss_mapping(source: Optional[Source], overrides: Sequence[str] = (), section: str = DEFAULT_SECTION
-                    ) -> dict[str, Any]:
+def to_loss_mapping(
+    source: Source | None, overrides: Sequence[str] = (), section: str = DEFAULT_SECTION
+) -> dict[str, Any]:
     """A plain ``loss_fn`` mapping (``name`` kept) from a recipe, for hosts that validate it themselves."""
     if source is None:
         return {}

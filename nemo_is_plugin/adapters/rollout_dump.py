@@ -12,8 +12,9 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 
@@ -30,14 +31,14 @@ class RolloutDumper:
         config: an optional label written into every record (``nemo-is diagnose --config`` selects it).
     """
 
-    def __init__(self, path: str | os.PathLike, every: int = 1, config: Optional[str] = None):
+    def __init__(self, path: str | os.PathLike, every: int = 1, config: str | None = None):
         if every < 1:
             raise ValueError(f"every={every}: dump every k-th step with k >= 1")
         self.path, self.every, self.config = Path(path), int(every), config
         self._next_sample = 0
 
     @classmethod
-    def resolve(cls, path: Optional[str | os.PathLike] = None) -> Optional["RolloutDumper"]:
+    def resolve(cls, path: str | os.PathLike | None = None) -> RolloutDumper | None:
         """A dumper for ``path``, else for ``$NEMO_IS_DUMP_ROLLOUTS``; None when neither is set (dumping is off)."""
         target = path if path is not None else os.environ.get(DUMP_ENV) or None
         if target is None:
@@ -54,8 +55,8 @@ class RolloutDumper:
         mask: torch.Tensor,
         *,
         step: int,
-        advantages: Optional[torch.Tensor] = None,
-        rewards: Optional[torch.Tensor] = None,
+        advantages: torch.Tensor | None = None,
+        rewards: torch.Tensor | None = None,
     ) -> int:
         """Append the responses of one batch; returns how many were written (rows without a valid token are not).
 
@@ -77,7 +78,7 @@ class RolloutDumper:
             parts.append(rewards.detach().to(dtype).reshape(-1))
         host = torch.cat(parts).to("cpu", torch.float64).numpy()  # the one device -> host transfer
         prev, gen, valid, adv_h = host[: 4 * b * t].reshape(4, b, t)
-        reward = host[4 * b * t:] if rewards is not None else None
+        reward = host[4 * b * t :] if rewards is not None else None
         lines = []
         for i in range(b):
             idx = valid[i].nonzero()[0]
@@ -119,8 +120,12 @@ def _cached(path: str, every: int) -> RolloutDumper:
 
 
 def dump_batch(
-    tensors: Mapping[str, Any], step: int, path: Optional[str | os.PathLike] = None, *,
-    rewards: Optional[torch.Tensor] = None, **keys: str,
+    tensors: Mapping[str, Any],
+    step: int,
+    path: str | os.PathLike | None = None,
+    *,
+    rewards: torch.Tensor | None = None,
+    **keys: str,
 ) -> int:
     """Dump one training batch held under the host's own key names (``keys``: prev, gen, mask, advantages, rewards,
     sample_mask); ``rewards`` given directly wins. A no-op returning 0 when dumping is off or ``step`` is skipped."""
@@ -128,7 +133,7 @@ def dump_batch(
     if dumper is None or not dumper.wants(step):
         return 0
 
-    def get(role: str) -> Optional[torch.Tensor]:
+    def get(role: str) -> torch.Tensor | None:
         name = keys.get(role)
         return tensors[name] if name is not None and name in tensors else None
 

@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -68,9 +69,19 @@ SECTION_ENV = "NEMO_IS_LOSS_SECTION"
 PLUGIN_SECTION = "nemo_is"  # actor_rollout_ref.actor.policy_loss.nemo_is
 METRIC_PREFIX = "actor/nemo_is/"
 _OWN = "_verl_adapter/"  # prefix of the adapter's own values read with the loss's metrics (then removed)
-__all__ = ["CONFIG_ENV", "METRIC_PREFIX", "MissingPluginConfigError", "PLUGIN_SECTION", "VERL_AGG_MODES",
-           "VERL_LOG_RATIO_CLAMP", "VERL_LOSS_NAME", "VerlPolicyLoss", "generation_logprobs", "register_verl_loss",
-           "verl_config"]
+__all__ = [
+    "CONFIG_ENV",
+    "METRIC_PREFIX",
+    "MissingPluginConfigError",
+    "PLUGIN_SECTION",
+    "VERL_AGG_MODES",
+    "VERL_LOG_RATIO_CLAMP",
+    "VERL_LOSS_NAME",
+    "VerlPolicyLoss",
+    "generation_logprobs",
+    "register_verl_loss",
+    "verl_config",
+]
 
 
 class MissingPluginConfigError(RuntimeError):
@@ -78,11 +89,13 @@ class MissingPluginConfigError(RuntimeError):
 
 
 def _missing_message() -> str:
-    return (f"{VERL_LOSS_NAME}: no plugin config on this worker. Give one of: the section "
-            f"actor_rollout_ref.actor.policy_loss.{PLUGIN_SECTION} of verl's config (with policy_loss._target_="
-            "nemo_is_plugin.adapters.verl_hydra.PolicyLossConfig; '{}' means verl's settings only), the recipe named "
-            f"by ${CONFIG_ENV} exported to the Ray workers (+ray_kwargs.ray_init.runtime_env.env_vars.{CONFIG_ENV}="
-            "/abs/path.yaml), or register_verl_loss(config=...). See docs/verl.md.")
+    return (
+        f"{VERL_LOSS_NAME}: no plugin config on this worker. Give one of: the section "
+        f"actor_rollout_ref.actor.policy_loss.{PLUGIN_SECTION} of verl's config (with policy_loss._target_="
+        "nemo_is_plugin.adapters.verl_hydra.PolicyLossConfig; '{}' means verl's settings only), the recipe named "
+        f"by ${CONFIG_ENV} exported to the Ray workers (+ray_kwargs.ray_init.runtime_env.env_vars.{CONFIG_ENV}="
+        "/abs/path.yaml), or register_verl_loss(config=...). See docs/verl.md."
+    )
 
 
 def _user_keys(config: Any, section: str) -> dict[str, Any]:
@@ -95,8 +108,9 @@ def _user_keys(config: Any, section: str) -> dict[str, Any]:
     return plugin_section_keys(to_loss_mapping(config, section=section))
 
 
-def verl_config(user: Mapping[str, Any], actor: Any, loss_agg_mode: str, horizon: int, weights_only: bool
-                ) -> ClippedPGLossConfig:
+def verl_config(
+    user: Mapping[str, Any], actor: Any, loss_agg_mode: str, horizon: int, weights_only: bool
+) -> ClippedPGLossConfig:
     """The loss config for one verl call: verl's actor settings, overlaid by the user's explicit plugin keys.
 
     ``weights_only``: verl's weights multiply the loss (plugin IS off), so IS is switched on at token level with no
@@ -116,8 +130,10 @@ def verl_config(user: Mapping[str, Any], actor: Any, loss_agg_mode: str, horizon
         merged.update(use_importance_sampling_correction=True, is_correction_level="token")
     cfg = ClippedPGLossConfig(**merged)
     if cfg.effective_kl_penalty != 0:
-        raise ValueError("verl adds the KL loss itself (actor_rollout_ref.actor.use_kl_loss / kl_loss_coef): set "
-                         "reference_policy_kl_penalty: 0 in the plugin's config")
+        raise ValueError(
+            "verl adds the KL loss itself (actor_rollout_ref.actor.use_kl_loss / kl_loss_coef): set "
+            "reference_policy_kl_penalty: 0 in the plugin's config"
+        )
     if cfg.positive_example_nll_weight != 0:
         raise ValueError("positive_example_nll_weight needs per-sample rewards, which verl's policy loss does not get")
     return cfg
@@ -125,8 +141,13 @@ def verl_config(user: Mapping[str, Any], actor: Any, loss_agg_mode: str, horizon
 
 def _owns_correction(cfg: ClippedPGLossConfig) -> bool:
     """Whether the plugin's config needs log mu (its own IS weights, a rejection, a veto, or bypass mode)."""
-    return (cfg.use_importance_sampling_correction or cfg.truncated_importance_sampling_type in REJECTION_TYPES
-            or bool(cfg.rejection_rules) or cfg.importance_sampling_veto_threshold is not None or cfg.bypasses_prev)
+    return (
+        cfg.use_importance_sampling_correction
+        or cfg.truncated_importance_sampling_type in REJECTION_TYPES
+        or bool(cfg.rejection_rules)
+        or cfg.importance_sampling_veto_threshold is not None
+        or cfg.bypasses_prev
+    )
 
 
 def generation_logprobs(old: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -165,15 +186,19 @@ class VerlPolicyLoss:
         section: the section of a master config / recipe to read.
     """
 
-    def __init__(self, config: Union[None, str, "os.PathLike[str]", Mapping[str, Any], ClippedPGLossConfig] = None,
-                 *, section: str = "loss_fn"):
+    def __init__(
+        self,
+        config: None | str | os.PathLike[str] | Mapping[str, Any] | ClippedPGLossConfig = None,
+        *,
+        section: str = "loss_fn",
+    ):
         self._source, self._section = config, section
-        self._bound: Optional[dict[str, Any]] = None
+        self._bound: dict[str, Any] | None = None
         self._sections: dict[str, dict[str, Any]] = {}
         self._losses: dict[tuple, Any] = {}
-        self._tuple: Optional[bool] = None
+        self._tuple: bool | None = None
 
-    def _file_keys(self) -> Optional[dict[str, Any]]:
+    def _file_keys(self) -> dict[str, Any] | None:
         """Keys of the bound config, else of ``$NEMO_IS_LOSS_CONFIG``; None when there is neither."""
         if self._bound is None:
             if self._source is not None:
@@ -204,8 +229,14 @@ class VerlPolicyLoss:
             self._sections[frozen] = plugin_section_keys(section)
         return {**(base or {}), **self._sections[frozen]}
 
-    def resolve(self, actor: Any, loss_agg_mode: str, horizon: int, weights_only: bool = False,
-                keys: Optional[Mapping[str, Any]] = None):
+    def resolve(
+        self,
+        actor: Any,
+        loss_agg_mode: str,
+        horizon: int,
+        weights_only: bool = False,
+        keys: Mapping[str, Any] | None = None,
+    ):
         """The ``ClippedPGLoss`` for these verl settings (cached per distinct setting)."""
         from nemo_is_plugin.loss import ClippedPGLoss
 
@@ -214,9 +245,17 @@ class VerlPolicyLoss:
         # otherwise, so that variable-length micro-batches share one loss.
         if loss_agg_mode != "seq-mean-token-sum-norm" or _get(actor, "loss_scale_factor") is not None:
             horizon = 0
-        key = (loss_agg_mode, horizon, weights_only, _get(actor, "clip_ratio"), _get(actor, "clip_ratio_low"),
-               _get(actor, "clip_ratio_high"), _get(actor, "clip_ratio_c"), _get(actor, "loss_scale_factor"),
-               _frozen(keys))
+        key = (
+            loss_agg_mode,
+            horizon,
+            weights_only,
+            _get(actor, "clip_ratio"),
+            _get(actor, "clip_ratio_low"),
+            _get(actor, "clip_ratio_high"),
+            _get(actor, "clip_ratio_c"),
+            _get(actor, "loss_scale_factor"),
+            _frozen(keys),
+        )
         if key not in self._losses:
             self._losses[key] = ClippedPGLoss(verl_config(keys, actor, loss_agg_mode, horizon, weights_only))
         return self._losses[key]
@@ -229,8 +268,8 @@ class VerlPolicyLoss:
         response_mask: torch.Tensor,
         loss_agg_mode: str = "token-mean",
         config: Any = None,
-        rollout_is_weights: Optional[torch.Tensor] = None,
-        rollout_log_probs: Optional[torch.Tensor] = None,
+        rollout_is_weights: torch.Tensor | None = None,
+        rollout_log_probs: torch.Tensor | None = None,
         **_: Any,
     ):
         from nemo_is_plugin.loss import LossInputs
@@ -242,26 +281,39 @@ class VerlPolicyLoss:
         plugin_cfg = self.resolve(config, loss_agg_mode, t, keys=keys).config
         owns = _owns_correction(plugin_cfg)
         weights_only = not owns and rollout_is_weights is not None
-        loss_fn = self.resolve(config, loss_agg_mode, t, weights_only, keys) if weights_only else self.resolve(
-            config, loss_agg_mode, t, keys=keys)
-        gen = self._generation(plugin_cfg, owns, weights_only, old_log_prob, mask, rollout_is_weights,
-                               rollout_log_probs)
+        loss_fn = (
+            self.resolve(config, loss_agg_mode, t, weights_only, keys)
+            if weights_only
+            else self.resolve(config, loss_agg_mode, t, keys=keys)
+        )
+        gen = self._generation(
+            plugin_cfg, owns, weights_only, old_log_prob, mask, rollout_is_weights, rollout_log_probs
+        )
 
         m = mask.to(log_prob.dtype)
         # The local counts and verl's ppo_kl stay on the device until the loss's metrics are read (one host sync).
         with torch.no_grad():
-            own = {"local_toks": m.sum(), "local_seqs": (m.sum(-1) > 0).sum(),
-                   "ppo_kl": ((old_log_prob - log_prob) * m).sum() / (m.sum() + 1e-8)}
+            own = {
+                "local_toks": m.sum(),
+                "local_seqs": (m.sum(-1) > 0).sum(),
+                "ppo_kl": ((old_log_prob - log_prob) * m).sum() / (m.sum() + 1e-8),
+            }
         info_tok, info_seq = self._global_counts(config, loss_agg_mode)
         inputs = LossInputs(
-            curr_logprobs=log_prob, prev_logprobs=old_log_prob, generation_logprobs=gen, reference_logprobs=None,
-            advantages=advantages, token_mask=m, sample_mask=torch.ones(b, dtype=m.dtype, device=m.device),
+            curr_logprobs=log_prob,
+            prev_logprobs=old_log_prob,
+            generation_logprobs=gen,
+            reference_logprobs=None,
+            advantages=advantages,
+            token_mask=m,
+            sample_mask=torch.ones(b, dtype=m.dtype, device=m.device),
             global_valid_seqs=own["local_seqs"] if info_seq is None else info_seq,
             global_valid_toks=own["local_toks"] if info_tok is None else info_tok,
         )
         extra = {f"{_OWN}{k}": v for k, v in own.items()}
-        loss, metrics = loss_fn.compute(inputs, TokenLayout.padded(b, t, device=log_prob.device),
-                                        extra_metric_sums=extra)
+        loss, metrics = loss_fn.compute(
+            inputs, TokenLayout.padded(b, t, device=log_prob.device), extra_metric_sums=extra
+        )
         local_toks, local_seqs, ppo_kl = (metrics.pop(k) for k in extra)
         n_tok = local_toks if info_tok is None else info_tok
         n_seq = local_seqs if info_seq is None else info_seq
@@ -273,45 +325,67 @@ class VerlPolicyLoss:
             self._tuple = _returns_tuple()
         if self._tuple:
             as_tensor = lambda v: torch.tensor(v, device=log_prob.device)  # noqa: E731
-            return (loss, as_tensor(local.get("clip_fraction", 0.0)), as_tensor(ppo_kl),
-                    as_tensor(local.get("clip_fraction_dual", 0.0)))
+            return (
+                loss,
+                as_tensor(local.get("clip_fraction", 0.0)),
+                as_tensor(ppo_kl),
+                as_tensor(local.get("clip_fraction_dual", 0.0)),
+            )
         out = {f"{METRIC_PREFIX}{k}": v for k, v in local.items()}
-        out.update({"actor/pg_clipfrac": local.get("clip_fraction", 0.0), "actor/ppo_kl": ppo_kl,
-                    "actor/pg_clipfrac_lower": local.get("clip_fraction_dual", 0.0)})
+        out.update(
+            {
+                "actor/pg_clipfrac": local.get("clip_fraction", 0.0),
+                "actor/ppo_kl": ppo_kl,
+                "actor/pg_clipfrac_lower": local.get("clip_fraction_dual", 0.0),
+            }
+        )
         if owns:  # the plugin measured the true mismatch: verl's rollout_corr/ names where the quantity is the same
-            out.update(rollout_corr_metrics(local, loss_fn.config, rows=b, seqs_with_tokens=local_seqs,
-                                            seq_count=local_seqs))
+            out.update(
+                rollout_corr_metrics(local, loss_fn.config, rows=b, seqs_with_tokens=local_seqs, seq_count=local_seqs)
+            )
         return loss, out
 
     @staticmethod
-    def _generation(cfg: ClippedPGLossConfig, owns: bool, weights_only: bool, old_log_prob: torch.Tensor,
-                    mask: torch.Tensor, rollout_is_weights: Optional[torch.Tensor],
-                    rollout_log_probs: Optional[torch.Tensor]) -> torch.Tensor:
+    def _generation(
+        cfg: ClippedPGLossConfig,
+        owns: bool,
+        weights_only: bool,
+        old_log_prob: torch.Tensor,
+        mask: torch.Tensor,
+        rollout_is_weights: torch.Tensor | None,
+        rollout_log_probs: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The rollout log-probs log mu the loss sees (see the module docstring)."""
         if rollout_log_probs is not None and owns:
             return rollout_log_probs.detach().to(old_log_prob.dtype)
         if cfg.bypasses_prev:
             if rollout_is_weights is not None:
-                raise ValueError("old_policy_logprobs='generation' (bypass) needs verl's bypass mode: set "
-                                 "algorithm.rollout_correction.bypass_mode=true (verl then passes old_log_prob = the "
-                                 "rollout log-probs and no rollout_is_weights)")
+                raise ValueError(
+                    "old_policy_logprobs='generation' (bypass) needs verl's bypass mode: set "
+                    "algorithm.rollout_correction.bypass_mode=true (verl then passes old_log_prob = the "
+                    "rollout log-probs and no rollout_is_weights)"
+                )
             return old_log_prob.detach()
         if owns and rollout_is_weights is not None:
             if bool(((rollout_is_weights <= 0) & mask).any()):
-                raise ValueError("the plugin's IS correction reads verl's rollout_is_weights as raw token ratios, but "
-                                 "some valid tokens have weight 0: set algorithm.rollout_correction.rollout_is=token, "
-                                 "a huge rollout_is_threshold (e.g. 1e9), no rollout_rs, or pass rollout_log_probs")
+                raise ValueError(
+                    "the plugin's IS correction reads verl's rollout_is_weights as raw token ratios, but "
+                    "some valid tokens have weight 0: set algorithm.rollout_correction.rollout_is=token, "
+                    "a huge rollout_is_threshold (e.g. 1e9), no rollout_rs, or pass rollout_log_probs"
+                )
             return generation_logprobs(old_log_prob, mask, rollout_is_weights)
         if owns:
-            raise ValueError(f"{VERL_LOSS_NAME}: the plugin's IS correction / rejection needs the rollout log-probs: "
-                             "enable verl's token-level rollout_is with a huge threshold (raw ratios) or pass "
-                             "rollout_log_probs; or set use_importance_sampling_correction: false to let verl correct")
+            raise ValueError(
+                f"{VERL_LOSS_NAME}: the plugin's IS correction / rejection needs the rollout log-probs: "
+                "enable verl's token-level rollout_is with a huge threshold (raw ratios) or pass "
+                "rollout_log_probs; or set use_importance_sampling_correction: false to let verl correct"
+            )
         if weights_only:
             return generation_logprobs(old_log_prob, mask, rollout_is_weights)
         return old_log_prob.detach()
 
     @staticmethod
-    def _global_counts(config: Any, agg: str) -> tuple[Optional[float], Optional[float]]:
+    def _global_counts(config: Any, agg: str) -> tuple[float | None, float | None]:
         """verl's ``agg_loss`` divisors (tokens, sequences): ``global / dp_size`` from ``global_batch_info``, else None
         (the local counts)."""
         info = dict(_get(config, "global_batch_info", {}) or {})
@@ -341,7 +415,7 @@ def register_verl_loss(name: str = VERL_LOSS_NAME, config: Any = None, *, sectio
     return fn
 
 
-def dump_rollouts(batch: Any, step: int, path: Optional[Union[str, "os.PathLike[str]"]] = None) -> int:
+def dump_rollouts(batch: Any, step: int, path: str | os.PathLike[str] | None = None) -> int:
     """Append one PPO step's rollouts to a dump ``nemo-is diagnose`` reads; a no-op unless ``path`` or
     ``$NEMO_IS_DUMP_ROLLOUTS`` names a file. ``batch`` is verl's ``DataProto`` once advantages are computed; add
     ``dump_rollouts(batch, self.global_steps)`` after ``compute_advantage`` in ``RayPPOTrainer.fit`` (driver), with
@@ -350,5 +424,13 @@ def dump_rollouts(batch: Any, step: int, path: Optional[Union[str, "os.PathLike[
 
     tensors = getattr(batch, "batch", batch)
     rewards = tensors["token_level_scores"].sum(-1) if "token_level_scores" in tensors else None
-    return dump_batch(tensors, step, path, rewards=rewards, prev="old_log_probs", gen="rollout_log_probs",
-                      mask="response_mask", advantages="advantages")
+    return dump_batch(
+        tensors,
+        step,
+        path,
+        rewards=rewards,
+        prev="old_log_probs",
+        gen="rollout_log_probs",
+        mask="response_mask",
+        advantages="advantages",
+    )

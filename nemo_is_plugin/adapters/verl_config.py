@@ -16,18 +16,32 @@ vocabulary (a mapping of its keys, a preset name, or ``{preset: name, <preset ke
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from nemo_is_plugin.config import ConfigError, verl_rejection_rule
 
 VERL_LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp in every ratio loss
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-ROLLOUT_CORRECTION_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
-                           "rollout_rs_threshold", "bypass_mode", "loss_type")
+ROLLOUT_CORRECTION_KEYS = (
+    "rollout_is",
+    "rollout_is_threshold",
+    "rollout_is_batch_normalize",
+    "rollout_rs",
+    "rollout_rs_threshold",
+    "bypass_mode",
+    "loss_type",
+)
 # algorithm/rollout_correction.yaml: the values of keys a Hydra config leaves out.
-ROLLOUT_CORRECTION_DEFAULTS = {"rollout_is": None, "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": False,
-                               "rollout_rs": None, "rollout_rs_threshold": None, "bypass_mode": False,
-                               "loss_type": "ppo_clip"}
+ROLLOUT_CORRECTION_DEFAULTS = {
+    "rollout_is": None,
+    "rollout_is_threshold": 2.0,
+    "rollout_is_batch_normalize": False,
+    "rollout_rs": None,
+    "rollout_rs_threshold": None,
+    "bypass_mode": False,
+    "loss_type": "ppo_clip",
+}
 
 
 class VerlConfigError(ConfigError):
@@ -39,53 +53,85 @@ class VerlConfigError(ConfigError):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _settings(rollout_is=None, is_threshold: Any = 2.0, rs=None, rs_threshold=None, bypass=False,
-              loss_type="ppo_clip") -> dict[str, Any]:
-    return {"rollout_is": rollout_is, "rollout_is_threshold": is_threshold, "rollout_is_batch_normalize": False,
-            "rollout_rs": rs, "rollout_rs_threshold": rs_threshold, "bypass_mode": bypass, "loss_type": loss_type}
+def _settings(
+    rollout_is=None, is_threshold: Any = 2.0, rs=None, rs_threshold=None, bypass=False, loss_type="ppo_clip"
+) -> dict[str, Any]:
+    return {
+        "rollout_is": rollout_is,
+        "rollout_is_threshold": is_threshold,
+        "rollout_is_batch_normalize": False,
+        "rollout_rs": rs,
+        "rollout_rs_threshold": rs_threshold,
+        "bypass_mode": bypass,
+        "loss_type": loss_type,
+    }
 
 
 GEO, K3 = "0.999_1.001", 0.01  # verl's Geo-RS band and K3-RS bound
 PRESETS: dict[str, tuple[dict[str, Any], Callable[..., dict[str, Any]]]] = {
     "decoupled_token_is": ({"threshold": 2.0}, lambda threshold: _settings("token", threshold)),
     "decoupled_seq_is": ({"threshold": 2.0}, lambda threshold: _settings("sequence", threshold)),
-    "decoupled_token_icepop": ({"threshold": 5.0, "threshold_lower": 0.5},
-                               lambda threshold, threshold_lower: _settings("token", f"{threshold_lower}_{threshold}")),
-    "decoupled_seq_is_rs": ({"is_threshold": 2.0, "rs_threshold": "0.5_2.0"},
-                            lambda is_threshold, rs_threshold: _settings("sequence", is_threshold, "seq_sum_k1",
-                                                                         rs_threshold)),
+    "decoupled_token_icepop": (
+        {"threshold": 5.0, "threshold_lower": 0.5},
+        lambda threshold, threshold_lower: _settings("token", f"{threshold_lower}_{threshold}"),
+    ),
+    "decoupled_seq_is_rs": (
+        {"is_threshold": 2.0, "rs_threshold": "0.5_2.0"},
+        lambda is_threshold, rs_threshold: _settings("sequence", is_threshold, "seq_sum_k1", rs_threshold),
+    ),
     "decoupled_geo_rs": ({"rs_threshold": GEO}, lambda rs_threshold: _settings(None, 2.0, "seq_mean_k1", rs_threshold)),
-    "decoupled_geo_rs_seq_tis": ({"is_threshold": 2.0, "rs_threshold": GEO},
-                                 lambda is_threshold, rs_threshold: _settings("sequence", is_threshold, "seq_mean_k1",
-                                                                              rs_threshold)),
-    "decoupled_geo_rs_token_tis": ({"is_threshold": 2.0, "rs_threshold": GEO},
-                                   lambda is_threshold, rs_threshold: _settings("token", is_threshold, "seq_mean_k1",
-                                                                                rs_threshold)),
+    "decoupled_geo_rs_seq_tis": (
+        {"is_threshold": 2.0, "rs_threshold": GEO},
+        lambda is_threshold, rs_threshold: _settings("sequence", is_threshold, "seq_mean_k1", rs_threshold),
+    ),
+    "decoupled_geo_rs_token_tis": (
+        {"is_threshold": 2.0, "rs_threshold": GEO},
+        lambda is_threshold, rs_threshold: _settings("token", is_threshold, "seq_mean_k1", rs_threshold),
+    ),
     "decoupled_k3_rs": ({"rs_threshold": K3}, lambda rs_threshold: _settings(None, 2.0, "seq_mean_k3", rs_threshold)),
-    "decoupled_k3_rs_seq_tis": ({"is_threshold": 2.0, "rs_threshold": K3},
-                                lambda is_threshold, rs_threshold: _settings("sequence", is_threshold, "seq_mean_k3",
-                                                                             rs_threshold)),
-    "decoupled_k3_rs_token_tis": ({"is_threshold": 2.0, "rs_threshold": K3},
-                                  lambda is_threshold, rs_threshold: _settings("token", is_threshold, "seq_mean_k3",
-                                                                               rs_threshold)),
+    "decoupled_k3_rs_seq_tis": (
+        {"is_threshold": 2.0, "rs_threshold": K3},
+        lambda is_threshold, rs_threshold: _settings("sequence", is_threshold, "seq_mean_k3", rs_threshold),
+    ),
+    "decoupled_k3_rs_token_tis": (
+        {"is_threshold": 2.0, "rs_threshold": K3},
+        lambda is_threshold, rs_threshold: _settings("token", is_threshold, "seq_mean_k3", rs_threshold),
+    ),
     "bypass_ppo_clip": ({}, lambda: _settings(bypass=True)),
-    "bypass_ppo_clip_geo_rs": ({"rs_threshold": GEO},
-                               lambda rs_threshold: _settings(None, 2.0, "seq_mean_k1", rs_threshold, True)),
-    "bypass_ppo_clip_k3_rs": ({"rs_threshold": K3},
-                              lambda rs_threshold: _settings(None, 2.0, "seq_mean_k3", rs_threshold, True)),
-    "bypass_pg_is": ({"threshold": 2.0}, lambda threshold: _settings("sequence", threshold, bypass=True,
-                                                                     loss_type="reinforce")),
-    "bypass_pg_token_icepop": ({"threshold": 5.0, "threshold_lower": 0.5},
-                               lambda threshold, threshold_lower: _settings(
-                                   "token", f"{threshold_lower}_{threshold}", bypass=True, loss_type="reinforce")),
-    "bypass_pg_geo_rs": ({"rs_threshold": GEO}, lambda rs_threshold: _settings(
-        None, 2.0, "seq_mean_k1", rs_threshold, True, "reinforce")),
-    "bypass_pg_geo_rs_seq_tis": ({"is_threshold": 2.0, "rs_threshold": GEO},
-                                 lambda is_threshold, rs_threshold: _settings(
-                                     "sequence", is_threshold, "seq_mean_k1", rs_threshold, True, "reinforce")),
-    "bypass_pg_geo_rs_token_tis": ({"is_threshold": 2.0, "rs_threshold": GEO},
-                                   lambda is_threshold, rs_threshold: _settings(
-                                       "token", is_threshold, "seq_mean_k1", rs_threshold, True, "reinforce")),
+    "bypass_ppo_clip_geo_rs": (
+        {"rs_threshold": GEO},
+        lambda rs_threshold: _settings(None, 2.0, "seq_mean_k1", rs_threshold, True),
+    ),
+    "bypass_ppo_clip_k3_rs": (
+        {"rs_threshold": K3},
+        lambda rs_threshold: _settings(None, 2.0, "seq_mean_k3", rs_threshold, True),
+    ),
+    "bypass_pg_is": (
+        {"threshold": 2.0},
+        lambda threshold: _settings("sequence", threshold, bypass=True, loss_type="reinforce"),
+    ),
+    "bypass_pg_token_icepop": (
+        {"threshold": 5.0, "threshold_lower": 0.5},
+        lambda threshold, threshold_lower: _settings(
+            "token", f"{threshold_lower}_{threshold}", bypass=True, loss_type="reinforce"
+        ),
+    ),
+    "bypass_pg_geo_rs": (
+        {"rs_threshold": GEO},
+        lambda rs_threshold: _settings(None, 2.0, "seq_mean_k1", rs_threshold, True, "reinforce"),
+    ),
+    "bypass_pg_geo_rs_seq_tis": (
+        {"is_threshold": 2.0, "rs_threshold": GEO},
+        lambda is_threshold, rs_threshold: _settings(
+            "sequence", is_threshold, "seq_mean_k1", rs_threshold, True, "reinforce"
+        ),
+    ),
+    "bypass_pg_geo_rs_token_tis": (
+        {"is_threshold": 2.0, "rs_threshold": GEO},
+        lambda is_threshold, rs_threshold: _settings(
+            "token", is_threshold, "seq_mean_k1", rs_threshold, True, "reinforce"
+        ),
+    ),
     "disabled": ({}, lambda: _settings()),
 }
 
@@ -123,7 +169,7 @@ def _items(config: Any) -> dict[str, Any]:
         raise VerlConfigError(f"expected a mapping of verl keys, got {type(config).__name__}") from exc
 
 
-def parse_is_threshold(spec: Any) -> tuple[float, Optional[float]]:
+def parse_is_threshold(spec: Any) -> tuple[float, float | None]:
     """verl's ``rollout_is_threshold``: a number (TIS upper bound) or ``"lo_hi"`` (IcePop band) -> (upper, lower)."""
     if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
         raise VerlConfigError(f"rollout_is_threshold must be a number or a 'lower_upper' string, got {spec!r}")
@@ -138,7 +184,7 @@ def parse_is_threshold(spec: Any) -> tuple[float, Optional[float]]:
     return upper, lower
 
 
-def rejection_rules(rollout_rs: Optional[str], threshold: Any) -> list[dict[str, Any]]:
+def rejection_rules(rollout_rs: str | None, threshold: Any) -> list[dict[str, Any]]:
     """verl's ``rollout_rs`` (comma-separated options, duplicates dropped) with ``rollout_rs_threshold`` (one entry for
     all options, or one per option) -> the plugin's ``importance_sampling_rejection_rules``."""
     if rollout_rs is None:
@@ -152,8 +198,10 @@ def rejection_rules(rollout_rs: Optional[str], threshold: Any) -> list[dict[str,
         raise VerlConfigError("rollout_rs needs rollout_rs_threshold (verl has no default)")
     specs = [threshold] if not isinstance(threshold, str) else [t.strip() for t in threshold.split(",") if t.strip()]
     if len(specs) not in (1, len(options)):
-        raise VerlConfigError(f"rollout_rs_threshold has {len(specs)} entries for {len(options)} rollout_rs options: "
-                              "give one for all or one per option")
+        raise VerlConfigError(
+            f"rollout_rs_threshold has {len(specs)} entries for {len(options)} rollout_rs options: "
+            "give one for all or one per option"
+        )
     specs = specs * len(options) if len(specs) == 1 else specs
     return [verl_rejection_rule(opt, spec) for opt, spec in zip(options, specs)]
 
@@ -167,11 +215,16 @@ def rollout_correction_keys(rollout_correction: Any) -> dict[str, Any]:
     rc.pop("_target_", None)  # Hydra's class path
     unknown = sorted(set(rc) - set(ROLLOUT_CORRECTION_KEYS))
     if unknown:
-        hint = (" (rollout_token_veto_threshold was replaced in verl by rollout_rs: seq_max_k2 / seq_max_k3; the "
-                "plugin's own importance_sampling_veto_threshold is the old veto)"
-                if "rollout_token_veto_threshold" in unknown else "")
-        raise VerlConfigError(f"algorithm.rollout_correction key(s) {unknown} are not verl 0.9.1 keys "
-                              f"({', '.join(ROLLOUT_CORRECTION_KEYS)}){hint}")
+        hint = (
+            " (rollout_token_veto_threshold was replaced in verl by rollout_rs: seq_max_k2 / seq_max_k3; the "
+            "plugin's own importance_sampling_veto_threshold is the old veto)"
+            if "rollout_token_veto_threshold" in unknown
+            else ""
+        )
+        raise VerlConfigError(
+            f"algorithm.rollout_correction key(s) {unknown} are not verl 0.9.1 keys "
+            f"({', '.join(ROLLOUT_CORRECTION_KEYS)}){hint}"
+        )
     rc = {**ROLLOUT_CORRECTION_DEFAULTS, **rc}
     level, bypass, loss_type = rc["rollout_is"], bool(rc["bypass_mode"]), rc["loss_type"]
     if level not in (None, "token", "sequence"):
@@ -181,14 +234,20 @@ def rollout_correction_keys(rollout_correction: Any) -> dict[str, Any]:
     keys: dict[str, Any] = {}
     applies_is = level is not None and rc["rollout_is_threshold"] is not None
     if applies_is and bypass and loss_type == "ppo_clip":
-        _ignored("rollout_is", "bypass_mode with loss_type ppo_clip computes IS weights for metrics only (the ratio "
-                 "pi_theta/mu is the correction); the plugin reports its raw weights (is_raw_weight_*) instead")
+        _ignored(
+            "rollout_is",
+            "bypass_mode with loss_type ppo_clip computes IS weights for metrics only (the ratio "
+            "pi_theta/mu is the correction); the plugin reports its raw weights (is_raw_weight_*) instead",
+        )
         applies_is = False
     if applies_is:
         upper, lower = parse_is_threshold(rc["rollout_is_threshold"])
-        keys.update(use_importance_sampling_correction=True, is_correction_level=level,
-                    truncated_importance_sampling_type="tis" if lower is None else "icepop",
-                    truncated_importance_sampling_ratio=upper)
+        keys.update(
+            use_importance_sampling_correction=True,
+            is_correction_level=level,
+            truncated_importance_sampling_type="tis" if lower is None else "icepop",
+            truncated_importance_sampling_ratio=upper,
+        )
         if lower is not None:
             keys["truncated_importance_sampling_ratio_min"] = lower
         if rc["rollout_is_batch_normalize"]:
@@ -218,8 +277,12 @@ def _ignored(key: str, why: str) -> None:
 
 # Settings of verl's other policy losses: the plugin replaces them, so a non-default value would be silently unused.
 OTHER_LOSS_KEYS = {
-    "clip_cov_ratio": (0.0002, "clip_cov"), "clip_cov_lb": (1.0, "clip_cov"), "clip_cov_ub": (5.0, "clip_cov"),
-    "kl_cov_ratio": (0.0002, "kl_cov"), "ppo_kl_coef": (0.1, "kl_cov"), "dro_beta": (None, "dro"),
+    "clip_cov_ratio": (0.0002, "clip_cov"),
+    "clip_cov_lb": (1.0, "clip_cov"),
+    "clip_cov_ub": (5.0, "clip_cov"),
+    "kl_cov_ratio": (0.0002, "kl_cov"),
+    "ppo_kl_coef": (0.1, "kl_cov"),
+    "dro_beta": (None, "dro"),
 }
 OTHER_ACTOR_KEYS = {"tau_pos": (1.0, "sapo"), "tau_neg": (1.05, "sapo")}
 
@@ -239,12 +302,16 @@ def _refuse_other_losses(actor: Any) -> None:
         for key, (default, loss) in table.items():
             value = _get(where, key)
             if value is not None and value != default:
-                raise VerlConfigError(f"{key}={value} configures verl's {loss!r} loss, which the plugin's loss_mode "
-                                      f"replaces: unset it (default {default})")
+                raise VerlConfigError(
+                    f"{key}={value} configures verl's {loss!r} loss, which the plugin's loss_mode "
+                    f"replaces: unset it (default {default})"
+                )
     rc = _get(policy_loss, "rollout_correction")
     if rc is not None and _items(rc) and _changed(rc):
-        raise VerlConfigError("actor.policy_loss.rollout_correction is read by verl's own bypass_mode loss only: put "
-                              "these keys under policy_loss.nemo_is.rollout_correction for the plugin")
+        raise VerlConfigError(
+            "actor.policy_loss.rollout_correction is read by verl's own bypass_mode loss only: put "
+            "these keys under policy_loss.nemo_is.rollout_correction for the plugin"
+        )
 
 
 def _changed(rc: Any) -> bool:
@@ -297,7 +364,16 @@ def plugin_section_keys(section: Any) -> dict[str, Any]:
 
 
 __all__ = [
-    "PRESETS", "ROLLOUT_CORRECTION_KEYS", "VERL_AGG_MODES", "VERL_LOG_RATIO_CLAMP", "VerlConfigError", "actor_keys",
-    "parse_is_threshold", "plugin_section_keys", "preset_keys", "preset_settings", "rejection_rules",
+    "PRESETS",
+    "ROLLOUT_CORRECTION_KEYS",
+    "VERL_AGG_MODES",
+    "VERL_LOG_RATIO_CLAMP",
+    "VerlConfigError",
+    "actor_keys",
+    "parse_is_threshold",
+    "plugin_section_keys",
+    "preset_keys",
+    "preset_settings",
+    "rejection_rules",
     "rollout_correction_keys",
 ]

@@ -15,7 +15,7 @@ whole batch, the plugin's one micro-batch).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from nemo_is_plugin.config import ClippedPGLossConfig
 
@@ -25,8 +25,9 @@ _PER_ROW = ("training_log_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_
 _RULE = {"mean": "mean", "max": "max", "min": "min", "masked_fraction": "rejected_fraction"}
 
 
-def rollout_corr_metrics(metrics: Mapping[str, float], config: ClippedPGLossConfig, *, rows: float,
-                         seqs_with_tokens: float, seq_count: float) -> dict[str, float]:
+def rollout_corr_metrics(
+    metrics: Mapping[str, float], config: ClippedPGLossConfig, *, rows: float, seqs_with_tokens: float, seq_count: float
+) -> dict[str, float]:
     """verl's ``rollout_corr/<name>`` from the plugin's metrics.
 
     Args:

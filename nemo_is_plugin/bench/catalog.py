@@ -5,7 +5,6 @@ marked ``unavailable`` where it cannot run."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 import torch
 
@@ -14,7 +13,7 @@ from nemo_is_plugin.bench.liger import liger_path
 from nemo_is_plugin.bench.paths import FUSED_VARIANTS, PLUGIN_PATHS, LogprobPath, fused_path, logprob_paths
 
 
-def _triton_unavailable(device: torch.device) -> Optional[str]:
+def _triton_unavailable(device: torch.device) -> str | None:
     try:
         from nemo_is_plugin.kernels.triton_logprob import triton_usable
     except ImportError as exc:
@@ -24,7 +23,7 @@ def _triton_unavailable(device: torch.device) -> Optional[str]:
     return None
 
 
-def bench_paths(chunk_size: Optional[int] = None, device: Optional[torch.device] = None) -> list[LogprobPath]:
+def bench_paths(chunk_size: int | None = None, device: torch.device | None = None) -> list[LogprobPath]:
     """Every path the benchmark knows (``PATHS`` order), with ``unavailable`` filled in for ``device``."""
     device = device or torch.device("cpu")
     paths = logprob_paths(chunk_size)

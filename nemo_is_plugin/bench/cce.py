@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Optional
 
 import torch
 
@@ -24,7 +23,7 @@ from nemo_is_plugin.bench.paths import LogprobPath
 CCE_IMPL = "cce_exact"
 
 
-def cce_unavailable_reason(device: torch.device) -> Optional[str]:
+def cce_unavailable_reason(device: torch.device) -> str | None:
     """None when the CCE row can run on ``device``, else why not."""
     if importlib.util.find_spec("cut_cross_entropy") is None:
         return "not installed (pip install 'nemo-is-plugin[cce]')"
@@ -37,8 +36,9 @@ def cce_unavailable_reason(device: torch.device) -> Optional[str]:
     return None
 
 
-def cce_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                 impl: str = CCE_IMPL) -> torch.Tensor:
+def cce_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, impl: str = CCE_IMPL
+) -> torch.Tensor:
     """fp32 ``[...]`` log-probs of ``target`` from ``hidden [..., H]`` and ``weight [V, H]`` through CCE."""
     from cut_cross_entropy import linear_cross_entropy
 
@@ -48,8 +48,12 @@ def cce_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
 
 
 def cce_path(device: torch.device) -> LogprobPath:
-    return LogprobPath("cce", f"cut-cross-entropy linear_cross_entropy (impl={CCE_IMPL!r}) log-probs -> plugin loss",
-                       cce_logprobs, unavailable=cce_unavailable_reason(device))
+    return LogprobPath(
+        "cce",
+        f"cut-cross-entropy linear_cross_entropy (impl={CCE_IMPL!r}) log-probs -> plugin loss",
+        cce_logprobs,
+        unavailable=cce_unavailable_reason(device),
+    )
 
 
 __all__ = ["CCE_IMPL", "cce_logprobs", "cce_path", "cce_unavailable_reason"]

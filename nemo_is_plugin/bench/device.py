@@ -20,15 +20,23 @@ import importlib.util
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
 from nemo_is_plugin.bench.memory import RssPeak, TensorMemoryTracker
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
 DEVICE_TYPES = ("cpu", "cuda")
 
 
@@ -38,7 +46,7 @@ class Measured:
 
     seconds: float
     peak_bytes: int
-    rss_bytes: Optional[int]
+    rss_bytes: int | None
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -59,14 +67,16 @@ class BenchDevice:
     dtype: torch.dtype
 
     @classmethod
-    def resolve(cls, device: str = "cpu", dtype: Optional[str] = None) -> "BenchDevice":
+    def resolve(cls, device: str = "cpu", dtype: str | None = None) -> BenchDevice:
         """``device`` "cpu" | "cuda" (| "cuda:N"); ``dtype`` None = float32 on CPU, bfloat16 on CUDA."""
         dev = torch.device(device)
         if dev.type not in DEVICE_TYPES:
             raise ValueError(f"device must be one of {list(DEVICE_TYPES)} (or cuda:N), got {device!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False on this machine "
-                             f"(torch {torch.__version__}); run with --device cpu")
+            raise ValueError(
+                "device 'cuda' requested but torch.cuda.is_available() is False on this machine "
+                f"(torch {torch.__version__}); run with --device cpu"
+            )
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         default = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -133,13 +143,20 @@ class BenchDevice:
 
     def describe(self) -> dict:
         """Machine facts for the result: device type and name, dtype, versions, date."""
-        info = dict(device=self.device.type, dtype=dtype_name(self.dtype), torch=torch.__version__,
-                    python=platform.python_version(), date=datetime.date.today().isoformat(), cpu=_cpu_name(),
-                    triton=_version("triton"))
+        info = dict(
+            device=self.device.type,
+            dtype=dtype_name(self.dtype),
+            torch=torch.__version__,
+            python=platform.python_version(),
+            date=datetime.date.today().isoformat(),
+            cpu=_cpu_name(),
+            triton=_version("triton"),
+        )
         if self.is_cuda:
             props = torch.cuda.get_device_properties(self.device)
-            info.update(device_name=props.name, cuda=torch.version.cuda,
-                        device_memory_gib=round(props.total_memory / 2**30, 1))
+            info.update(
+                device_name=props.name, cuda=torch.version.cuda, device_memory_gib=round(props.total_memory / 2**30, 1)
+            )
         else:
             info["device_name"] = info["cpu"]
         return info
@@ -154,7 +171,7 @@ def _cpu_name() -> str:
         return name
 
 
-def _version(module: str) -> Optional[str]:
+def _version(module: str) -> str | None:
     if importlib.util.find_spec(module) is None:
         return None
     try:

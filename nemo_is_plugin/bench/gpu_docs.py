@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
-from typing import Optional
 
 from nemo_is_plugin.bench.report import (
     GPU_COLUMNS,
@@ -30,11 +29,13 @@ def markers(name: str) -> tuple[str, str]:
     return f"<!-- gpu-{name}:start -->", f"<!-- gpu-{name}:end -->"
 
 
-def gpu_docs_refusal(results: dict) -> Optional[str]:
+def gpu_docs_refusal(results: dict) -> str | None:
     """Why ``results`` may not be written as a GPU section (None: they may)."""
     if not is_gpu_run(results):
-        return (f"--write-docs writes a GPU section only from a real GPU run; this run was on "
-                f"{results['config'].get('device', 'cpu')} (run with --device cuda on a GPU machine)")
+        return (
+            f"--write-docs writes a GPU section only from a real GPU run; this run was on "
+            f"{results['config'].get('device', 'cpu')} (run with --device cuda on a GPU machine)"
+        )
     if results["config"].get("quick"):
         return "--write-docs refuses a --quick run: its tiny shapes are not meaningful (run without --quick)"
     return None
@@ -56,7 +57,7 @@ def splice(page: str, name: str, block: str) -> str:
     return page[:at] + "\n" + block + "\n" + page[at:].lstrip("\n")
 
 
-def section(page: str, name: str) -> Optional[str]:
+def section(page: str, name: str) -> str | None:
     """The block of section ``name`` in ``page`` (markers included), or None."""
     start, end = markers(name)
     if start not in page or end not in page:
@@ -98,9 +99,11 @@ def render_head_section(results: dict) -> str:
         f"{cfg['dtype']} inputs, {cfg['tokens']:,} tokens per shape in {cfg['batch']} sequences, TP shard "
         f"1/{cfg['tp']}, chunk size {cfg['chunk_size'] or 'default'}, {cfg.get('statistic', 'median')} of "
         f"{cfg['repeats']} timing rounds after {cfg.get('warmup', 0)} warm-up call(s) and one memory-tracked call). "
-        "Raw results: [`img/perf_gpu_results.json`](img/perf_gpu_results.json).", width=118)
+        "Raw results: [`img/perf_gpu_results.json`](img/perf_gpu_results.json).",
+        width=118,
+    )
     return f"""{start}
-## GPU: LM head -> log-prob -> loss ({machine.get('device_name', 'GPU')})
+## GPU: LM head -> log-prob -> loss ({machine.get("device_name", "GPU")})
 
 {generated}
 
@@ -116,7 +119,7 @@ inputs (includes dX and dW). **errors** against an fp32 reference of the whole p
 
 {target_text}
 
-Paths not measured:{skipped or ' none'}
+Paths not measured:{skipped or " none"}
 {end}"""
 
 
@@ -143,6 +146,12 @@ def write_gpu_section(results: dict, docs_dir: Path, name: str = "head") -> list
 
 
 __all__ = [
-    "carry_gpu_sections", "gpu_docs_refusal", "markers", "render_head_section", "render_model_step_section", "section",
-    "splice", "write_gpu_section",
+    "carry_gpu_sections",
+    "gpu_docs_refusal",
+    "markers",
+    "render_head_section",
+    "render_model_step_section",
+    "section",
+    "splice",
+    "write_gpu_section",
 ]

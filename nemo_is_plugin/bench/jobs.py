@@ -6,7 +6,7 @@ that the memory-tracked call can be checked against the reference; timed calls d
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -21,7 +21,7 @@ BENCH_LOSS_CONFIG = dict(
 )
 
 Job = Callable[[], object]
-FwdBwdResult = tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]
+FwdBwdResult = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def bench_loss_fn():
@@ -36,8 +36,10 @@ def path_loss(path: LogprobPath, problem: HeadProblem, loss_fn, h: torch.Tensor,
     if path.loss is not None:
         return path.loss(loss_fn, problem, h, w)
     loss, _ = loss_fn(
-        next_token_logprobs=path.fn(h, w, problem.target), data=problem.data,
-        global_valid_seqs=problem.global_valid_seqs, global_valid_toks=problem.global_valid_toks,
+        next_token_logprobs=path.fn(h, w, problem.target),
+        data=problem.data,
+        global_valid_seqs=problem.global_valid_seqs,
+        global_valid_toks=problem.global_valid_toks,
     )
     return loss
 
@@ -101,5 +103,15 @@ def path_jobs(path: LogprobPath, problem: HeadProblem, loss_fn) -> dict[tuple[st
     return jobs
 
 
-__all__ = ["BENCH_LOSS_CONFIG", "FwdBwdResult", "Job", "bench_loss_fn", "fwd_bwd_job", "forward_job",
-           "gemm_operands", "matmul_jobs", "path_jobs", "path_loss"]
+__all__ = [
+    "BENCH_LOSS_CONFIG",
+    "FwdBwdResult",
+    "Job",
+    "bench_loss_fn",
+    "fwd_bwd_job",
+    "forward_job",
+    "gemm_operands",
+    "matmul_jobs",
+    "path_jobs",
+    "path_loss",
+]

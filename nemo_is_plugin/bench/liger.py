@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Optional
 
 import torch
 
@@ -22,7 +21,7 @@ from nemo_is_plugin.bench.paths import LogprobPath
 from nemo_is_plugin.bench.problem import HeadProblem
 
 
-def liger_unavailable_reason() -> Optional[str]:
+def liger_unavailable_reason() -> str | None:
     """None when the Liger GRPO loss imports, else why not (the benchmark prints it and skips the row)."""
     if importlib.util.find_spec("liger_kernel") is None:
         return "not installed (pip install 'nemo-is-plugin[liger]')"
@@ -37,8 +36,13 @@ def liger_loss(beta: float = 0.01, compiled: bool = False):
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
     return LigerFusedLinearGRPOLoss(
-        beta=beta, compiled=compiled, use_ref_model=beta != 0, chunk_size=1, loss_type="dapo",
-        epsilon_low=0.2, epsilon_high=0.2,
+        beta=beta,
+        compiled=compiled,
+        use_ref_model=beta != 0,
+        chunk_size=1,
+        loss_type="dapo",
+        epsilon_low=0.2,
+        epsilon_high=0.2,
     )
 
 
@@ -51,8 +55,15 @@ def liger_path(device: torch.device) -> LogprobPath:
             modules["grpo"] = liger_loss(compiled=device.type == "cuda")
         return liger_loss_value(problem, h, w, modules["grpo"])
 
-    return LogprobPath("liger", "LigerFusedLinearGRPOLoss: its own GRPO loss, gradients inside its forward", None,
-                       loss=loss, times_forward=False, own_loss=True, unavailable=liger_unavailable_reason())
+    return LogprobPath(
+        "liger",
+        "LigerFusedLinearGRPOLoss: its own GRPO loss, gradients inside its forward",
+        None,
+        loss=loss,
+        times_forward=False,
+        own_loss=True,
+        unavailable=liger_unavailable_reason(),
+    )
 
 
 def liger_loss_value(problem: HeadProblem, hidden: torch.Tensor, weight: torch.Tensor, loss_module) -> torch.Tensor:
@@ -61,7 +72,11 @@ def liger_loss_value(problem: HeadProblem, hidden: torch.Tensor, weight: torch.T
     mask = d["token_mask"][:, 1:] * d["sample_mask"].unsqueeze(1)
     prev, gen = d["prev_logprobs"][:, 1:], d["generation_logprobs"][:, 1:]
     loss, _ = loss_module(
-        hidden, weight, problem.target, mask, d["advantages"][:, 1],
+        hidden,
+        weight,
+        problem.target,
+        mask,
+        d["advantages"][:, 1],
         ref_per_token_logps=d["reference_policy_logprobs"][:, 1:],
         old_per_token_logps=prev,
         vllm_is_ratio=(prev - gen).exp(),
@@ -69,8 +84,9 @@ def liger_loss_value(problem: HeadProblem, hidden: torch.Tensor, weight: torch.T
     return loss
 
 
-def liger_mean_logprob_grad(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                            ref_logprobs: torch.Tensor) -> torch.Tensor:
+def liger_mean_logprob_grad(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ref_logprobs: torch.Tensor
+) -> torch.Tensor:
     """d/d hidden of Liger's loss at ratio 1, advantage 1, no KL: ``-mean_t r_t`` with r_t = exp(lp_t - ref_t).
 
     With ``ref_logprobs`` the exact log-probs, r_t = 1 up to Liger's own error, so this equals the gradient of

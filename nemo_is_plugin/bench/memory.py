@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import weakref
-from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -56,7 +55,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.current -= self._live.pop(key, 0)
 
 
-def _status_kib(field: str) -> Optional[int]:
+def _status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status") as fh:
             for line in fh:
@@ -74,10 +73,10 @@ class RssPeak:
     """
 
     def __init__(self) -> None:
-        self.delta: Optional[int] = None
-        self._start: Optional[int] = None
+        self.delta: int | None = None
+        self._start: int | None = None
 
-    def __enter__(self) -> "RssPeak":
+    def __enter__(self) -> RssPeak:
         try:
             with open("/proc/self/clear_refs", "w") as fh:
                 fh.write("5")  # resets VmHWM to the current RSS

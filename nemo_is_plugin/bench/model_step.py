@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,10 +55,32 @@ class StepShape:
         return self.batch * self.seq_len
 
 
-GPU_STEP_SHAPE = StepShape("Qwen3-30B-A3B head, scaled body", hidden=2048, vocab=151936, layers=2, heads=16,
-                           query_groups=4, experts=16, topk=4, expert_ffn=768, batch=4, seq_len=2048)
-QUICK_STEP_SHAPE = StepShape("tiny", hidden=64, vocab=512, layers=2, heads=4, query_groups=2, experts=4, topk=2,
-                             expert_ffn=128, batch=2, seq_len=33)
+GPU_STEP_SHAPE = StepShape(
+    "Qwen3-30B-A3B head, scaled body",
+    hidden=2048,
+    vocab=151936,
+    layers=2,
+    heads=16,
+    query_groups=4,
+    experts=16,
+    topk=4,
+    expert_ffn=768,
+    batch=4,
+    seq_len=2048,
+)
+QUICK_STEP_SHAPE = StepShape(
+    "tiny",
+    hidden=64,
+    vocab=512,
+    layers=2,
+    heads=4,
+    query_groups=2,
+    experts=4,
+    topk=2,
+    expert_ffn=128,
+    batch=2,
+    seq_len=33,
+)
 STEP_VARIANTS = {
     "body": "decoder only (LM head bypassed), fixed upstream gradient: the part every variant shares",
     "naive": "logits [B, S, V] -> fp32 log_softmax -> gather -> plugin loss",
@@ -71,17 +93,24 @@ STEP_VARIANTS = {
 class StepConfig:
     shape: StepShape = QUICK_STEP_SHAPE
     device: str = "cpu"
-    dtype: Optional[str] = None
+    dtype: str | None = None
     repeats: int = 3
     warmup: int = 1
-    chunk_size: Optional[int] = None
+    chunk_size: int | None = None
     variants: tuple[str, ...] = tuple(STEP_VARIANTS)
     quick: bool = True
     seed: int = 0
 
     @classmethod
-    def for_device(cls, device: str = "cpu", quick: bool = False, tokens: Optional[int] = None,
-                   layers: Optional[int] = None, experts: Optional[int] = None, **overrides) -> "StepConfig":
+    def for_device(
+        cls,
+        device: str = "cpu",
+        quick: bool = False,
+        tokens: int | None = None,
+        layers: int | None = None,
+        experts: int | None = None,
+        **overrides,
+    ) -> StepConfig:
         """CUDA: ``GPU_STEP_SHAPE`` unless ``quick``; CPU: only the tiny quick shape (a real one would take hours)."""
         cuda = device.startswith("cuda")
         if not cuda and not quick:
@@ -118,8 +147,9 @@ def single_process_parallel(dev: BenchDevice, seed: int):
     if created:
         if dev.is_cuda:
             torch.cuda.set_device(dev.device)
-        dist.init_process_group("nccl" if dev.is_cuda else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if dev.is_cuda else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
     made_state = not parallel_state.model_parallel_is_initialized()
     if made_state:
         parallel_state.initialize_model_parallel(1, 1)
@@ -150,23 +180,50 @@ def build_model(shape: StepShape, dev: BenchDevice, seed: int):
 
     half = dev.dtype in (torch.bfloat16, torch.float16)
     settings = dict(
-        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-        num_query_groups=shape.query_groups, ffn_hidden_size=shape.expert_ffn, moe_ffn_hidden_size=shape.expert_ffn,
-        num_moe_experts=shape.experts, moe_router_topk=shape.topk, moe_token_dispatcher_type="allgather",
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, params_dtype=dev.dtype,
-        bf16=dev.dtype == torch.bfloat16, fp16=dev.dtype == torch.float16, use_cpu_initialization=not dev.is_cuda,
-        gradient_accumulation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, moe_router_dtype="fp32" if half else None,
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.query_groups,
+        ffn_hidden_size=shape.expert_ffn,
+        moe_ffn_hidden_size=shape.expert_ffn,
+        num_moe_experts=shape.experts,
+        moe_router_topk=shape.topk,
+        moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        params_dtype=dev.dtype,
+        bf16=dev.dtype == torch.bfloat16,
+        fp16=dev.dtype == torch.float16,
+        use_cpu_initialization=not dev.is_cuda,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        moe_router_dtype="fp32" if half else None,
     )
     known = {f.name for f in dataclasses.fields(TransformerConfig)}  # megatron-core versions differ in their fields
     config = TransformerConfig(**{k: v for k, v in settings.items() if k in known and v is not None})
     spec = get_gpt_layer_local_spec(num_experts=shape.experts, moe_grouped_gemm=False, normalization="RMSNorm")
     torch.manual_seed(seed)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=shape.vocab,
-                     max_sequence_length=shape.seq_len, pre_process=True, post_process=True,
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=shape.vocab,
+        max_sequence_length=shape.seq_len,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
     return model.to(device=dev.device)  # parameters are already in params_dtype; buffers keep theirs
 
 
@@ -204,7 +261,7 @@ def step_inputs(shape: StepShape, dev: BenchDevice, seed: int) -> StepInputs:
     return StepInputs(ids, pos, mask, rl, probe)
 
 
-def variant_loss(name: str, model, inputs: StepInputs, loss_fn, chunk_size: Optional[int]) -> torch.Tensor:
+def variant_loss(name: str, model, inputs: StepInputs, loss_fn, chunk_size: int | None) -> torch.Tensor:
     """One forward + loss of variant ``name`` (the output layer must already be bypassed for all but ``naive``)."""
     from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
 
@@ -218,8 +275,15 @@ def variant_loss(name: str, model, inputs: StepInputs, loss_fn, chunk_size: Opti
         return loss_fn(lp, rl.data, rl.global_valid_seqs, rl.global_valid_toks)[0]
     kw = {} if chunk_size is None else {"chunk_size": chunk_size}
     loss, _ = fused_linear_pg_loss(
-        loss_fn, out[:, :-1], model.output_layer.weight, rl.target, rl.data, rl.global_valid_seqs,
-        rl.global_valid_toks, single_pass=None if name == "fused" else False, **kw,
+        loss_fn,
+        out[:, :-1],
+        model.output_layer.weight,
+        rl.target,
+        rl.data,
+        rl.global_valid_seqs,
+        rl.global_valid_toks,
+        single_pass=None if name == "fused" else False,
+        **kw,
     )
     return loss
 
@@ -229,7 +293,7 @@ def _watched_grad(model) -> torch.Tensor:
     return model.decoder.layers[0].self_attention.linear_qkv.weight
 
 
-def run_model_step(cfg: StepConfig, progress: Optional[Callable[[str], None]] = None) -> dict:
+def run_model_step(cfg: StepConfig, progress: Callable[[str], None] | None = None) -> dict:
     """Build the model once, then per variant: warm-up steps, one memory-tracked step, ``repeats`` timed steps."""
     from nemo_is_plugin.bench.reference import rel_err
 
@@ -259,7 +323,7 @@ def run_model_step(cfg: StepConfig, progress: Optional[Callable[[str], None]] = 
                         step()
                     model.zero_grad(set_to_none=True)
                     out: dict = {}
-                    measured = dev.measure_memory(lambda: out.__setitem__("loss", step()))
+                    measured = dev.measure_memory(lambda out=out: out.__setitem__("loss", step()))
                     values.update(peak_bytes=measured.peak_bytes, loss=out["loss"].float().item())
                     if name != "body":
                         grad = _watched_grad(model).grad
@@ -267,8 +331,9 @@ def run_model_step(cfg: StepConfig, progress: Optional[Callable[[str], None]] = 
                             first = grad.detach().to(torch.float32, copy=True)
                             reference.update(grad=first, loss=values["loss"], variant=name)
                         values["grad_rel_diff"] = rel_err(grad, reference["grad"])
-                        values["loss_rel_diff"] = abs(values["loss"] - reference["loss"]) / max(abs(reference["loss"]),
-                                                                                                1e-30)
+                        values["loss_rel_diff"] = abs(values["loss"] - reference["loss"]) / max(
+                            abs(reference["loss"]), 1e-30
+                        )
                     times = []
                     for r in range(cfg.repeats):
                         progress(f"{name}: step {r + 1}/{cfg.repeats}")
@@ -284,20 +349,30 @@ def run_model_step(cfg: StepConfig, progress: Optional[Callable[[str], None]] = 
             values["tokens_per_s"] = shape.tokens / values["step_s"]
             rows.append(values)
         diff_base = reference.get("variant")
-        del model, inputs
     body = next((r["step_s"] for r in rows if r["variant"] == "body"), None)
     for r in rows:
         if body is not None and r["variant"] != "body":
             r["head_loss_s"] = r["step_s"] - body
             r["head_loss_share"] = r["head_loss_s"] / r["step_s"]
-    config = dict(shape=dataclasses.asdict(shape), tokens=shape.tokens, params=params, device=dev.device.type,
-                  dtype=dtype_name(dev.dtype), repeats=cfg.repeats, warmup=cfg.warmup, chunk_size=cfg.chunk_size,
-                  quick=cfg.quick, statistic=dev.statistic, loss=BENCH_LOSS_CONFIG, diff_base=diff_base)
+    config = dict(
+        shape=dataclasses.asdict(shape),
+        tokens=shape.tokens,
+        params=params,
+        device=dev.device.type,
+        dtype=dtype_name(dev.dtype),
+        repeats=cfg.repeats,
+        warmup=cfg.warmup,
+        chunk_size=cfg.chunk_size,
+        quick=cfg.quick,
+        statistic=dev.statistic,
+        loss=BENCH_LOSS_CONFIG,
+        diff_base=diff_base,
+    )
     machine = dict(dev.describe(), megatron_core=_megatron_version())
     return dict(kind="model_step", config=config, machine=machine, rows=rows, skipped=skipped)
 
 
-def _megatron_version() -> Optional[str]:
+def _megatron_version() -> str | None:
     try:
         from megatron.core import package_info
 
@@ -311,6 +386,15 @@ def count_model_steps(cfg: StepConfig) -> int:
 
 
 __all__ = [
-    "GPU_STEP_SHAPE", "QUICK_STEP_SHAPE", "STEP_VARIANTS", "StepConfig", "StepShape", "build_model",
-    "count_model_steps", "head_bypassed", "run_model_step", "single_process_parallel", "variant_loss",
+    "GPU_STEP_SHAPE",
+    "QUICK_STEP_SHAPE",
+    "STEP_VARIANTS",
+    "StepConfig",
+    "StepShape",
+    "build_model",
+    "count_model_steps",
+    "head_bypassed",
+    "run_model_step",
+    "single_process_parallel",
+    "variant_loss",
 ]

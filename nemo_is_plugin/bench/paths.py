@@ -24,8 +24,9 @@ reports those and never crashes on them.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -62,12 +63,12 @@ class LogprobPath:
 
     name: str
     description: str
-    fn: Optional[LogprobFn]
-    loss: Optional[LossPathFn] = None
+    fn: LogprobFn | None
+    loss: LossPathFn | None = None
     times_forward: bool = True
     own_loss: bool = False
-    unavailable: Optional[str] = None
-    fwdbwd_unavailable: Optional[str] = None
+    unavailable: str | None = None
+    fwdbwd_unavailable: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,16 +76,22 @@ class FusedVariant:
     """One fused path: ``single_pass`` as ``fused_linear_pg_loss`` takes it, ``kwargs`` passed to both entry points."""
 
     name: str
-    single_pass: Optional[bool]
+    single_pass: bool | None
     description: str
     kwargs: dict = field(default_factory=dict)
 
 
 FUSED_VARIANTS = (
-    FusedVariant("fused_linear", None, "hidden states + LM-head shard, chunked; loss in one pass for token-level "
-                 "ratios (fused_linear_loss)"),
-    FusedVariant("fused_2pass", False, "the same, two-pass schedule: log-probs, loss, recomputing backward "
-                 "(sequence-level ratios)"),
+    FusedVariant(
+        "fused_linear",
+        None,
+        "hidden states + LM-head shard, chunked; loss in one pass for token-level ratios (fused_linear_loss)",
+    ),
+    FusedVariant(
+        "fused_2pass",
+        False,
+        "the same, two-pass schedule: log-probs, loss, recomputing backward (sequence-level ratios)",
+    ),
     FusedVariant("fused_triton", None, "fused_linear on the Triton backend", {"backend": "triton"}),
     FusedVariant("fused_2pass_triton", False, "fused_2pass on the Triton backend", {"backend": "triton"}),
 )
@@ -101,7 +108,7 @@ def _names(keys: list[str]) -> str:
     return ", ".join(f"`{k}`" for k in keys) + (" argument" if len(keys) == 1 else " arguments")
 
 
-def fused_path(variant: FusedVariant, chunk_size: Optional[int]) -> LogprobPath:
+def fused_path(variant: FusedVariant, chunk_size: int | None) -> LogprobPath:
     kw = dict(variant.kwargs) if chunk_size is None else {**variant.kwargs, "chunk_size": chunk_size}
     missing_lp = _accepts(fused_linear_logprobs, kw)
     missing_loss = _accepts(fused_linear_pg_loss, kw)
@@ -115,20 +122,34 @@ def fused_path(variant: FusedVariant, chunk_size: Optional[int]) -> LogprobPath:
 
     def loss(loss_fn, problem: HeadProblem, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if missing_loss:  # two-pass schedule spelled out: what fused_linear_pg_loss(single_pass=False) runs
-            return loss_fn(logprobs(h, w, problem.target), problem.data, problem.global_valid_seqs,
-                           problem.global_valid_toks)[0]
+            return loss_fn(
+                logprobs(h, w, problem.target), problem.data, problem.global_valid_seqs, problem.global_valid_toks
+            )[0]
         out, _ = fused_linear_pg_loss(
-            loss_fn, h, w, problem.target, problem.data, problem.global_valid_seqs, problem.global_valid_toks,
-            single_pass=variant.single_pass, **kw,
+            loss_fn,
+            h,
+            w,
+            problem.target,
+            problem.data,
+            problem.global_valid_seqs,
+            problem.global_valid_toks,
+            single_pass=variant.single_pass,
+            **kw,
         )
         return out
 
-    return LogprobPath(variant.name, variant.description, logprobs, loss=loss,
-                       times_forward=variant.single_pass is not False, unavailable=unavailable,
-                       fwdbwd_unavailable=fwdbwd_unavailable)
+    return LogprobPath(
+        variant.name,
+        variant.description,
+        logprobs,
+        loss=loss,
+        times_forward=variant.single_pass is not False,
+        unavailable=unavailable,
+        fwdbwd_unavailable=fwdbwd_unavailable,
+    )
 
 
-def logprob_paths(chunk_size: Optional[int] = None) -> list[LogprobPath]:
+def logprob_paths(chunk_size: int | None = None) -> list[LogprobPath]:
     """The plugin's torch paths in benchmark order (``PLUGIN_PATHS``); ``chunk_size`` (tokens per chunk) for the
     chunked ones, None = their default."""
     logits_kw = {} if chunk_size is None else {"chunk_size": chunk_size}
@@ -146,6 +167,13 @@ def logprob_paths(chunk_size: Optional[int] = None) -> list[LogprobPath]:
 
 
 __all__ = [
-    "FUSED_VARIANTS", "FusedVariant", "LogprobPath", "LossPathFn", "PLUGIN_PATHS", "fused_path", "lm_head_logits",
-    "logprob_paths", "naive_logprobs",
+    "FUSED_VARIANTS",
+    "FusedVariant",
+    "LogprobPath",
+    "LossPathFn",
+    "PLUGIN_PATHS",
+    "fused_path",
+    "lm_head_logits",
+    "logprob_paths",
+    "naive_logprobs",
 ]

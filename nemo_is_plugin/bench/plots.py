@@ -15,9 +15,17 @@ from nemo_is_plugin.bench.report import (
     memory_fit,
 )
 
-PATH_COLORS = {"naive": "#c0504d", "from_logits": "#f79646", "fused_linear": "#4f81bd", "fused_2pass": "#8064a2",
-               "fused_triton": "#1f3f7a", "fused_2pass_triton": "#4b2f6e", "liger": "#9bbb59", "cce": "#4bacc6",
-               "matmul": "#7f7f7f"}
+PATH_COLORS = {
+    "naive": "#c0504d",
+    "from_logits": "#f79646",
+    "fused_linear": "#4f81bd",
+    "fused_2pass": "#8064a2",
+    "fused_triton": "#1f3f7a",
+    "fused_2pass_triton": "#4b2f6e",
+    "liger": "#9bbb59",
+    "cce": "#4bacc6",
+    "matmul": "#7f7f7f",
+}
 
 
 def plot_ratios(results: dict, path: Path) -> Path:
@@ -33,12 +41,17 @@ def plot_ratios(results: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     width = 0.8 / len(paths)
     # the targets that apply: CPU ones on a CPU run; on a GPU run single pass 3.5x, two pass 4.5x (no forward target)
-    lines = ({"fwd": (), "fwdbwd": (TARGET_SINGLE_PASS, TARGET_TWO_PASS)} if is_gpu_run(results)
-             else {"fwd": (TARGET_FWD,), "fwdbwd": (TARGET_FWDBWD,)})
+    lines = (
+        {"fwd": (), "fwdbwd": (TARGET_SINGLE_PASS, TARGET_TWO_PASS)}
+        if is_gpu_run(results)
+        else {"fwd": (TARGET_FWD,), "fwdbwd": (TARGET_FWDBWD,)}
+    )
     for ax, kind, title in ((axes[0], "fwd", "forward (no grad)"), (axes[1], "fwdbwd", "forward + PG loss + backward")):
         for j, p in enumerate(paths):
-            vals = [next((r[f"{kind}_ratio"] for r in rows if r["model"] == m and r["path"] == p), None) or 0.0
-                    for m in models]
+            vals = [
+                next((r[f"{kind}_ratio"] for r in rows if r["model"] == m and r["path"] == p), None) or 0.0
+                for m in models
+            ]
             xs = [i + (j - (len(paths) - 1) / 2) * width for i in range(len(models))]
             ax.bar(xs, vals, width, label=p, color=PATH_COLORS.get(p))
         for style, target in zip(("--", ":"), lines[kind]):
@@ -74,11 +87,21 @@ def plot_memory(results: dict, path: Path) -> Path:
         ax.plot(*zip(*pts), "o-", label=p, color=PATH_COLORS.get(p))
         if p in fits:
             f = fits[p]
-            ax.plot([f["tokens"], f["target_tokens"]], [f["measured"] / MIB, f["extrapolated"] / MIB], ":",
-                    color=PATH_COLORS.get(p))
+            ax.plot(
+                [f["tokens"], f["target_tokens"]],
+                [f["measured"] / MIB, f["extrapolated"] / MIB],
+                ":",
+                color=PATH_COLORS.get(p),
+            )
     for d in results.get("memory_direct", []):
-        ax.plot([d["tokens"]], [d["peak_bytes"] / MIB], "*", ms=12, color=PATH_COLORS.get(d["path"]),
-                label=f"{d['path']} measured at {d['tokens']}")
+        ax.plot(
+            [d["tokens"]],
+            [d["peak_bytes"] / MIB],
+            "*",
+            ms=12,
+            color=PATH_COLORS.get(d["path"]),
+            label=f"{d['path']} measured at {d['tokens']}",
+        )
     h, v = results["config"]["memory_shape"]
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

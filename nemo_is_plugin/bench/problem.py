@@ -9,15 +9,14 @@ row shards), ``target [B, T]`` = ``input_ids[:, 1:]``, ``data``: NeMo-RL's ``[B,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 
 @dataclass
 class HeadProblem:
-    hidden: Optional[torch.Tensor]
-    weight: Optional[torch.Tensor]
+    hidden: torch.Tensor | None
+    weight: torch.Tensor | None
     target: torch.Tensor
     data: dict[str, torch.Tensor]
     global_valid_seqs: float
@@ -37,9 +36,9 @@ def make_problem(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     logit_std: float = 2.0,
-    base_logprobs: Optional[torch.Tensor | str] = None,
+    base_logprobs: torch.Tensor | str | None = None,
     mismatch_std: float = 0.05,
-    device: Optional[torch.device] = None,
+    device: torch.device | None = None,
 ) -> HeadProblem:
     """Random problem with logits of std ``logit_std``; ``seq_len`` = S (T = S - 1 log-prob positions).
 
@@ -69,8 +68,9 @@ def make_problem(
 
 
 @torch.no_grad()
-def target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                    chunk_bytes: int = 2**30) -> torch.Tensor:
+def target_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_bytes: int = 2**30
+) -> torch.Tensor:
     """``log softmax(hidden @ weight.T)[target]``, ``[...]`` from ``hidden [..., H]``, ``weight [V, H]``, in fp32 (or
     the inputs' dtype when wider), chunked over tokens: one ``[chunk, V]`` block (about ``chunk_bytes``) at a time."""
     dt = torch.promote_types(hidden.dtype, torch.float32)
@@ -83,8 +83,9 @@ def target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Te
     return lp.view(target.shape)
 
 
-def make_rl_batch(batch: int, seq_len: int, vocab: int, *, seed: int = 0,
-                  device: Optional[torch.device] = None) -> HeadProblem:
+def make_rl_batch(
+    batch: int, seq_len: int, vocab: int, *, seed: int = 0, device: torch.device | None = None
+) -> HeadProblem:
     """The RL batch of :func:`make_problem` alone (``hidden`` / ``weight`` are None): for a model that makes its own
     hidden states. ``data["input_ids"] [B, S]`` are the model's input tokens, ``target [B, S-1]`` the next tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -93,8 +94,9 @@ def make_rl_batch(batch: int, seq_len: int, vocab: int, *, seed: int = 0,
     return HeadProblem(None, None, target, data, valid_seqs, valid_toks)
 
 
-def _rl_batch(g: torch.Generator, batch: int, seq_len: int, vocab: int, base_logprobs, mismatch_std: float,
-              device: torch.device):
+def _rl_batch(
+    g: torch.Generator, batch: int, seq_len: int, vocab: int, base_logprobs, mismatch_std: float, device: torch.device
+):
     """``(target [B, S-1], data, valid sequences, valid tokens)`` drawn from ``g`` on the CPU, moved to ``device``."""
     t = seq_len - 1
     input_ids = torch.randint(0, vocab, (batch, seq_len), generator=g)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -61,8 +60,12 @@ def reference_loss_and_grads(problem: HeadProblem, loss_fn, chunk_bytes: int = R
     with exact_fp32_matmul():
         lp = target_logprobs(problem.hidden, w, problem.target, chunk_bytes)
     leaf = lp.requires_grad_(True)
-    loss, _ = loss_fn(next_token_logprobs=leaf, data=problem.data, global_valid_seqs=problem.global_valid_seqs,
-                      global_valid_toks=problem.global_valid_toks)
+    loss, _ = loss_fn(
+        next_token_logprobs=leaf,
+        data=problem.data,
+        global_valid_seqs=problem.global_valid_seqs,
+        global_valid_toks=problem.global_valid_toks,
+    )
     (g,) = torch.autograd.grad(loss, leaf)
     g = g.reshape(-1).to(dt)
     with exact_fp32_matmul(), torch.no_grad():
@@ -77,7 +80,7 @@ def reference_loss_and_grads(problem: HeadProblem, loss_fn, chunk_bytes: int = R
     return Reference(loss.detach(), dx, dw)
 
 
-def rel_err(got: Optional[torch.Tensor], want: torch.Tensor, block_rows: int = 8192) -> Optional[float]:
+def rel_err(got: torch.Tensor | None, want: torch.Tensor, block_rows: int = 8192) -> float | None:
     """``max |got - want| / max |want|`` (None when ``got`` is None), computed in row blocks in ``want``'s dtype so
     that a V x H comparison does not need a full-size temporary; one host sync."""
     if got is None:
@@ -92,8 +95,9 @@ def rel_err(got: Optional[torch.Tensor], want: torch.Tensor, block_rows: int = 8
     return (diff / scale.clamp_min(torch.finfo(want.dtype).tiny)).item()
 
 
-def compare(loss: torch.Tensor, grad_hidden: Optional[torch.Tensor], grad_weight: Optional[torch.Tensor],
-            ref: Reference) -> dict:
+def compare(
+    loss: torch.Tensor, grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None, ref: Reference
+) -> dict:
     """``loss_err`` (relative), ``dx_err`` and ``dw_err`` (max-relative, see :func:`rel_err`) of one path's run."""
     loss_err = ((loss.detach().to(ref.loss.dtype) - ref.loss).abs() / ref.loss.abs().clamp_min(1e-30)).item()
     shape_x = ref.grad_hidden.shape

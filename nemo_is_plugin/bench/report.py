@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 from nemo_is_plugin.bench.shapes import GPU_TARGET_DTYPE, GPU_TARGET_TOKENS
 
@@ -25,8 +24,10 @@ TARGET_FWD, TARGET_FWDBWD, TARGET_MEMORY = 1.15, 4.4, 5.0
 TARGET_SINGLE_PASS, TARGET_TWO_PASS, TARGET_GPU_MEMORY_SLACK, NUMERICS_SLACK = 3.5, 4.5, GIB, 1.1
 SINGLE_PASS_PATHS, TWO_PASS_PATHS = ("fused_linear", "fused_triton"), ("fused_2pass", "fused_2pass_triton")
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-QUICK_NOTE = ("--quick: tiny shapes, a smoke run. These numbers only show that the benchmark runs; they are not "
-              "meaningful as performance, so the performance targets are not evaluated (run without --quick).")
+QUICK_NOTE = (
+    "--quick: tiny shapes, a smoke run. These numbers only show that the benchmark runs; they are not "
+    "meaningful as performance, so the performance targets are not evaluated (run without --quick)."
+)
 
 
 def derived_rows(results: dict) -> list[dict]:
@@ -55,21 +56,29 @@ def is_gpu_run(results: dict) -> bool:
 def is_gpu_target_run(results: dict) -> bool:
     """A real GPU run at the setting the GPU targets are defined for."""
     cfg = results["config"]
-    return (is_gpu_run(results) and not cfg.get("quick") and cfg["tokens"] == GPU_TARGET_TOKENS
-            and cfg.get("dtype") == GPU_TARGET_DTYPE)
+    return (
+        is_gpu_run(results)
+        and not cfg.get("quick")
+        and cfg["tokens"] == GPU_TARGET_TOKENS
+        and cfg.get("dtype") == GPU_TARGET_DTYPE
+    )
 
 
-def comparability_note(results: dict) -> Optional[str]:
+def comparability_note(results: dict) -> str | None:
     """Why this run's numbers cannot be held against the GPU targets (None: they can). The one place that says so."""
     cfg = results["config"]
     if cfg.get("quick"):
         return QUICK_NOTE
     if not is_gpu_run(results):
-        return (f"CPU run: not comparable to the GPU targets (H100/H200, {GPU_TARGET_DTYPE}, {GPU_TARGET_TOKENS:,} "
-                "tokens). CPU ratios do not carry over to GPUs; the targets below are the CPU ones.")
+        return (
+            f"CPU run: not comparable to the GPU targets (H100/H200, {GPU_TARGET_DTYPE}, {GPU_TARGET_TOKENS:,} "
+            "tokens). CPU ratios do not carry over to GPUs; the targets below are the CPU ones."
+        )
     if not is_gpu_target_run(results):
-        return (f"GPU run at {cfg['tokens']:,} tokens in {cfg.get('dtype')}: the GPU targets are defined at "
-                f"{GPU_TARGET_TOKENS:,} {GPU_TARGET_DTYPE} tokens and are not checked here.")
+        return (
+            f"GPU run at {cfg['tokens']:,} tokens in {cfg.get('dtype')}: the GPU targets are defined at "
+            f"{GPU_TARGET_TOKENS:,} {GPU_TARGET_DTYPE} tokens and are not checked here."
+        )
     return None
 
 
@@ -90,18 +99,34 @@ def gpu_targets(results: dict) -> list[dict]:
         if r["path"] not in SINGLE_PASS_PATHS + TWO_PASS_PATHS or r["fwdbwd_ratio"] is None:
             continue
         schedule = "single pass" if r["path"] in SINGLE_PASS_PATHS else "two pass"
-        out.append(dict(target=f"{r['model']}: {r['path']} ({schedule}) forward+backward <= {limit}x GEMM",
-                        value=r["fwdbwd_ratio"], ok=r["fwdbwd_ratio"] <= limit))
+        out.append(
+            dict(
+                target=f"{r['model']}: {r['path']} ({schedule}) forward+backward <= {limit}x GEMM",
+                value=r["fwdbwd_ratio"],
+                ok=r["fwdbwd_ratio"] <= limit,
+            )
+        )
         bound = gpu_memory_bound(r, dtype)
-        out.append(dict(target=f"{r['model']}: {r['path']} peak <= dW + dX + 1 GiB = {bound / GIB:.2f} GiB "
-                               "(value in GiB)", value=r["fwdbwd_peak"] / GIB, ok=r["fwdbwd_peak"] <= bound))
+        out.append(
+            dict(
+                target=f"{r['model']}: {r['path']} peak <= dW + dX + 1 GiB = {bound / GIB:.2f} GiB (value in GiB)",
+                value=r["fwdbwd_peak"] / GIB,
+                ok=r["fwdbwd_peak"] <= bound,
+            )
+        )
         base = naive.get(r["model"])
         for key, label in (("loss_err", "loss"), ("dx_err", "dX")):
             if base is None or r.get(key) is None or base.get(key) is None:
                 continue
             ok = r[key] <= NUMERICS_SLACK * base[key] + 1e-7
-            out.append(dict(target=f"{r['model']}: {r['path']} {label} error vs fp32 <= naive bf16's "
-                                   f"({base[key]:.2g}; x{NUMERICS_SLACK} measurement slack)", value=r[key], ok=ok))
+            out.append(
+                dict(
+                    target=f"{r['model']}: {r['path']} {label} error vs fp32 <= naive bf16's "
+                    f"({base[key]:.2g}; x{NUMERICS_SLACK} measurement slack)",
+                    value=r[key],
+                    ok=ok,
+                )
+            )
     return out
 
 
@@ -123,8 +148,14 @@ def memory_fit(results: dict) -> dict[str, dict]:
             continue
         (n1, m1), (n2, m2) = pts[-2], pts[-1]
         slope = (m2 - m1) / (n2 - n1)
-        fits[path] = dict(bytes_per_token=slope, intercept=m2 - slope * n2, tokens=n2, measured=m2,
-                          extrapolated=m2 + slope * (target - n2), target_tokens=target)
+        fits[path] = dict(
+            bytes_per_token=slope,
+            intercept=m2 - slope * n2,
+            tokens=n2,
+            measured=m2,
+            extrapolated=m2 + slope * (target - n2),
+            target_tokens=target,
+        )
     return fits
 
 
@@ -134,41 +165,81 @@ def targets(results: dict) -> list[dict]:
     fused = [r for r in rows if r["path"] == "fused_linear"]
     naive = {r["model"]: r for r in rows if r["path"] == "naive"}
     for r in fused:
-        out.append(dict(target=f"{r['model']}: fused forward <= {TARGET_FWD}x matmul", value=r["fwd_ratio"],
-                        ok=r["fwd_ratio"] <= TARGET_FWD))
-        out.append(dict(target=f"{r['model']}: fused forward+backward <= {TARGET_FWDBWD}x matmul",
-                        value=r["fwdbwd_ratio"], ok=r["fwdbwd_ratio"] <= TARGET_FWDBWD))
+        out.append(
+            dict(
+                target=f"{r['model']}: fused forward <= {TARGET_FWD}x matmul",
+                value=r["fwd_ratio"],
+                ok=r["fwd_ratio"] <= TARGET_FWD,
+            )
+        )
+        out.append(
+            dict(
+                target=f"{r['model']}: fused forward+backward <= {TARGET_FWDBWD}x matmul",
+                value=r["fwdbwd_ratio"],
+                ok=r["fwdbwd_ratio"] <= TARGET_FWDBWD,
+            )
+        )
         if r["model"] in naive:
             nv = naive[r["model"]]
-            out.append(dict(target=f"{r['model']}: fused forward faster than naive (time ratio fused/naive)",
-                            value=r["fwd_s"] / nv["fwd_s"], ok=r["fwd_s"] < nv["fwd_s"]))
-            out.append(dict(target=f"{r['model']}: fused forward+backward faster than naive (time ratio)",
-                            value=r["fwdbwd_s"] / nv["fwdbwd_s"], ok=r["fwdbwd_s"] < nv["fwdbwd_s"]))
+            out.append(
+                dict(
+                    target=f"{r['model']}: fused forward faster than naive (time ratio fused/naive)",
+                    value=r["fwd_s"] / nv["fwd_s"],
+                    ok=r["fwd_s"] < nv["fwd_s"],
+                )
+            )
+            out.append(
+                dict(
+                    target=f"{r['model']}: fused forward+backward faster than naive (time ratio)",
+                    value=r["fwdbwd_s"] / nv["fwdbwd_s"],
+                    ok=r["fwdbwd_s"] < nv["fwdbwd_s"],
+                )
+            )
     for r in (r for r in rows if r["path"] == "fused_2pass"):
-        out.append(dict(target=f"{r['model']}: two-pass fused forward+backward <= {TARGET_FWDBWD}x matmul "
-                               "(sequence-level ratios)", value=r["fwdbwd_ratio"],
-                        ok=r["fwdbwd_ratio"] <= TARGET_FWDBWD))
+        out.append(
+            dict(
+                target=f"{r['model']}: two-pass fused forward+backward <= {TARGET_FWDBWD}x matmul "
+                "(sequence-level ratios)",
+                value=r["fwdbwd_ratio"],
+                ok=r["fwdbwd_ratio"] <= TARGET_FWDBWD,
+            )
+        )
     direct = {p["path"]: p for p in results.get("memory_direct", [])}
     if "naive" in direct and "fused_linear" in direct:
         n, f = direct["naive"], direct["fused_linear"]
         ratio = n["peak_bytes"] / f["peak_bytes"]
-        out.append(dict(target=f"peak memory naive/fused >= {TARGET_MEMORY}x at {n['tokens']} tokens (measured)",
-                        value=ratio, ok=ratio >= TARGET_MEMORY))
+        out.append(
+            dict(
+                target=f"peak memory naive/fused >= {TARGET_MEMORY}x at {n['tokens']} tokens (measured)",
+                value=ratio,
+                ok=ratio >= TARGET_MEMORY,
+            )
+        )
     fits = memory_fit(results)
     if "naive" in fits and "fused_linear" in fits:
         n, f = fits["naive"], fits["fused_linear"]
-        out.append(dict(target=f"peak memory naive/fused >= {TARGET_MEMORY}x at {n['target_tokens']} tokens "
-                               f"(linear fit of the sweep, extrapolated)", value=n["extrapolated"] / f["extrapolated"],
-                        ok=n["extrapolated"] / f["extrapolated"] >= TARGET_MEMORY))
+        out.append(
+            dict(
+                target=f"peak memory naive/fused >= {TARGET_MEMORY}x at {n['target_tokens']} tokens "
+                f"(linear fit of the sweep, extrapolated)",
+                value=n["extrapolated"] / f["extrapolated"],
+                ok=n["extrapolated"] / f["extrapolated"] >= TARGET_MEMORY,
+            )
+        )
         hidden = results["config"]["memory_shape"][0]
         bound = 2 * 4 * hidden + 256  # hidden-state gradient (+ its all-reduce copy) and [N] vectors: no [N, V] term
-        out.append(dict(target=f"fused peak memory growth beyond one chunk <= {bound} bytes/token (2 x H x 4 + 256)",
-                        value=f["bytes_per_token"], ok=f["bytes_per_token"] <= bound))
+        out.append(
+            dict(
+                target=f"fused peak memory growth beyond one chunk <= {bound} bytes/token (2 x H x 4 + 256)",
+                value=f["bytes_per_token"],
+                ok=f["bytes_per_token"] <= bound,
+            )
+        )
     return out
 
 
 # ------------------------------------------------------------------------------------------------------ formatting
-def _fmt(value: Optional[float], kind: str) -> str:
+def _fmt(value: float | None, kind: str) -> str:
     if value is None:
         return "-"
     if kind == "mib":
@@ -185,18 +256,33 @@ def _fmt(value: Optional[float], kind: str) -> str:
 
 
 COLUMNS = (  # header, key, kind
-    ("model", "model", "str"), ("N", "tokens", "str"), ("path", "path", "str"),
-    ("fwd tok/s", "fwd_tok_s", "num"), ("fwd / mm", "fwd_ratio", "ratio"),
-    ("f+b tok/s", "fwdbwd_tok_s", "num"), ("f+b / mm", "fwdbwd_ratio", "ratio"),
-    ("f+b GFLOP/s", "fwdbwd_gflops", "num"), ("peak fwd MiB", "fwd_peak", "mib"),
-    ("peak f+b MiB", "fwdbwd_peak", "mib"), ("RSS f+b MiB", "fwdbwd_rss", "mib"),
-    ("max dlogp err", "lp_err", "err"), ("grad rel err", "grad_err", "err"),
-    ("loss grad err", "loss_grad_err", "err"), ("loss err", "loss_err", "err"), ("dX err", "dx_err", "err"),
+    ("model", "model", "str"),
+    ("N", "tokens", "str"),
+    ("path", "path", "str"),
+    ("fwd tok/s", "fwd_tok_s", "num"),
+    ("fwd / mm", "fwd_ratio", "ratio"),
+    ("f+b tok/s", "fwdbwd_tok_s", "num"),
+    ("f+b / mm", "fwdbwd_ratio", "ratio"),
+    ("f+b GFLOP/s", "fwdbwd_gflops", "num"),
+    ("peak fwd MiB", "fwd_peak", "mib"),
+    ("peak f+b MiB", "fwdbwd_peak", "mib"),
+    ("RSS f+b MiB", "fwdbwd_rss", "mib"),
+    ("max dlogp err", "lp_err", "err"),
+    ("grad rel err", "grad_err", "err"),
+    ("loss grad err", "loss_grad_err", "err"),
+    ("loss err", "loss_err", "err"),
+    ("dX err", "dx_err", "err"),
 )
 GPU_COLUMNS = (  # header, key, kind
-    ("model", "model", "str"), ("path", "path", "str"), ("fwd x GEMM", "fwd_ratio", "ratio"),
-    ("f+b x GEMM", "fwdbwd_ratio", "ratio"), ("f+b ms", "fwdbwd_s", "ms"), ("useful TFLOP/s", "useful_tflops", "num"),
-    ("peak f+b GiB", "fwdbwd_peak", "gib"), ("loss err", "loss_err", "err"), ("dX err", "dx_err", "err"),
+    ("model", "model", "str"),
+    ("path", "path", "str"),
+    ("fwd x GEMM", "fwd_ratio", "ratio"),
+    ("f+b x GEMM", "fwdbwd_ratio", "ratio"),
+    ("f+b ms", "fwdbwd_s", "ms"),
+    ("useful TFLOP/s", "useful_tflops", "num"),
+    ("peak f+b GiB", "fwdbwd_peak", "gib"),
+    ("loss err", "loss_err", "err"),
+    ("dX err", "dx_err", "err"),
     ("dW err", "dw_err", "err"),
 )
 
@@ -207,8 +293,19 @@ def table_cells(results: dict, columns=COLUMNS) -> tuple[list[str], list[list[st
     return [h for h, _, _ in columns], cells
 
 
-TERMINAL_COLUMNS = ("model", "N", "path", "fwd / mm", "f+b tok/s", "f+b / mm", "peak fwd MiB", "peak f+b MiB",
-                    "max dlogp err", "grad rel err", "loss grad err")
+TERMINAL_COLUMNS = (
+    "model",
+    "N",
+    "path",
+    "fwd / mm",
+    "f+b tok/s",
+    "f+b / mm",
+    "peak fwd MiB",
+    "peak f+b MiB",
+    "max dlogp err",
+    "grad rel err",
+    "loss grad err",
+)
 
 
 def rich_table(results: dict):
@@ -243,7 +340,19 @@ def write_json(results: dict, path: Path) -> Path:
 
 
 __all__ = [
-    "GPU_COLUMNS", "QUICK_NOTE", "comparability_note", "derived_rows", "gpu_memory_bound", "gpu_targets", "is_gpu_run",
-    "is_gpu_target_run", "markdown_table", "memory_fit", "rich_table", "run_targets", "table_cells", "targets",
+    "GPU_COLUMNS",
+    "QUICK_NOTE",
+    "comparability_note",
+    "derived_rows",
+    "gpu_memory_bound",
+    "gpu_targets",
+    "is_gpu_run",
+    "is_gpu_target_run",
+    "markdown_table",
+    "memory_fit",
+    "rich_table",
+    "run_targets",
+    "table_cells",
+    "targets",
     "write_json",
 ]

@@ -19,7 +19,7 @@ run here, or fails (an out-of-memory, a backend error), is listed in ``skipped``
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -46,9 +46,24 @@ def count_steps(cfg: BenchConfig) -> int:
 
 
 def _row(shape: ModelShape, vocab: int, tokens: int, path: str, **values) -> dict:
-    base = dict(model=shape.name, hidden=shape.hidden, vocab=vocab, tokens=tokens, path=path, fwd_s=None,
-                fwdbwd_s=None, fwd_peak=None, fwdbwd_peak=None, fwdbwd_rss=None, lp_err=None, grad_err=None,
-                loss_grad_err=None, loss_err=None, dx_err=None, dw_err=None)
+    base = dict(
+        model=shape.name,
+        hidden=shape.hidden,
+        vocab=vocab,
+        tokens=tokens,
+        path=path,
+        fwd_s=None,
+        fwdbwd_s=None,
+        fwd_peak=None,
+        fwdbwd_peak=None,
+        fwdbwd_rss=None,
+        lp_err=None,
+        grad_err=None,
+        loss_grad_err=None,
+        loss_err=None,
+        dx_err=None,
+        dw_err=None,
+    )
     base.update(values)
     return base
 
@@ -83,7 +98,7 @@ class _ShapeRun:
         self.memory.pop(key, None)
         self.skipped[f"{key[0]} {KIND_LABEL[key[1]]}"] = _failure(exc, f"{self.shape.name} ({self.dev.device.type})")
 
-    def warm_up(self, key: tuple[str, str], warmup: int, check: Optional[Callable[[object], dict]]) -> None:
+    def warm_up(self, key: tuple[str, str], warmup: int, check: Callable[[object], dict] | None) -> None:
         try:
             self.memory[key], result = _tracked_call(self.dev, self.jobs[key], warmup)
             if check is not None:
@@ -101,7 +116,7 @@ class _ShapeRun:
                 self.fail(key, exc)
                 self.dev.release_cached()
 
-    def values(self, name: str) -> Optional[dict]:
+    def values(self, name: str) -> dict | None:
         keys = [k for k in self.times if k[0] == name and self.times[k]]
         if not keys:
             return None
@@ -114,8 +129,14 @@ class _ShapeRun:
         return values
 
 
-def bench_shape(shape: ModelShape, cfg: BenchConfig, dev: BenchDevice, paths: dict[str, LogprobPath],
-                progress: Progress, skipped: dict) -> list[dict]:
+def bench_shape(
+    shape: ModelShape,
+    cfg: BenchConfig,
+    dev: BenchDevice,
+    paths: dict[str, LogprobPath],
+    progress: Progress,
+    skipped: dict,
+) -> list[dict]:
     """Rows for one model shape: matmul, each path, the loss epilogue (see the module docstring).
 
     Every job first runs ``cfg.warmup`` times untracked and once memory-tracked (its loss and gradients are compared
@@ -125,8 +146,16 @@ def bench_shape(shape: ModelShape, cfg: BenchConfig, dev: BenchDevice, paths: di
     """
     vocab = shape.vocab // cfg.tp
     # prev / generation / reference log-probs near the model's own: ratios near 1, both sides of the clip hit
-    problem = make_problem(cfg.batch, cfg.tokens // cfg.batch + 1, shape.hidden, vocab, seed=0, dtype=dev.dtype,
-                           device=dev.device, base_logprobs="model")
+    problem = make_problem(
+        cfg.batch,
+        cfg.tokens // cfg.batch + 1,
+        shape.hidden,
+        vocab,
+        seed=0,
+        dtype=dev.dtype,
+        device=dev.device,
+        base_logprobs="model",
+    )
     loss_fn = bench_loss_fn()
     progress(f"{shape.name}: fp32 reference of loss, dX, dW")
     ref = reference_loss_and_grads(problem, loss_fn)
@@ -139,7 +168,7 @@ def bench_shape(shape: ModelShape, cfg: BenchConfig, dev: BenchDevice, paths: di
             run.jobs.update(path_jobs(path, problem, loss_fn))
         for key in [k for k in run.jobs if k[0] == name]:
             checks = path is not None and key[1] == "fwdbwd" and not path.own_loss
-            run.warm_up(key, cfg.warmup, (lambda result: compare(*result, ref)) if checks else None)
+            run.warm_up(key, cfg.warmup, (lambda result, ref=ref: compare(*result, ref)) if checks else None)
     del ref
     for r in range(cfg.repeats):
         progress(f"{shape.name}: timing round {r + 1}/{cfg.repeats}")
@@ -158,8 +187,9 @@ def bench_shape(shape: ModelShape, cfg: BenchConfig, dev: BenchDevice, paths: di
     return rows
 
 
-def _epilogue_row(shape: ModelShape, vocab: int, problem: HeadProblem, cfg: BenchConfig, dev: BenchDevice,
-                  loss_fn) -> dict:
+def _epilogue_row(
+    shape: ModelShape, vocab: int, problem: HeadProblem, cfg: BenchConfig, dev: BenchDevice, loss_fn
+) -> dict:
     """The loss epilogue alone: ``ClippedPGLoss`` forward+backward on given log-probs."""
     lp = torch.randn(problem.target.shape, device=problem.target.device).clamp(max=-0.01)
     given = dataclasses.replace(problem, hidden=lp)
@@ -187,13 +217,27 @@ def _add_errors(rows: list[dict], problem: HeadProblem, cfg: BenchConfig, paths:
             continue
 
 
-def _add_loss_errors(rows: list[dict], shape: ModelShape, vocab: int, cfg: BenchConfig, dev: BenchDevice,
-                     paths: dict[str, LogprobPath], loss_fn) -> None:
+def _add_loss_errors(
+    rows: list[dict],
+    shape: ModelShape,
+    vocab: int,
+    cfg: BenchConfig,
+    dev: BenchDevice,
+    paths: dict[str, LogprobPath],
+    loss_fn,
+) -> None:
     """``loss_grad_err``: max relative error of the benchmark loss's ``d loss / d hidden`` against the naive path in
     float64, on a ``ref_tokens``-token problem of the same shape in fp32 (this checks the algorithm, the full-size
     ``dx_err`` the precision)."""
-    small = make_problem(cfg.batch, cfg.ref_tokens // cfg.batch + 1, shape.hidden, vocab, seed=2, device=dev.device,
-                         base_logprobs="model")
+    small = make_problem(
+        cfg.batch,
+        cfg.ref_tokens // cfg.batch + 1,
+        shape.hidden,
+        vocab,
+        seed=2,
+        device=dev.device,
+        base_logprobs="model",
+    )
 
     def hidden_grad(path: LogprobPath, dtype: torch.dtype) -> torch.Tensor:
         h = small.hidden.detach().to(dtype).requires_grad_(True)
@@ -211,7 +255,7 @@ def _add_loss_errors(rows: list[dict], shape: ModelShape, vocab: int, cfg: Bench
             continue
 
 
-def run_benchmark(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict:
+def run_benchmark(cfg: BenchConfig, progress: Progress | None = None) -> dict:
     """Everything ``nemo-is bench`` reports, as a JSON-able dict: config, machine, rows, memory sweep, skipped."""
     progress = progress or (lambda _label: None)
     dev = BenchDevice.resolve(cfg.device, cfg.dtype)
@@ -229,13 +273,26 @@ def run_benchmark(cfg: BenchConfig, progress: Optional[Progress] = None) -> dict
         dev.release_cached()
     sweep = memory_sweep(cfg, dev, paths, progress)
     direct = direct_memory(cfg, dev, paths, progress)
-    config = dict(tokens=cfg.tokens, batch=cfg.batch, tp=cfg.tp, chunk_size=cfg.chunk_size, repeats=cfg.repeats,
-                  paths=list(cfg.paths), ref_tokens=cfg.ref_tokens, memory_tokens=list(cfg.memory_tokens),
-                  memory_shape=list(cfg.memory_shape), extrapolate_tokens=cfg.extrapolate_tokens,
-                  direct_memory_paths=list(cfg.direct_memory_paths),
-                  shapes=[dict(name=s.name, hidden=s.hidden, vocab=s.vocab) for s in cfg.shapes],
-                  loss=BENCH_LOSS_CONFIG, device=dev.device.type, dtype=dtype_name(dev.dtype), warmup=cfg.warmup,
-                  statistic=dev.statistic, quick=cfg.quick_run)
+    config = dict(
+        tokens=cfg.tokens,
+        batch=cfg.batch,
+        tp=cfg.tp,
+        chunk_size=cfg.chunk_size,
+        repeats=cfg.repeats,
+        paths=list(cfg.paths),
+        ref_tokens=cfg.ref_tokens,
+        memory_tokens=list(cfg.memory_tokens),
+        memory_shape=list(cfg.memory_shape),
+        extrapolate_tokens=cfg.extrapolate_tokens,
+        direct_memory_paths=list(cfg.direct_memory_paths),
+        shapes=[dict(name=s.name, hidden=s.hidden, vocab=s.vocab) for s in cfg.shapes],
+        loss=BENCH_LOSS_CONFIG,
+        device=dev.device.type,
+        dtype=dtype_name(dev.dtype),
+        warmup=cfg.warmup,
+        statistic=dev.statistic,
+        quick=cfg.quick_run,
+    )
     machine = dict(dev.describe(), threads=cfg.threads)
     return dict(config=config, machine=machine, rows=rows, memory_sweep=sweep, memory_direct=direct, skipped=skipped)
 

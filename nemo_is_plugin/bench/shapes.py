@@ -101,17 +101,25 @@ class BenchConfig:
         return self.device.startswith("cuda")
 
     @classmethod
-    def quick(cls, **overrides) -> "BenchConfig":
+    def quick(cls, **overrides) -> BenchConfig:
         """Seconds-long run on tiny shapes (smoke tests, CI)."""
-        base = dict(shapes=QUICK_SHAPES, tokens=64, chunk_size=16, memory_tokens=(32, 64, 128),
-                    memory_shape=(64, 4096), extrapolate_tokens=1024, ref_tokens=8, quick_run=True)
+        base = dict(
+            shapes=QUICK_SHAPES,
+            tokens=64,
+            chunk_size=16,
+            memory_tokens=(32, 64, 128),
+            memory_shape=(64, 4096),
+            extrapolate_tokens=1024,
+            ref_tokens=8,
+            quick_run=True,
+        )
         if str(overrides.get("device", "cpu")).startswith("cuda"):
             base.update(_CUDA_DEFAULTS, tokens=64, batch=2, memory_tokens=())
         base.update(overrides)
         return cls(**base)
 
     @classmethod
-    def for_device(cls, device: str = "cpu", quick: bool = False, **overrides) -> "BenchConfig":
+    def for_device(cls, device: str = "cpu", quick: bool = False, **overrides) -> BenchConfig:
         """The default run on ``device``: the CPU's scaled one, or on CUDA the GPU targets' setting (bf16, 16,384
         tokens in 8 sequences, every path, a median of 5 rounds after 2 warm-up calls, no CPU-style memory sweep:
         each row's peak is measured at the full token count)."""
@@ -122,9 +130,25 @@ class BenchConfig:
         return cls(device=device, **base)
 
 
-_CUDA_DEFAULTS = dict(tokens=GPU_TARGET_TOKENS, batch=8, repeats=5, warmup=2, paths=PATHS, memory_tokens=(),
-                      direct_memory_paths=(), ref_tokens=64)
+_CUDA_DEFAULTS = dict(
+    tokens=GPU_TARGET_TOKENS,
+    batch=8,
+    repeats=5,
+    warmup=2,
+    paths=PATHS,
+    memory_tokens=(),
+    direct_memory_paths=(),
+    ref_tokens=64,
+)
 
 
-__all__ = ["BenchConfig", "CPU_PATHS", "GPU_TARGET_DTYPE", "GPU_TARGET_TOKENS", "MODEL_SHAPES", "ModelShape", "PATHS",
-           "QUICK_SHAPES"]
+__all__ = [
+    "BenchConfig",
+    "CPU_PATHS",
+    "GPU_TARGET_DTYPE",
+    "GPU_TARGET_TOKENS",
+    "MODEL_SHAPES",
+    "ModelShape",
+    "PATHS",
+    "QUICK_SHAPES",
+]

@@ -3,7 +3,7 @@ token count itself (``direct_memory``), one tracked run per point."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from nemo_is_plugin.bench.device import BenchDevice
 from nemo_is_plugin.bench.jobs import bench_loss_fn, fwd_bwd_job
@@ -25,8 +25,9 @@ def memory_sweep(cfg: BenchConfig, dev: BenchDevice, paths: dict[str, LogprobPat
     loss_fn = bench_loss_fn()
     points = []
     for tokens in cfg.memory_tokens:
-        problem = make_problem(cfg.batch, tokens // cfg.batch + 1, hidden, vocab, seed=1, dtype=dev.dtype,
-                               device=dev.device)
+        problem = make_problem(
+            cfg.batch, tokens // cfg.batch + 1, hidden, vocab, seed=1, dtype=dev.dtype, device=dev.device
+        )
         for name in cfg.paths:
             progress(f"memory sweep: {name} at {tokens} tokens")
             if _runnable(name, paths):
@@ -38,8 +39,15 @@ def memory_point(dev: BenchDevice, name: str, run: Callable[[], object], problem
     """One memory-tracked forward+backward of ``run`` on ``problem``, as a sweep / direct-measurement point."""
     m = dev.measure_memory(run)
     hidden, vocab = problem.weight.shape[1], problem.weight.shape[0]
-    return dict(path=name, tokens=problem.num_tokens, hidden=hidden, vocab=vocab, peak_bytes=m.peak_bytes,
-                rss_bytes=m.rss_bytes, seconds=m.seconds)
+    return dict(
+        path=name,
+        tokens=problem.num_tokens,
+        hidden=hidden,
+        vocab=vocab,
+        peak_bytes=m.peak_bytes,
+        rss_bytes=m.rss_bytes,
+        seconds=m.seconds,
+    )
 
 
 def direct_memory(cfg: BenchConfig, dev: BenchDevice, paths: dict[str, LogprobPath], progress: Progress) -> list[dict]:
@@ -49,8 +57,9 @@ def direct_memory(cfg: BenchConfig, dev: BenchDevice, paths: dict[str, LogprobPa
         return []
     hidden, vocab = cfg.memory_shape
     loss_fn = bench_loss_fn()
-    problem = make_problem(cfg.batch, cfg.extrapolate_tokens // cfg.batch + 1, hidden, vocab, seed=1,
-                           dtype=dev.dtype, device=dev.device)
+    problem = make_problem(
+        cfg.batch, cfg.extrapolate_tokens // cfg.batch + 1, hidden, vocab, seed=1, dtype=dev.dtype, device=dev.device
+    )
     points = []
     for name in [p for p in cfg.direct_memory_paths if p in cfg.paths]:
         progress(f"memory at {cfg.extrapolate_tokens} tokens: {name}")

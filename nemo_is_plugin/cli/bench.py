@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -18,35 +17,48 @@ def register(app: typer.Typer) -> None:
 
 
 def bench(
-    tokens: Optional[int] = typer.Option(
-        None, help="Tokens per measurement. Default: 256 on CPU (scaled down), 16384 = 8 x 2048 on CUDA, 64 with "
-                   "--quick; with --model-step the batch's tokens (default 4 x 2048 on CUDA)."),
-    models: Optional[list[str]] = typer.Option(None, "--model", help="Model shape(s) to run (default: all four)."),
-    paths: Optional[list[str]] = typer.Option(
-        None, "--path", help="Path(s): naive, from_logits, fused_linear, fused_2pass, fused_triton, "
-                             "fused_2pass_triton, liger, cce. Default: all on CUDA; on CPU the first four and liger."
+    tokens: int | None = typer.Option(
+        None,
+        help="Tokens per measurement. Default: 256 on CPU (scaled down), 16384 = 8 x 2048 on CUDA, 64 with "
+        "--quick; with --model-step the batch's tokens (default 4 x 2048 on CUDA).",
     ),
-    chunk_size: Optional[int] = typer.Option(None, help="Tokens per chunk of the chunked paths (default: theirs)."),
+    models: list[str] | None = typer.Option(None, "--model", help="Model shape(s) to run (default: all four)."),
+    paths: list[str] | None = typer.Option(
+        None,
+        "--path",
+        help="Path(s): naive, from_logits, fused_linear, fused_2pass, fused_triton, "
+        "fused_2pass_triton, liger, cce. Default: all on CUDA; on CPU the first four and liger.",
+    ),
+    chunk_size: int | None = typer.Option(None, help="Tokens per chunk of the chunked paths (default: theirs)."),
     tp: int = typer.Option(1, help="Vocab shards: measure one TP rank's local work on V/tp rows of the head."),
-    repeats: Optional[int] = typer.Option(
-        None, help="Timing rounds after the warm-up (CPU: best round reported, default 3; CUDA: median, default 5)."),
-    memory_tokens: Optional[list[int]] = typer.Option(None, "--memory-tokens", help="Token counts of the sweep."),
-    no_memory_sweep: bool = typer.Option(False, "--no-memory-sweep", help="Skip the memory-vs-tokens sweep (CPU runs)."),
+    repeats: int | None = typer.Option(
+        None, help="Timing rounds after the warm-up (CPU: best round reported, default 3; CUDA: median, default 5)."
+    ),
+    memory_tokens: list[int] | None = typer.Option(None, "--memory-tokens", help="Token counts of the sweep."),
+    no_memory_sweep: bool = typer.Option(
+        False, "--no-memory-sweep", help="Skip the memory-vs-tokens sweep (CPU runs)."
+    ),
     threads: int = typer.Option(1, help="torch intra-op threads."),
-    quick: bool = typer.Option(False, "--quick", help="Tiny shapes: a seconds-long smoke run (numbers not meaningful)."),
+    quick: bool = typer.Option(
+        False, "--quick", help="Tiny shapes: a seconds-long smoke run (numbers not meaningful)."
+    ),
     device: str = typer.Option("cpu", help="cpu or cuda."),
-    dtype: Optional[str] = typer.Option(None, help="Input dtype: float32 (CPU default), bfloat16 (CUDA default)."),
+    dtype: str | None = typer.Option(None, help="Input dtype: float32 (CPU default), bfloat16 (CUDA default)."),
     model_step: bool = typer.Option(
-        False, "--model-step",
-        help="Training steps of a megatron-core MoE GPT model with the naive and the fused loss, instead of the head."),
-    layers: Optional[int] = typer.Option(None, help="--model-step: transformer layers (default 2)."),
-    experts: Optional[int] = typer.Option(None, help="--model-step: routed experts per layer (default 16, top-4)."),
+        False,
+        "--model-step",
+        help="Training steps of a megatron-core MoE GPT model with the naive and the fused loss, instead of the head.",
+    ),
+    layers: int | None = typer.Option(None, help="--model-step: transformer layers (default 2)."),
+    experts: int | None = typer.Option(None, help="--model-step: routed experts per layer (default 16, top-4)."),
     out: Path = typer.Option(Path("bench_results"), help="Directory for results.json and the PNG figures."),
     write_docs: bool = typer.Option(
-        False, "--write-docs",
-        help="Also write docs/performance.md: a CPU run regenerates the CPU page, a GPU run its GPU section."),
+        False,
+        "--write-docs",
+        help="Also write docs/performance.md: a CPU run regenerates the CPU page, a GPU run its GPU section.",
+    ),
     docs_dir: Path = typer.Option(Path("docs"), help="Docs directory used by --write-docs."),
-    from_json: Optional[Path] = typer.Option(None, help="Render an earlier run's results.json instead of measuring."),
+    from_json: Path | None = typer.Option(None, help="Render an earlier run's results.json instead of measuring."),
 ) -> None:
     """Benchmark the log-prob + loss paths at MoE LM-head shapes; prints the table, writes JSON and plots."""
     from rich.console import Console
@@ -56,13 +68,37 @@ def bench(
     if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, 130))
     if model_step:
-        model_step_command(console, device=device, dtype=dtype, quick=quick, tokens=tokens, repeats=repeats,
-                           layers=layers, experts=experts, chunk_size=chunk_size, out=out, write_docs=write_docs,
-                           docs_dir=docs_dir, from_json=from_json)
+        model_step_command(
+            console,
+            device=device,
+            dtype=dtype,
+            quick=quick,
+            tokens=tokens,
+            repeats=repeats,
+            layers=layers,
+            experts=experts,
+            chunk_size=chunk_size,
+            out=out,
+            write_docs=write_docs,
+            docs_dir=docs_dir,
+            from_json=from_json,
+        )
         return
     try:
-        cfg = _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, not no_memory_sweep, threads,
-                      quick, device, dtype)
+        cfg = _config(
+            tokens,
+            models,
+            paths,
+            chunk_size,
+            tp,
+            repeats,
+            memory_tokens,
+            not no_memory_sweep,
+            threads,
+            quick,
+            device,
+            dtype,
+        )
         if write_docs and from_json is None and cfg.is_cuda and quick:
             raise ValueError("--write-docs refuses a --quick run: its tiny shapes are not meaningful (drop --quick)")
     except ValueError as exc:
@@ -73,8 +109,7 @@ def bench(
     _report(results, console, out, write_docs, docs_dir)
 
 
-def _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, memory_sweep, threads, quick, device,
-            dtype):
+def _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, memory_sweep, threads, quick, device, dtype):
     from nemo_is_plugin.bench.device import BenchDevice
     from nemo_is_plugin.bench.shapes import MODEL_SHAPES, PATHS, QUICK_SHAPES, BenchConfig
 
@@ -137,11 +172,22 @@ def _report(results: dict, console, out: Path, write_docs: bool, docs_dir: Path)
     console.print("wrote " + ", ".join(str(p) for p in written))
 
 
-
-def model_step_command(console, *, device: str, dtype: Optional[str], quick: bool, tokens: Optional[int],
-                       repeats: Optional[int], layers: Optional[int], experts: Optional[int],
-                       chunk_size: Optional[int], out: Path, write_docs: bool, docs_dir: Path,
-                       from_json: Optional[Path]) -> None:
+def model_step_command(
+    console,
+    *,
+    device: str,
+    dtype: str | None,
+    quick: bool,
+    tokens: int | None,
+    repeats: int | None,
+    layers: int | None,
+    experts: int | None,
+    chunk_size: int | None,
+    out: Path,
+    write_docs: bool,
+    docs_dir: Path,
+    from_json: Path | None,
+) -> None:
     """Run the model-step benchmark with a progress bar, print its table, write its JSON and (from a real GPU run)
     its section of ``docs/performance.md``."""
     from rich.markup import escape
@@ -159,8 +205,16 @@ def model_step_command(console, *, device: str, dtype: Optional[str], quick: boo
         try:
             BenchDevice.resolve(device, dtype)
             extra = {"repeats": repeats} if repeats is not None else {}
-            cfg = StepConfig.for_device(device, quick=quick, tokens=tokens, layers=layers, experts=experts,
-                                        dtype=dtype, chunk_size=chunk_size, **extra)
+            cfg = StepConfig.for_device(
+                device,
+                quick=quick,
+                tokens=tokens,
+                layers=layers,
+                experts=experts,
+                dtype=dtype,
+                chunk_size=chunk_size,
+                **extra,
+            )
             if write_docs and (why := gpu_docs_refusal({"config": {"device": device.split(":")[0], "quick": quick}})):
                 raise ValueError(why)
         except ValueError as exc:

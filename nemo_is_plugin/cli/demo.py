@@ -4,19 +4,26 @@ Ray, comparing the IS settings of ``configs/demo``. Heavy imports happen inside 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 
 def _build_config(
-    output_dir: str, steps: Optional[int], response_length: Optional[int], configs: Optional[str],
-    ray_address: Optional[str], backend: str, precision: Optional[str], seed: int, quick: bool,
-    run_config: Optional[Path],
+    output_dir: str,
+    steps: int | None,
+    response_length: int | None,
+    configs: str | None,
+    ray_address: str | None,
+    backend: str,
+    precision: str | None,
+    seed: int,
+    quick: bool,
+    run_config: Path | None,
 ):
     from omegaconf import OmegaConf
 
-    from nemo_is_plugin.demo.settings import DemoConfig, quick as quick_cfg
+    from nemo_is_plugin.demo.settings import DemoConfig
+    from nemo_is_plugin.demo.settings import quick as quick_cfg
 
     data = OmegaConf.to_container(OmegaConf.load(run_config), resolve=True) if run_config else {}
     cfg = DemoConfig(**data)
@@ -45,26 +52,28 @@ def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo(
         output_dir: str = typer.Option("runs/demo", help="Where metrics.jsonl/csv, rollouts.jsonl, comparison.png go."),
-        steps: Optional[int] = typer.Option(None, help="GRPO steps per setting on short responses (default 12)."),
-        response_length: Optional[int] = typer.Option(
+        steps: int | None = typer.Option(None, help="GRPO steps per setting on short responses (default 12)."),
+        response_length: int | None = typer.Option(
             None, help="Length of the long-response phase (EOS ignored; default 1024; 0 skips the phase)."
         ),
-        configs: Optional[str] = typer.Option(
+        configs: str | None = typer.Option(
             None, help="Comma-separated loss settings: names in configs/demo or YAML paths (default: all four)."
         ),
-        ray_address: Optional[str] = typer.Option(None, help="Ray cluster address; default starts a local Ray."),
+        ray_address: str | None = typer.Option(None, help="Ray cluster address; default starts a local Ray."),
         backend: str = typer.Option("cpu", help="Rollout backend: cpu (embedded sampler) or vllm (GPU + vllm)."),
-        precision: Optional[str] = typer.Option(
+        precision: str | None = typer.Option(
             None, help="Rollout numerics for the cpu backend: fp32 | bf16 | fp8 | int4 (default fp8)."
         ),
         seed: int = typer.Option(0, help="Seed of model init, data and sampling."),
-        quick: bool = typer.Option(False, "--quick",
-                                   help="Short run for tests: 6 GRPO steps, one long batch per setting."),
-        run_config: Optional[Path] = typer.Option(
+        quick: bool = typer.Option(
+            False, "--quick", help="Short run for tests: 6 GRPO steps, one long batch per setting."
+        ),
+        run_config: Path | None = typer.Option(
             None, exists=True, dir_okay=False, help="YAML with DemoConfig overrides (model, warm_start, grpo, ...)."
         ),
-        plot_only: bool = typer.Option(False, "--plot-only",
-                                       help="Only redraw comparison.png from an existing output dir."),
+        plot_only: bool = typer.Option(
+            False, "--plot-only", help="Only redraw comparison.png from an existing output dir."
+        ),
     ) -> None:
         """End-to-end GRPO with IS-corrected losses side by side; writes metrics, rollouts and a comparison plot."""
         from rich.console import Console
@@ -78,8 +87,9 @@ def register(app: typer.Typer) -> None:
         if backend not in ("cpu", "vllm"):
             raise typer.BadParameter("--backend must be cpu or vllm")
         try:
-            cfg = _build_config(output_dir, steps, response_length, configs, ray_address, backend, precision, seed,
-                                quick, run_config)
+            cfg = _build_config(
+                output_dir, steps, response_length, configs, ray_address, backend, precision, seed, quick, run_config
+            )
             from nemo_is_plugin.demo.settings import load_loss_settings
 
             settings = load_loss_settings(cfg.loss_settings)
@@ -97,8 +107,13 @@ def _run(cfg, settings, console) -> None:
     from nemo_is_plugin.demo.plot import plot_comparison
 
     total = 1 + sum(p.steps for _, p in cfg.phases()) * len(settings)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[info]}"))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+    )
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task("starting Ray workers", total=total, info="")
 
@@ -108,8 +123,10 @@ def _run(cfg, settings, console) -> None:
             elif event == "step":
                 progress.advance(bar)
                 if "config" in payload:
-                    info = (f"reward {payload['reward']:.2f}  IS w {payload.get('is_raw_weight_mean', float('nan')):.2f}"
-                            f"  KL {payload.get('mismatch_kl_k3', float('nan')):.1e}")
+                    info = (
+                        f"reward {payload['reward']:.2f}  IS w {payload.get('is_raw_weight_mean', float('nan')):.2f}"
+                        f"  KL {payload.get('mismatch_kl_k3', float('nan')):.1e}"
+                    )
                 else:
                     info = payload.get("message", "")
                 progress.update(bar, info=info)
@@ -124,10 +141,15 @@ def _run(cfg, settings, console) -> None:
     for name in settings:  # the numbers summary.json keeps under "headline" (what README.md quotes)
         h = result.headline["settings"].get(name, {})
 
-        def fmt(key: str) -> str:
+        def fmt(key: str, h: dict = h) -> str:
             return f"{h[key]:.3g}" if h.get(key) is not None else "-"
 
-        table.add_row(name, f"{result.final_reward.get(name, float('nan')):.3f}", fmt("long_is_weight_mean"),
-                      fmt("long_is_weight_ess"), fmt("long_mismatch_kl_k3"))
+        table.add_row(
+            name,
+            f"{result.final_reward.get(name, float('nan')):.3f}",
+            fmt("long_is_weight_mean"),
+            fmt("long_is_weight_ess"),
+            fmt("long_mismatch_kl_k3"),
+        )
     console.print(table)
     console.print(f"wrote {Path(cfg.output_dir) / 'metrics.jsonl'}, metrics.csv, rollouts.jsonl, summary.json, {png}")

@@ -7,7 +7,6 @@ the command so that ``nemo-is --help`` stays fast.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -43,18 +42,18 @@ def register(app: typer.Typer) -> None:
         seq_mask_tis: str = typer.Option("0.999,1.002", help="seq-mask-tis: LOW,HIGH band of the geometric mean."),
         seq_mis: str = typer.Option("0.5,2", help="seq-mis: LOW,HIGH band of the sequence weight."),
         geo_rs: str = typer.Option("0.999,1.001", help="geo-rs: LOW,HIGH band of the geometric mean."),
-        veto: Optional[float] = typer.Option(None, help="Also veto sequences with a token weight below this."),
-        bins: Optional[str] = typer.Option(None, help="Length-bin edges, e.g. 256,1024,4096 (default: powers of 2)."),
+        veto: float | None = typer.Option(None, help="Also veto sequences with a token weight below this."),
+        bins: str | None = typer.Option(None, help="Length-bin edges, e.g. 256,1024,4096 (default: powers of 2)."),
         max_bins: int = typer.Option(6, min=1, help="Most bins when edges are automatic."),
-        step: Optional[list[int]] = typer.Option(None, help="Only responses of this step (repeatable)."),
-        config: Optional[str] = typer.Option(None, help="Only responses with this 'config' label."),
+        step: list[int] | None = typer.Option(None, help="Only responses of this step (repeatable)."),
+        config: str | None = typer.Option(None, help="Only responses with this 'config' label."),
         dtype: str = typer.Option("float32", help="float32 (as the loss computes) or float64."),
         min_ess: float = typer.Option(0.5, help="Recommendation: smallest acceptable ESS per length bin."),
         max_masked: float = typer.Option(0.1, help="Recommendation: largest acceptable masked fraction per bin."),
-        out: Optional[Path] = typer.Option(None, help="Directory for the PNG plots (default: <dump dir>/diagnose)."),
+        out: Path | None = typer.Option(None, help="Directory for the PNG plots (default: <dump dir>/diagnose)."),
         no_plots: bool = typer.Option(False, "--no-plots", help="Do not write plots."),
-        json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full report as JSON here."),
-        write_config: Optional[Path] = typer.Option(
+        json_out: Path | None = typer.Option(None, "--json", help="Also write the full report as JSON here."),
+        write_config: Path | None = typer.Option(
             None, "--write-config", help="Write the recommended loss_fn section here, a YAML config ready to use."
         ),
         detail: bool = typer.Option(False, "--detail", help="Print every statistic of every setting, bin by bin."),
@@ -111,8 +110,10 @@ def register(app: typer.Typer) -> None:
             rec = report.recommendation
             verdict = "recommended" if rec.ok else "least bad (no setting is healthy)"
             tentative = " (tentative: small sample)" if rec.tentative else ""
-            head = (f"# written by nemo-is diagnose {dump}: {verdict} setting {rec.name}{tentative}\n"
-                    "# the IS keys of a loss_fn section; every other key keeps its value (or NeMo-RL's default)\n")
+            head = (
+                f"# written by nemo-is diagnose {dump}: {verdict} setting {rec.name}{tentative}\n"
+                "# the IS keys of a loss_fn section; every other key keeps its value (or NeMo-RL's default)\n"
+            )
             _write_atomically(write_config, head + rec.yaml())
             console.print(f"wrote {write_config}")
 

@@ -7,7 +7,6 @@ command so that ``nemo-is --help`` stays fast.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -28,7 +27,7 @@ def register(app: typer.Typer) -> None:
         ),
         quick: bool = typer.Option(False, "--quick", help="Small Monte Carlo sizes (seconds; noisier numbers)."),
         seed: int = typer.Option(0, help="Seed of every random draw; the same seed reproduces the same files."),
-        only: Optional[list[str]] = typer.Option(
+        only: list[str] | None = typer.Option(
             None, "--only", help="Run only this experiment (repeatable): is_collapse, ctpo_variance, kl_gradient_bias."
         ),
     ) -> None:
@@ -46,8 +45,12 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}[/red]")
             raise typer.Exit(_EXIT_BAD_INPUT)
 
-        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TimeElapsedColumn())
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+        )
         with Progress(*columns, console=console, transient=True) as bar:
             task = bar.add_task("evidence", total=step_count(names))
 
@@ -69,26 +72,36 @@ def _print_headline(console, head: dict, table_cls) -> None:
         t = table_cls(title="IS collapse at 9k tokens (seed 002)")
         t.add_column("quantity")
         t.add_column("value", justify="right")
-        t.add_row("seed-fit mismatch: shift / spread per token",
-                  f"{h['seed_fit_shift']:+.3g} / {h['seed_fit_spread']:.3g}")
+        t.add_row(
+            "seed-fit mismatch: shift / spread per token", f"{h['seed_fit_shift']:+.3g} / {h['seed_fit_spread']:.3g}"
+        )
         t.add_row("seed fit, exp(sum) mean (MC)", f"{h['seed_fit_mc_mean_9k']:.3f} +- {h['seed_fit_mc_mean_se']:.3f}")
         t.add_row("seed fit, exp(sum) std (MC)", f"{h['seed_fit_mc_std_9k']:.3f} +- {h['seed_fit_mc_std_se']:.3f}")
-        t.add_row("unbiased 2%: exp(sum) median / ESS", f"{h['unbiased2_sequence_median_9k']:.3f} / "
-                  f"{h['unbiased2_sequence_ess_9k']:.3f}")
+        t.add_row(
+            "unbiased 2%: exp(sum) median / ESS",
+            f"{h['unbiased2_sequence_median_9k']:.3f} / {h['unbiased2_sequence_ess_9k']:.3f}",
+        )
         lo, hi = h["unbiased2_sequence_mean_p5_p95_9k"]
         t.add_row("unbiased 2%: exp(mean) 5th-95th pct", f"{lo:.4f} - {hi:.4f}")
-        t.add_row("2% shift: exp(sum) / exp(mean) mean", f"{h['shift2_sequence_mean_9k']:.2g} / "
-                  f"{h['shift2_sequence_mean_level_9k']:.4f}")
+        t.add_row(
+            "2% shift: exp(sum) / exp(mean) mean",
+            f"{h['shift2_sequence_mean_9k']:.2g} / {h['shift2_sequence_mean_level_9k']:.4f}",
+        )
         console.print(t)
     if "ctpo_variance" in head:
         t = table_cls(title="CTPO: full-sequence / cumulative variance at t = 1 (seed 004)")
         for col in ("d", "H", "(1+d)^(H-1)", "E|Y|^2/E|X|^2", "se emp/exact", "Var ratio", "max|z| mean"):
             t.add_column(col, justify="right")
         for r in head["ctpo_variance"]:
-            t.add_row(f"{r['chi2']:g}", str(r["horizon"]), f"{r['predicted_ratio_t1']:.3f}",
-                      f"{r['measured_second_moment_ratio_t1']:.3f}",
-                      f"{r['ratio_se_t1']:.3f}/{r['ratio_exact_se_t1']:.3f}",
-                      f"{r['measured_variance_ratio_t1']:.3f}", f"{r['max_abs_z_cumulative_mean']:.2f}")
+            t.add_row(
+                f"{r['chi2']:g}",
+                str(r["horizon"]),
+                f"{r['predicted_ratio_t1']:.3f}",
+                f"{r['measured_second_moment_ratio_t1']:.3f}",
+                f"{r['ratio_se_t1']:.3f}/{r['ratio_exact_se_t1']:.3f}",
+                f"{r['measured_variance_ratio_t1']:.3f}",
+                f"{r['max_abs_z_cumulative_mean']:.2f}",
+            )
         console.print(t)
     if "kl_gradient_bias" in head:
         t = table_cls(title="KL gradient vs exact grad KL(pi || ref) (seed 003)")

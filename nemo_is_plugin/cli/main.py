@@ -4,7 +4,6 @@ heavy imports (torch, megatron, ray) happen inside the commands, so ``nemo-is --
 from __future__ import annotations
 
 import importlib
-from typing import Optional
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -48,8 +47,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
-                                           help="Print the version and exit."),
+    version: bool | None = typer.Option(
+        None, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
     """Keeps ``nemo-is`` a command group even while only one command is registered."""
 

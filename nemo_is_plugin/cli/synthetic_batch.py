@@ -27,8 +27,10 @@ def synthetic_batch(
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: the synthetic batch needs at least 1 sequence")
     if seq_len < MIN_SEQ_LEN:
-        raise ValueError(f"seq_len={seq_len} is too short: the synthetic batch has a {PROMPT_LEN}-token prompt and "
-                         f"responses of seq_len // 4 to seq_len - {PROMPT_LEN + 1} tokens; use seq_len >= {MIN_SEQ_LEN}")
+        raise ValueError(
+            f"seq_len={seq_len} is too short: the synthetic batch has a {PROMPT_LEN}-token prompt and "
+            f"responses of seq_len // 4 to seq_len - {PROMPT_LEN + 1} tokens; use seq_len >= {MIN_SEQ_LEN}"
+        )
     if not mismatch_std >= 0:
         raise ValueError(f"mismatch_std={mismatch_std} must be >= 0 (the std of the per-token log-prob mismatch)")
     g = torch.Generator().manual_seed(seed)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any
 
 import typer
 
@@ -18,14 +18,22 @@ _EXIT_BAD_INPUT = 2
 
 def validate(
     recipe: Path = typer.Argument(..., help="YAML recipe: a loss_fn section or a host's whole master config."),
-    override: Optional[List[str]] = typer.Option(None, "--override", "-o", help="Dotted override, e.g. loss_fn.x=1"),
+    override: list[str] | None = typer.Option(None, "--override", "-o", help="Dotted override, e.g. loss_fn.x=1"),
     section: str = typer.Option("loss_fn", help="Dotted path of the loss section in the YAML."),
     batch_size: int = typer.Option(8, help="Sequences in the synthetic batch (>= 1)."),
-    seq_len: int = typer.Option(256, help="Tokens per sequence in the synthetic batch (>= 6: a 4-token prompt + response)."),
+    seq_len: int = typer.Option(
+        256, help="Tokens per sequence in the synthetic batch (>= 6: a 4-token prompt + response)."
+    ),
     mismatch_std: float = typer.Option(0.02, help="Std of the per-token rollout/training log-prob mismatch (>= 0)."),
-    show_effective: bool = typer.Option(False, "--show-effective", help="Also print every effective setting (resolved "
-                                        "ratio level, clip, IS level, truncation, KL, aggregation) and every key."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (verdict, settings, loss, metrics) only."),
+    show_effective: bool = typer.Option(
+        False,
+        "--show-effective",
+        help="Also print every effective setting (resolved "
+        "ratio level, clip, IS level, truncation, KL, aggregation) and every key.",
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object (verdict, settings, loss, metrics) only."
+    ),
 ) -> None:
     """Validate RECIPE and print its loss and metrics on a synthetic batch with a rollout/training mismatch."""
     from rich.console import Console
@@ -74,13 +82,17 @@ def _run(spec, batch) -> tuple[float, float, dict[str, float]]:
     logprobs.requires_grad_(True)
     valid_toks = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
     loss_fn = build_loss(spec.config.model_dump(exclude_unset=True), name=spec.name)
-    loss, metrics = loss_fn(next_token_logprobs=logprobs, data=data, global_valid_seqs=data["sample_mask"].sum(),
-                            global_valid_toks=valid_toks)
+    loss, metrics = loss_fn(
+        next_token_logprobs=logprobs,
+        data=data,
+        global_valid_seqs=data["sample_mask"].sum(),
+        global_valid_toks=valid_toks,
+    )
     loss.backward()
     return loss.item(), logprobs.grad.norm().item(), finalize_metrics(metrics)
 
 
-def _defaults_note(spec, section: str) -> Optional[str]:
+def _defaults_note(spec, section: str) -> str | None:
     if spec.given:
         return None
     where = "the file is empty" if spec.empty_source else f"the {section!r} section is empty"
@@ -95,10 +107,16 @@ def _json_report(recipe, section, spec, loss, grad_norm, metrics) -> dict[str, A
     from nemo_is_plugin.config.effective import effective_settings
 
     return {
-        "valid": True, "recipe": str(recipe), "section": section, "name": spec.name,
-        "defaults": _defaults_note(spec, section), "changed": spec.config.model_dump(exclude_defaults=True),
-        "effective": effective_settings(spec.config), "config": spec.config.model_dump(),
-        "loss": _finite(loss), "grad_norm": _finite(grad_norm),
+        "valid": True,
+        "recipe": str(recipe),
+        "section": section,
+        "name": spec.name,
+        "defaults": _defaults_note(spec, section),
+        "changed": spec.config.model_dump(exclude_defaults=True),
+        "effective": effective_settings(spec.config),
+        "config": spec.config.model_dump(),
+        "loss": _finite(loss),
+        "grad_norm": _finite(grad_norm),
         "metrics": {k: _finite(v) for k, v in sorted(metrics.items())},
     }
 

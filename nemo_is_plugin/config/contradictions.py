@@ -74,7 +74,8 @@ def contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     elif lo is not None:  # NeMo-RL runs with it (and ignores it)
         warnings.warn(
             "truncated_importance_sampling_ratio_min is ignored: truncated_importance_sampling_type is null",
-            UserWarning, stacklevel=2,
+            UserWarning,
+            stacklevel=2,
         )
 
     if cfg.use_cispo:
@@ -143,19 +144,25 @@ def _rejection_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     lo, hi = cfg.importance_sampling_rejection_min, cfg.importance_sampling_rejection_max
     if rej is None:
         if lo is not None or hi is not None:
-            return ["importance_sampling_rejection_min and importance_sampling_rejection_max are only read with "
-                    "importance_sampling_rejection, which is null: set it to 'seq-mis' or 'geo-rs', or unset them"]
+            return [
+                "importance_sampling_rejection_min and importance_sampling_rejection_max are only read with "
+                "importance_sampling_rejection, which is null: set it to 'seq-mis' or 'geo-rs', or unset them"
+            ]
         return []
     out = []
     if lo is None or hi is None:
-        out.append(f"importance_sampling_rejection={rej!r} needs importance_sampling_rejection_min and "
-                   "importance_sampling_rejection_max (verl presets: seq-mis 0.5 and 2.0, geo-rs 0.999 and 1.001)")
+        out.append(
+            f"importance_sampling_rejection={rej!r} needs importance_sampling_rejection_min and "
+            "importance_sampling_rejection_max (verl presets: seq-mis 0.5 and 2.0, geo-rs 0.999 and 1.001)"
+        )
     elif lo > hi:
         out.append(f"importance_sampling_rejection_min={lo} must be <= importance_sampling_rejection_max={hi}")
     tis = cfg.truncated_importance_sampling_type
     if tis in SEQUENCE_MASK_TYPES:
-        out.append(f"truncated_importance_sampling_type={tis!r} already masks whole sequences: combine "
-                   "importance_sampling_rejection with 'tis', 'icepop' or null, or use a single sequence rule")
+        out.append(
+            f"truncated_importance_sampling_type={tis!r} already masks whole sequences: combine "
+            "importance_sampling_rejection with 'tis', 'icepop' or null, or use a single sequence rule"
+        )
     return out
 
 
@@ -163,10 +170,12 @@ def _rule_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     out = []
     names = [rule.name for rule in cfg.rejection_rules]
     for name in sorted({n for n in names if names.count(n) > 1}):
-        shorthand = " (importance_sampling_rejection is one)" if any(
-            r.name == name for r in cfg.rejection_rules[:1]) and cfg.importance_sampling_rejection else ""
+        shorthand = (
+            " (importance_sampling_rejection is one)"
+            if any(r.name == name for r in cfg.rejection_rules[:1]) and cfg.importance_sampling_rejection
+            else ""
+        )
         out.append(f"two rejection rules on {name}{shorthand}: merge their bounds into one rule")
     if cfg.bypasses_prev and cfg.force_on_policy_ratio:
         out.append("old_policy_logprobs='generation' and force_on_policy_ratio=true both choose pi_old; keep one")
     return out
-

@@ -21,8 +21,13 @@ def _ratio(cfg: ClippedPGLossConfig) -> str:
     if cfg.force_on_policy_ratio:
         return "fixed to 1 with the policy gradient (force_on_policy_ratio)"
     level = cfg.effective_ratio_level
-    source = "ratio_level" if cfg.ratio_level is not None else (
-        "from sequence_level_importance_ratios=true" if cfg.sequence_level_importance_ratios else "NeMo-RL default")
+    source = (
+        "ratio_level"
+        if cfg.ratio_level is not None
+        else (
+            "from sequence_level_importance_ratios=true" if cfg.sequence_level_importance_ratios else "NeMo-RL default"
+        )
+    )
     return f"{level} ({source})"
 
 
@@ -31,8 +36,10 @@ def _clip(cfg: ClippedPGLossConfig) -> str:
         dual = f", dual clip c = {_g(cfg.ratio_clip_c)}" if cfg.ratio_clip_c is not None else ""
         return "none" + dual
     if cfg.use_cispo:
-        return (f"CISPO: stop-gradient weight clamp(r, {_g(1 - cfg.ratio_clip_min)}, {_g(1 + cfg.ratio_clip_max)}) "
-                "times -A * log pi")
+        return (
+            f"CISPO: stop-gradient weight clamp(r, {_g(1 - cfg.ratio_clip_min)}, {_g(1 + cfg.ratio_clip_max)}) "
+            "times -A * log pi"
+        )
     if cfg.uses_log_space_clip:
         p = cfg.clip_position_power
         pos = f" * t^{_g(p)}" if p != 0 else ""
@@ -65,18 +72,23 @@ def _truncation(cfg: ClippedPGLossConfig) -> str:
         return "none"
     lo = cfg.truncated_importance_sampling_ratio_min
     band = f"[{_g(lo if lo is not None else 0.0)}, {_g(cfg.truncated_importance_sampling_ratio)}]"
-    what = {"tis": "clamp the weight to", "icepop": "zero token weights outside",
-            "seq-mask-tis": "zero a sequence's weights when its geometric-mean weight is outside",
-            "seq-mis": "reject a sequence when exp(sum x) is outside",
-            "geo-rs": "reject a sequence when exp(mean x) is outside"}[t]
+    what = {
+        "tis": "clamp the weight to",
+        "icepop": "zero token weights outside",
+        "seq-mask-tis": "zero a sequence's weights when its geometric-mean weight is outside",
+        "seq-mis": "reject a sequence when exp(sum x) is outside",
+        "geo-rs": "reject a sequence when exp(mean x) is outside",
+    }[t]
     return f"{t}: {what} {band}"
 
 
 def _rejection(cfg: ClippedPGLossConfig) -> str:
     parts = []
     if cfg.importance_sampling_rejection is not None:
-        parts.append(f"{cfg.importance_sampling_rejection} outside [{_g(cfg.importance_sampling_rejection_min)}, "
-                     f"{_g(cfg.importance_sampling_rejection_max)}] (on top of the truncation)")
+        parts.append(
+            f"{cfg.importance_sampling_rejection} outside [{_g(cfg.importance_sampling_rejection_min)}, "
+            f"{_g(cfg.importance_sampling_rejection_max)}] (on top of the truncation)"
+        )
     if cfg.importance_sampling_veto_threshold is not None:
         parts.append(f"veto a sequence with a token weight < {_g(cfg.importance_sampling_veto_threshold)}")
     return "; ".join(parts) or "none"
@@ -94,8 +106,10 @@ def _kl(cfg: ClippedPGLossConfig) -> str:
         clamps.append(f"output +-{_g(cfg.kl_output_clamp_value)}")
     weight = "exp(c - g) (on-policy approximation)" if cfg.use_on_policy_kl_approximation else "exp(c - sg[c])"
     grad = "k2 (straight-through)" if cfg.reference_policy_kl_gradient == "k2" else "the estimator's own"
-    return (f"{cfg.reference_policy_kl_type}, beta {_g(cfg.reference_policy_kl_penalty)}, clamps "
-            f"{', '.join(clamps) or 'none'}, weight {weight}, gradient {grad}")
+    return (
+        f"{cfg.reference_policy_kl_type}, beta {_g(cfg.reference_policy_kl_penalty)}, clamps "
+        f"{', '.join(clamps) or 'none'}, weight {weight}, gradient {grad}"
+    )
 
 
 def _aggregation(cfg: ClippedPGLossConfig) -> str:
@@ -119,8 +133,9 @@ def effective_settings(cfg: ClippedPGLossConfig) -> dict[str, str]:
         "IS batch normalisation": "on (divide by the batch mean)" if cfg.importance_sampling_batch_normalize else "off",
         "KL to the reference": _kl(cfg),
         "aggregation": _aggregation(cfg),
-        "positive-example NLL": (f"weight {_g(cfg.positive_example_nll_weight)}" if cfg.positive_example_nll_weight
-                                 else "off"),
+        "positive-example NLL": (
+            f"weight {_g(cfg.positive_example_nll_weight)}" if cfg.positive_example_nll_weight else "off"
+        ),
     }
 
 

@@ -21,7 +21,7 @@ class ConfigValidationError(ValidationError, ConfigError, AssertionError):
     """
 
     @classmethod
-    def wrap(cls, exc: ValidationError) -> "ConfigValidationError":
+    def wrap(cls, exc: ValidationError) -> ConfigValidationError:
         if isinstance(exc, cls):
             return exc
         details = [
@@ -33,4 +33,3 @@ class ConfigValidationError(ValidationError, ConfigError, AssertionError):
 
 class UnknownConfigKeyWarning(UserWarning):
     """A ``loss_fn`` key that no field of :class:`ClippedPGLossConfig` reads (ignored unless strict)."""
-

@@ -26,7 +26,7 @@ unmasked tokens):
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -58,16 +58,16 @@ class ClippedPGLossConfig(BaseModel):
     # ---- NeMo-RL keys (names, types and defaults as in NeMo-RL) ----
     reference_policy_kl_penalty: float = 0.01
     reference_policy_kl_type: str = "k3"
-    kl_input_clamp_value: Optional[float] = 20.0
-    kl_output_clamp_value: Optional[float] = 10.0
+    kl_input_clamp_value: float | None = 20.0
+    kl_output_clamp_value: float | None = 10.0
     ratio_clip_min: float = 0.2
     ratio_clip_max: float = 0.2
-    ratio_clip_c: Optional[float] = None
+    ratio_clip_c: float | None = None
     use_on_policy_kl_approximation: bool = False
     use_importance_sampling_correction: bool = False
-    truncated_importance_sampling_type: Optional[str] = None
-    truncated_importance_sampling_ratio: Optional[float] = None
-    truncated_importance_sampling_ratio_min: Optional[float] = None
+    truncated_importance_sampling_type: str | None = None
+    truncated_importance_sampling_ratio: float | None = None
+    truncated_importance_sampling_ratio_min: float | None = None
     token_level_loss: bool = True
     sequence_level_importance_ratios: bool = False
     force_on_policy_ratio: bool = False
@@ -77,42 +77,43 @@ class ClippedPGLossConfig(BaseModel):
     positive_example_nll_weight: float = 0.0
 
     # ---- plugin choices (None / off reproduces NeMo-RL) ----
-    ratio_level: Optional[RatioLevel] = Field(
+    ratio_level: RatioLevel | None = Field(
         None, description="Policy-ratio level; None derives it from sequence_level_importance_ratios like NeMo-RL."
     )
-    is_correction_level: Optional[ISCorrectionLevel] = Field(
+    is_correction_level: ISCorrectionLevel | None = Field(
         None, description="IS-weight level; None derives it from sequence_level_importance_ratios like NeMo-RL."
     )
-    log_ratio_clip_low: Optional[float] = Field(
+    log_ratio_clip_low: float | None = Field(
         None, description="eps_low of the log-space clip: log r >= -eps_low * t^clip_position_power."
     )
-    log_ratio_clip_high: Optional[float] = Field(
+    log_ratio_clip_high: float | None = Field(
         None, description="eps_high of the log-space clip: log r <= eps_high * t^clip_position_power."
     )
-    log_ratio_clip_c: Optional[float] = Field(
+    log_ratio_clip_c: float | None = Field(
         None, description="Log-space dual clip: for A < 0 the loss is capped at -A * exp(eps_c * t^power)."
     )
     clip_position_power: float = Field(
         0.0, description="p in the position-adaptive bounds eps * t^p (CTPO uses 0.5); 0 gives fixed bounds."
     )
-    token_log_ratio_clamp: Optional[float] = Field(
+    token_log_ratio_clamp: float | None = Field(
         None, description="Clamp each token log-ratio c_t - p_t to +-value before building the ratio (CTPO: 20)."
     )
-    max_log_ratio: Optional[float] = Field(
+    max_log_ratio: float | None = Field(
         None, description="Upper cap on the log of the policy ratio after building it (CTPO: 10)."
     )
-    importance_sampling_rejection: Optional[RejectionType] = Field(
-        None, description="Sequence rejection on top of the truncation type: 'seq-mis' (exp(sum_t x_t)) or 'geo-rs' "
+    importance_sampling_rejection: RejectionType | None = Field(
+        None,
+        description="Sequence rejection on top of the truncation type: 'seq-mis' (exp(sum_t x_t)) or 'geo-rs' "
         "(exp(mean_t x_t)) outside [importance_sampling_rejection_min, _max] zeroes the sequence (verl's "
         "Seq-MIS / Geo-RS + TIS presets).",
     )
-    importance_sampling_rejection_min: Optional[float] = Field(
+    importance_sampling_rejection_min: float | None = Field(
         None, description="Lower bound of the rejection band (ratio space)."
     )
-    importance_sampling_rejection_max: Optional[float] = Field(
+    importance_sampling_rejection_max: float | None = Field(
         None, description="Upper bound of the rejection band (ratio space)."
     )
-    importance_sampling_veto_threshold: Optional[float] = Field(
+    importance_sampling_veto_threshold: float | None = Field(
         None, description="Reject a sequence if any token weight exp(p_t - g_t) is below this (veto)."
     )
     importance_sampling_batch_normalize: bool = Field(
@@ -121,24 +122,27 @@ class ClippedPGLossConfig(BaseModel):
     reference_policy_kl_gradient: KLGradient = Field(
         "estimator", description="'k2': straight-through KL whose value is the chosen estimator and gradient is k2's."
     )
-    loss_aggregation: Optional[LossAggregation] = Field(
+    loss_aggregation: LossAggregation | None = Field(
         None, description="Loss aggregation; None derives it from token_level_loss like NeMo-RL."
     )
-    loss_aggregation_norm: Optional[float] = Field(
+    loss_aggregation_norm: float | None = Field(
         None, description="Constant divisor per sequence for seq-mean-token-sum-norm (e.g. max response length)."
     )
 
     # ---- rejection rules and the old policy (verl's rollout_rs / bypass_mode in the plugin's vocabulary) ----
     importance_sampling_rejection_rules: list[RejectionRule] = Field(
-        default_factory=list, description="Rejection criteria that must all pass (verl's rollout_rs): a token or "
+        default_factory=list,
+        description="Rejection criteria that must all pass (verl's rollout_rs): a token or "
         "sequence failing one gets weight 0, after truncation and batch normalisation. See RejectionRule.",
     )
     old_policy_logprobs: OldPolicyLogprobs = Field(
-        "prev", description="pi_old of the policy ratio: 'prev' (three policies) or 'generation' (verl's bypass_mode: "
+        "prev",
+        description="pi_old of the policy ratio: 'prev' (three policies) or 'generation' (verl's bypass_mode: "
         "r = pi_theta / mu, and the IS weights / rejections measure the current policy, detached, against mu).",
     )
     strict_input_checks: bool = Field(
-        False, description="Raise on non-finite generation log-probs and on positive log-probs (above the dtype's "
+        False,
+        description="Raise on non-finite generation log-probs and on positive log-probs (above the dtype's "
         "rounding tolerance) instead of computing them as NeMo-RL does and reporting them in the input_* metrics.",
     )
 
@@ -150,7 +154,7 @@ class ClippedPGLossConfig(BaseModel):
             raise ConfigValidationError.wrap(exc) from None
 
     @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> "ClippedPGLossConfig":
+    def model_validate(cls, obj: Any, **kwargs: Any) -> ClippedPGLossConfig:
         """pydantic's ``model_validate``; ``context={"strict_keys": True}`` makes unknown keys an error."""
         token = STRICT_KEYS_OVERRIDE.set((kwargs.get("context") or {}).get("strict_keys"))
         try:
@@ -180,7 +184,7 @@ class ClippedPGLossConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check_combinations(self) -> "ClippedPGLossConfig":
+    def _check_combinations(self) -> ClippedPGLossConfig:
         # token_level_loss follows an explicit loss_aggregation unless the user set both (then they must agree), so
         # that a model_dump() reloads unchanged.
         if self.loss_aggregation is not None and "token_level_loss" not in self.model_fields_set:
@@ -236,7 +240,7 @@ class ClippedPGLossConfig(BaseModel):
 
 
 def load_loss_config(
-    config: "ClippedPGLossConfig | dict[str, Any]", *, strict: Optional[bool] = None
+    config: ClippedPGLossConfig | dict[str, Any], *, strict: bool | None = None
 ) -> ClippedPGLossConfig:
     """Validate a NeMo-RL ``loss_fn`` mapping (or pass an existing config through).
 

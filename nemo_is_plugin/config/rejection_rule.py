@@ -7,7 +7,7 @@ aliases (:func:`verl_rejection_rule` parses them as verl does). Imports without 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -16,10 +16,16 @@ from nemo_is_plugin.config.errors import ConfigError
 RejectionStatistic = Literal["k1", "k2", "k3"]
 RejectionAggregation = Literal["token", "sequence_sum", "sequence_mean", "sequence_max"]
 # verl's rollout_rs option prefixes -> the plugin's aggregations. verl has no seq_max_k1 (the plugin has).
-VERL_RS_AGGREGATIONS = {"token": "token", "seq_sum": "sequence_sum", "seq_mean": "sequence_mean",
-                        "seq_max": "sequence_max"}
+VERL_RS_AGGREGATIONS = {
+    "token": "token",
+    "seq_sum": "sequence_sum",
+    "seq_mean": "sequence_mean",
+    "seq_max": "sequence_max",
+}
 VERL_RS_OPTIONS: tuple[str, ...] = tuple(
-    f"{prefix}_{stat}" for prefix in VERL_RS_AGGREGATIONS for stat in get_args(RejectionStatistic)
+    f"{prefix}_{stat}"
+    for prefix in VERL_RS_AGGREGATIONS
+    for stat in get_args(RejectionStatistic)
     if (prefix, stat) != ("seq_max", "k1")
 )
 REJECTION_LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi_old / mu) to +-20 before its rejection statistics
@@ -48,8 +54,10 @@ def verl_rejection_rule(option: str, threshold: Any) -> dict[str, Any]:
             raise ConfigError(f"rollout_rs_threshold {spec!r} for {opt!r} must be lower_upper with lower <= upper")
         return {**rule, "min": math.log(lo), "max": math.log(hi)}
     if "_" in spec:
-        raise ConfigError(f"rollout_rs_threshold for option {opt!r} must provide a single upper bound without '_' "
-                          f"({stat} is a divergence >= 0), got {spec!r}")
+        raise ConfigError(
+            f"rollout_rs_threshold for option {opt!r} must provide a single upper bound without '_' "
+            f"({stat} is a divergence >= 0), got {spec!r}"
+        )
     return {**rule, "max": _positive_number(spec, opt)}
 
 
@@ -77,10 +85,11 @@ class RejectionRule(BaseModel):
 
     statistic: RejectionStatistic
     aggregation: RejectionAggregation
-    min: Optional[float] = Field(None, description="Lower bound of the aggregated statistic (k1 only).")
-    max: Optional[float] = Field(None, description="Upper bound of the aggregated statistic.")
-    log_ratio_clamp: Optional[float] = Field(
-        REJECTION_LOG_RATIO_CLAMP, gt=0,
+    min: float | None = Field(None, description="Lower bound of the aggregated statistic (k1 only).")
+    max: float | None = Field(None, description="Upper bound of the aggregated statistic.")
+    log_ratio_clamp: float | None = Field(
+        REJECTION_LOG_RATIO_CLAMP,
+        gt=0,
         description="Clamp of y_t to +-value before the statistic (verl: 20); null: no clamp, non-finite y_t count 0.",
     )
 
@@ -88,8 +97,10 @@ class RejectionRule(BaseModel):
     @classmethod
     def _verl_form(cls, data: Any) -> Any:
         if isinstance(data, str):
-            raise ConfigError(f"rejection rule {data!r} has no bounds: write {{option: {data}, threshold: ...}} "
-                              "(verl's form) or {statistic: ..., aggregation: ..., max: ...}")
+            raise ConfigError(
+                f"rejection rule {data!r} has no bounds: write {{option: {data}, threshold: ...}} "
+                "(verl's form) or {statistic: ..., aggregation: ..., max: ...}"
+            )
         if isinstance(data, dict) and "option" in data:
             rest = {k: v for k, v in data.items() if k not in ("option", "threshold")}
             return {**verl_rejection_rule(data["option"], data.get("threshold")), **rest}
@@ -98,11 +109,12 @@ class RejectionRule(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check_bounds(self) -> "RejectionRule":
+    def _check_bounds(self) -> RejectionRule:
         lo, hi = self.min, self.max
         if self.statistic != "k1" and lo is not None:
-            raise ConfigError(f"rejection rule {self.name}: {self.statistic} is a divergence >= 0, only max bounds it; "
-                              "unset min")
+            raise ConfigError(
+                f"rejection rule {self.name}: {self.statistic} is a divergence >= 0, only max bounds it; unset min"
+            )
         if hi is None and (lo is None or self.statistic != "k1"):
             also = " and/or min" if self.statistic == "k1" else ""
             raise ConfigError(f"rejection rule {self.name} needs max{also}")
@@ -118,17 +130,17 @@ class RejectionRule(BaseModel):
         return f"{self.aggregation}_{self.statistic}"
 
     @property
-    def verl_option(self) -> Optional[str]:
+    def verl_option(self) -> str | None:
         """verl's ``rollout_rs`` option computing the same statistic (clamp included), else None."""
         prefix = {v: k for k, v in VERL_RS_AGGREGATIONS.items()}[self.aggregation]
         option = f"{prefix}_{self.statistic}"
         return option if option in VERL_RS_OPTIONS and self.log_ratio_clamp == REJECTION_LOG_RATIO_CLAMP else None
 
     @classmethod
-    def from_band(cls, kind: str, low: float, high: float) -> "RejectionRule":
+    def from_band(cls, kind: str, low: float, high: float) -> RejectionRule:
         """``seq-mis`` / ``geo-rs`` with a ratio band [low, high] on exp(sum_t x_t) / exp(mean_t x_t), as a k1 rule
         (k1 = -log ratio, so the band becomes [-log high, -log low]); unclamped, as those shorthands always were."""
         aggregation = "sequence_sum" if kind == "seq-mis" else "sequence_mean"
-        return cls(statistic="k1", aggregation=aggregation, min=-math.log(high), max=-math.log(low),
-                   log_ratio_clamp=None)
-
+        return cls(
+            statistic="k1", aggregation=aggregation, min=-math.log(high), max=-math.log(low), log_ratio_clamp=None
+        )

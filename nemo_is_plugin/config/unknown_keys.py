@@ -8,7 +8,6 @@ import difflib
 import os
 import warnings
 from contextvars import ContextVar
-from typing import Optional
 
 from nemo_is_plugin.config.errors import ConfigError, UnknownConfigKeyWarning
 
@@ -19,7 +18,7 @@ STRICT_KEYS_ENV = "NEMO_IS_STRICT_CONFIG"
 
 # Set for the duration of one validation by ``load_loss_config(strict=...)`` / ``model_validate(context=...)``
 # (the custom ``__init__`` makes pydantic drop the validation context, so the flag travels here).
-STRICT_KEYS_OVERRIDE: ContextVar[Optional[bool]] = ContextVar("nemo_is_strict_keys", default=None)
+STRICT_KEYS_OVERRIDE: ContextVar[bool | None] = ContextVar("nemo_is_strict_keys", default=None)
 
 
 def strict_keys_default() -> bool:
@@ -51,6 +50,6 @@ def check_unknown_keys(unknown: list[str], known: set[str], *, strict: bool, sec
         )
     warnings.warn(
         message + f"; they are ignored (NeMo-RL accepts extra keys). Set {STRICT_KEYS_ENV}=1 to make this an error.",
-        UnknownConfigKeyWarning, stacklevel=2,
+        UnknownConfigKeyWarning,
+        stacklevel=2,
     )
-

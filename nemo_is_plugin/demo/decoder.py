@@ -8,8 +8,9 @@ Megatron trains in fp32). It computes the same function as :func:`nemo_is_plugin
   in fp32. That is what a tensor core does (bf16 inputs, fp32 accumulate, bf16 output), and it runs at fp32 speed
   on a CPU where bf16 matmuls are ~100x slower.
 - ``precision="fp8"``: additionally the linear layers are W8A8 e4m3 with one weight scale per tensor and one
-  dynamic activation scale per call, as in vLLM's ``quantization="fp8"`` (dynamic, per-tensor). This is the mismatch knob: ~10x the bf16
-  per-token log-prob error, so exp(sum) IS weights collapse at hundreds instead of thousands of tokens.
+  dynamic activation scale per call, as in vLLM's ``quantization="fp8"`` (dynamic, per-tensor). This is the mismatch
+  knob: ~10x the bf16 per-token log-prob error, so exp(sum) IS weights collapse at hundreds instead of thousands of
+  tokens.
 - ``precision="int4"``: weight-only int4 (W4A16, group-wise scales, as AWQ / GPTQ kernels serve), bf16 activations:
   the strongest mismatch, for short demos of the collapse.
 - ``precision="fp32"``: the exact path, for the parity test.
@@ -63,7 +64,7 @@ class _Linear:
     precision: str
 
     @classmethod
-    def make(cls, w: torch.Tensor, precision: str) -> "_Linear":
+    def make(cls, w: torch.Tensor, precision: str) -> _Linear:
         w = w.detach().float()
         if precision == "fp8":
             w = _fp8(w)
@@ -99,7 +100,9 @@ class KVCachedDecoder:
             experts = []
             for e in range(shape.experts):
                 ep = f"{pre}mlp.experts.local_experts.{e}."
-                experts.append((_Linear.make(state[ep + "linear_fc1.weight"], p), _Linear.make(state[ep + "linear_fc2.weight"], p)))
+                experts.append(
+                    (_Linear.make(state[ep + "linear_fc1.weight"], p), _Linear.make(state[ep + "linear_fc2.weight"], p))
+                )
             self.layers.append(
                 dict(
                     ln1=r(state[pre + "input_layernorm.weight"]),

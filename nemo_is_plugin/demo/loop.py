@@ -16,8 +16,9 @@ only reports its own level), so one plot compares exp(sum), sequence_mean, token
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -66,18 +67,37 @@ class GRPODemo:
         longest = max(cfg.short_response_length(), *(p.response_length or 0 for _, p in cfg.phases()))
         m = cfg.model
         self.shape = ModelShape(
-            vocab_size=task.VOCAB_SIZE, hidden=m.hidden, layers=m.layers, heads=m.heads, experts=m.experts,
-            topk=m.topk, expert_ffn=m.expert_ffn, max_seq_len=cfg.num_digits + 2 + longest + 8,
+            vocab_size=task.VOCAB_SIZE,
+            hidden=m.hidden,
+            layers=m.layers,
+            heads=m.heads,
+            experts=m.experts,
+            topk=m.topk,
+            expert_ffn=m.expert_ffn,
+            max_seq_len=cfg.num_digits + 2 + longest + 8,
         )
         self.started_ray = workers.start_ray(cfg.ray_address)
-        hook("info", {"message": "starting workers (Megatron TP={} over gloo, rollout {} {})".format(
-            m.tensor_parallel, cfg.rollout.backend, cfg.rollout.precision)})
-        policy_kwargs = dict(seed=cfg.seed, lr=cfg.grpo.lr, max_grad_norm=cfg.grpo.max_grad_norm,
-                             micro_batch_tokens=m.micro_batch_tokens)
+        hook(
+            "info",
+            {
+                "message": f"starting workers (Megatron TP={m.tensor_parallel} over gloo, "
+                f"rollout {cfg.rollout.backend} {cfg.rollout.precision})"
+            },
+        )
+        policy_kwargs = dict(
+            seed=cfg.seed, lr=cfg.grpo.lr, max_grad_norm=cfg.grpo.max_grad_norm, micro_batch_tokens=m.micro_batch_tokens
+        )
         self.policy = workers.PolicyGroup(self.shape, m.tensor_parallel, policy_kwargs, num_cpus=0.5)
         gpu = 1.0 if cfg.rollout.backend == "vllm" else 0.0
-        self.rollout = workers.rollout_actor(self.shape, cfg.rollout.backend, cfg.rollout.precision,
-                                             cfg.rollout.temperature, cfg.seed, num_cpus=0.5, num_gpus=gpu)
+        self.rollout = workers.rollout_actor(
+            self.shape,
+            cfg.rollout.backend,
+            cfg.rollout.precision,
+            cfg.rollout.temperature,
+            cfg.seed,
+            num_cpus=0.5,
+            num_gpus=gpu,
+        )
 
     # ------------------------------------------------------------------ pieces
     def _sync(self) -> None:
@@ -103,7 +123,9 @@ class GRPODemo:
         self._sync()
         prompts = task.make_prompts(phase.prompts_per_step, self.cfg.num_digits, gen)
         prompts = prompts.repeat_interleave(phase.group_size, dim=0)  # groups are consecutive rows
-        tokens, gen_lp, mask = self._generate(prompts, phase, seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        tokens, gen_lp, mask = self._generate(
+            prompts, phase, seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        )
         t_rollout = time.perf_counter() - t0
         reward = task.rewards(prompts, tokens)
         adv = task.group_advantages(reward, phase.group_size)
@@ -123,12 +145,24 @@ class GRPODemo:
         t1 = time.perf_counter()
         metrics = self.policy.train(data, name, self.settings[name], self.cfg.grpo.minibatches)
         t_train = time.perf_counter() - t1
-        self.records.rollouts(config=name, phase=phase_name, step=step, generation_logprobs=gen_lp,
-                              prev_logprobs=prev[:, p:], mask=mask, advantages=adv, rewards=reward)
+        self.records.rollouts(
+            config=name,
+            phase=phase_name,
+            step=step,
+            generation_logprobs=gen_lp,
+            prev_logprobs=prev[:, p:],
+            mask=mask,
+            advantages=adv,
+            rewards=reward,
+        )
         row = {
-            "config": name, "phase": phase_name, "step": step,
-            "reward": float(reward.mean()), "response_length": float(mask.sum(1).float().mean()),
-            "time_rollout_s": t_rollout, "time_train_s": t_train,
+            "config": name,
+            "phase": phase_name,
+            "step": step,
+            "reward": float(reward.mean()),
+            "response_length": float(mask.sum(1).float().mean()),
+            "time_rollout_s": t_rollout,
+            "time_train_s": t_train,
             **level_stats(prev[:, p:], gen_lp, mask),
             **combine_minibatches(metrics),
         }
@@ -170,7 +204,7 @@ class GRPODemo:
             ray.shutdown()
 
 
-def run_demo(cfg: DemoConfig, loss_settings: dict[str, dict], hook: Optional[Hook] = None) -> DemoResult:
+def run_demo(cfg: DemoConfig, loss_settings: dict[str, dict], hook: Hook | None = None) -> DemoResult:
     """Run the whole demo into ``cfg.output_dir``: metrics.jsonl/csv, rollouts.jsonl, summary.json."""
     import json
 
@@ -191,7 +225,12 @@ def run_demo(cfg: DemoConfig, loss_settings: dict[str, dict], hook: Optional[Hoo
     from nemo_is_plugin.demo.summary import headline
 
     result.headline = headline(result.rows, records.dir, result.final_reward)
-    summary = {"warm_start_reward": result.warm_start_reward, "final_reward": result.final_reward,
-               "seconds": result.seconds, "headline": result.headline, "config": cfg.model_dump()}
+    summary = {
+        "warm_start_reward": result.warm_start_reward,
+        "final_reward": result.final_reward,
+        "seconds": result.seconds,
+        "headline": result.headline,
+        "config": cfg.model_dump(),
+    }
     (records.dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return result

@@ -31,16 +31,16 @@ def _decoder_worker(precisions, port, queue) -> None:
     from nemo_is_plugin.demo.policy import MegatronPolicy
 
     shape = ModelShape(max_seq_len=96)
-    policy = MegatronPolicy(0, 1, shape, seed=3, lr=1e-3, max_grad_norm=1.0, micro_batch_tokens=4096,
-                            master_port=port)
+    policy = MegatronPolicy(0, 1, shape, seed=3, lr=1e-3, max_grad_norm=1.0, micro_batch_tokens=4096, master_port=port)
     policy.warm_start(20, 16, 4, seed=0, lr=3e-3, tail=4)  # trained weights: sharper than the random init
     state = policy.full_state_dict()
     prompts = task.make_prompts(4, 4, torch.Generator().manual_seed(0))
     out = {}
     for precision in precisions:
         dec = KVCachedDecoder(shape, state, precision)
-        toks, lps, _ = dec.sample(prompts, 48, eos_id=task.EOS, pad_id=task.PAD, ignore_eos=True,
-                                  generator=torch.Generator().manual_seed(1))
+        toks, lps, _ = dec.sample(
+            prompts, 48, eos_id=task.EOS, pad_id=task.PAD, ignore_eos=True, generator=torch.Generator().manual_seed(1)
+        )
         ref = _megatron_logprobs(policy, torch.cat([prompts, toks], dim=1))[:, prompts.shape[1] - 1 :]
         out[precision] = float((ref - lps).abs().max())
     queue.put(out)
@@ -62,8 +62,16 @@ def _tp_worker(rank, world, port, queue) -> None:
     from nemo_is_plugin.demo.model import ModelShape, full_state_dict, grad_norm
     from nemo_is_plugin.demo.policy import MegatronPolicy
 
-    policy = MegatronPolicy(rank, world, ModelShape(max_seq_len=64), seed=3, lr=1e-3, max_grad_norm=0.0,
-                            micro_batch_tokens=4096, master_port=port)
+    policy = MegatronPolicy(
+        rank,
+        world,
+        ModelShape(max_seq_len=64),
+        seed=3,
+        lr=1e-3,
+        max_grad_norm=0.0,
+        micro_batch_tokens=4096,
+        master_port=port,
+    )
     tokens = torch.randint(0, 16, (3, 13), generator=torch.Generator().manual_seed(0))  # odd S: exercises padding
     policy.model.train()
     lp = policy.logprobs(tokens)

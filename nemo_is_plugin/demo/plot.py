@@ -43,8 +43,12 @@ def long_batches(run_dir: Path) -> list[tuple[Any, Any, Any]]:
                 continue
             seen_first = True
         n = min(len(r["mask"]) for r in recs)
-        out.append(tuple(torch.tensor([r[k][:n] for r in recs], dtype=torch.float64)
-                         for k in ("prev_logprobs", "generation_logprobs", "mask")))
+        out.append(
+            tuple(
+                torch.tensor([r[k][:n] for r in recs], dtype=torch.float64)
+                for k in ("prev_logprobs", "generation_logprobs", "mask")
+            )
+        )
     return out
 
 
@@ -60,8 +64,12 @@ def _length_panel(ax_mean, ax_ess, run_dir: Path) -> None:
         return
     longest = min(b[2].shape[1] for b in batches)
     lengths = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if n <= longest]
-    levels = (("sequence", "exp(sum)"), ("sequence_mean", "sequence_mean"), ("token", "token"),
-              ("cumulative", "cumulative"))
+    levels = (
+        ("sequence", "exp(sum)"),
+        ("sequence_mean", "sequence_mean"),
+        ("token", "token"),
+        ("cumulative", "cumulative"),
+    )
     for level, label in levels:
         means, ess = [], []
         for n in lengths:
@@ -106,8 +114,9 @@ def plot_comparison(run_dir: str | Path, out: str | Path | None = None) -> Path:
             if band:
                 _, s = _series(rows, c, "short", band)
                 if len(s) == len(y):
-                    ax.fill_between(x, [a - b for a, b in zip(y, s)], [a + b for a, b in zip(y, s)],
-                                    color=colors[c], alpha=0.12)
+                    ax.fill_between(
+                        x, [a - b for a, b in zip(y, s)], [a + b for a, b in zip(y, s)], color=colors[c], alpha=0.12
+                    )
         ax.set_title(title)
         ax.set_xlabel("GRPO step")
         if log:
@@ -124,8 +133,15 @@ def plot_comparison(run_dir: str | Path, out: str | Path | None = None) -> Path:
         n = len(_series(rows, c, "short", "reward")[0])
         ax.plot([n], [v], marker="*", ms=12, color=colors.get(c, "k"), ls="none")
     if finals:  # one grey legend entry explains the stars; each star has its setting's colour
-        ax.plot([], [], marker="*", ms=10, color="gray", ls="none",
-                label=f"* final eval reward ({cfg_eval_prompts(summary)} prompts, colour: setting)")
+        ax.plot(
+            [],
+            [],
+            marker="*",
+            ms=10,
+            color="gray",
+            ls="none",
+            label=f"* final eval reward ({cfg_eval_prompts(summary)} prompts, colour: setting)",
+        )
     ax.legend(fontsize=8)
     lines(axes[0, 1], "is_raw_weight_mean", "IS weight at the setting's level, mean +- std", band="is_raw_weight_std")
     axes[0, 1].axhline(1.0, color="k", lw=0.8)
@@ -148,16 +164,20 @@ def plot_comparison(run_dir: str | Path, out: str | Path | None = None) -> Path:
             ax.text(j, 0.02, f"mean {m:.2f}\nESS {ess:.2f}", ha="center", va="bottom", fontsize=8)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(range(len(configs)), configs, fontsize=8)
-        ax.set_title(f"{length:.0f}-token responses: IS weight at each\nsetting's level (mean +- std, before truncation)",
-                     fontsize=10)
+        ax.set_title(
+            f"{length:.0f}-token responses: IS weight at each\nsetting's level (mean +- std, before truncation)",
+            fontsize=10,
+        )
     else:
         ax.set_visible(False)
     _length_panel(axes[0, 3], axes[1, 3], run_dir)
     cfg = summary.get("config", {})
     fig.suptitle(
         "nemo-is demo: GRPO on a tiny Megatron MoE (TP={}), rollout engine {} {}".format(
-            cfg.get("model", {}).get("tensor_parallel", "?"), cfg.get("rollout", {}).get("backend", "?"),
-            cfg.get("rollout", {}).get("precision", "?")),
+            cfg.get("model", {}).get("tensor_parallel", "?"),
+            cfg.get("rollout", {}).get("backend", "?"),
+            cfg.get("rollout", {}).get("precision", "?"),
+        ),
         fontsize=12,
     )
     fig.tight_layout()

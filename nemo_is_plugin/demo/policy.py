@@ -11,13 +11,14 @@ model require it); the rank's tensor-parallel group is an explicit attribute.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from nemo_is_plugin.demo import model as mdl
-from nemo_is_plugin.distributed.data_parallel import combine_metrics
 from nemo_is_plugin.demo.task import PAD, sft_batch
+from nemo_is_plugin.distributed.data_parallel import combine_metrics
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 
@@ -152,7 +153,9 @@ class MegatronPolicy:
     # ------------------------------------------------------------------ state
     def snapshot(self) -> None:
         """Remember the current (warm-start) weights; :meth:`restore` returns to them with a fresh optimizer."""
-        self._snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        self._snapshot = {
+            k: v.detach().clone() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)
+        }
 
     def restore(self) -> None:
         assert self._snapshot is not None, "snapshot() first"

@@ -58,4 +58,3 @@ class CPUBackend:
             temperature=self.temperature,
         )
         return RolloutOutput(tokens, logprobs, mask)
-

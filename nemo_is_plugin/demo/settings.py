@@ -1,13 +1,14 @@
 """The demo's run configuration (pydantic; the only place its defaults live) and the loss settings it compares.
 
 Loss settings are NeMo-RL ``loss_fn`` YAML files in ``configs/demo/`` (one per setting, named by file stem), loaded
-and validated with :mod:`nemo_is_plugin.adapters.recipes`. ``--configs`` takes setting names or paths to other YAML files.
+and validated with :mod:`nemo_is_plugin.adapters.recipes`. ``--configs`` takes setting names or paths to other YAML
+files.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -59,7 +60,7 @@ class PhaseSection(_Section):
     steps: int
     prompts_per_step: int
     group_size: int
-    response_length: Optional[int] = Field(None, description="None: the answer length + 2, stopping at EOS.")
+    response_length: int | None = Field(None, description="None: the answer length + 2, stopping at EOS.")
     ignore_eos: bool = False
 
 
@@ -79,14 +80,14 @@ class DemoConfig(_Section):
     output_dir: str = "runs/demo"
     seed: int = 0
     num_digits: int = 6
-    ray_address: Optional[str] = None
+    ray_address: str | None = None
     loss_settings: list[str] = Field(default_factory=lambda: list(DEFAULT_LOSS_SETTINGS))
     model: ModelSection = Field(default_factory=ModelSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     warm_start: WarmStartSection = Field(default_factory=WarmStartSection)
     grpo: GRPOSection = Field(default_factory=GRPOSection)
     short: PhaseSection = Field(default_factory=lambda: PhaseSection(steps=12, prompts_per_step=16, group_size=8))
-    long: Optional[PhaseSection] = Field(
+    long: PhaseSection | None = Field(
         default_factory=lambda: PhaseSection(
             steps=2, prompts_per_step=4, group_size=4, response_length=1024, ignore_eos=True
         )
@@ -94,7 +95,7 @@ class DemoConfig(_Section):
     eval: EvalSection = Field(default_factory=EvalSection)
 
     @model_validator(mode="after")
-    def _batches_split_evenly(self) -> "DemoConfig":
+    def _batches_split_evenly(self) -> DemoConfig:
         for name, phase in self.phases():
             batch = phase.prompts_per_step * phase.group_size
             if batch % self.grpo.minibatches:
@@ -118,8 +119,9 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     """The functional test's short run: 6 GRPO steps, one long batch (16 x 1024 tokens) per setting."""
     data = cfg.model_dump()
     data["short"].update(steps=6)
-    data["long"] = dict(data["long"] or {}, steps=1, response_length=1024, prompts_per_step=4, group_size=4,
-                        ignore_eos=True)
+    data["long"] = dict(
+        data["long"] or {}, steps=1, response_length=1024, prompts_per_step=4, group_size=4, ignore_eos=True
+    )
     return DemoConfig(**data)
 
 

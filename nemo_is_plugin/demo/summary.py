@@ -15,14 +15,18 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-LEVELS = (("sequence", "sequence, exp(sum)"), ("sequence_mean", "sequence_mean"), ("token", "token"),
-          ("cumulative", "cumulative"))
+LEVELS = (
+    ("sequence", "sequence, exp(sum)"),
+    ("sequence_mean", "sequence_mean"),
+    ("token", "token"),
+    ("cumulative", "cumulative"),
+)
 _CUTS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def _mean(values: list[float]) -> Optional[float]:
+def _mean(values: list[float]) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
 
@@ -54,8 +58,9 @@ def headline(rows: list[dict[str, Any]], run_dir: str | Path, final_reward: dict
         out["long_responses"] = sum(b[2].shape[0] for b in batches)
         out["long_response_length"] = min(b[2].shape[1] for b in batches)
         for level, _ in LEVELS:
-            out["levels"][level] = {k: _mean([s[f"is/{level}_{k}"] for s in stats])
-                                    for k in ("mean", "std", "ess", "far")}
+            out["levels"][level] = {
+                k: _mean([s[f"is/{level}_{k}"] for s in stats]) for k in ("mean", "std", "ess", "far")
+            }
             out["levels"][level]["min"] = min(s[f"is/{level}_min"] for s in stats)
         cuts = [n for n in _CUTS if n <= out["long_response_length"]]
         for level, _ in LEVELS:
@@ -67,7 +72,7 @@ def headline(rows: list[dict[str, Any]], run_dir: str | Path, final_reward: dict
 
 
 # ------------------------------------------------------------------------------------------------------ Markdown
-def _f(x: Optional[float], digits: int = 2) -> str:
+def _f(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
@@ -77,12 +82,14 @@ def readme_sentence(summary: dict[str, Any]) -> str:
     s, length = h["settings"], h.get("long_response_length", 0)
     exp_sum, seq_mean = s["gspo_exp_sum"], s["gspo_seq_mean"]
     lv = h["levels"]["sequence"]
-    return (f"In the committed run ([docs/demo_summary.json](docs/demo_summary.json)), on {length}-token responses the "
-            f"legacy exp(sum) weight of `gspo_exp_sum` averages {_f(exp_sum['long_is_weight_mean'])} with ESS "
-            f"{_f(exp_sum['long_is_weight_ess'])} over its own long batches (the final table's \"long: IS w mean\" "
-            f"and \"ESS\"; {_f(lv['mean'])} and {_f(lv['ess'])} over all {h['long_responses']} long responses), "
-            f"while `gspo_seq_mean`'s sequence_mean weight stays at {_f(seq_mean['long_is_weight_mean'])} (ESS "
-            f"{_f(seq_mean['long_is_weight_ess'])}).")
+    return (
+        f"In the committed run ([docs/demo_summary.json](docs/demo_summary.json)), on {length}-token responses the "
+        f"legacy exp(sum) weight of `gspo_exp_sum` averages {_f(exp_sum['long_is_weight_mean'])} with ESS "
+        f'{_f(exp_sum["long_is_weight_ess"])} over its own long batches (the final table\'s "long: IS w mean" '
+        f'and "ESS"; {_f(lv["mean"])} and {_f(lv["ess"])} over all {h["long_responses"]} long responses), '
+        f"while `gspo_seq_mean`'s sequence_mean weight stays at {_f(seq_mean['long_is_weight_mean'])} (ESS "
+        f"{_f(seq_mean['long_is_weight_ess'])})."
+    )
 
 
 def demo_tables(summary: dict[str, Any]) -> str:
@@ -90,30 +97,50 @@ def demo_tables(summary: dict[str, Any]) -> str:
     h = summary["headline"]
     s = h["settings"]
     names = list(s)
-    lines = [f"Warm-start evaluation reward {summary['warm_start_reward']:.3f}; the whole loop took "
-             f"{summary['seconds']:.0f} s.", "",
-             "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    rows = (("final reward", "final_reward", 3), ("IS weight std (own level, mean over steps)", "short_is_weight_std", 2),
-            ("clip fraction (mean over steps)", "short_clip_fraction", 3),
-            ("mismatch KL k3 per token", "short_mismatch_kl_k3", None),
-            (f"long ({h.get('long_response_length', '?')} tokens): own IS weight mean", "long_is_weight_mean", 2),
-            ("long: own IS weight ESS", "long_is_weight_ess", 2))
+    lines = [
+        f"Warm-start evaluation reward {summary['warm_start_reward']:.3f}; the whole loop took "
+        f"{summary['seconds']:.0f} s.",
+        "",
+        "| | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    rows = (
+        ("final reward", "final_reward", 3),
+        ("IS weight std (own level, mean over steps)", "short_is_weight_std", 2),
+        ("clip fraction (mean over steps)", "short_clip_fraction", 3),
+        ("mismatch KL k3 per token", "short_mismatch_kl_k3", None),
+        (f"long ({h.get('long_response_length', '?')} tokens): own IS weight mean", "long_is_weight_mean", 2),
+        ("long: own IS weight ESS", "long_is_weight_ess", 2),
+    )
     for label, key, digits in rows:
-        cells = [(f"{s[n][key]:.1e}" if digits is None else _f(s[n][key], digits)) if s[n][key] is not None else "-"
-                 for n in names]
+        cells = [
+            (f"{s[n][key]:.1e}" if digits is None else _f(s[n][key], digits)) if s[n][key] is not None else "-"
+            for n in names
+        ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if h["levels"]:
-        lines += ["", f"The four IS levels on the same {h['long_responses']} distinct long responses "
-                      "(`is/<level>_*`, mean over the long batches):", "",
-                  "| IS level | mean | std | ESS (E w)²/E w² | outside [½, 2] | min |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"The four IS levels on the same {h['long_responses']} distinct long responses "
+            "(`is/<level>_*`, mean over the long batches):",
+            "",
+            "| IS level | mean | std | ESS (E w)²/E w² | outside [½, 2] | min |",
+            "|---|---|---|---|---|---|",
+        ]
         for level, label in LEVELS:
             v = h["levels"][level]
-            lines.append(f"| {label} | {_f(v['mean'])} | {_f(v['std'])} | {_f(v['ess'])} | {v['far']:.0%} | "
-                         f"{v['min']:.3g} |")
+            lines.append(
+                f"| {label} | {_f(v['mean'])} | {_f(v['std'])} | {_f(v['ess'])} | {v['far']:.0%} | {v['min']:.3g} |"
+            )
         ess = h["ess_by_length"]
         cuts = list(ess["sequence"])
-        lines += ["", f"ESS when the same responses are cut at {cuts[0]} ... {cuts[-1]} tokens:", "",
-                  "| IS level | " + " | ".join(cuts) + " |", "|---|" + "---|" * len(cuts)]
+        lines += [
+            "",
+            f"ESS when the same responses are cut at {cuts[0]} ... {cuts[-1]} tokens:",
+            "",
+            "| IS level | " + " | ".join(cuts) + " |",
+            "|---|" + "---|" * len(cuts),
+        ]
         for level, label in LEVELS:
             lines.append(f"| {label} | " + " | ".join(_f(ess[level][c]) for c in cuts) + " |")
     return "\n".join(lines)

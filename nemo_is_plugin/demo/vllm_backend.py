@@ -1,9 +1,10 @@
 """vLLM rollout backend (optional extra ``nemo-is-plugin[vllm]``; needs a CUDA GPU). Import only via ``rollout``.
 
 The Megatron weights are exported as a HuggingFace Mixtral checkpoint (same network: RMSNorm, rotate-half RoPE,
-top-k-then-softmax router, SwiGLU experts) into a private directory; vLLM serves it in bf16 (or fp8, ``quantization="fp8"``) and reports the sampled
-tokens' log-probs (``logprobs=0``), which become the loss's ``generation_logprobs``. Weight sync after each update
-rewrites the checkpoint and calls the workers' ``reload_weights``.
+top-k-then-softmax router, SwiGLU experts) into a private directory; vLLM serves it in bf16 (or fp8,
+``quantization="fp8"``) and reports the sampled tokens' log-probs (``logprobs=0``), which become the loss's
+``generation_logprobs``. Weight sync after each update rewrites the checkpoint and calls the workers'
+``reload_weights``.
 
 Not exercised by the CPU test suite (no GPU there); ``functional_tests/test_demo.py`` skips it without vLLM + CUDA.
 """

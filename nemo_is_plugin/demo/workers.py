@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -99,7 +99,7 @@ class PolicyGroup:
         return self._all([a.train.remote(ref, setting, loss_config, minibatches) for a in self.actors])
 
 
-def start_ray(address: Optional[str], num_cpus: int = 2) -> bool:
+def start_ray(address: str | None, num_cpus: int = 2) -> bool:
     """Connect to ``address`` or start an embedded local Ray; returns True if this call started Ray."""
     import ray
 
@@ -113,8 +113,15 @@ def start_ray(address: Optional[str], num_cpus: int = 2) -> bool:
     return True
 
 
-def rollout_actor(shape: ModelShape, backend: str, precision: str, temperature: float, seed: int, num_cpus: float,
-                  num_gpus: float = 0.0):
+def rollout_actor(
+    shape: ModelShape,
+    backend: str,
+    precision: str,
+    temperature: float,
+    seed: int,
+    num_cpus: float,
+    num_gpus: float = 0.0,
+):
     import ray
 
     actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RolloutActor)

@@ -6,7 +6,8 @@
 
 Modules: ``dump`` (format, validation, writer), ``readers`` (JSONL / Parquet), ``synthetic`` (test dumps),
 ``settings`` (IS settings as loss configs), ``binning`` (length bins), ``analysis`` (weights via the loss's own
-``compute_is_correction`` and mismatch metrics via ``loss.mismatch_metrics``), ``recommend``, ``tables`` (rich), ``plots``.
+``compute_is_correction`` and mismatch metrics via ``loss.mismatch_metrics``), ``recommend``, ``tables`` (rich),
+``plots``.
 """
 
 from nemo_is_plugin.diagnose.dump import DumpError, RolloutDump, write_dump

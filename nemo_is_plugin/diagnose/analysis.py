@@ -10,8 +10,8 @@ applies w_t per token: a sequence-level weight counts once per token of its sequ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -96,7 +96,7 @@ def analyze(
     *,
     dtype: torch.dtype = torch.float32,
     max_bins: int = 6,
-    edges: Optional[Sequence[int]] = None,
+    edges: Sequence[int] | None = None,
     skipped: Sequence[tuple[str, str]] = (),
 ) -> Analysis:
     """Diagnose ``dump`` for each setting.

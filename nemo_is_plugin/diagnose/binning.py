@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -14,7 +14,7 @@ class LengthBin:
     """Responses with ``lo <= valid length < hi`` (hi = None: unbounded)."""
 
     lo: int
-    hi: Optional[int]
+    hi: int | None
 
     @property
     def label(self) -> str:
@@ -28,9 +28,7 @@ class LengthBin:
         return inside if self.hi is None else inside & (lengths < self.hi)
 
 
-def length_bins(
-    valid_lengths: np.ndarray, *, max_bins: int = 6, edges: Optional[Sequence[int]] = None
-) -> list[LengthBin]:
+def length_bins(valid_lengths: np.ndarray, *, max_bins: int = 6, edges: Sequence[int] | None = None) -> list[LengthBin]:
     """Bins covering every response with at least one valid token; empty bins are dropped.
 
     Args:
@@ -44,7 +42,7 @@ def length_bins(
         return []
     if edges is not None:
         inner = sorted({int(e) for e in edges if int(e) > 1})
-        bounds: list[Optional[int]] = [1, *inner, None]
+        bounds: list[int | None] = [1, *inner, None]
     else:
         if max_bins < 1:
             raise ValueError(f"max_bins must be >= 1, got {max_bins}")

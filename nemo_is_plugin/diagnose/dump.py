@@ -17,8 +17,9 @@ anything numeric, NaN included, and are stored as 0. On unmasked tokens log-prob
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -55,11 +56,11 @@ class RolloutDump:
     prev_logprobs: np.ndarray
     mask: np.ndarray
     cu_seqlens: np.ndarray
-    advantage: Optional[np.ndarray] = None
-    reward: Optional[np.ndarray] = None
-    step: Optional[np.ndarray] = None
-    sample_id: Optional[np.ndarray] = None
-    config: Optional[list[str]] = None
+    advantage: np.ndarray | None = None
+    reward: np.ndarray | None = None
+    step: np.ndarray | None = None
+    sample_id: np.ndarray | None = None
+    config: list[str] | None = None
     source: str = "<memory>"
 
     @property
@@ -78,8 +79,10 @@ class RolloutDump:
     @property
     def valid_lengths(self) -> np.ndarray:
         """int64[B] unmasked tokens per response: the response length used for binning."""
-        return np.add.reduceat(self.mask.astype(np.int64), self.cu_seqlens[:-1]) if self.num_tokens else np.zeros(
-            self.num_responses, np.int64
+        return (
+            np.add.reduceat(self.mask.astype(np.int64), self.cu_seqlens[:-1])
+            if self.num_tokens
+            else np.zeros(self.num_responses, np.int64)
         )
 
     @property
@@ -87,7 +90,7 @@ class RolloutDump:
         """int64[N] which response each token belongs to."""
         return np.repeat(np.arange(self.num_responses), self.lengths)
 
-    def select(self, keep: np.ndarray) -> "RolloutDump":
+    def select(self, keep: np.ndarray) -> RolloutDump:
         """The sub-dump of the responses where ``keep`` (bool[B]) is True."""
         keep = np.asarray(keep, dtype=bool)
         tok = np.repeat(keep, self.lengths)
@@ -171,8 +174,8 @@ def build_dump(
         if len(bad):
             t = int(bad[0])
             raise DumpError(
-                f"{where(int(seq[t]))}: '{key}' token {t - cu[seq[t]]} is {float(vals[t])!r} > {tolerance:g}; log-probs "
-                "must be <= 0 (a positive value means the log-prob computation upstream is wrong)"
+                f"{where(int(seq[t]))}: '{key}' token {t - cu[seq[t]]} is {float(vals[t])!r} > {tolerance:g}; "
+                "log-probs must be <= 0 (a positive value means the log-prob computation upstream is wrong)"
             )
         out[key] = vals
 

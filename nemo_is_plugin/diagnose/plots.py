@@ -17,8 +17,14 @@ from nemo_is_plugin.diagnose.settings import IS_LEVELS
 _LEVEL_COLORS = {"token": "tab:blue", "sequence": "tab:red", "sequence_mean": "tab:green", "cumulative": "tab:purple"}
 _LEVEL_MARKERS = {"token": "o", "sequence": "s", "sequence_mean": "^", "cumulative": "D"}
 _DODGE = 0.3  # total horizontal spread of the settings within one length bin (bins are 1 apart)
-_TRUNC_STYLES = {"none": "-", "tis": "--", "icepop": ":", "seq-mask-tis": "-.", "seq-mis": (0, (5, 1)),
-                 "geo-rs": (0, (1, 1))}
+_TRUNC_STYLES = {
+    "none": "-",
+    "tis": "--",
+    "icepop": ":",
+    "seq-mask-tis": "-.",
+    "seq-mis": (0, (5, 1)),
+    "geo-rs": (0, (1, 1)),
+}
 
 
 def _figure(width: float, height: float):
@@ -45,8 +51,7 @@ def plot_weights_vs_length(a: Analysis, path: str | Path) -> Path:
     for ax, level in zip(axes, levels):
         r = next(r for r in a.settings if r.setting.level == level)  # log w does not depend on truncation
         y = r.response_log_w[ok]
-        ax.scatter(lengths[ok], y, s=9, alpha=0.6, color=_LEVEL_COLORS[level], edgecolors="none",
-                   label="one response")
+        ax.scatter(lengths[ok], y, s=9, alpha=0.6, color=_LEVEL_COLORS[level], edgecolors="none", label="one response")
         _binned_median(ax, a, r.response_log_w, color="black")
         for ref, label in ((math.log(2.0), "w = 2 and w = 1/2"), (math.log(0.5), None)):
             ax.axhline(ref, color="gray", linestyle="--", linewidth=0.8, label=label)
@@ -73,7 +78,7 @@ def _binned_median(ax, a: Analysis, per_response: np.ndarray, color: str) -> Non
 
 
 def plot_bins(a: Analysis, path: str | Path) -> Path:
-    """Three panels over the length bins: ESS, mean weight (log scale), fraction of tokens masked; a line per setting."""
+    """Three panels over the length bins: ESS, mean weight (log scale), fraction of tokens masked; one line each."""
     fig = _figure(13.0, 4.2)
     ax_ess, ax_mean, ax_mask = fig.subplots(1, 3)
     x = np.arange(len(a.bins))
@@ -83,9 +88,16 @@ def plot_bins(a: Analysis, path: str | Path) -> Path:
         # each other: each gets its own small horizontal offset, a marker per level and an open face
         xi = x + (_DODGE * (i / (n - 1) - 0.5) if n > 1 else 0.0)
         color = _LEVEL_COLORS.get(r.setting.level, "black")
-        style = dict(color=color, linestyle=_TRUNC_STYLES.get(r.setting.truncation, "-"),
-                     marker=_LEVEL_MARKERS.get(r.setting.level, "o"), markersize=5, markerfacecolor="none",
-                     markeredgecolor=color, linewidth=1.2, alpha=0.9)
+        style = dict(
+            color=color,
+            linestyle=_TRUNC_STYLES.get(r.setting.truncation, "-"),
+            marker=_LEVEL_MARKERS.get(r.setting.level, "o"),
+            markersize=5,
+            markerfacecolor="none",
+            markeredgecolor=color,
+            linewidth=1.2,
+            alpha=0.9,
+        )
         ess = [st.ess for st in r.by_bin]
         mean = [st.mean if st.mean > 0 else np.nan for st in r.by_bin]
         masked = [st.masked for st in r.by_bin]
@@ -93,8 +105,11 @@ def plot_bins(a: Analysis, path: str | Path) -> Path:
         ax_mean.plot(xi, mean, **style)
         ax_mask.plot(xi, masked, **style)
     labels = [b.label for b in a.bins]
-    for ax, title in ((ax_ess, "effective sample size (1 = uniform)"), (ax_mean, "mean weight"),
-                      (ax_mask, "fraction of tokens masked")):
+    for ax, title in (
+        (ax_ess, "effective sample size (1 = uniform)"),
+        (ax_mean, "mean weight"),
+        (ax_mask, "fraction of tokens masked"),
+    ):
         ax.set_xticks(x, labels, rotation=30)
         ax.set_xlabel("response length (valid tokens)")
         ax.set_title(title)
@@ -103,8 +118,11 @@ def plot_bins(a: Analysis, path: str | Path) -> Path:
     ax_mean.set_yscale("log")
     ax_mean.axhline(1.0, color="gray", linewidth=0.6)
     fig.legend(*ax_ess.get_legend_handles_labels(), loc="outside right center", fontsize=7)
-    fig.suptitle("IS weights by response length (colour and marker: level; line style: truncation; the settings "
-                 "are offset within each bin so that equal values stay visible)", fontsize=10)
+    fig.suptitle(
+        "IS weights by response length (colour and marker: level; line style: truncation; the settings "
+        "are offset within each bin so that equal values stay visible)",
+        fontsize=10,
+    )
     return _save(fig, path)
 
 

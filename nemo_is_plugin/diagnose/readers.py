@@ -10,8 +10,9 @@ import gzip
 import json
 import math
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -192,10 +193,17 @@ def _read_parquet(p: Path, tolerance: float) -> RolloutDump:
         if key not in names:
             continue
         col = table.column(key).combine_chunks()
-        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or pa.types.is_fixed_size_list(col.type)):
+        if not (
+            pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or pa.types.is_fixed_size_list(col.type)
+        ):
             raise DumpError(f"{p}: column '{key}' must be a list of numbers per row, got type {col.type}")
         vtype = col.type.value_type
-        if not (pa.types.is_integer(vtype) or pa.types.is_floating(vtype) or pa.types.is_boolean(vtype) or pa.types.is_null(vtype)):
+        if not (
+            pa.types.is_integer(vtype)
+            or pa.types.is_floating(vtype)
+            or pa.types.is_boolean(vtype)
+            or pa.types.is_null(vtype)
+        ):
             raise DumpError(f"{p}: column '{key}' must hold numbers, got list<{vtype}>")
         if pa.types.is_boolean(vtype) and key != "mask":
             raise DumpError(f"{p}: column '{key}' must hold numbers, got list<bool>")

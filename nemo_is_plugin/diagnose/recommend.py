@@ -18,7 +18,6 @@ Within a level, less intervention first (``TRUNCATION_ORDER``): none, tis, icepo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from nemo_is_plugin.diagnose.analysis import Analysis, SettingResult, WeightStats
 
@@ -54,6 +53,9 @@ class Criteria:
     max_weight: float = 10.0
     min_responses: int = 4
     min_sample: int = 32
+
+
+DEFAULT_CRITERIA = Criteria()
 
 
 @dataclass
@@ -98,9 +100,9 @@ def check(result: SettingResult, analysis: Analysis, criteria: Criteria) -> list
     return out
 
 
-def recommend(analysis: Analysis, criteria: Optional[Criteria] = None) -> Recommendation:
+def recommend(analysis: Analysis, criteria: Criteria | None = None) -> Recommendation:
     """Apply the rule of the module docstring to every analysed setting."""
-    c = criteria or Criteria()
+    c = criteria or DEFAULT_CRITERIA
     if not analysis.settings:
         raise ValueError("no settings were analysed; nothing to recommend")
     failures = {r.setting.name: check(r, analysis, c) for r in analysis.settings}
@@ -115,8 +117,7 @@ def recommend(analysis: Analysis, criteria: Optional[Criteria] = None) -> Recomm
             if r is best:
                 break
             reasons.append(f"not {r.setting.name}: {failures[r.setting.name][0]}")
-        return Recommendation(best.setting.name, True, best.setting.loss_fn_keys(), reasons + notes, failures,
-                              warnings)
+        return Recommendation(best.setting.name, True, best.setting.loss_fn_keys(), reasons + notes, failures, warnings)
     # Nothing healthy: the setting that keeps the most effective data in its worst bin.
     best = max(ranked, key=lambda r: _score(r, analysis, c))
     reasons = [
@@ -125,17 +126,18 @@ def recommend(analysis: Analysis, criteria: Optional[Criteria] = None) -> Recomm
         f"{best.setting.name} keeps the most effective data in its worst length bin; it fails: "
         + "; ".join(failures[best.setting.name][:3]),
     ]
-    return Recommendation(best.setting.name, False, best.setting.loss_fn_keys(), reasons + notes, failures,
-                          warnings)
+    return Recommendation(best.setting.name, False, best.setting.loss_fn_keys(), reasons + notes, failures, warnings)
 
 
 def _sample_warnings(analysis: Analysis, c: Criteria) -> list[str]:
     n = analysis.num_responses - analysis.empty_responses
     if n >= c.min_sample:
         return []
-    return [f"only {n} response(s) with a valid token (fewer than {c.min_sample}): the weight statistics are too noisy "
-            "to tell the settings apart (a sequence-level mean weight has a standard error of std / sqrt(n)), so this "
-            "recommendation is tentative; dump more rollouts (several steps) and run diagnose again."]
+    return [
+        f"only {n} response(s) with a valid token (fewer than {c.min_sample}): the weight statistics are too noisy "
+        "to tell the settings apart (a sequence-level mean weight has a standard error of std / sqrt(n)), so this "
+        "recommendation is tentative; dump more rollouts (several steps) and run diagnose again."
+    ]
 
 
 # -------------------------------------------------------------------------------------------------- helpers

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,7 +14,7 @@ import torch
 from nemo_is_plugin.diagnose.analysis import Analysis, analyze
 from nemo_is_plugin.diagnose.dump import LOGPROB_TOLERANCE, DumpError, RolloutDump
 from nemo_is_plugin.diagnose.readers import read_dump
-from nemo_is_plugin.diagnose.recommend import Criteria, Recommendation, recommend
+from nemo_is_plugin.diagnose.recommend import DEFAULT_CRITERIA, Criteria, Recommendation, recommend
 from nemo_is_plugin.diagnose.settings import DEFAULT_TRUNCATIONS, IS_LEVELS, settings_grid
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -60,8 +61,13 @@ class DiagnoseReport:
                 },
                 "skipped": dict(a.skipped),
                 "num_valid_tokens": int(a.valid_lengths.sum()),
-                "recommendation": {"name": rec.name, "ok": rec.ok, "loss_fn": rec.loss_fn, "reasons": rec.reasons,
-                                   "warnings": rec.warnings},
+                "recommendation": {
+                    "name": rec.name,
+                    "ok": rec.ok,
+                    "loss_fn": rec.loss_fn,
+                    "reasons": rec.reasons,
+                    "warnings": rec.warnings,
+                },
                 "criteria": asdict(self.criteria),
             }
         )
@@ -72,14 +78,14 @@ def diagnose(
     *,
     levels: Sequence[str] = IS_LEVELS,
     truncations: Sequence[str] = DEFAULT_TRUNCATIONS,
-    bounds: Optional[Mapping[str, tuple[Optional[float], float]]] = None,
-    veto: Optional[float] = None,
+    bounds: Mapping[str, tuple[float | None, float]] | None = None,
+    veto: float | None = None,
     dtype: str = "float32",
     max_bins: int = 6,
-    edges: Optional[Sequence[int]] = None,
-    steps: Optional[Sequence[int]] = None,
-    config: Optional[str] = None,
-    criteria: Optional[Criteria] = None,
+    edges: Sequence[int] | None = None,
+    steps: Sequence[int] | None = None,
+    config: str | None = None,
+    criteria: Criteria | None = None,
     tolerance: float = LOGPROB_TOLERANCE,
 ) -> DiagnoseReport:
     """Read (if needed), filter, analyse and recommend.
@@ -100,12 +106,12 @@ def diagnose(
     settings, skipped = settings_grid(levels, truncations, bounds=bounds, veto=veto)
     if not settings:
         raise ValueError("no valid setting to diagnose: " + "; ".join(f"{n}: {r}" for n, r in skipped))
-    crit = criteria or Criteria()
+    crit = criteria or DEFAULT_CRITERIA
     analysis = analyze(dump, settings, dtype=_DTYPES[dtype], max_bins=max_bins, edges=edges, skipped=skipped)
     return DiagnoseReport(analysis, recommend(analysis, crit), crit)
 
 
-def _filter(dump: RolloutDump, steps: Optional[Sequence[int]], config: Optional[str]) -> RolloutDump:
+def _filter(dump: RolloutDump, steps: Sequence[int] | None, config: str | None) -> RolloutDump:
     keep = np.ones(dump.num_responses, dtype=bool)
     if steps is not None:
         if dump.step is None:

@@ -6,8 +6,9 @@ uses, and the recommended setting prints as a ``loss_fn`` section that validates
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -19,7 +20,7 @@ DEFAULT_TRUNCATIONS: tuple[str, ...] = ("none", "tis", "icepop")
 
 # (low, high) bounds on the weight. Sources: TIS blog / NeMo-RL recipes (tis C=2), OpenRLHF / ProRLv2 (icepop
 # [0.5, 5]), ProRLv2.1 (seq-mask-tis [0.999, 1.002]), verl presets (seq-mis [0.5, 2], geo-rs [0.999, 1.001]).
-DEFAULT_BOUNDS: dict[str, tuple[Optional[float], float]] = {
+DEFAULT_BOUNDS: dict[str, tuple[float | None, float]] = {
     "tis": (None, 2.0),
     "icepop": (0.5, 5.0),
     "seq-mask-tis": (0.999, 1.002),
@@ -52,9 +53,9 @@ def make_setting(
     level: str,
     truncation: str = "none",
     *,
-    low: Optional[float] = None,
-    high: Optional[float] = None,
-    veto: Optional[float] = None,
+    low: float | None = None,
+    high: float | None = None,
+    veto: float | None = None,
 ) -> Setting:
     """Build and validate one setting; raises pydantic ``ValidationError`` naming the field for bad combinations."""
     keys: dict[str, Any] = {"use_importance_sampling_correction": True, "is_correction_level": level}
@@ -70,7 +71,7 @@ def make_setting(
     return Setting(setting_name(level, truncation, low, high, veto), cfg)
 
 
-def setting_name(level: str, truncation: str, low: Optional[float], high: Optional[float], veto: Optional[float]) -> str:
+def setting_name(level: str, truncation: str, low: float | None, high: float | None, veto: float | None) -> str:
     name = level
     if truncation != "none":
         name += f"+{truncation}[{_num(0.0 if low is None else low)},{_num(high)}]"
@@ -79,7 +80,7 @@ def setting_name(level: str, truncation: str, low: Optional[float], high: Option
     return name
 
 
-def _num(x: Optional[float]) -> str:
+def _num(x: float | None) -> str:
     return "?" if x is None else f"{x:g}"
 
 
@@ -87,8 +88,8 @@ def settings_grid(
     levels: Sequence[str] = IS_LEVELS,
     truncations: Sequence[str] = DEFAULT_TRUNCATIONS,
     *,
-    bounds: Optional[Mapping[str, tuple[Optional[float], float]]] = None,
-    veto: Optional[float] = None,
+    bounds: Mapping[str, tuple[float | None, float]] | None = None,
+    veto: float | None = None,
 ) -> tuple[list[Setting], list[tuple[str, str]]]:
     """Every valid level x truncation combination, and the (name, reason) of the combinations the config rejects.
 

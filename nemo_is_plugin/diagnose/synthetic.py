@@ -13,7 +13,8 @@ Response lengths are log-uniform in [min_len, max_len]; a fraction of responses 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ def synthetic_records(
     entropy: float = 0.3,
     padded_fraction: float = 0.25,
     steps: int = 1,
-    configs: Optional[Sequence[str]] = None,
+    configs: Sequence[str] | None = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """Records in the dump format (see ``nemo_is_plugin.diagnose.dump``), one per response.

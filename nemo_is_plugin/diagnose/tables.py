@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -11,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from nemo_is_plugin.diagnose.analysis import Analysis, WeightStats
-from nemo_is_plugin.diagnose.recommend import CHI2_BELOW_FLOOR, Criteria, Recommendation
+from nemo_is_plugin.diagnose.recommend import CHI2_BELOW_FLOOR, DEFAULT_CRITERIA, Criteria, Recommendation
 
 _MISMATCH_COLUMNS = (
     ("k1", "mismatch_kl_k1"),
@@ -24,7 +23,7 @@ _MISMATCH_COLUMNS = (
 )
 
 
-def fmt(x: Optional[float], pct: bool = False) -> str:
+def fmt(x: float | None, pct: bool = False) -> str:
     """Compact number: '-' for missing/NaN, 'inf', 3 significant digits, or a percentage."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
@@ -67,7 +66,7 @@ def chi2_below_floor(a: Analysis) -> bool:
     return any(m.get(k, 0.0) < 0 for m in [a.mismatch, *a.mismatch_by_bin] for k in _CHI2_KEYS)
 
 
-def settings_table(a: Analysis, rec: Optional[Recommendation] = None) -> Table:
+def settings_table(a: Analysis, rec: Recommendation | None = None) -> Table:
     t = Table(title="IS weights per setting, all lengths (token-weighted)", title_justify="left")
     t.add_column("setting", no_wrap=True)
     for head in ("mean", "std", "min", "max", "ESS", "truncated", "masked"):
@@ -76,8 +75,16 @@ def settings_table(a: Analysis, rec: Optional[Recommendation] = None) -> Table:
         t.add_column("verdict")
     for r in a.settings:
         o = r.overall
-        cells = [r.setting.name, fmt(o.mean), fmt(o.std), fmt(o.min), fmt(o.max), fmt(o.ess),
-                 fmt(o.truncated, True), fmt(o.masked, True)]
+        cells = [
+            r.setting.name,
+            fmt(o.mean),
+            fmt(o.std),
+            fmt(o.min),
+            fmt(o.max),
+            fmt(o.ess),
+            fmt(o.truncated, True),
+            fmt(o.masked, True),
+        ]
         style = None
         if rec is not None:
             fails = rec.failures.get(r.setting.name, [])
@@ -87,7 +94,7 @@ def settings_table(a: Analysis, rec: Optional[Recommendation] = None) -> Table:
     return t
 
 
-def by_length_table(a: Analysis, criteria: Criteria = Criteria()) -> Table:
+def by_length_table(a: Analysis, criteria: Criteria = DEFAULT_CRITERIA) -> Table:
     """Settings x length bins; each cell: mean weight, ESS, and % of tokens truncated or masked."""
     t = Table(title="IS weights by response length: mean / ESS / truncated+masked", title_justify="left")
     t.add_column("setting", no_wrap=True)
@@ -110,11 +117,34 @@ def detail_table(a: Analysis, name: str) -> Table:
     """Every statistic of one setting, one row per length bin."""
     r = a.result(name)
     t = Table(title=f"{name}: weights by response length", title_justify="left")
-    for head in ("length", "responses", "tokens", "mean", "std", "min", "max", "ESS", "truncated", "masked", "saturated"):
+    for head in (
+        "length",
+        "responses",
+        "tokens",
+        "mean",
+        "std",
+        "min",
+        "max",
+        "ESS",
+        "truncated",
+        "masked",
+        "saturated",
+    ):
         t.add_column(head, justify="left" if head == "length" else "right")
     for label, st in [(b.label, s) for b, s in zip(a.bins, r.by_bin)] + [("all", r.overall)]:
-        t.add_row(label, str(st.n_responses), str(st.n_tokens), fmt(st.mean), fmt(st.std), fmt(st.min), fmt(st.max),
-                  fmt(st.ess), fmt(st.truncated, True), fmt(st.masked, True), fmt(st.saturated, True))
+        t.add_row(
+            label,
+            str(st.n_responses),
+            str(st.n_tokens),
+            fmt(st.mean),
+            fmt(st.std),
+            fmt(st.min),
+            fmt(st.max),
+            fmt(st.ess),
+            fmt(st.truncated, True),
+            fmt(st.masked, True),
+            fmt(st.saturated, True),
+        )
     return t
 
 
@@ -129,17 +159,18 @@ def recommendation_panel(rec: Recommendation) -> Panel:
 def render(
     a: Analysis,
     rec: Recommendation,
-    console: Optional[Console] = None,
+    console: Console | None = None,
     *,
     detail: bool = False,
-    criteria: Criteria = Criteria(),
+    criteria: Criteria = DEFAULT_CRITERIA,
 ) -> None:
     """Print the whole report: header, mismatch, per-setting, by-length tables, recommendation."""
     console = console or Console()
     valid = int(a.valid_lengths.sum())
     console.print(
         f"[bold]{a.source}[/bold]: {a.num_responses} responses, {a.num_tokens} tokens of which {valid} are valid "
-        f"(mask = 1; the tables count valid tokens only), weights computed in {a.dtype}", highlight=False,
+        f"(mask = 1; the tables count valid tokens only), weights computed in {a.dtype}",
+        highlight=False,
     )
     console.print(mismatch_table(a))
     if chi2_below_floor(a):
@@ -153,6 +184,10 @@ def render(
         console.print(f"[dim]skipped {name}: {reason}[/dim]")
     console.print(recommendation_panel(rec))
     # the same section once more outside the box, as plain text that copies cleanly into a config file
-    console.print(f"# {rec.name}{' (tentative)' if rec.tentative else ''}: {'recommended' if rec.ok else 'least bad'} "
-                  "loss_fn section (nemo-is diagnose --write-config FILE writes it)", markup=False, highlight=False)
+    console.print(
+        f"# {rec.name}{' (tentative)' if rec.tentative else ''}: {'recommended' if rec.ok else 'least bad'} "
+        "loss_fn section (nemo-is diagnose --write-config FILE writes it)",
+        markup=False,
+        highlight=False,
+    )
     console.print(rec.yaml().rstrip(), markup=False, highlight=False, soft_wrap=True)

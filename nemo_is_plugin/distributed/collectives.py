@@ -15,15 +15,13 @@ Every rank of the group must call the same collectives in the same order, forwar
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank, group_size
 
 
-def _is_trivial(group: Optional[ProcessGroup]) -> bool:
+def _is_trivial(group: ProcessGroup | None) -> bool:
     return group is None or dist.get_world_size(group) == 1
 
 
@@ -59,14 +57,14 @@ class _AllGather(torch.autograd.Function):
         return own.contiguous(), None, None
 
 
-def all_reduce_sum(x: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+def all_reduce_sum(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum of ``x`` over ``group``, differentiable (backward: all-reduce SUM of the gradients). Identity for None."""
     if _is_trivial(group):
         return x
     return _AllReduceSum.apply(x, group)
 
 
-def all_gather(x: torch.Tensor, group: Optional[ProcessGroup], dim: int = 0) -> torch.Tensor:
+def all_gather(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
     """Concatenate the (equal-shaped) ``x`` of every rank along ``dim`` in rank order, differentiable.
 
     Shapes: ``x [..., n, ...]`` -> ``[..., size * n, ...]``. Identity for None.
@@ -77,7 +75,7 @@ def all_gather(x: torch.Tensor, group: Optional[ProcessGroup], dim: int = 0) -> 
     return _AllGather.apply(x, group, dim)
 
 
-def _reduce_no_grad(x: torch.Tensor, group: Optional[ProcessGroup], op) -> torch.Tensor:
+def _reduce_no_grad(x: torch.Tensor, group: ProcessGroup | None, op) -> torch.Tensor:
     if _is_trivial(group):
         return x.detach()
     out = x.detach().contiguous().clone()
@@ -85,12 +83,12 @@ def _reduce_no_grad(x: torch.Tensor, group: Optional[ProcessGroup], op) -> torch
     return out
 
 
-def all_reduce_max(x: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+def all_reduce_max(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Elementwise max over ``group`` (no gradient). Identity (detached) for None."""
     return _reduce_no_grad(x, group, dist.ReduceOp.MAX)
 
 
-def all_reduce_min(x: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+def all_reduce_min(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Elementwise min over ``group`` (no gradient). Identity (detached) for None."""
     return _reduce_no_grad(x, group, dist.ReduceOp.MIN)
 

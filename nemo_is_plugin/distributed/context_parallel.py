@@ -20,7 +20,7 @@ gathering the sequence:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -48,9 +48,9 @@ class CPTokenLayout(TokenLayout):
         chunk_index: torch.Tensor,
         num_seqs: int,
         num_chunks: int,
-        cp_group: Optional[ProcessGroup],
+        cp_group: ProcessGroup | None,
         *,
-        in_order: Optional[bool] = None,
+        in_order: bool | None = None,
     ):
         super().__init__(seq_index, position, num_seqs, in_order=in_order)
         self.cp_group = cp_group
@@ -102,7 +102,7 @@ class CPTokenLayout(TokenLayout):
 def cp_layout_padded(
     num_seqs: int,
     seq_len: int,
-    cp_group: Optional[ProcessGroup],
+    cp_group: ProcessGroup | None,
     order: CPOrder = "load_balanced",
     device: torch.device | str | None = None,
 ) -> TokenLayout:
@@ -128,7 +128,7 @@ def cp_layout_padded(
 
 def cp_layout_packed(
     cu_seqlens_padded: torch.Tensor | Sequence[int],
-    cp_group: Optional[ProcessGroup],
+    cp_group: ProcessGroup | None,
     order: CPOrder = "load_balanced",
     device: torch.device | str | None = None,
 ) -> TokenLayout:
@@ -146,17 +146,16 @@ def cp_layout_packed(
         return TokenLayout.packed(cu, device=device)
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     lt = local_tokens(lengths, group_rank(cp_group), size, order, device)
-    return CPTokenLayout(lt.seq, lt.position, lt.chunk, len(lengths), num_chunks(size, order), cp_group,
-                         in_order=True)
+    return CPTokenLayout(lt.seq, lt.position, lt.chunk, len(lengths), num_chunks(size, order), cp_group, in_order=True)
 
 
 def cp_layout(
-    cp_group: Optional[ProcessGroup],
+    cp_group: ProcessGroup | None,
     order: CPOrder = "load_balanced",
     *,
-    num_seqs: Optional[int] = None,
-    seq_len: Optional[int] = None,
-    cu_seqlens_padded: Optional[torch.Tensor | Sequence[int]] = None,
+    num_seqs: int | None = None,
+    seq_len: int | None = None,
+    cu_seqlens_padded: torch.Tensor | Sequence[int] | None = None,
     device: torch.device | str | None = None,
 ) -> TokenLayout:
     """Padded (``num_seqs``, ``seq_len``) or packed (``cu_seqlens_padded``) layout of this CP rank's tokens."""

@@ -16,7 +16,8 @@ No Python loop over sequences: the maps are built with ``repeat_interleave`` and
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -93,7 +94,10 @@ def local_tokens(
 
 
 def padded_local_positions(
-    seq_len: int, cp_rank: int, cp_size: int, order: CPOrder = "load_balanced",
+    seq_len: int,
+    cp_rank: int,
+    cp_size: int,
+    order: CPOrder = "load_balanced",
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Global positions ``Long[S/cp]`` held by ``cp_rank`` along the sequence dim of a padded ``[B, S]`` batch."""
@@ -137,7 +141,7 @@ def local_cu_seqlens(
     return torch.div(cu, cp_size, rounding_mode="floor")
 
 
-def _gather(x: torch.Tensor, cp_group: Optional[ProcessGroup], dim: int, index_of_rank) -> torch.Tensor:
+def _gather(x: torch.Tensor, cp_group: ProcessGroup | None, dim: int, index_of_rank) -> torch.Tensor:
     """All-gather the shards along ``dim`` (differentiable) and put every token back at its global index."""
     size = group_size(cp_group)
     if size == 1:
@@ -150,7 +154,7 @@ def _gather(x: torch.Tensor, cp_group: Optional[ProcessGroup], dim: int, index_o
 
 
 def gather_padded(
-    x: torch.Tensor, cp_group: Optional[ProcessGroup], order: CPOrder = "load_balanced", dim: int = 1
+    x: torch.Tensor, cp_group: ProcessGroup | None, order: CPOrder = "load_balanced", dim: int = 1
 ) -> torch.Tensor:
     """Inverse of ``shard_padded``: ``[B, S/cp, ...]`` on every rank -> ``[B, S, ...]`` on every rank."""
     size = group_size(cp_group)
@@ -161,7 +165,7 @@ def gather_padded(
 def gather_packed(
     x: torch.Tensor,
     cu_seqlens_padded: torch.Tensor | Sequence[int],
-    cp_group: Optional[ProcessGroup],
+    cp_group: ProcessGroup | None,
     order: CPOrder = "load_balanced",
     dim: int = 0,
 ) -> torch.Tensor:

@@ -6,7 +6,7 @@ simply add up across micro-batches and DP ranks; names ending in ``_min`` / ``_m
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ def _is_max(name: str) -> bool:
 
 
 def global_valid_counts(
-    token_mask: torch.Tensor, sample_mask: torch.Tensor, dp_group: Optional[ProcessGroup]
+    token_mask: torch.Tensor, sample_mask: torch.Tensor, dp_group: ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeMo-RL's normalisers summed over ``dp_group``: (global_valid_seqs, global_valid_toks), float64 0-d.
 
@@ -53,7 +53,7 @@ def combine_metrics(per_batch: Iterable[Mapping[str, float]]) -> dict[str, float
     return out
 
 
-def all_reduce_metrics(metrics: Mapping[str, float], dp_group: Optional[ProcessGroup]) -> dict[str, float]:
+def all_reduce_metrics(metrics: Mapping[str, float], dp_group: ProcessGroup | None) -> dict[str, float]:
     """Reduce one rank's metrics over ``dp_group`` (three collectives: SUM, MIN, MAX, in float64).
 
     Every rank must hold the same metric names (the loss emits a fixed set for a given config).
@@ -63,8 +63,11 @@ def all_reduce_metrics(metrics: Mapping[str, float], dp_group: Optional[ProcessG
     names = sorted(metrics)
     device = collective_device(dp_group)
     out: dict[str, float] = {}
-    for op, pick in ((dist.ReduceOp.MIN, _is_min), (dist.ReduceOp.MAX, _is_max),
-                     (dist.ReduceOp.SUM, lambda n: not (_is_min(n) or _is_max(n)))):
+    for op, pick in (
+        (dist.ReduceOp.MIN, _is_min),
+        (dist.ReduceOp.MAX, _is_max),
+        (dist.ReduceOp.SUM, lambda n: not (_is_min(n) or _is_max(n))),
+    ):
         chosen = [n for n in names if pick(n)]
         if not chosen:
             continue

@@ -37,8 +37,8 @@ and its precision: :mod:`nemo_is_plugin.kernels.gemm`. No host synchronisation h
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import torch
 
@@ -59,8 +59,14 @@ from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_targe
 
 
 def check_head_inputs(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, temperature: float, chunk_size: Optional[int],
-    *, backend: str = "auto", with_entropy: bool = False,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    temperature: float,
+    chunk_size: int | None,
+    *,
+    backend: str = "auto",
+    with_entropy: bool = False,
 ) -> int:
     """Raise ValueError naming the argument unless the shapes and settings of an LM-head call agree; returns the chunk
     size in tokens (``device_chunk_size`` when ``chunk_size`` is None)."""
@@ -79,13 +85,15 @@ def check_head_inputs(
     return chunk_size
 
 
-def check_grad_weight_out(weight: torch.Tensor, grad_weight_out: Optional[torch.Tensor]) -> None:
+def check_grad_weight_out(weight: torch.Tensor, grad_weight_out: torch.Tensor | None) -> None:
     """Raise ValueError unless ``grad_weight_out`` (when given) can receive the weight's gradient."""
     if grad_weight_out is None:
         return
     if grad_weight_out.shape != weight.shape or grad_weight_out.device != weight.device:
-        raise ValueError(f"grad_weight_out must be {tuple(weight.shape)} on {weight.device}, got "
-                         f"{tuple(grad_weight_out.shape)} on {grad_weight_out.device}")
+        raise ValueError(
+            f"grad_weight_out must be {tuple(weight.shape)} on {weight.device}, got "
+            f"{tuple(grad_weight_out.shape)} on {grad_weight_out.device}"
+        )
     if not grad_weight_out.is_floating_point() or grad_weight_out.requires_grad:
         raise ValueError("grad_weight_out must be a floating-point buffer that does not require grad")
     if not weight.requires_grad:
@@ -96,20 +104,28 @@ def check_grad_weight_out(weight: torch.Tensor, grad_weight_out: Optional[torch.
 class HeadOptions:
     """The non-tensor arguments of one fused LM-head call (see ``fused_linear_logprobs``)."""
 
-    tp_group: Optional[ProcessGroup]
+    tp_group: ProcessGroup | None
     chunk_size: int
     inv_temperature: float
     backend: str = "auto"
     reduce_grad_hidden: bool = True
-    grad_weight_dtype: Optional[torch.dtype] = None
-    grad_weight_out: Optional[torch.Tensor] = None
+    grad_weight_dtype: torch.dtype | None = None
+    grad_weight_out: torch.Tensor | None = None
 
 
 class HeadChunks:
     """What the chunk loops of one call share: flat inputs, the target's columns, dtypes and the chunk buffers."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, target_local: torch.Tensor,
-                 owned: torch.Tensor, opts: HeadOptions, *, with_entropy: bool = False):
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target_local: torch.Tensor,
+        owned: torch.Tensor,
+        opts: HeadOptions,
+        *,
+        with_entropy: bool = False,
+    ):
         self.x = hidden.reshape(-1, hidden.shape[-1])
         self.n, self.vocab = self.x.shape[0], weight.shape[0]
         self.dtype = compute_dtype(self.x)
@@ -120,8 +136,16 @@ class HeadChunks:
         self.opts = opts
         self.backend = resolve_backend(opts.backend, self.x.device, self.dtype)
         rows = min(opts.chunk_size, self.n)
-        self.math = ChunkMath(self.backend, self.dtype, self.acc, self.x.device, rows, self.vocab,
-                              with_entropy=with_entropy, fallback=opts.backend == "auto")
+        self.math = ChunkMath(
+            self.backend,
+            self.dtype,
+            self.acc,
+            self.x.device,
+            rows,
+            self.vocab,
+            with_entropy=with_entropy,
+            fallback=opts.backend == "auto",
+        )
         self.zbuf = torch.empty(rows, self.vocab, dtype=self.dtype, device=self.x.device)
 
     def slices(self) -> Iterator[slice]:
@@ -145,7 +169,7 @@ class HeadChunks:
         if grad_w is not None:
             grad_w.add(dz, x_c)
 
-    def finish_grad_x(self, grad_x: Optional[torch.Tensor], hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    def finish_grad_x(self, grad_x: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor | None:
         """All-reduce dX over TP (each rank holds its vocab shard's share) unless sequence parallel reduce-scatters
         it later; cast to the hidden states' dtype and shape."""
         if grad_x is None:
@@ -198,8 +222,15 @@ class _FusedLinearLogprob(torch.autograd.Function):
             x_c = chunks.x[sl].to(chunks.dtype)
             z = chunk_logits(x_c, chunks.w, chunks.zbuf)  # GEMM 1, recomputed
             dz = chunks.math.logits_grad(
-                z, z, *chunks.rows(sl), lse[sl], None if g_lp is None else g_lp[sl],
-                entropy[sl] if use_h else None, g_h[sl] if use_h else None, inv_t, inv_t,
+                z,
+                z,
+                *chunks.rows(sl),
+                lse[sl],
+                None if g_lp is None else g_lp[sl],
+                entropy[sl] if use_h else None,
+                g_h[sl] if use_h else None,
+                inv_t,
+                inv_t,
             )
             chunks.chunk_grads(sl, dz, x_c, grad_x, grad_w)  # GEMMs 2 and 3
         grad_x = chunks.finish_grad_x(grad_x, hidden)
@@ -210,15 +241,15 @@ def fused_linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    tp_group: Optional[ProcessGroup] = None,
+    tp_group: ProcessGroup | None = None,
     *,
-    chunk_size: Optional[int] = None,
+    chunk_size: int | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
     sequence_parallel: bool = False,
     backend: str = "auto",
-    grad_weight_out: Optional[torch.Tensor] = None,
-    grad_weight_dtype: Optional[torch.dtype] = None,
+    grad_weight_out: torch.Tensor | None = None,
+    grad_weight_dtype: torch.dtype | None = None,
 ):
     """Log-prob of ``target`` under ``softmax(hidden @ W.T / temperature)`` with W's rows sharded over ``tp_group``.
 
@@ -250,10 +281,12 @@ def fused_linear_logprobs(
     if sequence_parallel:
         # all_gather's backward is the reduce-scatter of the per-rank partial dX: no second all-reduce inside.
         hidden = all_gather(hidden, tp_group, dim=0)
-    chunk = check_head_inputs(hidden, weight, target, temperature, chunk_size, backend=backend,
-                              with_entropy=with_entropy)
-    opts = HeadOptions(tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype,
-                       grad_weight_out)
+    chunk = check_head_inputs(
+        hidden, weight, target, temperature, chunk_size, backend=backend, with_entropy=with_entropy
+    )
+    opts = HeadOptions(
+        tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype, grad_weight_out
+    )
     logprob, entropy = _FusedLinearLogprob.apply(hidden, weight, target, opts, with_entropy)
     return (logprob, entropy) if with_entropy else logprob
 

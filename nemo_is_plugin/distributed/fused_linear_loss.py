@@ -6,8 +6,8 @@ Shapes: ``hidden [B, T, H]`` (T next-token positions; replicated over TP, or sha
 Two schedules, same loss, metrics and gradients:
 
 - **single pass** (token-level ratio or REINFORCE, any IS level / truncation / KL / aggregation; and CTPO's cumulative
-  ratios when the layout holds whole sequences in memory order, see :mod:`nemo_is_plugin.loss.separable`). ``dL/dc_t`` is
-  known once the log-probs up to ``t`` are, so each chunk does its whole job in the forward:
+  ratios when the layout holds whole sequences in memory order, see :mod:`nemo_is_plugin.loss.separable`). ``dL/dc_t``
+  is known once the log-probs up to ``t`` are, so each chunk does its whole job in the forward:
 
       z = X_c W^T                     GEMM 1, in the compute dtype (bf16 on GPUs)
       pass 1: softmax partials of z / T, their TP merge -> c = log p(target), lse      (no host sync)
@@ -34,7 +34,8 @@ two-pass path. Cost model per chunk element (bf16, Triton): pass 1 reads 2 bytes
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -63,7 +64,7 @@ def _is_one_on_cpu(s: torch.Tensor) -> bool:
     return s.device.type == "cpu" and bool(s == 1)
 
 
-def _scale_(grad: Optional[torch.Tensor], s: torch.Tensor, skip: bool) -> Optional[torch.Tensor]:
+def _scale_(grad: torch.Tensor | None, s: torch.Tensor, skip: bool) -> torch.Tensor | None:
     """``grad * s`` in place (no second dX- or dW-sized buffer)."""
     return grad if grad is None or skip else grad.mul_(s.to(grad.dtype))
 
@@ -121,16 +122,16 @@ def fused_linear_pg_loss(
     data: Mapping[str, torch.Tensor],
     global_valid_seqs: torch.Tensor | float,
     global_valid_toks: torch.Tensor | float,
-    tp_group: Optional[ProcessGroup] = None,
+    tp_group: ProcessGroup | None = None,
     *,
-    layout: Optional[TokenLayout] = None,
-    chunk_size: Optional[int] = None,
+    layout: TokenLayout | None = None,
+    chunk_size: int | None = None,
     temperature: float = 1.0,
     sequence_parallel: bool = False,
-    single_pass: Optional[bool] = None,
+    single_pass: bool | None = None,
     backend: str = "auto",
-    grad_weight_out: Optional[torch.Tensor] = None,
-    grad_weight_dtype: Optional[torch.dtype] = None,
+    grad_weight_out: torch.Tensor | None = None,
+    grad_weight_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """``loss_fn`` on the log-probs of ``target`` under ``softmax(hidden @ weight.T / temperature)``, chunked.
 
@@ -159,8 +160,15 @@ def fused_linear_pg_loss(
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if why is not None or single_pass is False or not wants_grad:
         lp = fused_linear_logprobs(
-            hidden, weight, target, tp_group, chunk_size=chunk_size, temperature=temperature,
-            sequence_parallel=sequence_parallel, backend=backend, grad_weight_out=grad_weight_out,
+            hidden,
+            weight,
+            target,
+            tp_group,
+            chunk_size=chunk_size,
+            temperature=temperature,
+            sequence_parallel=sequence_parallel,
+            backend=backend,
+            grad_weight_out=grad_weight_out,
             grad_weight_dtype=grad_weight_dtype,
         )
         return loss_fn(lp, data, global_valid_seqs, global_valid_toks, layout=layout)  # validates lp's values too
@@ -177,8 +185,9 @@ def fused_linear_pg_loss(
         metrics.update(m)
         return loss.detach()
 
-    opts = HeadOptions(tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype,
-                       grad_weight_out)
+    opts = HeadOptions(
+        tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype, grad_weight_out
+    )
     loss = _SinglePassFusedLoss.apply(hidden, weight, target, token_grad, finish, opts)
     return loss, metrics
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -17,17 +16,17 @@ import torch.distributed as dist
 ProcessGroup = dist.ProcessGroup
 
 
-def group_size(group: Optional[ProcessGroup]) -> int:
+def group_size(group: ProcessGroup | None) -> int:
     """World size of ``group``; 1 for ``None``."""
     return 1 if group is None else dist.get_world_size(group)
 
 
-def group_rank(group: Optional[ProcessGroup]) -> int:
+def group_rank(group: ProcessGroup | None) -> int:
     """This process's rank inside ``group``; 0 for ``None``."""
     return 0 if group is None else dist.get_rank(group)
 
 
-def effective(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
+def effective(group: ProcessGroup | None) -> ProcessGroup | None:
     """``group`` if it has more than one member, else ``None``: a group of one needs no communication."""
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
@@ -54,10 +53,10 @@ class ParallelGroups:
         pp_last_rank: the global rank of the last stage in this rank's ``pp`` group (broadcast source).
     """
 
-    tp: Optional[ProcessGroup] = None
-    cp: Optional[ProcessGroup] = None
-    dp: Optional[ProcessGroup] = None
-    pp: Optional[ProcessGroup] = None
+    tp: ProcessGroup | None = None
+    cp: ProcessGroup | None = None
+    dp: ProcessGroup | None = None
+    pp: ProcessGroup | None = None
     pp_is_last: bool = True
     pp_last_rank: int = 0
 
@@ -82,7 +81,7 @@ class ParallelGroups:
         return group_size(self.dp)
 
     @classmethod
-    def from_parallel_state(cls) -> "ParallelGroups":
+    def from_parallel_state(cls) -> ParallelGroups:
         """Read megatron-core's ``parallel_state`` groups (gloo or NCCL); all ``None`` when it is not initialised.
 
         Groups of size one are returned as ``None`` so that no collective runs for them.

@@ -20,7 +20,8 @@ single-process loss; TP ranks return the same value) and the full-batch metrics.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -52,13 +53,13 @@ def logit_loss_inputs(
     global_valid_seqs: torch.Tensor | float,
     global_valid_toks: torch.Tensor | float,
     *,
-    tp_group: Optional[ProcessGroup] = None,
-    cp_group: Optional[ProcessGroup] = None,
+    tp_group: ProcessGroup | None = None,
+    cp_group: ProcessGroup | None = None,
     cp_order: CPOrder = "load_balanced",
-    cu_seqlens_padded: Optional[torch.Tensor | Sequence[int]] = None,
-    chunk_size: Optional[int] = None,
+    cu_seqlens_padded: torch.Tensor | Sequence[int] | None = None,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
-) -> tuple[LossInputs, TokenLayout, Optional[torch.Tensor]]:
+) -> tuple[LossInputs, TokenLayout, torch.Tensor | None]:
     """Build (LossInputs, CP layout, entropy or None) for this rank's tokens. See the module docstring for shapes."""
     ids = data["input_ids"]
     num_seqs, seq_len = ids.shape
@@ -81,8 +82,9 @@ def logit_loss_inputs(
             raise ValueError(f"packed logits hold {logits.shape[0]} tokens x {cp} CP ranks, cu_seqlens {cu[-1]}")
 
     target = _local(next_token_aligned(ids, width), layout)
-    out = vocab_parallel_logprobs(logits, target.reshape(logits.shape[:-1]), tp_group, chunk_size=chunk_size,
-                                  with_entropy=with_entropy)
+    out = vocab_parallel_logprobs(
+        logits, target.reshape(logits.shape[:-1]), tp_group, chunk_size=chunk_size, with_entropy=with_entropy
+    )
     curr, entropy = out if with_entropy else (out, None)
     local = {k: _local(next_token_aligned(data[k], width), layout) for k in TOKEN_KEYS if k in data}
     shape = layout.shape
@@ -107,7 +109,7 @@ class LogitClippedPGLoss:
         loss: ClippedPGLoss,
         *,
         cp_order: CPOrder = "load_balanced",
-        chunk_size: Optional[int] = None,
+        chunk_size: int | None = None,
         log_entropy: bool = False,
         host_divides_by_cp: bool = False,
     ):
@@ -120,11 +122,11 @@ class LogitClippedPGLoss:
         data: Mapping[str, torch.Tensor],
         global_valid_seqs: torch.Tensor | float,
         global_valid_toks: torch.Tensor | float,
-        vocab_parallel_rank: Optional[int] = None,
-        vocab_parallel_group: Optional[ProcessGroup] = None,
-        context_parallel_group: Optional[ProcessGroup] = None,
+        vocab_parallel_rank: int | None = None,
+        vocab_parallel_group: ProcessGroup | None = None,
+        context_parallel_group: ProcessGroup | None = None,
         *,
-        cu_seqlens_padded: Optional[torch.Tensor | Sequence[int]] = None,
+        cu_seqlens_padded: torch.Tensor | Sequence[int] | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if vocab_parallel_rank is not None and vocab_parallel_rank != group_rank(vocab_parallel_group):
@@ -133,9 +135,16 @@ class LogitClippedPGLoss:
                 f"{group_rank(vocab_parallel_group)} of vocab_parallel_group"
             )
         inputs, layout, entropy = logit_loss_inputs(
-            logits, data, global_valid_seqs, global_valid_toks,
-            tp_group=vocab_parallel_group, cp_group=context_parallel_group, cp_order=self.cp_order,
-            cu_seqlens_padded=cu_seqlens_padded, chunk_size=self.chunk_size, with_entropy=self.log_entropy,
+            logits,
+            data,
+            global_valid_seqs,
+            global_valid_toks,
+            tp_group=vocab_parallel_group,
+            cp_group=context_parallel_group,
+            cp_order=self.cp_order,
+            cu_seqlens_padded=cu_seqlens_padded,
+            chunk_size=self.chunk_size,
+            with_entropy=self.log_entropy,
         )
         extra = {}
         if entropy is not None:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch.distributed as dist
 
 from nemo_is_plugin.distributed.groups import ParallelGroups
 
 
-def broadcast_metrics_from_last_stage(
-    metrics: Optional[dict[str, float]], groups: ParallelGroups
-) -> dict[str, float]:
+def broadcast_metrics_from_last_stage(metrics: dict[str, float] | None, groups: ParallelGroups) -> dict[str, float]:
     """Every pipeline stage returns the last stage's ``metrics`` (a ``{name: float}`` dict, None elsewhere).
 
     One ``broadcast_object_list`` over ``groups.pp`` from ``groups.pp_last_rank``; the other stages do not know the

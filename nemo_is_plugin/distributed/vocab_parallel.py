@@ -32,8 +32,6 @@ and the LM-head shard.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from nemo_is_plugin.distributed.collectives import all_reduce_max, all_reduce_sum
@@ -50,7 +48,7 @@ from nemo_is_plugin.kernels.softmax_partials import (
 from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target, owned_column
 
 
-def reduce_partials(p: SoftmaxPartials, tp_group: Optional[ProcessGroup]) -> SoftmaxPartials:
+def reduce_partials(p: SoftmaxPartials, tp_group: ProcessGroup | None) -> SoftmaxPartials:
     """Merge the partials of all TP ranks (vocab shards): all-reduce MAX, then one stacked all-reduce SUM.
 
     No gradient flows through this (the custom backward recomputes from lse); it runs under no_grad.
@@ -99,9 +97,17 @@ class _VocabParallelLogprob(torch.autograd.Function):
         grad = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device)
         for sl in chunk_slices(flat.shape[0], ctx.chunk_size):
             math.logits_grad(
-                flat[sl], grad[sl], local_t[sl], owned[sl], column[sl], lse[sl],
-                None if g_lp is None else g_lp[sl], entropy[sl] if use_h else None, g_h[sl] if use_h else None,
-                1.0, 1.0,
+                flat[sl],
+                grad[sl],
+                local_t[sl],
+                owned[sl],
+                column[sl],
+                lse[sl],
+                None if g_lp is None else g_lp[sl],
+                entropy[sl] if use_h else None,
+                g_h[sl] if use_h else None,
+                1.0,
+                1.0,
             )
         return grad.reshape(logits.shape), None, None, None, None, None
 
@@ -115,16 +121,24 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
 def _chunk_math(backend: str, flat: torch.Tensor, chunk_size: int, with_entropy: bool) -> ChunkMath:
     resolved = resolve_backend(backend, flat.device, flat.dtype)
     rows = min(chunk_size, flat.shape[0])
-    return ChunkMath(resolved, flat.dtype, acc_dtype(flat.dtype), flat.device, rows, flat.shape[1],
-                     with_entropy=with_entropy, fallback=backend == "auto")
+    return ChunkMath(
+        resolved,
+        flat.dtype,
+        acc_dtype(flat.dtype),
+        flat.device,
+        rows,
+        flat.shape[1],
+        with_entropy=with_entropy,
+        fallback=backend == "auto",
+    )
 
 
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     target: torch.Tensor,
-    tp_group: Optional[ProcessGroup] = None,
+    tp_group: ProcessGroup | None = None,
     *,
-    chunk_size: Optional[int] = None,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
     backend: str = "auto",
 ):

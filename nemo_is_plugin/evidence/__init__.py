@@ -4,7 +4,7 @@ quotes) recomputed with the plugin's own functions (``nemo-is evidence``).
 One module per experiment, each returning a JSON-ready dict:
 
 - :mod:`.is_collapse`      IS-weight distribution of each correction level vs response length (docs/evidence.md, 1).
-- :mod:`.ctpo_variance`    cumulative vs full-sequence ratio in per-token policy gradients (CTPO Prop. 2; docs/evidence.md, 2).
+- :mod:`.ctpo_variance`    cumulative vs full-sequence ratio in per-token gradients (CTPO Prop. 2; docs/evidence.md, 2).
 - :mod:`.kl_gradient_bias` expected gradients of the k1 / k2 / k3 / straight-through KL penalties (docs/evidence.md, 3).
 
 Support: :mod:`.mismatch` (synthetic log-prob mismatch), :mod:`.stats` (Monte Carlo errors and tests),

@@ -1,4 +1,4 @@
-"""Experiment 2 (CTPO Props. 1-2; docs/evidence.md, 2): cumulative-token vs full-sequence IS ratio in the policy gradient.
+"""Experiment 2 (CTPO Props. 1-2; docs/evidence.md, 2): cumulative-token vs full-sequence IS ratio in policy gradients.
 
 Synthetic policy with independent tokens: at every position t = 1..H the action a_t in {0..K-1} is drawn from the
 behaviour policy mu; the learner is pi = softmax(theta_t) with its own logits per position (all equal to theta0), and
@@ -19,8 +19,8 @@ Every moment is a finite sum over K actions, so the predictions are exact; the z
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -75,7 +75,7 @@ class SyntheticPolicy:
         (grad,) = torch.autograd.grad((torch.softmax(theta, -1) * self.advantage).sum(), theta)
         return grad
 
-    def mu_moment(self, power: int, direction: Optional[torch.Tensor] = None) -> float:
+    def mu_moment(self, power: int, direction: torch.Tensor | None = None) -> float:
         """E_mu[r^power |f|^power] (or with f projected on ``direction``: E_mu[r^power (f.u)^power])."""
         f = self.per_action_term()
         size = f.norm(dim=-1) if direction is None else f @ direction
@@ -170,7 +170,7 @@ def simulate(
     *,
     seed: int = 0,
     chunk: int = 8192,
-    progress: Optional[Callable[[int], None]] = None,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Monte Carlo of both estimators over ``num_samples`` sequences drawn from mu, accumulated in chunks.
 
@@ -198,9 +198,21 @@ def simulate(
         x, y, _ = estimator_gradients(policy, actions)
         a, b = (y * y).sum(-1), (x * x).sum(-1)  # |Y_t|^2, |X_t|^2: [n, H]
         px, py = x @ u, y @ u
-        for name, v in (("x", x), ("y", y), ("xx", x * x), ("yy", y * y), ("px", px), ("py", py),
-                        ("pxx", px * px), ("pyy", py * py), ("a", a), ("b", b), ("aa", a * a), ("bb", b * b),
-                        ("ab", a * b)):
+        for name, v in (
+            ("x", x),
+            ("y", y),
+            ("xx", x * x),
+            ("yy", y * y),
+            ("px", px),
+            ("py", py),
+            ("pxx", px * px),
+            ("pyy", py * py),
+            ("a", a),
+            ("b", b),
+            ("aa", a * a),
+            ("bb", b * b),
+            ("ab", a * b),
+        ):
             acc[name] += v.sum(0)
         done += n
         if progress:
@@ -271,7 +283,7 @@ def run_ctpo_variance(
     num_actions: int = 8,
     num_samples: int = 400_000,
     seed: int = 0,
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Run the experiment for each chi-square value. Returns ``{"runs": [analyse(...) per chi2]}``."""
     runs = []

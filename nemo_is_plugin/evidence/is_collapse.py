@@ -14,7 +14,7 @@ that the distribution fitted by :func:`.mismatch.fit_sequence_weight` reproduces
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ def default_distributions() -> list[MismatchDistribution]:
 
 
 def level_weights(
-    mismatch: torch.Tensor, level: str, layout: Optional[TokenLayout] = None
+    mismatch: torch.Tensor, level: str, layout: TokenLayout | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """IS weights of ``level`` for a batch of full-length sequences, computed by the plugin.
 
@@ -107,9 +107,9 @@ def run_is_collapse(
     *,
     num_seqs: int = 256,
     lengths: Sequence[int] = LENGTHS,
-    distributions: Optional[Sequence[MismatchDistribution]] = None,
+    distributions: Sequence[MismatchDistribution] | None = None,
     seed: int = 0,
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Run the experiment. Returns a JSON-ready dict.
 

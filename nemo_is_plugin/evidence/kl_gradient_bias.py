@@ -1,10 +1,10 @@
 """Experiment 3 (docs/evidence.md, 3): which KL(pi_theta || pi_ref) estimators give an unbiased *gradient* as a loss.
 
-Small categorical policy pi_theta = softmax(theta) over K actions and a fixed pi_ref. The exact gradient of
-KL(pi_theta || pi_ref) comes from autograd on the closed form sum_a pi (log pi - log pi_ref). The Monte Carlo draws
-x ~ pi_theta and differentiates the plugin's per-sample penalty :func:`nemo_is_plugin.loss.kl.kl_penalty` (NeMo-RL clamps
-from the config defaults) through log pi_theta(x); each draw has its own copy of theta, so one backward pass yields
-every per-sample gradient.
+Small categorical policy pi_theta = softmax(theta) over K actions and a fixed pi_ref. The exact gradient of KL(pi_theta
+|| pi_ref) comes from autograd on the closed form sum_a pi (log pi - log pi_ref). The Monte Carlo draws x ~ pi_theta and
+differentiates the plugin's per-sample penalty :func:`nemo_is_plugin.loss.kl.kl_penalty` (NeMo-RL clamps from the config
+defaults) through log pi_theta(x); each draw has its own copy of theta, so one backward pass yields every per-sample
+gradient.
 
 Two families of variants:
 
@@ -15,15 +15,16 @@ Two families of variants:
   the gradient becomes grad E_x~pi_theta[k(x)], so estimators with an unbiased *value* (k1, k3) give the unbiased
   gradient and k2 does not; the straight-through option detaches the weight and stays unbiased.
 
-``LOSS`` runs the same draws through the whole :class:`~nemo_is_plugin.loss.ClippedPGLoss` (KL term only), so the
-figure also shows what the loss does with each configuration. :func:`expected_gradient` computes each variant's exact expected gradient by enumerating the K actions through the
-same plugin code, so the Monte Carlo confirms a number that is also known exactly.
+``LOSS`` runs the same draws through the whole :class:`~nemo_is_plugin.loss.ClippedPGLoss` (KL term only), so the figure
+also shows what the loss does with each configuration. :func:`expected_gradient` computes each variant's exact expected
+gradient by enumerating the K actions through the same plugin code, so the Monte Carlo confirms a number that is also
+known exactly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -73,7 +74,7 @@ class KLVariant:
     kl_type: str
     straight_through: bool = False
     score_weight: bool = False
-    loss_config: Optional[tuple[tuple[str, object], ...]] = None
+    loss_config: tuple[tuple[str, object], ...] | None = None
 
 
 PATHWISE = (
@@ -90,7 +91,10 @@ LOSS = (
     KLVariant("loss k3", "k3", False, True, (("reference_policy_kl_type", "k3"),)),
     KLVariant("loss k2", "k2", False, True, (("reference_policy_kl_type", "k2"),)),
     KLVariant(
-        "loss k3, kl_gradient=k2", "k3", True, False,
+        "loss k3, kl_gradient=k2",
+        "k3",
+        True,
+        False,
         (("reference_policy_kl_type", "k3"), ("reference_policy_kl_gradient", "k2")),
     ),
 )
@@ -120,8 +124,13 @@ def per_sample_penalty(
     logp = torch.log_softmax(theta, -1).gather(-1, actions[:, None]).squeeze(-1)
     if variant.loss_config is not None:
         with torch.no_grad():
-            values = kl_penalty(logp, problem.ref_logprobs[actions], kl_type=variant.kl_type,
-                                input_clamp=cfg.kl_input_clamp_value, output_clamp=cfg.kl_output_clamp_value)
+            values = kl_penalty(
+                logp,
+                problem.ref_logprobs[actions],
+                kl_type=variant.kl_type,
+                input_clamp=cfg.kl_input_clamp_value,
+                output_clamp=cfg.kl_output_clamp_value,
+            )
         return values, _loss_gradient(problem, actions, logp, theta, dict(variant.loss_config))
     kl = kl_penalty(
         logp,
@@ -209,7 +218,7 @@ def run_kl_gradient_bias(
     num_samples: int = 200_000,
     seed: int = 0,
     scale: float = 1.0,
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Run every variant on the same draws. Returns a JSON-ready dict."""
     problem = make_problem(num_actions=num_actions, seed=seed, scale=scale)

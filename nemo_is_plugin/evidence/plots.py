@@ -81,8 +81,9 @@ def plot_is_lr_scale(result: dict, path: Path) -> Path:
         stats = result["stats"][dist["name"]]
         top, bottom = axes[0, col], axes[1, col]
         for i, level in enumerate(result["levels"]):
-            top.plot(lengths, np.maximum(stats[level]["mean"], WEIGHT_FLOOR), LEVEL_STYLE[level], color=f"C{i}",
-                     label=level)
+            top.plot(
+                lengths, np.maximum(stats[level]["mean"], WEIGHT_FLOOR), LEVEL_STYLE[level], color=f"C{i}", label=level
+            )
             bottom.plot(lengths, stats[level]["ess_fraction"], LEVEL_STYLE[level], color=f"C{i}", label=level)
         tis = np.maximum(stats["sequence"]["tis_mean"], WEIGHT_FLOOR)
         top.plot(lengths, tis, "-", color="C1", lw=3, alpha=0.35, label=f"sequence, TIS at {result['tis_high']:g}")
@@ -95,8 +96,9 @@ def plot_is_lr_scale(result: dict, path: Path) -> Path:
     axes[0, 0].set_ylabel("effective LR scale = mean IS weight")
     axes[1, 0].set_ylabel("ESS fraction (sum w)^2 / (n sum w^2)")
     axes[0, 0].legend(fontsize=8, loc="lower left")
-    fig.suptitle("Effective learning-rate scale of each IS level (i.i.d. per-token Student-t mismatch, df=4)",
-                 fontsize=11)
+    fig.suptitle(
+        "Effective learning-rate scale of each IS level (i.i.d. per-token Student-t mismatch, df=4)", fontsize=11
+    )
     return _save(fig, path)
 
 
@@ -112,16 +114,31 @@ def plot_ctpo_variance(result: dict, path: Path) -> Path:
         # error bars: the relative delta-method error of the second-moment ratio, applied to the variance ratio
         rel_se = np.array(run["measured_second_moment_ratio_se"]) / np.array(run["measured_second_moment_ratio"])
         meas = np.array(run["measured_variance_ratio"])
-        ax.errorbar(t, meas, yerr=Z95 * rel_se * meas, fmt="o", ms=3, color=f"C{i}", capsize=2,
-                    label=f"measured Var(full)/Var(cum), d={run['chi2']:g}")
+        ax.errorbar(
+            t,
+            meas,
+            yerr=Z95 * rel_se * meas,
+            fmt="o",
+            ms=3,
+            color=f"C{i}",
+            capsize=2,
+            label=f"measured Var(full)/Var(cum), d={run['chi2']:g}",
+        )
         ax.plot(t, pred, "-", color=f"C{i}", label=f"(1+d)^(H-t), d={run['chi2']:g}")
-        ax.plot(t, run["predicted_variance_ratio"], ":", color=f"C{i}", lw=1,
-                label="exact variance ratio (incl. squared mean)" if i == len(runs) - 1 else None)
+        ax.plot(
+            t,
+            run["predicted_variance_ratio"],
+            ":",
+            color=f"C{i}",
+            lw=1,
+            label="exact variance ratio (incl. squared mean)" if i == len(runs) - 1 else None,
+        )
     ax.set_yscale("log")
     ax.set_xlabel("token position t")
     ax.set_ylabel("Var(full-sequence) / Var(cumulative)")
-    ax.set_title(f"Full-sequence vs cumulative ratio, H={runs[0]['horizon']}, N={runs[0]['num_samples']:,}",
-                 fontsize=10)
+    ax.set_title(
+        f"Full-sequence vs cumulative ratio, H={runs[0]['horizon']}, N={runs[0]['num_samples']:,}", fontsize=10
+    )
     ax.legend(fontsize=8)
 
     run = runs[-1]
@@ -140,8 +157,16 @@ def plot_ctpo_variance(result: dict, path: Path) -> Path:
     ax = axes[2]
     for key, color, marker in (("cumulative", "C0", "o"), ("full", "C3", "x")):
         z = np.array(run[f"z_{key}"])
-        ax.plot(np.repeat(t, z.shape[1]), z.ravel(), marker, ms=3, color=color, ls="none", alpha=0.6,
-                label=f"{key}: max |z| = {np.abs(z).max():.2f}")
+        ax.plot(
+            np.repeat(t, z.shape[1]),
+            z.ravel(),
+            marker,
+            ms=3,
+            color=color,
+            ls="none",
+            alpha=0.6,
+            label=f"{key}: max |z| = {np.abs(z).max():.2f}",
+        )
     for y in (-Z95, Z95):
         ax.axhline(y, color="grey", ls="--", lw=0.8)
     ax.set_xlabel("token position t")
@@ -171,8 +196,16 @@ def plot_kl_gradient_bias(result: dict, path: Path) -> Path:
             p = f"= {v['p_value']:.2g}" if v["p_value"] > 1e-300 else "< 1e-300"
             # one colour per estimator across panels: k1, k2, k3, straight-through (value k3, gradient k2)
             color = "C3" if v["straight_through"] else f"C{int(v['kl_type'][1]) - 1}"
-            ax.errorbar(x, mean, yerr=Z95 * se, fmt="o", ms=4, capsize=2, color=color,
-                        label=f"{name}: max |z| = {v['max_abs_z']:.1f}, p {p}")
+            ax.errorbar(
+                x,
+                mean,
+                yerr=Z95 * se,
+                fmt="o",
+                ms=4,
+                capsize=2,
+                color=color,
+                label=f"{name}: max |z| = {v['max_abs_z']:.1f}, p {p}",
+            )
         ax.hlines(exact, np.arange(k) - 0.45, np.arange(k) + 0.45, colors="k", lw=2, label="exact grad KL")
         ax.axhline(0, color="grey", lw=0.6)
         ax.set_xticks(np.arange(k), [f"theta_{i}" for i in range(k)])

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -54,8 +54,8 @@ def run_evidence(
     *,
     quick: bool = False,
     seed: int = 0,
-    only: Optional[Sequence[str]] = None,
-    progress: Optional[Callable[[str], None]] = None,
+    only: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Run the selected experiments (all by default), write the figures and ``evidence_numbers.json``.
 
@@ -72,8 +72,13 @@ def run_evidence(
     out_dir.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda _msg: None)
     results: dict = {
-        "meta": {"seed": seed, "quick": quick, "sizes": asdict(sizes), "torch": torch.__version__,
-                 "python": platform.python_version()},
+        "meta": {
+            "seed": seed,
+            "quick": quick,
+            "sizes": asdict(sizes),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
     }
     files = []
     if "is_collapse" in names:

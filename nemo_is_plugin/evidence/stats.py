@@ -40,9 +40,7 @@ def mean_estimate(samples: torch.Tensor) -> MeanEstimate:
     """Mean and standard error over the first dimension. samples: Float[N, *shape] -> MeanEstimate[*shape]."""
     x = samples.detach().double()
     n = x.shape[0]
-    return MeanEstimate(
-        mean=x.mean(0).cpu().numpy(), se=(x.std(0, unbiased=True) / math.sqrt(n)).cpu().numpy(), n=n
-    )
+    return MeanEstimate(mean=x.mean(0).cpu().numpy(), se=(x.std(0, unbiased=True) / math.sqrt(n)).cpu().numpy(), n=n)
 
 
 def chi2_sf(stat: float, dof: int) -> float:

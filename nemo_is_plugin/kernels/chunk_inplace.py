@@ -21,14 +21,12 @@ Shapes: ``z`` fp32/fp64 ``[n, v]`` (overwritten), per-token vectors ``[n]``, ``s
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials
 
 
-def _scratch_rows(scratch: Optional[torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+def _scratch_rows(scratch: torch.Tensor | None, z: torch.Tensor) -> torch.Tensor:
     """The first ``n`` rows of ``scratch``, checked to match ``z [n, v]`` (``out=`` would silently resize them)."""
     if scratch is None or scratch.shape[1:] != z.shape[1:] or scratch.shape[0] < z.shape[0] or scratch.dtype != z.dtype:
         got = None if scratch is None else (tuple(scratch.shape), scratch.dtype)
@@ -48,7 +46,7 @@ def chunk_partials_(
     local_target: torch.Tensor,
     owned: torch.Tensor,
     with_entropy: bool,
-    scratch: Optional[torch.Tensor] = None,
+    scratch: torch.Tensor | None = None,
 ) -> SoftmaxPartials:
     """Softmax partials of one chunk (``max``, ``sum exp(z-m)``, target logit, ``sum exp(z-m)(z-m)``); destroys ``z``.
 
@@ -72,10 +70,10 @@ def logits_grad_(
     local_target: torch.Tensor,
     owned: torch.Tensor,
     lse: torch.Tensor,
-    grad_logprob: Optional[torch.Tensor],
-    entropy: Optional[torch.Tensor] = None,
-    grad_entropy: Optional[torch.Tensor] = None,
-    scratch: Optional[torch.Tensor] = None,
+    grad_logprob: torch.Tensor | None,
+    entropy: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
     scale: float = 1.0,
 ) -> torch.Tensor:
     """dL/dz of one chunk times ``scale``, ``s (g (onehot - p) - h p (log p + H))``, written into ``z`` (returned).
@@ -101,7 +99,7 @@ def logits_grad_(
 
 def softmax_grad_from_exp_(
     e: torch.Tensor,
-    scale: Optional[torch.Tensor],
+    scale: torch.Tensor | None,
     local_target: torch.Tensor,
     owned: torch.Tensor,
     grad_logprob: torch.Tensor,

@@ -22,7 +22,6 @@ Backends:
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 
@@ -31,7 +30,7 @@ from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, logits_grad_, 
 from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials
 
 BACKENDS = ("auto", "torch", "triton")
-_triton_failure: Optional[str] = None  # set once a kernel failed under "auto": torch from then on
+_triton_failure: str | None = None  # set once a kernel failed under "auto": torch from then on
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -72,14 +71,24 @@ class ChunkMath:
         rows, cols: the largest chunk (``[rows, cols]``), for the torch backend's workspaces.
     """
 
-    def __init__(self, backend: str, z_dtype: torch.dtype, acc: torch.dtype, device: torch.device, rows: int,
-                 cols: int, *, with_entropy: bool = False, fallback: bool = False):
+    def __init__(
+        self,
+        backend: str,
+        z_dtype: torch.dtype,
+        acc: torch.dtype,
+        device: torch.device,
+        rows: int,
+        cols: int,
+        *,
+        with_entropy: bool = False,
+        fallback: bool = False,
+    ):
         self.backend, self.fallback = backend, fallback
         self.z_dtype, self.acc, self.device = z_dtype, acc, device
         self.rows, self.cols, self.with_entropy = rows, cols, with_entropy
-        self._work: Optional[torch.Tensor] = None
-        self._scratch: Optional[torch.Tensor] = None
-        self._exp: Optional[torch.Tensor] = None  # torch single pass: exp(z - m) of the last chunk's pass 1
+        self._work: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None
+        self._exp: torch.Tensor | None = None  # torch single pass: exp(z - m) of the last chunk's pass 1
 
     # ------------------------------------------------------------------------------------------- workspaces
     @staticmethod
@@ -99,7 +108,7 @@ class ChunkMath:
             self._scratch = torch.empty(self.rows, self.cols, dtype=self.acc, device=self.device)
         return self._scratch
 
-    def _fp_view(self, z: torch.Tensor, in_scale: float, dest: Optional[torch.Tensor]) -> torch.Tensor:
+    def _fp_view(self, z: torch.Tensor, in_scale: float, dest: torch.Tensor | None) -> torch.Tensor:
         """``z * in_scale`` in the accumulation dtype, in ``dest`` (which may be ``z``) when its dtype allows, else
         in the workspace."""
         if dest is not None and dest.dtype == self.acc:
@@ -125,8 +134,17 @@ class ChunkMath:
             return None
 
     # ------------------------------------------------------------------------------------------- pass 1
-    def partials(self, z: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, target_column: torch.Tensor,
-                 in_scale: float, out: Optional[SoftmaxPartials] = None, *, writable: bool = True) -> SoftmaxPartials:
+    def partials(
+        self,
+        z: torch.Tensor,
+        local_target: torch.Tensor,
+        owned: torch.Tensor,
+        target_column: torch.Tensor,
+        in_scale: float,
+        out: SoftmaxPartials | None = None,
+        *,
+        writable: bool = True,
+    ) -> SoftmaxPartials:
         """Softmax partials ``[n]`` of ``z * in_scale``, written into ``out`` when given. With ``writable`` the
         torch backend computes in ``z`` when it is in the accumulation dtype (destroying it); else in a workspace."""
         if self.backend == "triton":
@@ -148,40 +166,80 @@ class ChunkMath:
         return out
 
     # ------------------------------------------------------------------------------------------- pass 2
-    def single_pass_grad(self, z: torch.Tensor, local: SoftmaxPartials, lse: torch.Tensor, local_target: torch.Tensor,
-                         owned: torch.Tensor, target_column: torch.Tensor, grad_logprob: torch.Tensor,
-                         in_scale: float, out_scale: float) -> torch.Tensor:
+    def single_pass_grad(
+        self,
+        z: torch.Tensor,
+        local: SoftmaxPartials,
+        lse: torch.Tensor,
+        local_target: torch.Tensor,
+        owned: torch.Tensor,
+        target_column: torch.Tensor,
+        grad_logprob: torch.Tensor,
+        in_scale: float,
+        out_scale: float,
+    ) -> torch.Tensor:
         """``out_scale g (onehot - p)`` in ``z``'s buffer (returned), right after :meth:`partials` of this chunk.
 
         ``local`` are this shard's partials (the torch backend turns ``exp(z - m)`` into ``p`` with
         ``exp(m - lse)``); ``lse`` the TP-global one."""
         if self.backend == "triton":
-            done = self._triton(tk.triton_logits_grad, z, z, target_column, lse, grad_logprob, None, None,
-                                in_scale, out_scale)
+            done = self._triton(
+                tk.triton_logits_grad, z, z, target_column, lse, grad_logprob, None, None, in_scale, out_scale
+            )
             if done is not None:
                 return done
         if self._exp is None:  # a triton pass 1 preceded this (fallback mid-chunk): recompute from the logits
-            return self.logits_grad(z, z, local_target, owned, target_column, lse, grad_logprob, None, None,
-                                    in_scale, out_scale)
+            return self.logits_grad(
+                z, z, local_target, owned, target_column, lse, grad_logprob, None, None, in_scale, out_scale
+            )
         e, self._exp = self._exp, None
         grad = softmax_grad_from_exp_(e, torch.exp(local.max - lse), local_target, owned, grad_logprob, out_scale)
         return grad if grad.data_ptr() == z.data_ptr() else z.copy_(grad)
 
-    def logits_grad(self, z: torch.Tensor, out: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor,
-                    target_column: torch.Tensor, lse: torch.Tensor, grad_logprob: Optional[torch.Tensor],
-                    entropy: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], in_scale: float,
-                    out_scale: float) -> torch.Tensor:
+    def logits_grad(
+        self,
+        z: torch.Tensor,
+        out: torch.Tensor,
+        local_target: torch.Tensor,
+        owned: torch.Tensor,
+        target_column: torch.Tensor,
+        lse: torch.Tensor,
+        grad_logprob: torch.Tensor | None,
+        entropy: torch.Tensor | None,
+        grad_entropy: torch.Tensor | None,
+        in_scale: float,
+        out_scale: float,
+    ) -> torch.Tensor:
         """``out = out_scale (g (onehot - p) - h p (log p + H))`` from ``z`` and the global ``lse``; ``z`` is only
         written when ``out`` is ``z``."""
         if self.backend == "triton":
-            done = self._triton(tk.triton_logits_grad, z, out, target_column, lse, grad_logprob, entropy,
-                                grad_entropy, in_scale, out_scale)
+            done = self._triton(
+                tk.triton_logits_grad,
+                z,
+                out,
+                target_column,
+                lse,
+                grad_logprob,
+                entropy,
+                grad_entropy,
+                in_scale,
+                out_scale,
+            )
             if done is not None:
                 return done
         work = self._fp_view(z, in_scale, out)
         use_h = grad_entropy is not None and entropy is not None
-        grad = logits_grad_(work, local_target, owned, lse, grad_logprob, entropy, grad_entropy,
-                            self._scratch_buf() if use_h else None, out_scale)
+        grad = logits_grad_(
+            work,
+            local_target,
+            owned,
+            lse,
+            grad_logprob,
+            entropy,
+            grad_entropy,
+            self._scratch_buf() if use_h else None,
+            out_scale,
+        )
         return out if grad.data_ptr() == out.data_ptr() else out.copy_(grad)
 
 

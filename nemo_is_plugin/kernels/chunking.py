@@ -8,7 +8,7 @@ GEMM tiles. No communication.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -30,8 +30,9 @@ def default_chunk_size(vocab_local: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES)
     return max(1, chunk_bytes // (4 * max(vocab_local, 1)))
 
 
-def device_chunk_size(vocab_local: int, device: torch.device, z_dtype: torch.dtype, backend: str,
-                      with_entropy: bool = False) -> int:
+def device_chunk_size(
+    vocab_local: int, device: torch.device, z_dtype: torch.dtype, backend: str, with_entropy: bool = False
+) -> int:
     """Tokens per chunk: CPU ``default_chunk_size`` (256 MiB of fp32 logits); GPU ``GPU_CHUNK_BYTES`` over the
     bytes one token's chunk row takes (the chunk in ``z_dtype`` plus the torch backend's workspaces)."""
     if device.type == "cpu":
@@ -50,5 +51,11 @@ def chunk_slices(n: int, chunk_size: int) -> Iterator[slice]:
         yield slice(start, min(start + chunk_size, n))
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "GPU_CHUNK_ALIGN", "GPU_CHUNK_BYTES", "chunk_slices", "default_chunk_size",
-           "device_chunk_size"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "GPU_CHUNK_ALIGN",
+    "GPU_CHUNK_BYTES",
+    "chunk_slices",
+    "default_chunk_size",
+    "device_chunk_size",
+]

@@ -24,8 +24,6 @@ Precision policy (why each dtype):
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 # Row blocks of the fallback product ``a @ b`` added into an accumulator of another dtype: bounds its temporary.
@@ -77,11 +75,11 @@ class WeightGrad:
         out: a caller's ``[V/TP, H]`` buffer the chunks are added into (its content is kept: ``out += dW``).
     """
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None):
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None):
         self.shape, self.weight_dtype, self.device = weight.shape, weight.dtype, weight.device
         self.out = out
         self.dtype = dtype if out is None else out.dtype
-        self.buf: Optional[torch.Tensor] = out
+        self.buf: torch.Tensor | None = out
 
     def add(self, dz: torch.Tensor, x_c: torch.Tensor) -> None:
         """``dW += dz^T x_c`` (``dz [n, V/TP]``, ``x_c [n, H]``, both in the compute dtype)."""
@@ -93,7 +91,7 @@ class WeightGrad:
             self.buf = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         addmm_(self.buf, a, x_c)
 
-    def result(self) -> Optional[torch.Tensor]:
+    def result(self) -> torch.Tensor | None:
         """The weight's gradient in its dtype; None when it was accumulated into ``out``."""
         if self.out is not None:
             return None
@@ -102,7 +100,7 @@ class WeightGrad:
         return self.buf.to(self.weight_dtype)
 
 
-def default_grad_weight_dtype(weight: torch.Tensor, requested: Optional[torch.dtype]) -> torch.dtype:
+def default_grad_weight_dtype(weight: torch.Tensor, requested: torch.dtype | None) -> torch.dtype:
     """The dW accumulator's dtype: ``requested``, else fp32 (fp64 for fp64) on CPU and the weight's dtype elsewhere."""
     if requested is not None:
         return requested

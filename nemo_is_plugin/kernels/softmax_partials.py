@@ -17,7 +17,7 @@ This module is pure [n] arithmetic (no [n, V] work, no communication): the chunk
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -32,7 +32,7 @@ class SoftmaxPartials(NamedTuple):
     max: torch.Tensor
     sumexp: torch.Tensor
     target: torch.Tensor
-    sum_zexp: Optional[torch.Tensor]
+    sum_zexp: torch.Tensor | None
 
 
 def empty_partials(n: int, with_entropy: bool, like: torch.Tensor) -> SoftmaxPartials:
@@ -57,7 +57,7 @@ def merge_partials(a: SoftmaxPartials, b: SoftmaxPartials) -> SoftmaxPartials:
     return SoftmaxPartials(m, a.sumexp + b.sumexp, a.target + b.target, sum_zexp)
 
 
-def finalize_partials(p: SoftmaxPartials) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def finalize_partials(p: SoftmaxPartials) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Global partials -> (log p(target) ``[n]``, lse ``[n]``, entropy ``[n]`` or None)."""
     log_s = p.sumexp.log()
     lse = p.max + log_s

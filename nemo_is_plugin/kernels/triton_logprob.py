@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -82,8 +81,17 @@ if triton is not None:
 
     @triton.jit
     def _partials_kernel(
-        Z, stride_z, TGT, M_OUT, S_OUT, T_OUT, Q_OUT, n_cols, in_scale,
-        WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+        Z,
+        stride_z,
+        TGT,
+        M_OUT,
+        S_OUT,
+        T_OUT,
+        Q_OUT,
+        n_cols,
+        in_scale,
+        WITH_ENTROPY: tl.constexpr,
+        BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         base = Z + row * stride_z
@@ -113,8 +121,21 @@ if triton is not None:
 
     @triton.jit
     def _logits_grad_kernel(
-        Z, stride_z, OUT, stride_out, TGT, LSE, G, ENT, HG, n_cols, in_scale, out_scale,
-        HAS_G: tl.constexpr, HAS_H: tl.constexpr, BLOCK_V: tl.constexpr,
+        Z,
+        stride_z,
+        OUT,
+        stride_out,
+        TGT,
+        LSE,
+        G,
+        ENT,
+        HG,
+        n_cols,
+        in_scale,
+        out_scale,
+        HAS_G: tl.constexpr,
+        HAS_H: tl.constexpr,
+        BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -157,8 +178,18 @@ def triton_partials(
     q_out = out.sum_zexp if with_entropy else out.max  # a valid pointer when WITH_ENTROPY is off
     block, warps = BLOCKS.partials_launch(v, with_entropy)
     _partials_kernel[(n,)](
-        z, z.stride(0), target_column.contiguous(), out.max, out.sumexp, out.target, q_out, v, float(in_scale),
-        WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
+        z,
+        z.stride(0),
+        target_column.contiguous(),
+        out.max,
+        out.sumexp,
+        out.target,
+        q_out,
+        v,
+        float(in_scale),
+        WITH_ENTROPY=with_entropy,
+        BLOCK_V=block,
+        num_warps=warps,
     )
     return out
 
@@ -168,9 +199,9 @@ def triton_logits_grad(
     out: torch.Tensor,
     target_column: torch.Tensor,
     lse: torch.Tensor,
-    grad_logprob: Optional[torch.Tensor],
-    entropy: Optional[torch.Tensor],
-    grad_entropy: Optional[torch.Tensor],
+    grad_logprob: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
     in_scale: float,
     out_scale: float,
 ) -> torch.Tensor:
@@ -188,12 +219,32 @@ def triton_logits_grad(
     ent, h = (entropy.contiguous(), grad_entropy.contiguous()) if has_h else (lse, lse)
     block = BLOCKS.grad_block_v
     _logits_grad_kernel[(n, triton.cdiv(v, block))](
-        z, z.stride(0), out, out.stride(0), target_column, lse, g, ent, h,
-        v, float(in_scale), float(out_scale),
-        HAS_G=has_g, HAS_H=has_h, BLOCK_V=block, num_warps=BLOCKS.grad_warps,
+        z,
+        z.stride(0),
+        out,
+        out.stride(0),
+        target_column,
+        lse,
+        g,
+        ent,
+        h,
+        v,
+        float(in_scale),
+        float(out_scale),
+        HAS_G=has_g,
+        HAS_H=has_h,
+        BLOCK_V=block,
+        num_warps=BLOCKS.grad_warps,
     )
     return out
 
 
-__all__ = ["BLOCKS", "TRITON_DTYPES", "ChunkLayoutError", "TritonBlocks", "triton_logits_grad", "triton_partials",
-           "triton_usable"]
+__all__ = [
+    "BLOCKS",
+    "TRITON_DTYPES",
+    "ChunkLayoutError",
+    "TritonBlocks",
+    "triton_logits_grad",
+    "triton_partials",
+    "triton_usable",
+]

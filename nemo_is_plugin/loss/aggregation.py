@@ -18,8 +18,6 @@ seq-mean-token-sum-norm  sum_i s_i [sum_t tm x / norm] / (N_seq + eps)          
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from nemo_is_plugin.loss.layout import TokenLayout
@@ -37,7 +35,7 @@ def aggregate(
     mode: str,
     global_valid_toks: torch.Tensor | float,
     global_valid_seqs: torch.Tensor | float,
-    norm: Optional[float] = None,
+    norm: float | None = None,
 ) -> torch.Tensor:
     """Aggregate per-token values x (Float[*T]) into a 0-d loss.
 

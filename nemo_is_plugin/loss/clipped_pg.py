@@ -13,8 +13,9 @@ With every plugin field unset this reproduces NeMo-RL's ClippedPGLossFn (commit 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 
@@ -49,18 +50,18 @@ class LossInputs:
     """
 
     curr_logprobs: torch.Tensor
-    prev_logprobs: Optional[torch.Tensor]
+    prev_logprobs: torch.Tensor | None
     generation_logprobs: torch.Tensor
-    reference_logprobs: Optional[torch.Tensor]
+    reference_logprobs: torch.Tensor | None
     advantages: torch.Tensor
     token_mask: torch.Tensor
     sample_mask: torch.Tensor
     global_valid_seqs: torch.Tensor | float
     global_valid_toks: torch.Tensor | float
-    rewards: Optional[torch.Tensor] = None
+    rewards: torch.Tensor | None = None
     # NeMo-RL's current log-probs without top-k / top-p filtering (same shape as curr_logprobs, requires grad): the
     # KL penalty and its weight use them when present.
-    curr_logprobs_unfiltered: Optional[torch.Tensor] = None
+    curr_logprobs_unfiltered: torch.Tensor | None = None
 
     @classmethod
     def from_tokens(
@@ -70,7 +71,7 @@ class LossInputs:
         data: Mapping[str, torch.Tensor],
         global_valid_seqs: torch.Tensor | float,
         global_valid_toks: torch.Tensor | float,
-    ) -> "LossInputs":
+    ) -> LossInputs:
         """Build from token tensors under NeMo-RL's keys (``tokens``, already aligned with ``curr_logprobs``, optionally
         ``curr_logprobs_unfiltered``) and the per-sequence entries of ``data`` (``sample_mask``, optional
         ``rewards``)."""
@@ -109,7 +110,7 @@ class ClippedPGLoss:
         global_valid_seqs: torch.Tensor | float,
         global_valid_toks: torch.Tensor | float,
         *,
-        layout: Optional[TokenLayout] = None,
+        layout: TokenLayout | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         return self.compute(*self.prepare(next_token_logprobs, data, global_valid_seqs, global_valid_toks, layout))
@@ -120,12 +121,15 @@ class ClippedPGLoss:
         data: Mapping[str, torch.Tensor],
         global_valid_seqs: torch.Tensor | float,
         global_valid_toks: torch.Tensor | float,
-        layout: Optional[TokenLayout] = None,
-    ) -> tuple["LossInputs", TokenLayout]:
+        layout: TokenLayout | None = None,
+    ) -> tuple[LossInputs, TokenLayout]:
         """Validate a NeMo-RL call's arguments and align them: ``[B, S]`` data -> ``[B, S-1]`` token tensors."""
         cfg = self.config
         validate_loss_inputs(
-            next_token_logprobs, data, global_valid_seqs, global_valid_toks,
+            next_token_logprobs,
+            data,
+            global_valid_seqs,
+            global_valid_toks,
             num_seqs=None if layout is None else layout.num_seqs,
             needs_prev=not cfg.force_on_policy_ratio and not cfg.bypasses_prev,
             needs_generation=True,
@@ -143,8 +147,12 @@ class ClippedPGLoss:
 
     # ------------------------------------------------------------------ the loss on aligned token tensors
     def compute(
-        self, inputs: LossInputs, layout: TokenLayout, *, is_correction: Optional[ISCorrection] = None,
-        extra_metric_sums: Optional[Mapping[str, torch.Tensor]] = None,
+        self,
+        inputs: LossInputs,
+        layout: TokenLayout,
+        *,
+        is_correction: ISCorrection | None = None,
+        extra_metric_sums: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss and metrics of aligned token tensors.
 
@@ -170,7 +178,13 @@ class ClippedPGLoss:
         n_seq = _as_scalar(inputs.global_valid_seqs, dtype, c.device)
         agg = cfg.effective_loss_aggregation
         reduce = lambda x: aggregate(  # noqa: E731
-            x, tm, sm, layout, mode=agg, global_valid_toks=n_tok, global_valid_seqs=n_seq,
+            x,
+            tm,
+            sm,
+            layout,
+            mode=agg,
+            global_valid_toks=n_tok,
+            global_valid_seqs=n_seq,
             norm=cfg.loss_aggregation_norm,
         )
         book = MetricBook(layout, valid, n_tok, n_seq)
@@ -218,7 +232,10 @@ class ClippedPGLoss:
         # NeMo-RL reports the truncated weights even when the correction is not applied to the loss.
         w_metric = corr.weights if cfg.use_importance_sampling_correction else corr.raw_weights
         book.importance_weights(
-            corr, w_metric, trunc, sample_mask=sm,
+            corr,
+            w_metric,
+            trunc,
+            sample_mask=sm,
             legacy_gspo=cfg.sequence_level_importance_ratios and cfg.is_correction_level is None,
         )
         book.add_replicated_scalar("num_valid_samples", sm.sum().double())
@@ -232,11 +249,17 @@ class ClippedPGLoss:
         book.rejection_rules(corr, sm)
         # What the tolerant input mode computed as given (see input_validation.py); the plugin's own mismatch metrics
         # skip tokens whose generation log-prob is not finite (NeMo-RL's names above keep NeMo-RL's inf / NaN).
-        nonfinite, positive = input_anomalies(valid, inputs.generation_logprobs, {
-            "curr": c_in, "unfiltered": inputs.curr_logprobs_unfiltered if beta != 0 else None,
-            "prev": None if cfg.force_on_policy_ratio or cfg.bypasses_prev else inputs.prev_logprobs,
-            "generation": inputs.generation_logprobs, "reference": inputs.reference_logprobs if beta != 0 else None,
-        })
+        nonfinite, positive = input_anomalies(
+            valid,
+            inputs.generation_logprobs,
+            {
+                "curr": c_in,
+                "unfiltered": inputs.curr_logprobs_unfiltered if beta != 0 else None,
+                "prev": None if cfg.force_on_policy_ratio or cfg.bypasses_prev else inputs.prev_logprobs,
+                "generation": inputs.generation_logprobs,
+                "reference": inputs.reference_logprobs if beta != 0 else None,
+            },
+        )
         book.token_mean("input_nonfinite_generation_fraction", nonfinite)
         book.token_mean("input_positive_logprob_fraction", positive)
         book.mismatch(p_is, g, tm * torch.isfinite(g).to(dtype), sm)
@@ -252,8 +275,12 @@ class ClippedPGLoss:
         cfg = self.config
         w_kl = exp_or_zero(c - g) if cfg.use_on_policy_kl_approximation else score_function_weight(c)
         return kl_penalty(
-            c, ref, kl_type=cfg.reference_policy_kl_type,
-            input_clamp=cfg.kl_input_clamp_value, output_clamp=cfg.kl_output_clamp_value, weights=w_kl,
+            c,
+            ref,
+            kl_type=cfg.reference_policy_kl_type,
+            input_clamp=cfg.kl_input_clamp_value,
+            output_clamp=cfg.kl_output_clamp_value,
+            weights=w_kl,
             straight_through_k2=cfg.reference_policy_kl_gradient == "k2",
         )
 
@@ -269,8 +296,13 @@ class ClippedPGLoss:
             log_r = c - c.detach()
         else:
             log_r = policy_log_ratio(
-                cfg.effective_ratio_level, c, p, tm, layout,
-                token_clamp=cfg.token_log_ratio_clamp, max_log_ratio=cfg.max_log_ratio,
+                cfg.effective_ratio_level,
+                c,
+                p,
+                tm,
+                layout,
+                token_clamp=cfg.token_log_ratio_clamp,
+                max_log_ratio=cfg.max_log_ratio,
             )
         return self.clipped_surrogate(log_r, c, adv, positions)
 
@@ -281,8 +313,13 @@ class ClippedPGLoss:
             return cispo_surrogate(log_r, c, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max)
         if cfg.uses_log_space_clip:
             return log_space_clip_surrogate(
-                log_r, adv, positions, eps_low=cfg.log_ratio_clip_low,
-                eps_high=cfg.log_ratio_clip_high, eps_c=cfg.log_ratio_clip_c, power=cfg.clip_position_power,
+                log_r,
+                adv,
+                positions,
+                eps_low=cfg.log_ratio_clip_low,
+                eps_high=cfg.log_ratio_clip_high,
+                eps_c=cfg.log_ratio_clip_c,
+                power=cfg.clip_position_power,
             )
         return ratio_clip_surrogate(
             log_r, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max, dual_clip=cfg.ratio_clip_c
@@ -338,8 +375,10 @@ def own_section(section: Mapping[str, Any], cls: type) -> dict[str, Any]:
     name, rest = split_name(section)
     factory = get_loss(name)  # UnknownLossError (a ConfigError) lists the registered names
     if factory is not cls:
-        raise ConfigError(f"loss_fn.name={name!r} is registered to {factory!r}, not {cls.__name__}; build it with "
-                          "nemo_is_plugin.registry.build_loss(section), or remove the name")
+        raise ConfigError(
+            f"loss_fn.name={name!r} is registered to {factory!r}, not {cls.__name__}; build it with "
+            "nemo_is_plugin.registry.build_loss(section), or remove the name"
+        )
     return rest
 
 

@@ -9,8 +9,8 @@ Two code paths, chosen by whether the IS level was set explicitly:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -43,10 +43,10 @@ class ISCorrection:
     log_weights: torch.Tensor
     out_of_band: torch.Tensor
     rejected: torch.Tensor
-    seq_out_of_band: Optional[torch.Tensor]
+    seq_out_of_band: torch.Tensor | None
     batch_norm_factor: torch.Tensor
     rules: tuple[RuleOutcome, ...] = ()
-    rules_keep: Optional[torch.Tensor] = None
+    rules_keep: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -60,14 +60,14 @@ def compute_is_correction(
     level: str,
     legacy: bool,
     apply_weights: bool,
-    truncation: Optional[str],
-    low: Optional[float],
-    high: Optional[float],
-    veto_threshold: Optional[float],
+    truncation: str | None,
+    low: float | None,
+    high: float | None,
+    veto_threshold: float | None,
     batch_normalize: bool,
-    rejection: Optional[str] = None,
-    rejection_low: Optional[float] = None,
-    rejection_high: Optional[float] = None,
+    rejection: str | None = None,
+    rejection_low: float | None = None,
+    rejection_high: float | None = None,
     rules: Sequence[RuleSpec] = (),
 ) -> ISCorrection:
     """Compute the IS weights of a batch.

@@ -1,9 +1,9 @@
 """Closed-form derivatives w.r.t. the current log-prob ``c`` of the per-token loss pieces (surrogates, KL penalty).
 
-Each function mirrors its twin in :mod:`nemo_is_plugin.loss.surrogate` / :mod:`nemo_is_plugin.loss.kl` op by op and carries a
-:class:`Dual` ``(value, d value / d c)`` through the same expressions (forward-mode differentiation written out), so
-the values that decide a branch (which side of a clip, which loss is larger) are bit-identical to the loss's, and
-each kink follows autograd's convention exactly:
+Each function mirrors its twin in :mod:`nemo_is_plugin.loss.surrogate` / :mod:`nemo_is_plugin.loss.kl` op by op and
+carries a :class:`Dual` ``(value, d value / d c)`` through the same expressions (forward-mode differentiation written
+out), so the values that decide a branch (which side of a clip, which loss is larger) are bit-identical to the loss's,
+and each kink follows autograd's convention exactly:
 
 - ``clamp``: the derivative passes on the closed interval ``lo <= x <= hi`` (boundaries included);
 - ``maximum(a, b)`` / ``minimum(a, b)``: the larger (smaller) side takes it; on a tie each side takes half;
@@ -24,7 +24,7 @@ All tensors are ``[n]`` (one chunk's tokens), in the loss arithmetic's dtype (fp
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -41,7 +41,7 @@ def d_exp(x: Dual) -> Dual:
     return Dual(e, e * x.d)
 
 
-def d_clamp(x: Dual, lo: Optional[float] = None, hi: Optional[float] = None) -> Dual:
+def d_clamp(x: Dual, lo: float | None = None, hi: float | None = None) -> Dual:
     """``x.clamp(lo, hi)``; at least one bound is given."""
     if lo is None:
         keep = x.v <= hi
@@ -77,8 +77,7 @@ def d_neg_mul(a: torch.Tensor, x: Dual) -> Dual:
 
 
 # ------------------------------------------------------------------------------------------------ policy log-ratio
-def token_log_ratio_d(c: torch.Tensor, prev: torch.Tensor, clamp: Optional[float],
-                      max_log_ratio: Optional[float]) -> Dual:
+def token_log_ratio_d(c: torch.Tensor, prev: torch.Tensor, clamp: float | None, max_log_ratio: float | None) -> Dual:
     """``ratios.policy_log_ratio`` at the token level: ``clamp(c - p, +-clamp)`` capped at ``max_log_ratio``."""
     x = Dual(c - prev, torch.ones_like(c))
     if clamp is not None:
@@ -86,7 +85,7 @@ def token_log_ratio_d(c: torch.Tensor, prev: torch.Tensor, clamp: Optional[float
     return x if max_log_ratio is None else d_clamp(x, None, max_log_ratio)
 
 
-def straight_through_log_ratio_d(anchor: torch.Tensor, c: torch.Tensor, max_log_ratio: Optional[float]) -> Dual:
+def straight_through_log_ratio_d(anchor: torch.Tensor, c: torch.Tensor, max_log_ratio: float | None) -> Dual:
     """``ratios.straight_through_log_ratio``: value ``anchor + c - sg[c]``, derivative 1, capped."""
     x = Dual(anchor + c - c, torch.ones_like(c))
     return x if max_log_ratio is None else d_clamp(x, None, max_log_ratio)
@@ -102,16 +101,25 @@ def dual_clip_d(loss: Dual, adv: torch.Tensor, cap) -> Dual:
     return Dual(torch.where(neg, capped.v, loss.v), torch.where(neg, capped.d, loss.d))
 
 
-def ratio_clip_d(log_ratio: Dual, adv: torch.Tensor, *, clip_low: float, clip_high: float,
-                 dual_clip: Optional[float]) -> Dual:
+def ratio_clip_d(
+    log_ratio: Dual, adv: torch.Tensor, *, clip_low: float, clip_high: float, dual_clip: float | None
+) -> Dual:
     """``surrogate.ratio_clip_surrogate``'s loss."""
     ratio = d_exp(log_ratio)
     clipped = d_clamp(ratio, 1 - clip_low, 1 + clip_high)
     return dual_clip_d(d_maximum(d_neg_mul(adv, ratio), d_neg_mul(adv, clipped)), adv, dual_clip)
 
 
-def log_space_clip_d(log_ratio: Dual, adv: torch.Tensor, positions: torch.Tensor, *, eps_low: float,
-                     eps_high: float, eps_c: Optional[float], power: float) -> Dual:
+def log_space_clip_d(
+    log_ratio: Dual,
+    adv: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    eps_c: float | None,
+    power: float,
+) -> Dual:
     """``surrogate.log_space_clip_surrogate``'s loss."""
     scale = positions.to(log_ratio.v.dtype) ** power if power != 0 else torch.ones_like(log_ratio.v)
     lo, hi = -eps_low * scale, eps_high * scale
@@ -126,7 +134,7 @@ def cispo_d(log_ratio: Dual, adv: torch.Tensor, *, clip_low: float, clip_high: f
     return -adv * torch.exp(log_ratio.v).clamp(1 - clip_low, 1 + clip_high)
 
 
-def reinforce_d(c: torch.Tensor, adv: torch.Tensor, *, dual_clip: Optional[float]) -> torch.Tensor:
+def reinforce_d(c: torch.Tensor, adv: torch.Tensor, *, dual_clip: float | None) -> torch.Tensor:
     """Derivative of ``surrogate.reinforce_surrogate``'s loss ``-A c`` (dual clip included)."""
     return dual_clip_d(d_neg_mul(adv, Dual(c, torch.ones_like(c))), adv, dual_clip).d
 
@@ -157,8 +165,16 @@ def exp_or_zero_d(log_w: torch.Tensor) -> Dual:
     return Dual(value, value)
 
 
-def kl_penalty_d(c: torch.Tensor, ref: torch.Tensor, weight: Dual, *, kl_type: str, input_clamp: Optional[float],
-                 output_clamp: Optional[float], straight_through_k2: bool) -> torch.Tensor:
+def kl_penalty_d(
+    c: torch.Tensor,
+    ref: torch.Tensor,
+    weight: Dual,
+    *,
+    kl_type: str,
+    input_clamp: float | None,
+    output_clamp: float | None,
+    straight_through_k2: bool,
+) -> torch.Tensor:
     """Derivative of ``kl.kl_penalty(c, ref, weights=w)`` w.r.t. ``c``."""
     logr = Dual(ref - c, torch.full_like(c, -1.0))
     w = weight
@@ -177,7 +193,20 @@ def kl_penalty_d(c: torch.Tensor, ref: torch.Tensor, weight: Dual, *, kl_type: s
 
 
 __all__ = [
-    "Dual", "cispo_d", "d_clamp", "d_exp", "d_maximum", "d_maximum_const", "d_minimum_const", "dual_clip_d",
-    "exp_or_zero_d", "kl_penalty_d", "log_space_clip_d", "ratio_clip_d", "reinforce_d", "score_function_weight_d",
-    "straight_through_log_ratio_d", "token_log_ratio_d",
+    "Dual",
+    "cispo_d",
+    "d_clamp",
+    "d_exp",
+    "d_maximum",
+    "d_maximum_const",
+    "d_minimum_const",
+    "dual_clip_d",
+    "exp_or_zero_d",
+    "kl_penalty_d",
+    "log_space_clip_d",
+    "ratio_clip_d",
+    "reinforce_d",
+    "score_function_weight_d",
+    "straight_through_log_ratio_d",
+    "token_log_ratio_d",
 ]

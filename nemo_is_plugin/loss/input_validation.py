@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -83,7 +83,7 @@ def validate_loss_inputs(
     global_valid_seqs: Any,
     global_valid_toks: Any,
     *,
-    num_seqs: Optional[int] = None,
+    num_seqs: int | None = None,
     needs_prev: bool,
     needs_generation: bool,
     needs_reference: bool,
@@ -126,8 +126,11 @@ def validate_loss_inputs(
             "tokens (skip the loss call for an empty micro-batch)"
         )
     # every [B, S] data tensor as wide as the log-probs: the log-probs, not the data, are one column too wide
-    token_shapes = {tuple(data[k].shape) for k in ("token_mask", "advantages", *_LOGPROB_KEYS)
-                    if isinstance(data.get(k), torch.Tensor)}
+    token_shapes = {
+        tuple(data[k].shape)
+        for k in ("token_mask", "advantages", *_LOGPROB_KEYS)
+        if isinstance(data.get(k), torch.Tensor)
+    }
     if token_shapes == {(batch, s_minus_1)}:
         raise ValueError(
             f"next_token_logprobs has shape {_shape(x)}, the shape of the [B, S] data tensors; the log-probs must "
@@ -140,8 +143,11 @@ def validate_loss_inputs(
     if needs_rewards and strict:
         needed.add("rewards")
     elif needs_rewards and "rewards" not in data:
-        warn_once("rewards", "positive_example_nll_weight > 0 but data has no 'rewards': the positive-example NLL term "
-                  "is skipped, as NeMo-RL does (set strict_input_checks: true to make this an error)")
+        warn_once(
+            "rewards",
+            "positive_example_nll_weight > 0 but data has no 'rewards': the positive-example NLL term "
+            "is skipped, as NeMo-RL does (set strict_input_checks: true to make this an error)",
+        )
     read_rewards = needs_rewards and "rewards" in data
     missing = sorted(k for k in needed if k not in data)
     if missing:
@@ -268,8 +274,11 @@ def _check_values(checks: list[tuple[str, torch.Tensor, str]]) -> None:
         mx, mn = v
         if kind == "compared":
             if mx != mx or mx == float("inf") or mn == float("-inf"):
-                warn_once(f"nonfinite {name}", f"{name} holds NaN or inf; only 'reward > 0' is read from it (NaN "
-                          "is not positive), as in NeMo-RL (set strict_input_checks: true to make this an error)")
+                warn_once(
+                    f"nonfinite {name}",
+                    f"{name} holds NaN or inf; only 'reward > 0' is read from it (NaN "
+                    "is not positive), as in NeMo-RL (set strict_input_checks: true to make this an error)",
+                )
             continue
         if mx != mx or mx == float("inf") or mn == float("-inf"):
             nonfinite = ~torch.isfinite(t)
@@ -296,7 +305,7 @@ def warn_once(key: str, message: str) -> None:
 
 @torch.no_grad()
 def input_anomalies(
-    valid: torch.Tensor, generation: torch.Tensor, logprobs: Mapping[str, Optional[torch.Tensor]]
+    valid: torch.Tensor, generation: torch.Tensor, logprobs: Mapping[str, torch.Tensor | None]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Indicators (Float[*T], on the inputs' device, no host sync) of what the tolerant mode computes as given.
 
@@ -335,8 +344,9 @@ def warn_input_anomalies(metrics: Mapping[str, float]) -> None:
     """One warning per kind and process when the metrics of :func:`input_anomalies` are non-zero."""
     for name, (key, meaning) in ANOMALY_METRICS.items():
         if metrics.get(name, 0.0) > 0:
-            warn_once(key, f"{meaning} (metric {name} = {metrics[name]:.3g}); set strict_input_checks: true to "
-                      "raise instead")
+            warn_once(
+                key, f"{meaning} (metric {name} = {metrics[name]:.3g}); set strict_input_checks: true to raise instead"
+            )
 
 
 def _first_bad(name: str, t: torch.Tensor, bad: torch.Tensor) -> str:

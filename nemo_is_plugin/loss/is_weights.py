@@ -62,8 +62,6 @@ def finite_exp(log_w: torch.Tensor) -> torch.Tensor:
 def exp_or_zero(log_w: torch.Tensor) -> torch.Tensor:
     """exp(log w) where it is finite, else 0 — NeMo-RL's nan_to_num value, but with a zero (not NaN) gradient where
     the exponential overflows. Differentiable."""
-    ok = torch.isfinite(log_w) & (log_w < torch.finfo(log_w.dtype).max) & (
-        torch.exp(log_w.detach()).isfinite()
-    )
+    ok = torch.isfinite(log_w) & (log_w < torch.finfo(log_w.dtype).max) & (torch.exp(log_w.detach()).isfinite())
     safe = torch.where(ok, log_w, torch.zeros_like(log_w))
     return torch.where(ok, torch.exp(safe), torch.zeros_like(log_w))

@@ -14,8 +14,6 @@ unbiased for tokens sampled from pi_theta (verl's ``k3+``, which is broken in ve
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 KL_TYPES = ("k1", "k2", "k3")
@@ -37,9 +35,9 @@ def kl_penalty(
     ref_logprobs: torch.Tensor,
     *,
     kl_type: str,
-    input_clamp: Optional[float] = None,
-    output_clamp: Optional[float] = None,
-    weights: Optional[torch.Tensor] = None,
+    input_clamp: float | None = None,
+    output_clamp: float | None = None,
+    weights: torch.Tensor | None = None,
     straight_through_k2: bool = False,
 ) -> torch.Tensor:
     """Per-token KL penalty.

@@ -9,7 +9,7 @@ Shapes: a *token tensor* has the layout's ``shape`` (``[B, T]`` padded, ``[N]`` 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -29,8 +29,13 @@ class TokenLayout:
     """
 
     def __init__(
-        self, seq_index: torch.Tensor, position: torch.Tensor, num_seqs: int, *, padded: bool = False,
-        in_order: Optional[bool] = None,
+        self,
+        seq_index: torch.Tensor,
+        position: torch.Tensor,
+        num_seqs: int,
+        *,
+        padded: bool = False,
+        in_order: bool | None = None,
     ):
         if seq_index.shape != position.shape:
             raise ValueError(f"seq_index {tuple(seq_index.shape)} and position {tuple(position.shape)} differ")
@@ -50,16 +55,14 @@ class TokenLayout:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def padded(cls, num_seqs: int, seq_len: int, device: torch.device | str | None = None) -> "TokenLayout":
+    def padded(cls, num_seqs: int, seq_len: int, device: torch.device | str | None = None) -> TokenLayout:
         """Layout of a padded ``[num_seqs, seq_len]`` token tensor."""
         rows = torch.arange(num_seqs, device=device).unsqueeze(1).expand(num_seqs, seq_len)
         cols = torch.arange(seq_len, device=device).unsqueeze(0).expand(num_seqs, seq_len)
         return cls(rows, cols, num_seqs, padded=True)
 
     @classmethod
-    def packed(
-        cls, cu_seqlens: torch.Tensor | Sequence[int], device: torch.device | str | None = None
-    ) -> "TokenLayout":
+    def packed(cls, cu_seqlens: torch.Tensor | Sequence[int], device: torch.device | str | None = None) -> TokenLayout:
         """Layout of a packed ``[N]`` token tensor holding sequences ``cu_seqlens[i]:cu_seqlens[i+1]`` (THD).
 
         ``device`` defaults to the device of ``cu_seqlens`` (a tensor), else the default device. Offsets given as

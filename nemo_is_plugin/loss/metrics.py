@@ -1,16 +1,16 @@
 """The loss's metrics: NeMo-RL's names and values, plus the IS, clip and mismatch statistics practitioners log.
 
-Every metric is this process's additive share (a local sum over a global count); names ending in ``_min`` / ``_max``
-are reduced with min / max. NeMo-RL's metrics are computed in the loss's dtype with NeMo-RL's normalisation,
-``sum(v * m) / (N + 1e-8)``, so that they carry NeMo-RL's exact values (1.0 where NeMo-RL reports 1.0, not the
-0.9999999967 of a float64 division); the plugin's own metrics are accumulated in float64. Under context parallelism :meth:`MetricBook.finish` reduces the shares over the CP group
-in one collective, so each CP rank returns the full-sequence metrics.
+Every metric is this process's additive share (a local sum over a global count); names ending in ``_min`` / ``_max`` are
+reduced with min / max. NeMo-RL's metrics are computed in the loss's dtype with NeMo-RL's normalisation, ``sum(v * m) /
+(N + 1e-8)``, so that they carry NeMo-RL's exact values (1.0 where NeMo-RL reports 1.0, not the 0.9999999967 of a
+float64 division); the plugin's own metrics are accumulated in float64. Under context parallelism
+:meth:`MetricBook.finish` reduces the shares over the CP group in one collective, so each CP rank returns the
+full-sequence metrics.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -40,7 +40,7 @@ class MetricBook:
         """A value every CP rank holds in full (e.g. computed from per-sequence sums)."""
         self.add_sum(name, self.layout.replicated_share(value.detach().double()))
 
-    def token_mean(self, name: str, values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
+    def token_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         m = self.valid if mask is None else mask
         self.add_sum(name, where_mask(values.detach().double(), m).sum() / (self.n_tok.double() + EPS))
 
@@ -70,12 +70,20 @@ class MetricBook:
         self.legacy_token_mean("probs_ratio_clamped", sur.clipped_ratio)
         self.min_max("probs_ratio", sur.ratio)
         self.min_max("probs_ratio_clamped", sur.clipped_ratio)
-        for name, flag in (("clip_fraction", sur.clipped), ("clip_fraction_low", sur.clipped_low),
-                           ("clip_fraction_high", sur.clipped_high), ("clip_fraction_dual", sur.dual_clipped)):
+        for name, flag in (
+            ("clip_fraction", sur.clipped),
+            ("clip_fraction_low", sur.clipped_low),
+            ("clip_fraction_high", sur.clipped_high),
+            ("clip_fraction_dual", sur.dual_clipped),
+        ):
             self.token_mean(name, flag.double())
 
     def importance_weights(
-        self, corr: ISCorrection, w_metric: torch.Tensor, truncation: Optional[str], legacy_gspo: bool,
+        self,
+        corr: ISCorrection,
+        w_metric: torch.Tensor,
+        truncation: str | None,
+        legacy_gspo: bool,
         sample_mask: torch.Tensor,
     ) -> None:
         """``w_metric`` are the weights NeMo-RL reports (after truncation, even when IS correction is off)."""
@@ -150,8 +158,11 @@ class MetricBook:
     def finish(self) -> dict[str, float]:
         names: list[str] = []
         parts: list[torch.Tensor] = []
-        for table, reduce in ((self.sums, self.layout.reduce_metric_sums), (self.mins, self.layout.reduce_metric_min),
-                              (self.maxs, self.layout.reduce_metric_max)):
+        for table, reduce in (
+            (self.sums, self.layout.reduce_metric_sums),
+            (self.mins, self.layout.reduce_metric_min),
+            (self.maxs, self.layout.reduce_metric_max),
+        ):
             if table:
                 names.extend(table)
                 parts.append(reduce(torch.stack(list(table.values()))))

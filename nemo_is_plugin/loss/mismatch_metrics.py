@@ -22,7 +22,7 @@ value instead of hiding it.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

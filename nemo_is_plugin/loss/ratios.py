@@ -18,15 +18,13 @@ n_t = sum_{j<=t} m_j is the 1-based position among unmasked tokens (never below 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
 
 
-def token_log_ratio(curr: torch.Tensor, prev: torch.Tensor, clamp: Optional[float] = None) -> torch.Tensor:
+def token_log_ratio(curr: torch.Tensor, prev: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
     """d_t = c_t - p_t, optionally clamped to +-clamp (CTPO and verl clamp at 20 before exponentiating)."""
     d = curr - prev
     return d if clamp is None else d.clamp(-clamp, clamp)
@@ -50,8 +48,8 @@ def policy_log_ratio(
     token_mask: torch.Tensor,
     layout: TokenLayout,
     *,
-    token_clamp: Optional[float] = None,
-    max_log_ratio: Optional[float] = None,
+    token_clamp: float | None = None,
+    max_log_ratio: float | None = None,
 ) -> torch.Tensor:
     """log of the policy ratio at ``level`` (see module table). All arguments are token tensors; returns one.
 
@@ -91,7 +89,7 @@ def cumulative_anchor(
 
 
 def straight_through_log_ratio(
-    anchor: torch.Tensor, curr: torch.Tensor, max_log_ratio: Optional[float] = None
+    anchor: torch.Tensor, curr: torch.Tensor, max_log_ratio: float | None = None
 ) -> torch.Tensor:
     """``anchor + c - sg[c]``: value ``anchor``, gradient d/dc_t of ``c_t`` only (only the current token is pushed);
     capped at ``max_log_ratio`` (gradient 0 where capped)."""

@@ -15,9 +15,10 @@ called with the mapping. An unknown name raises :class:`UnknownLossError`, whose
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Mapping
 from importlib import import_module
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, Callable, Mapping, Optional, TypeVar, Union
+from typing import Any, TypeVar
 
 from nemo_is_plugin.config import ConfigError
 
@@ -26,7 +27,7 @@ DEFAULT_LOSS_NAME = "nemo_is.clipped_pg"
 NAME_KEY = "name"  # the key of a loss_fn section that names the loss; stripped before the config is validated
 
 LossFactory = Callable[..., Any]
-Target = Union[LossFactory, str]  # an object, or a lazy "module:attr" reference
+Target = LossFactory | str  # an object, or a lazy "module:attr" reference
 _F = TypeVar("_F", bound=LossFactory)
 
 _LOCAL: dict[str, Target] = {}
@@ -54,7 +55,7 @@ def _entry_points() -> dict[str, EntryPoint]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def register_loss(name: str, target: Optional[Target] = None, *, override: bool = False):
+def register_loss(name: str, target: Target | None = None, *, override: bool = False):
     """Register ``target`` (a loss factory or a ``"module:attr"`` string) under ``name``, in this process only.
 
     Usable directly, ``register_loss("my.loss", MyLoss)``, or as a decorator, ``@register_loss("my.loss")``.
@@ -117,7 +118,7 @@ def check_loss_name(name: str) -> None:
         raise UnknownLossError(name, known)
 
 
-def split_name(section: Optional[Mapping[str, Any]], default: str = DEFAULT_LOSS_NAME) -> tuple[str, dict[str, Any]]:
+def split_name(section: Mapping[str, Any] | None, default: str = DEFAULT_LOSS_NAME) -> tuple[str, dict[str, Any]]:
     """``(name, config)`` from a host's ``loss_fn`` section: ``name`` is popped (``default`` when absent)."""
     config = dict(section or {})
     name = config.pop(NAME_KEY, None) or default
@@ -126,7 +127,7 @@ def split_name(section: Optional[Mapping[str, Any]], default: str = DEFAULT_LOSS
     return name, config
 
 
-def build_loss(section: Optional[Mapping[str, Any]] = None, *, name: Optional[str] = None, **kwargs: Any) -> Any:
+def build_loss(section: Mapping[str, Any] | None = None, *, name: str | None = None, **kwargs: Any) -> Any:
     """Build the loss a ``loss_fn`` section names (``name`` argument > ``section['name']`` > the default).
 
     ``kwargs`` go to the factory unchanged (e.g. process groups). The section must already be a plain mapping;

@@ -20,8 +20,9 @@ shards get the full-sequence statistic (sum and max all-reduced over the CP grou
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -34,9 +35,9 @@ class RuleSpec(Protocol):
 
     statistic: str
     aggregation: str
-    min: Optional[float]
-    max: Optional[float]
-    log_ratio_clamp: Optional[float]
+    min: float | None
+    max: float | None
+    log_ratio_clamp: float | None
 
     @property
     def name(self) -> str: ...
@@ -48,9 +49,9 @@ class Rule:
 
     statistic: str
     aggregation: str
-    min: Optional[float] = None
-    max: Optional[float] = None
-    log_ratio_clamp: Optional[float] = None
+    min: float | None = None
+    max: float | None = None
+    log_ratio_clamp: float | None = None
 
     @property
     def name(self) -> str:
@@ -75,7 +76,7 @@ class RuleOutcome:
 
     name: str
     token_stat: torch.Tensor
-    seq_stat: Optional[torch.Tensor]
+    seq_stat: torch.Tensor | None
     keep: torch.Tensor
 
 
@@ -92,7 +93,7 @@ def token_statistic(statistic: str, y: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clamped_log_ratio(prev: torch.Tensor, gen: torch.Tensor, clamp: Optional[float]) -> torch.Tensor:
+def clamped_log_ratio(prev: torch.Tensor, gen: torch.Tensor, clamp: float | None) -> torch.Tensor:
     """y = clamp(prev - gen, -clamp, clamp); without a clamp, non-finite values become 0."""
     x = prev - gen
     if clamp is None:
@@ -144,5 +145,13 @@ def evaluate_rules(
     return keep, outcomes
 
 
-__all__ = ["Rule", "RuleOutcome", "RuleSpec", "band_rule", "clamped_log_ratio", "evaluate_rule", "evaluate_rules",
-           "token_statistic"]
+__all__ = [
+    "Rule",
+    "RuleOutcome",
+    "RuleSpec",
+    "band_rule",
+    "clamped_log_ratio",
+    "evaluate_rule",
+    "evaluate_rules",
+    "token_statistic",
+]

@@ -30,7 +30,6 @@ slice of ``[0, N)``; chunks are visited in order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -67,7 +66,7 @@ def is_token_separable(config: ClippedPGLossConfig) -> bool:
     return config.disable_ppo_ratio or config.effective_ratio_level == "token"
 
 
-def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> Optional[str]:
+def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> str | None:
     """Why the loss gradient of a chunk cannot be known from the log-probs seen so far; None when it can."""
     level = config.effective_ratio_level
     if config.force_on_policy_ratio:
@@ -105,13 +104,13 @@ class TokenLossGradient:
     valid: torch.Tensor
     positions: torch.Tensor
     is_weight: torch.Tensor
-    reference: Optional[torch.Tensor]
-    nll_weight: Optional[torch.Tensor]
-    prefix: Optional["PrefixCarry"] = None
-    correction: Optional[ISCorrection] = None
+    reference: torch.Tensor | None
+    nll_weight: torch.Tensor | None
+    prefix: PrefixCarry | None = None
+    correction: ISCorrection | None = None
 
     @classmethod
-    def build(cls, loss: ClippedPGLoss, inputs: LossInputs, layout: TokenLayout) -> "TokenLossGradient":
+    def build(cls, loss: ClippedPGLoss, inputs: LossInputs, layout: TokenLayout) -> TokenLossGradient:
         """The per-token constants of ``loss`` on ``inputs`` (whose ``curr_logprobs`` only fix shape and dtype)."""
         cfg = loss.config
         why = single_pass_blocker(cfg, layout)
@@ -166,11 +165,18 @@ class TokenLossGradient:
             d_sur = self._clipped_surrogate_d(log_r, adv, self.positions[sl])
         d_term = self.is_weight[sl] * d_sur
         if self.reference is not None:
-            weight = exp_or_zero_d(c - self.generation[sl]) if cfg.use_on_policy_kl_approximation else (
-                score_function_weight_d(c))
+            weight = (
+                exp_or_zero_d(c - self.generation[sl])
+                if cfg.use_on_policy_kl_approximation
+                else (score_function_weight_d(c))
+            )
             d_kl = kl_penalty_d(
-                c, self.reference[sl], weight, kl_type=cfg.reference_policy_kl_type,
-                input_clamp=cfg.kl_input_clamp_value, output_clamp=cfg.kl_output_clamp_value,
+                c,
+                self.reference[sl],
+                weight,
+                kl_type=cfg.reference_policy_kl_type,
+                input_clamp=cfg.kl_input_clamp_value,
+                output_clamp=cfg.kl_output_clamp_value,
                 straight_through_k2=cfg.reference_policy_kl_gradient == "k2",
             )
             d_term = d_term + cfg.effective_kl_penalty * d_kl
@@ -187,8 +193,13 @@ class TokenLossGradient:
             return cispo_d(log_r, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max)
         if cfg.uses_log_space_clip:
             return log_space_clip_d(
-                log_r, adv, positions, eps_low=cfg.log_ratio_clip_low, eps_high=cfg.log_ratio_clip_high,
-                eps_c=cfg.log_ratio_clip_c, power=cfg.clip_position_power,
+                log_r,
+                adv,
+                positions,
+                eps_low=cfg.log_ratio_clip_low,
+                eps_high=cfg.log_ratio_clip_high,
+                eps_c=cfg.log_ratio_clip_c,
+                power=cfg.clip_position_power,
             ).d
         return ratio_clip_d(
             log_r, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max, dual_clip=cfg.ratio_clip_c
@@ -199,8 +210,8 @@ class PrefixCarry:
     """The cumulative ratio's anchor of a chunk from its log-probs and a per-sequence running sum of the earlier
     chunks' (the layout holds whole sequences in memory order, so each sequence's tokens are consecutive).
 
-    ``anchor(sl, c, p, tm, positions)`` equals the value of :func:`~nemo_is_plugin.loss.ratios.policy_log_ratio` on those
-    tokens (before the ``max_log_ratio`` cap) provided every chunk is passed once, in order. No host sync: the
+    ``anchor(sl, c, p, tm, positions)`` equals the value of :func:`~nemo_is_plugin.loss.ratios.policy_log_ratio` on
+    those tokens (before the ``max_log_ratio`` cap) provided every chunk is passed once, in order. No host sync: the
     segments inside a chunk come from comparisons of neighbouring sequence ids, the carry is a scatter to unique
     slots.
     """
@@ -241,7 +252,10 @@ class PrefixCarry:
 
 
 def aggregation_weights(
-    cfg: ClippedPGLossConfig, token_mask: torch.Tensor, sample_mask: torch.Tensor, layout: TokenLayout,
+    cfg: ClippedPGLossConfig,
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor,
+    layout: TokenLayout,
     inputs: LossInputs,
 ) -> torch.Tensor:
     """``a_t = d aggregate(x) / d x_t`` (Float[*T]): the aggregation is linear in ``x``, so one autograd call on
@@ -249,7 +263,11 @@ def aggregation_weights(
     with torch.enable_grad():
         x = torch.ones(token_mask.shape, dtype=token_mask.dtype, device=token_mask.device, requires_grad=True)
         agg = aggregate(
-            x, token_mask, sample_mask, layout, mode=cfg.effective_loss_aggregation,
+            x,
+            token_mask,
+            sample_mask,
+            layout,
+            mode=cfg.effective_loss_aggregation,
             global_valid_toks=torch.as_tensor(inputs.global_valid_toks, dtype=x.dtype, device=x.device),
             global_valid_seqs=torch.as_tensor(inputs.global_valid_seqs, dtype=x.dtype, device=x.device),
             norm=cfg.loss_aggregation_norm,
@@ -259,6 +277,10 @@ def aggregation_weights(
 
 
 __all__ = [
-    "CAUSAL_LEVELS", "PrefixCarry", "TokenLossGradient", "aggregation_weights", "is_token_separable",
+    "CAUSAL_LEVELS",
+    "PrefixCarry",
+    "TokenLossGradient",
+    "aggregation_weights",
+    "is_token_separable",
     "single_pass_blocker",
 ]

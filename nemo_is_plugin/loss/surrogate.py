@@ -12,7 +12,6 @@ on-policy:     L = -A exp(c - sg[c])  (NeMo-RL force_on_policy_ratio: ratio 1 wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -33,7 +32,7 @@ class SurrogateOut:
     dual_clipped: torch.Tensor
 
 
-def _dual_clip(loss: torch.Tensor, advantages: torch.Tensor, cap: Optional[torch.Tensor | float]):
+def _dual_clip(loss: torch.Tensor, advantages: torch.Tensor, cap: torch.Tensor | float | None):
     if cap is None:
         return loss, torch.zeros_like(loss, dtype=torch.bool)
     dual = -advantages * cap
@@ -47,7 +46,7 @@ def ratio_clip_surrogate(
     *,
     clip_low: float,
     clip_high: float,
-    dual_clip: Optional[float] = None,
+    dual_clip: float | None = None,
 ) -> SurrogateOut:
     """PPO clip in ratio space. log_ratio, advantages: Float[*T]."""
     ratio = torch.exp(log_ratio)
@@ -56,8 +55,13 @@ def ratio_clip_surrogate(
     loss, dual = _dual_clip(torch.maximum(loss1, loss2), advantages, dual_clip)
     r = ratio.detach()
     return SurrogateOut(
-        loss, r, clipped_ratio.detach(), (loss2 > loss1).detach(),
-        (r < 1 - clip_low) & (advantages < 0), (r > 1 + clip_high) & (advantages > 0), dual,
+        loss,
+        r,
+        clipped_ratio.detach(),
+        (loss2 > loss1).detach(),
+        (r < 1 - clip_low) & (advantages < 0),
+        (r > 1 + clip_high) & (advantages > 0),
+        dual,
     )
 
 
@@ -68,7 +72,7 @@ def log_space_clip_surrogate(
     *,
     eps_low: float,
     eps_high: float,
-    eps_c: Optional[float],
+    eps_c: float | None,
     power: float,
 ) -> SurrogateOut:
     """CTPO position-adaptive clip in log space. positions: Float[*T] n_t >= 1 (see ratios.unmasked_positions)."""
@@ -81,8 +85,13 @@ def log_space_clip_surrogate(
     loss, dual = _dual_clip(torch.maximum(loss1, loss2), advantages, cap)
     lr = log_ratio.detach()
     return SurrogateOut(
-        loss, ratio.detach(), clipped_ratio.detach(), (loss2 > loss1).detach(),
-        (lr < lo) & (advantages < 0), (lr > hi) & (advantages > 0), dual,
+        loss,
+        ratio.detach(),
+        clipped_ratio.detach(),
+        (loss2 > loss1).detach(),
+        (lr < lo) & (advantages < 0),
+        (lr > hi) & (advantages > 0),
+        dual,
     )
 
 
@@ -96,12 +105,17 @@ def cispo_surrogate(
     r = ratio.detach()
     none = torch.zeros_like(r, dtype=torch.bool)
     return SurrogateOut(
-        loss, r, clipped_ratio.detach(), (r != clipped_ratio.detach()),
-        (r < 1 - clip_low) & (advantages < 0), (r > 1 + clip_high) & (advantages > 0), none,
+        loss,
+        r,
+        clipped_ratio.detach(),
+        (r != clipped_ratio.detach()),
+        (r < 1 - clip_low) & (advantages < 0),
+        (r > 1 + clip_high) & (advantages > 0),
+        none,
     )
 
 
-def on_policy_surrogate(curr: torch.Tensor, advantages: torch.Tensor, *, dual_clip: Optional[float]) -> SurrogateOut:
+def on_policy_surrogate(curr: torch.Tensor, advantages: torch.Tensor, *, dual_clip: float | None) -> SurrogateOut:
     """NeMo-RL ``force_on_policy_ratio``: r = exp(c - sg[c]) (value 1, gradient grad c), never clipped: L = -A r;
     the dual clip still applies."""
     ratio = torch.exp(curr - curr.detach())
@@ -111,8 +125,8 @@ def on_policy_surrogate(curr: torch.Tensor, advantages: torch.Tensor, *, dual_cl
     return SurrogateOut(loss, r, r, none, none, none, dual)
 
 
-def reinforce_surrogate(curr: torch.Tensor, advantages: torch.Tensor, *, dual_clip: Optional[float]) -> SurrogateOut:
-    """NeMo-RL ``disable_ppo_ratio``: L = -A log pi; the reported 'ratio' is the log-prob, and dual clip still applies."""
+def reinforce_surrogate(curr: torch.Tensor, advantages: torch.Tensor, *, dual_clip: float | None) -> SurrogateOut:
+    """NeMo-RL ``disable_ppo_ratio``: L = -A log pi; the reported 'ratio' is the log-prob; dual clip still applies."""
     loss, dual = _dual_clip(-advantages * curr, advantages, dual_clip)
     c = curr.detach()
     none = torch.zeros_like(c, dtype=torch.bool)

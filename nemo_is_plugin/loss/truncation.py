@@ -19,26 +19,25 @@ veto           w_t * 1[min_t w_t >= threshold]           (sequence rejection)   
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
 
-def _log(bound: Optional[float], default: float) -> float:
+def _log(bound: float | None, default: float) -> float:
     if bound is None:
         return default
     return math.log(bound) if bound > 0 else float("-inf")
 
 
 @torch.no_grad()
-def tis(w: torch.Tensor, low: Optional[float], high: float) -> tuple[torch.Tensor, torch.Tensor]:
+def tis(w: torch.Tensor, low: float | None, high: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncate weights to ``[low or 0, high]``. Returns (truncated w, out-of-band bool mask)."""
     lo = 0.0 if low is None else low
     return w.clamp(lo, high), (w < lo) | (w > high)
 
 
 @torch.no_grad()
-def tis_log(log_w: torch.Tensor, low: Optional[float], high: float) -> tuple[torch.Tensor, torch.Tensor]:
+def tis_log(log_w: torch.Tensor, low: float | None, high: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tis` computed in log space: exp(clamp(log w, log low, log high)); never overflows."""
     lo, hi = _log(low, float("-inf")), math.log(high)
     return torch.exp(log_w.clamp(lo, hi)), (log_w < lo) | (log_w > hi)

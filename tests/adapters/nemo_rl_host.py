@@ -17,7 +17,7 @@ Written from NeMo-RL's documented behaviour, not from its code:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -35,16 +35,16 @@ class HostLossConfig(BaseModel):
     sequence_level_importance_ratios: bool = False
     ratio_clip_min: float = 0.2
     ratio_clip_max: float = 0.2
-    ratio_clip_c: Optional[float] = None
+    ratio_clip_c: float | None = None
     reference_policy_kl_penalty: float = 0.01
     reference_policy_kl_type: str = "k3"
-    kl_input_clamp_value: Optional[float] = 20.0
-    kl_output_clamp_value: Optional[float] = 10.0
+    kl_input_clamp_value: float | None = 20.0
+    kl_output_clamp_value: float | None = 10.0
     use_kl_in_reward: bool = False
     use_importance_sampling_correction: bool = False
-    truncated_importance_sampling_type: Optional[str] = None
-    truncated_importance_sampling_ratio: Optional[float] = None
-    truncated_importance_sampling_ratio_min: Optional[float] = None
+    truncated_importance_sampling_type: str | None = None
+    truncated_importance_sampling_ratio: float | None = None
+    truncated_importance_sampling_ratio_min: float | None = None
     use_on_policy_kl_approximation: bool = False
     force_on_policy_ratio: bool = False
     use_cispo: bool = False
@@ -57,7 +57,7 @@ def _gather_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Ten
 
 
 def prepare_loss_input(
-    logits: torch.Tensor, data: dict[str, Any], loss_fn: Any, top_k: Optional[int] = None
+    logits: torch.Tensor, data: dict[str, Any], loss_fn: Any, top_k: int | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(loss_input, data)`` as NeMo-RL's ``prepare_loss_input`` builds them for a LOGPROB loss."""
     assert loss_fn.input_type == LossInputType.LOGPROB, "this model covers the LOGPROB branch only"
@@ -104,17 +104,27 @@ def host_batch(batch: int = 1, seq: int = 4, seed: int = 0) -> dict[str, torch.T
     tm = torch.ones(batch, seq, dtype=torch.int64)
     tm[:, 0] = 0
     zeros = lambda: torch.zeros(batch, seq)  # noqa: E731
-    return {"input_ids": torch.randint(0, V, (batch, seq), generator=g), "token_mask": tm,
-            "sample_mask": torch.ones(batch, dtype=torch.int64), "advantages": zeros(), "prev_logprobs": zeros(),
-            "reference_policy_logprobs": zeros(), "generation_logprobs": zeros()}
+    return {
+        "input_ids": torch.randint(0, V, (batch, seq), generator=g),
+        "token_mask": tm,
+        "sample_mask": torch.ones(batch, dtype=torch.int64),
+        "advantages": zeros(),
+        "prev_logprobs": zeros(),
+        "reference_policy_logprobs": zeros(),
+        "generation_logprobs": zeros(),
+    }
 
 
 def run(loss_fn, data, curr=None, logits=None, **kw):
     """prepare_loss_input from exact logits for ``curr`` [B, S-1], then the call as NeMo-RL's tests make it."""
     logits = logits_for(curr, data["input_ids"], V) if logits is None else logits
     loss_input, data = prepare_loss_input(logits, data, loss_fn, **kw)
-    return loss_fn(data=data, global_valid_seqs=torch.sum(data["sample_mask"]),
-                   global_valid_toks=torch.sum(data["sample_mask"].unsqueeze(-1) * data["token_mask"]), **loss_input)
+    return loss_fn(
+        data=data,
+        global_valid_seqs=torch.sum(data["sample_mask"]),
+        global_valid_toks=torch.sum(data["sample_mask"].unsqueeze(-1) * data["token_mask"]),
+        **loss_input,
+    )
 
 
 def clip_loss(adv, curr, prev, lo=0.2, hi=0.2):

@@ -6,15 +6,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import nemo_is_plugin.adapters.verl as verl_module
 from distributed._loss_cases import LOSS_CONFIGS, global_counts, make_batch
 from helpers.device_guard import assert_identical, count_host_syncs, run_guarded_and_plain
+
+import nemo_is_plugin.adapters.verl as verl_module
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss
 
-ACTOR = {"clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
-         "loss_scale_factor": None, "global_batch_info": {}}
+ACTOR = {
+    "clip_ratio": 0.2,
+    "clip_ratio_low": None,
+    "clip_ratio_high": 0.28,
+    "clip_ratio_c": 3.0,
+    "loss_scale_factor": None,
+    "global_batch_info": {},
+}
 
 
 def _sync_files(syncs) -> list[str]:
@@ -72,8 +78,12 @@ def _verl_batch(seed: int):
     return old, lp, adv, mask, rollout
 
 
-OWNED = {"use_importance_sampling_correction": True, "is_correction_level": "sequence_mean",
-         "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0}
+OWNED = {
+    "use_importance_sampling_correction": True,
+    "is_correction_level": "sequence_mean",
+    "truncated_importance_sampling_type": "tis",
+    "truncated_importance_sampling_ratio": 2.0,
+}
 
 
 @pytest.mark.parametrize(
@@ -83,10 +93,18 @@ OWNED = {"use_importance_sampling_correction": True, "is_correction_level": "seq
         ({}, {"weights": True}, False),  # verl owns the correction: its weights multiply the loss
         (OWNED, {"log_probs": True}, False),  # the plugin owns it, from the rollout log-probs
         (OWNED, {"weights": True}, True),  # ... from verl's raw token weights (checked: none may be 0)
-        ({"importance_sampling_rejection": "geo-rs", "importance_sampling_rejection_min": 0.9,
-          "importance_sampling_rejection_max": 1.1, "use_importance_sampling_correction": True,
-          "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
-         {"log_probs": True}, False),
+        (
+            {
+                "importance_sampling_rejection": "geo-rs",
+                "importance_sampling_rejection_min": 0.9,
+                "importance_sampling_rejection_max": 1.1,
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "tis",
+                "truncated_importance_sampling_ratio": 2.0,
+            },
+            {"log_probs": True},
+            False,
+        ),
     ],
     ids=["vanilla", "verl_weights", "plugin_from_log_probs", "plugin_from_weights", "tis_geo_rs"],
 )

@@ -58,19 +58,25 @@ def test_custom_megatron_code_runs_and_matches_one_direct_call(tmp_path):
     lp = lambda: -torch.rand(b, s, generator=g) - 0.2  # noqa: E731
     tm = (torch.rand(b, s, generator=g) > 0.2).float()
     tm[:, 0] = 0
-    data = {"input_ids": torch.randint(0, v, (b, s), generator=g), "token_mask": tm, "sample_mask": torch.ones(b),
-            "advantages": torch.randn(b, 1, generator=g).expand(b, s).contiguous(), "prev_logprobs": lp(),
-            "generation_logprobs": lp()}
+    data = {
+        "input_ids": torch.randint(0, v, (b, s), generator=g),
+        "token_mask": tm,
+        "sample_mask": torch.ones(b),
+        "advantages": torch.randn(b, 1, generator=g).expand(b, s).contiguous(),
+        "prev_logprobs": lp(),
+        "generation_logprobs": lp(),
+    }
     logits = torch.randn(b, s, v, generator=g, requires_grad=True)
-    micro = [{k: t[i:i + 2] for k, t in data.items()} | {"_rows": slice(i, i + 2)} for i in (0, 2)]
+    micro = [{k: t[i : i + 2] for k, t in data.items()} | {"_rows": slice(i, i + 2)} for i in (0, 2)]
     forward = lambda mb: logits[mb["_rows"]]  # noqa: E731
     groups = namespace["ParallelGroups"]()
     metrics = namespace["train_step"](loss_fn, micro, forward, groups)
 
     x = torch.log_softmax(logits.detach()[:, :-1], -1).gather(-1, data["input_ids"][:, 1:, None]).squeeze(-1)
     n_tok = float((tm[:, 1:]).sum())
-    loss, direct = ClippedPGLoss(loss_fn.loss.config)(next_token_logprobs=x, data=data, global_valid_seqs=float(b),
-                                                      global_valid_toks=n_tok)
+    loss, direct = ClippedPGLoss(loss_fn.loss.config)(
+        next_token_logprobs=x, data=data, global_valid_seqs=float(b), global_valid_toks=n_tok
+    )
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert metrics["sampling_importance_ratio"] == pytest.approx(direct["sampling_importance_ratio"], rel=1e-6)
     assert "is_weight_std" in metrics and "chi2_token" in metrics  # finalize_metrics ran
@@ -88,8 +94,12 @@ def test_nemo_rl_doc_swap_keeps_nemo_rls_constructor(tmp_path):
     assert "NeMoRLLossFn(loss_config, use_fused_linear_logprobs=use_fused_linear_logprobs)" in swap
     section = dict(load_loss_spec(EXAMPLES / "nemo_rl_grpo_tis.yaml").config.model_dump(exclude_unset=True))
     for fused in (False, True):
-        ns = {"NeMoRLLossFn": NeMoRLLossFn, "loss_config": HostLossConfig(**section),
-              "use_fused_linear_logprobs": fused, "master_config": EXAMPLES / "nemo_rl_grpo_tis.yaml"}
+        ns = {
+            "NeMoRLLossFn": NeMoRLLossFn,
+            "loss_config": HostLossConfig(**section),
+            "use_fused_linear_logprobs": fused,
+            "master_config": EXAMPLES / "nemo_rl_grpo_tis.yaml",
+        }
         for block in (swap, master):
             exec(compile(block, "docs/nemo_rl.md", "exec"), ns)  # noqa: S102 - the doc's own code
             fn = ns.pop("loss_fn")

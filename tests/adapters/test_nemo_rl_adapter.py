@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 import torch
-
 from helpers.golden_utils import load_cases
+
 from nemo_is_plugin.adapters.nemo_rl import PARALLEL_STATE, NeMoRLLossFn, build_loss_fn
 from nemo_is_plugin.adapters.normalizers import metric_normalizer, probe_metric_names, renormalize
 from nemo_is_plugin.adapters.protocol import LossFunction, LossInputType, LossType, MetricNormalizer
@@ -23,19 +23,39 @@ PARITY = ["case_002", "case_011", "case_017", "case_005", "case_069"]
 
 # Configurations whose metrics exercise every normaliser rule (names, counts, extrema).
 SPLIT_CONFIGS = {
-    "token_tis": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
-                  "truncated_importance_sampling_ratio": 2.0},
-    "gspo_legacy": {"sequence_level_importance_ratios": True, "token_level_loss": False,
-                    "use_importance_sampling_correction": True},
-    "seq_mask_tis": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
-                     "truncated_importance_sampling_ratio": 1.05, "truncated_importance_sampling_ratio_min": 0.95},
-    "geo_rs_cumulative": {"truncated_importance_sampling_type": "geo-rs", "truncated_importance_sampling_ratio": 1.05,
-                          "truncated_importance_sampling_ratio_min": 0.95, "ratio_level": "cumulative",
-                          "loss_aggregation": "seq-mean-token-sum-norm", "token_level_loss": False,
-                          "loss_aggregation_norm": 8.0},
-    "rejection_rules_bypass": {"old_policy_logprobs": "generation", "importance_sampling_rejection_rules": [
-        {"option": "token_k1", "threshold": "0.5_2.0"}, {"option": "seq_max_k3", "threshold": 0.2},
-        {"option": "seq_mean_k2", "threshold": 0.05}]},
+    "token_tis": {
+        "use_importance_sampling_correction": True,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+    },
+    "gspo_legacy": {
+        "sequence_level_importance_ratios": True,
+        "token_level_loss": False,
+        "use_importance_sampling_correction": True,
+    },
+    "seq_mask_tis": {
+        "use_importance_sampling_correction": True,
+        "truncated_importance_sampling_type": "seq-mask-tis",
+        "truncated_importance_sampling_ratio": 1.05,
+        "truncated_importance_sampling_ratio_min": 0.95,
+    },
+    "geo_rs_cumulative": {
+        "truncated_importance_sampling_type": "geo-rs",
+        "truncated_importance_sampling_ratio": 1.05,
+        "truncated_importance_sampling_ratio_min": 0.95,
+        "ratio_level": "cumulative",
+        "loss_aggregation": "seq-mean-token-sum-norm",
+        "token_level_loss": False,
+        "loss_aggregation_norm": 8.0,
+    },
+    "rejection_rules_bypass": {
+        "old_policy_logprobs": "generation",
+        "importance_sampling_rejection_rules": [
+            {"option": "token_k1", "threshold": "0.5_2.0"},
+            {"option": "seq_max_k3", "threshold": 0.2},
+            {"option": "seq_mean_k2", "threshold": 0.05},
+        ],
+    },
 }
 
 
@@ -43,8 +63,12 @@ def _call(fn, case, x=None):
     data = dict(case["inputs"])
     nt = data.pop("next_token_logprobs")
     x = (nt if x is None else x).detach().clone().requires_grad_(True)
-    loss, metrics = fn(next_token_logprobs=x, data=data, global_valid_seqs=case["global_valid_seqs"],
-                       global_valid_toks=case["global_valid_toks"])
+    loss, metrics = fn(
+        next_token_logprobs=x,
+        data=data,
+        global_valid_seqs=case["global_valid_seqs"],
+        global_valid_toks=case["global_valid_toks"],
+    )
     loss.backward()
     return loss.detach(), x.grad, metrics
 
@@ -94,9 +118,15 @@ def _batch(seed: int, b: int = 6, s: int = 9):
     tm = (torch.rand(b, s, generator=g) > 0.25).float()
     tm[:, 0] = 0
     tm[1] = 0  # an empty sequence
-    data = {"token_mask": tm, "sample_mask": torch.tensor([1.0, 1, 1, 0, 1, 1])[:b],
-            "advantages": torch.randn(b, s, generator=g), "prev_logprobs": lp(), "generation_logprobs": lp(),
-            "reference_policy_logprobs": lp(), "rewards": torch.randn(b, generator=g)}
+    data = {
+        "token_mask": tm,
+        "sample_mask": torch.tensor([1.0, 1, 1, 0, 1, 1])[:b],
+        "advantages": torch.randn(b, s, generator=g),
+        "prev_logprobs": lp(),
+        "generation_logprobs": lp(),
+        "reference_policy_logprobs": lp(),
+        "rewards": torch.randn(b, generator=g),
+    }
     return data, lp()[:, 1:]
 
 
@@ -114,8 +144,12 @@ def test_split_api_rescale_equals_the_direct_call(name):
     xs = x.clone().requires_grad_(True)
     raw_loss, raw = 0.0, []
     for lo, hi in ((0, 2), (2, 5), (5, 6)):
-        part, m = fn(next_token_logprobs=xs[lo:hi], data={k: v[lo:hi] for k, v in data.items()},
-                     global_valid_seqs=torch.tensor(1.0), global_valid_toks=torch.tensor(1.0))
+        part, m = fn(
+            next_token_logprobs=xs[lo:hi],
+            data={k: v[lo:hi] for k, v in data.items()},
+            global_valid_seqs=torch.tensor(1.0),
+            global_valid_toks=torch.tensor(1.0),
+        )
         part.backward()
         raw_loss += part.item()
         raw.append(m)
@@ -131,16 +165,23 @@ def test_split_api_rescale_equals_the_direct_call(name):
     assert raw_loss / n == pytest.approx(loss.item(), rel=1e-5, abs=1e-8)
     torch.testing.assert_close(xs.grad / n, xd.grad, rtol=1e-5, atol=1e-8)
     skip = {"sampling_importance_ratio"} if name == "gspo_legacy" else set()  # NeMo-RL's broadcast bug: not additive
-    bad = {k: (rescaled[k], direct[k]) for k in direct if k not in skip
-           and rescaled[k] != pytest.approx(direct[k], rel=1e-6, abs=1e-12)}
+    bad = {
+        k: (rescaled[k], direct[k])
+        for k in direct
+        if k not in skip and rescaled[k] != pytest.approx(direct[k], rel=1e-6, abs=1e-12)
+    }
     assert not bad
     assert any(v != 0 for k, v in direct.items() if fn.metric_normalizations[k] == MetricNormalizer.SEQUENCES)
 
 
 def test_renormalize_changes_denominators():
     cfg = ClippedPGLossConfig(**SPLIT_CONFIGS["seq_mask_tis"])
-    out = renormalize({"probs_ratio": 2.0, "is_oob_ratio": 3.0, "num_valid_samples": 4.0, "loss_max": 5.0}, cfg,
-                      tokens=(10.0, 5.0), seqs=(4.0, 2.0))
+    out = renormalize(
+        {"probs_ratio": 2.0, "is_oob_ratio": 3.0, "num_valid_samples": 4.0, "loss_max": 5.0},
+        cfg,
+        tokens=(10.0, 5.0),
+        seqs=(4.0, 2.0),
+    )
     assert out == {"probs_ratio": 4.0, "is_oob_ratio": 6.0, "num_valid_samples": 4.0, "loss_max": 5.0}
     assert renormalize({"probs_ratio": 2.0}, cfg, tokens=(10.0, 0.0), seqs=(1, 1)) == {"probs_ratio": 0.0}
     assert metric_normalizer("clip_frac/pos_1_16", cfg) == MetricNormalizer.TOKENS
@@ -159,8 +200,9 @@ def test_logit_input_matches_log_softmax_reference():
     loss.backward()
     ref = logits.clone().requires_grad_(True)
     lp = torch.log_softmax(ref[:, :-1], -1).gather(-1, data["input_ids"][:, 1:, None]).squeeze(-1)
-    ref_loss, ref_metrics = ClippedPGLoss(fn.config)(next_token_logprobs=lp, data=data, global_valid_seqs=3.0,
-                                                     global_valid_toks=7.0)
+    ref_loss, ref_metrics = ClippedPGLoss(fn.config)(
+        next_token_logprobs=lp, data=data, global_valid_seqs=3.0, global_valid_toks=7.0
+    )
     ref_loss.backward()
     torch.testing.assert_close(loss.double(), ref_loss.double(), rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(lg.grad.double(), ref.grad, rtol=1e-5, atol=1e-8)

@@ -16,8 +16,13 @@ from nemo_is_plugin.adapters.nemo_rl import NEMO_RL_CONFIG_ATTRIBUTES, ClippedPG
 
 
 def test_constructor_and_attributes_as_nemo_rl():
-    cfg = HostLossConfig(reference_policy_kl_penalty=0.02, use_kl_in_reward=True, ratio_clip_c=3.0,
-                         is_correction_level="token", use_importance_sampling_correction=True)  # a plugin key as extra
+    cfg = HostLossConfig(
+        reference_policy_kl_penalty=0.02,
+        use_kl_in_reward=True,
+        ratio_clip_c=3.0,
+        is_correction_level="token",
+        use_importance_sampling_correction=True,
+    )  # a plugin key as extra
     fn = ClippedPGLossFn(cfg, use_fused_linear_logprobs=True)
     assert fn.use_fused_linear_logprobs is True and fn.reference_policy_kl_penalty == 0
     assert all(getattr(fn, name) == getattr(cfg, name) for name in NEMO_RL_CONFIG_ATTRIBUTES)
@@ -49,9 +54,12 @@ def test_top_k_training_feeds_the_kl_from_unfiltered_logprobs():
     filtered log-probs. Checked against the two terms computed by hand."""
     g = torch.Generator().manual_seed(11)
     data = host_batch(batch=2, seq=5)
-    data.update(advantages=torch.randn(2, 5, generator=g), prev_logprobs=-torch.rand(2, 5, generator=g),
-                generation_logprobs=-torch.rand(2, 5, generator=g),
-                reference_policy_logprobs=-torch.rand(2, 5, generator=g) - 1.0)
+    data.update(
+        advantages=torch.randn(2, 5, generator=g),
+        prev_logprobs=-torch.rand(2, 5, generator=g),
+        generation_logprobs=-torch.rand(2, 5, generator=g),
+        reference_policy_logprobs=-torch.rand(2, 5, generator=g) - 1.0,
+    )
     logits = torch.randn(2, 5, V, generator=g, requires_grad=True)
     fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.1))
     loss_input, prepared = prepare_loss_input(logits, data, fn, top_k=3)

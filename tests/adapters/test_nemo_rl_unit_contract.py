@@ -25,7 +25,9 @@ def test_ppo_clipping():  # test_clipped_pg_loss_ppo_clipping
 
 
 def test_reinforce_mode():  # test_clipped_pg_loss_reinforce_mode
-    cfg = HostLossConfig(reference_policy_kl_penalty=0.0, disable_ppo_ratio=True, ratio_clip_min=0.0, ratio_clip_max=0.0)
+    cfg = HostLossConfig(
+        reference_policy_kl_penalty=0.0, disable_ppo_ratio=True, ratio_clip_min=0.0, ratio_clip_max=0.0
+    )
     loss, _ = run(ClippedPGLossFn(cfg), filled(), CURR)
     torch.testing.assert_close(loss, (-ADV * CURR).mean())
 
@@ -34,8 +36,14 @@ def test_force_on_policy_ratio_metrics_are_exactly_one():  # test_clipped_pg_los
     fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.0, force_on_policy_ratio=True))
     loss, metrics = run(fn, filled(), CURR)
     torch.testing.assert_close(loss, -ADV.mean(), rtol=1e-3, atol=1e-3)
-    for key in ("probs_ratio", "probs_ratio_clamped", "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min",
-                "probs_ratio_clamped_max"):
+    for key in (
+        "probs_ratio",
+        "probs_ratio_clamped",
+        "probs_ratio_min",
+        "probs_ratio_max",
+        "probs_ratio_clamped_min",
+        "probs_ratio_clamped_max",
+    ):
         assert metrics[key] == 1.0, key
 
 
@@ -47,8 +55,15 @@ def test_force_on_policy_ratio_ignores_prev_logprobs():  # ..._force_on_policy_r
     assert m_1["probs_ratio"] == m_2["probs_ratio"] == 1.0
 
 
-@pytest.mark.parametrize("bad", [{"disable_ppo_ratio": True}, {"force_on_policy_ratio": True}, {"ratio_clip_c": 3.0},
-                                 {"sequence_level_importance_ratios": True, "token_level_loss": False}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"disable_ppo_ratio": True},
+        {"force_on_policy_ratio": True},
+        {"ratio_clip_c": 3.0},
+        {"sequence_level_importance_ratios": True, "token_level_loss": False},
+    ],
+)
 def test_cispo_incompatibility_asserts(bad):  # test_clipped_pg_loss_cispo_incompatibility_asserts
     cfg = HostLossConfig(reference_policy_kl_penalty=0.0, use_cispo=True, **bad)
     with pytest.raises(AssertionError):
@@ -58,8 +73,9 @@ def test_cispo_incompatibility_asserts(bad):  # test_clipped_pg_loss_cispo_incom
 @pytest.mark.parametrize("with_is", [False, True])
 def test_cispo(with_is):  # test_clipped_pg_loss_cispo, ..._cispo_with_importance_sampling_correction
     gen = torch.tensor([[-0.9, -1.6, -1.0]])
-    fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.0, use_cispo=True,
-                                        use_importance_sampling_correction=with_is))
+    fn = ClippedPGLossFn(
+        HostLossConfig(reference_policy_kl_penalty=0.0, use_cispo=True, use_importance_sampling_correction=with_is)
+    )
     loss, _ = run(fn, filled(gen=gen), CURR)
     w = torch.exp(PREV - gen) if with_is else torch.ones(1, 3)
     want = (w * -ADV * torch.exp(CURR - PREV).clamp(0.8, 1.2) * CURR).mean()
@@ -80,13 +96,19 @@ def test_kl_gradient_includes_sampling_term(on_policy):  # test_clipped_pg_loss_
 
     def grad(beta):
         x = curr.clone().requires_grad_(True)
-        data = {"input_ids": torch.zeros(1, 3, dtype=torch.int64), "token_mask": torch.tensor([[0, 1, 1]]),
-                "sample_mask": torch.tensor([1]), "advantages": pad(torch.tensor([[0.3, -0.6]])),
-                "prev_logprobs": pad(torch.tensor([[-0.5, -1.2]])), "generation_logprobs": pad(gen),
-                "reference_policy_logprobs": pad(ref)}
-        fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=beta,
-                                            use_on_policy_kl_approximation=on_policy))
-        loss, _ = fn(next_token_logprobs=x, data=data, global_valid_seqs=torch.tensor(1), global_valid_toks=torch.tensor(2))
+        data = {
+            "input_ids": torch.zeros(1, 3, dtype=torch.int64),
+            "token_mask": torch.tensor([[0, 1, 1]]),
+            "sample_mask": torch.tensor([1]),
+            "advantages": pad(torch.tensor([[0.3, -0.6]])),
+            "prev_logprobs": pad(torch.tensor([[-0.5, -1.2]])),
+            "generation_logprobs": pad(gen),
+            "reference_policy_logprobs": pad(ref),
+        }
+        fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=beta, use_on_policy_kl_approximation=on_policy))
+        loss, _ = fn(
+            next_token_logprobs=x, data=data, global_valid_seqs=torch.tensor(1), global_valid_toks=torch.tensor(2)
+        )
         loss.backward()
         return x.grad
 
@@ -99,9 +121,11 @@ def test_kl_gradient_includes_sampling_term(on_policy):  # test_clipped_pg_loss_
 def test_masking():  # test_clipped_pg_loss_masking
     g = torch.Generator().manual_seed(5)
     data = host_batch(batch=2)
-    data.update(prev_logprobs=torch.randn(2, 4, generator=g) * 0.1,  # slightly positive values included
-                reference_policy_logprobs=torch.randn(2, 4, generator=g) * 0.1,
-                advantages=torch.randn(2, 4, generator=g) + 1.0)
+    data.update(
+        prev_logprobs=torch.randn(2, 4, generator=g) * 0.1,  # slightly positive values included
+        reference_policy_logprobs=torch.randn(2, 4, generator=g) * 0.1,
+        advantages=torch.randn(2, 4, generator=g) + 1.0,
+    )
     logits = torch.randn(2, 4, V, generator=g)
     fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.1))
     with warnings.catch_warnings():
@@ -118,15 +142,23 @@ def test_masking():  # test_clipped_pg_loss_masking
 def test_zero_mask():  # test_clipped_pg_loss_zero_mask
     data = host_batch()
     data["token_mask"] = torch.zeros_like(data["token_mask"])
-    loss, _ = run(ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.1)), data,
-                  logits=torch.randn(1, 4, V, generator=torch.Generator().manual_seed(1)))
+    loss, _ = run(
+        ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.1)),
+        data,
+        logits=torch.randn(1, 4, V, generator=torch.Generator().manual_seed(1)),
+    )
     torch.testing.assert_close(loss, torch.tensor(0.0))
 
 
 def test_on_policy_kl_with_importance_sampling():  # test_clipped_pg_loss_on_policy_kl_importance_sampling
     gen, ref = torch.tensor([[-0.8, -1.9, -1.0]]), torch.tensor([[-1.5, -1.2, -0.9]])
-    fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.1, use_on_policy_kl_approximation=True,
-                                        use_importance_sampling_correction=True))
+    fn = ClippedPGLossFn(
+        HostLossConfig(
+            reference_policy_kl_penalty=0.1,
+            use_on_policy_kl_approximation=True,
+            use_importance_sampling_correction=True,
+        )
+    )
     loss, _ = run(fn, filled(gen=gen, ref=ref), CURR)
     actor = (torch.exp(PREV - gen) * clip_loss(ADV, CURR, PREV)).mean()
     kl = 0.1 * (torch.exp(CURR - gen) * k3(CURR, ref)).mean()
@@ -136,8 +168,12 @@ def test_on_policy_kl_with_importance_sampling():  # test_clipped_pg_loss_on_pol
 @pytest.mark.parametrize("gspo", [True, False])
 def test_truncated_importance_sampling(gspo):  # test_clipped_pg_loss_on_policy_truncated_importance_sampling
     gen = torch.tensor([[-0.8, -1.9, -1.0]])
-    cfg = HostLossConfig(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
-                         truncated_importance_sampling_ratio=0.9, truncated_importance_sampling_type="tis")
+    cfg = HostLossConfig(
+        reference_policy_kl_penalty=0.0,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_ratio=0.9,
+        truncated_importance_sampling_type="tis",
+    )
     if gspo:  # set after construction, as NeMo-RL's test does
         cfg.sequence_level_importance_ratios = True
         cfg.token_level_loss = False
@@ -153,10 +189,15 @@ def test_truncated_importance_sampling(gspo):  # test_clipped_pg_loss_on_policy_
 
 def test_icepop():  # test_clipped_pg_loss_icepop_importance_sampling
     gen = torch.tensor([[-0.7, -4.0, -1.0]])  # the middle weight e^2.8 > 5 is dropped
-    fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
-                                        truncated_importance_sampling_type="icepop",
-                                        truncated_importance_sampling_ratio=5.0,
-                                        truncated_importance_sampling_ratio_min=0.5))
+    fn = ClippedPGLossFn(
+        HostLossConfig(
+            reference_policy_kl_penalty=0.0,
+            use_importance_sampling_correction=True,
+            truncated_importance_sampling_type="icepop",
+            truncated_importance_sampling_ratio=5.0,
+            truncated_importance_sampling_ratio_min=0.5,
+        )
+    )
     loss, _ = run(fn, filled(gen=gen), PREV)
     w = torch.exp(PREV - gen)
     w = torch.where((w >= 0.5) & (w <= 5.0), w, torch.zeros_like(w))
@@ -164,47 +205,76 @@ def test_icepop():  # test_clipped_pg_loss_icepop_importance_sampling
 
 
 def test_reports_is_oob_ratio_tis():  # test_clipped_pg_loss_reports_is_oob_ratio_tis
-    fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
-                                        truncated_importance_sampling_type="tis",
-                                        truncated_importance_sampling_ratio=2.0))
+    fn = ClippedPGLossFn(
+        HostLossConfig(
+            reference_policy_kl_penalty=0.0,
+            use_importance_sampling_correction=True,
+            truncated_importance_sampling_type="tis",
+            truncated_importance_sampling_ratio=2.0,
+        )
+    )
     data = filled(adv=torch.ones(1, 3), prev=torch.log(torch.tensor([[2.5, 1.0, 0.4]])))  # log 2.5 > 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, metrics = fn(next_token_logprobs=torch.zeros(1, 3), data=data, global_valid_seqs=torch.sum(data["sample_mask"]),
-                        global_valid_toks=torch.sum(data["sample_mask"] * data["token_mask"]))
+        _, metrics = fn(
+            next_token_logprobs=torch.zeros(1, 3),
+            data=data,
+            global_valid_seqs=torch.sum(data["sample_mask"]),
+            global_valid_toks=torch.sum(data["sample_mask"] * data["token_mask"]),
+        )
     assert metrics["is_oob_ratio"] == pytest.approx(1.0 / 3.0)
 
 
 @pytest.mark.parametrize("tis_type", ["tis", "icepop", "seq-mask-tis"])
 def test_rejects_tis_min_above_max(tis_type):  # test_clipped_pg_loss_rejects_tis_min_above_max
-    cfg = HostLossConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type=tis_type,
-                         truncated_importance_sampling_ratio=1.0, truncated_importance_sampling_ratio_min=2.0)
-    with pytest.raises(AssertionError,
-                       match="truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio"):
+    cfg = HostLossConfig(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type=tis_type,
+        truncated_importance_sampling_ratio=1.0,
+        truncated_importance_sampling_ratio_min=2.0,
+    )
+    with pytest.raises(
+        AssertionError, match="truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio"
+    ):
         ClippedPGLossFn(cfg)
 
 
 @pytest.mark.parametrize("tis_min, weights, oob", [(None, [0.2, 1.0, 2.0], 1 / 3), (0.5, [0.5, 1.0, 2.0], 2 / 3)])
 def test_tis_min_bound_defaults_to_zero(tis_min, weights, oob):  # ..._tis_min_bound_defaults_to_zero
-    fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
-                                        force_on_policy_ratio=True, truncated_importance_sampling_type="tis",
-                                        truncated_importance_sampling_ratio=2.0,
-                                        truncated_importance_sampling_ratio_min=tis_min))
+    fn = ClippedPGLossFn(
+        HostLossConfig(
+            reference_policy_kl_penalty=0.0,
+            use_importance_sampling_correction=True,
+            force_on_policy_ratio=True,
+            truncated_importance_sampling_type="tis",
+            truncated_importance_sampling_ratio=2.0,
+            truncated_importance_sampling_ratio_min=tis_min,
+        )
+    )
     data = filled(adv=torch.ones(1, 3), gen=torch.zeros(1, 3))
     x = torch.log(torch.tensor([[0.2, 1.0, 2.5]]))  # log 2.5 > 0: NeMo-RL's tests pass such log-probs
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        loss, metrics = fn(next_token_logprobs=x, data=data, global_valid_seqs=torch.sum(data["sample_mask"]),
-                           global_valid_toks=torch.sum(data["sample_mask"] * data["token_mask"]))
+        loss, metrics = fn(
+            next_token_logprobs=x,
+            data=data,
+            global_valid_seqs=torch.sum(data["sample_mask"]),
+            global_valid_toks=torch.sum(data["sample_mask"] * data["token_mask"]),
+        )
     torch.testing.assert_close(loss, -torch.tensor(weights).mean())
     assert metrics["is_oob_ratio"] == pytest.approx(oob)
 
 
 def test_seq_mask_tis_and_neg_inf_generation():  # test_clipped_pg_loss_seq_mask_tis
-    fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
-                                        truncated_importance_sampling_type="seq-mask-tis",
-                                        truncated_importance_sampling_ratio=1.002,
-                                        truncated_importance_sampling_ratio_min=0.999))
+    fn = ClippedPGLossFn(
+        HostLossConfig(
+            reference_policy_kl_penalty=0.0,
+            use_importance_sampling_correction=True,
+            truncated_importance_sampling_type="seq-mask-tis",
+            truncated_importance_sampling_ratio=1.002,
+            truncated_importance_sampling_ratio_min=0.999,
+        )
+    )
     gen = PREV - 0.0008
     data = filled(gen=gen)
     loss, _ = run(fn, data, PREV)
@@ -229,8 +299,9 @@ def test_dual_clip():  # test_clipped_pg_loss_dual_clip
 def test_entropy():  # test_clipped_pg_loss_entropy
     curr, gen = torch.tensor([[-0.3, -1.4, -2.2]]), torch.tensor([[-0.5, -1.2, -2.0]])
     _, metrics = run(ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.0)), filled(gen=gen), curr)
-    torch.testing.assert_close(torch.tensor(metrics["approx_entropy"]), -(torch.exp(curr - gen) * curr).mean(),
-                               rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(metrics["approx_entropy"]), -(torch.exp(curr - gen) * curr).mean(), rtol=1e-3, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -238,8 +309,9 @@ def test_gspo(batch):  # test_clipped_pg_loss_gspo, test_clipped_pg_loss_gspo_ba
     prev = torch.cat([PREV, PREV - 0.8])[:batch]
     curr = torch.cat([CURR, CURR])[:batch]
     adv = ADV.expand(batch, 3)
-    fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.0, sequence_level_importance_ratios=True,
-                                        token_level_loss=False))
+    fn = ClippedPGLossFn(
+        HostLossConfig(reference_policy_kl_penalty=0.0, sequence_level_importance_ratios=True, token_level_loss=False)
+    )
     loss, _ = run(fn, filled(host_batch(batch=batch), adv=adv, prev=prev), curr)
     r = torch.exp((curr - prev).mean(-1, keepdim=True))
     torch.testing.assert_close(loss, torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.2)).mean())
@@ -247,37 +319,79 @@ def test_gspo(batch):  # test_clipped_pg_loss_gspo, test_clipped_pg_loss_gspo_ba
 
 def test_gspo_importance_sampling_correction():  # test_clipped_pg_loss_gspo_importance_sampling_correction
     gen = torch.tensor([[-0.8, -1.9, -1.0]])
-    fn = ClippedPGLossFn(HostLossConfig(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
-                                        sequence_level_importance_ratios=True, token_level_loss=False))
+    fn = ClippedPGLossFn(
+        HostLossConfig(
+            reference_policy_kl_penalty=0.0,
+            use_importance_sampling_correction=True,
+            sequence_level_importance_ratios=True,
+            token_level_loss=False,
+        )
+    )
     loss, _ = run(fn, filled(gen=gen), CURR)
     r = torch.exp((CURR - PREV).mean(-1, keepdim=True))
     w = torch.exp((PREV - gen).sum(-1, keepdim=True))
-    torch.testing.assert_close(loss, (w * torch.maximum(-ADV * r, -ADV * r.clamp(0.8, 1.2))).mean(), atol=1e-4,
-                               rtol=1e-3)
+    torch.testing.assert_close(
+        loss, (w * torch.maximum(-ADV * r, -ADV * r.clamp(0.8, 1.2))).mean(), atol=1e-4, rtol=1e-3
+    )
 
 
 # ----------------------------------------------------------------------------------- metric normalisations
 def test_metric_normalizations_default_config():  # TestMetricNormalizationAdvertisement.test_default_grpo_config
     norms = ClippedPGLossFn(HostLossConfig()).metric_normalizations
-    for key in ("loss", "kl_penalty", "sampling_importance_ratio", "probs_ratio", "probs_ratio_clamped",
-                "token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error", "approx_entropy"):
+    for key in (
+        "loss",
+        "kl_penalty",
+        "sampling_importance_ratio",
+        "probs_ratio",
+        "probs_ratio_clamped",
+        "token_mult_prob_error",
+        "gen_kl_error",
+        "policy_kl_error",
+        "js_divergence_error",
+        "approx_entropy",
+    ):
         assert norms[key] is MetricNormalizer.TOKENS, key
     for key in ("num_valid_samples", "positive_nll_loss", "probs_ratio_min", "probs_ratio_max"):
         assert norms[key] is MetricNormalizer.NONE, key
     assert "is_oob_ratio" not in norms
 
 
-@pytest.mark.parametrize("cfg, want", [
-    (dict(token_level_loss=False, sequence_level_importance_ratios=True, use_importance_sampling_correction=True),
-     {"loss": "SEQUENCES", "kl_penalty": "SEQUENCES", "sampling_importance_ratio": "SEQUENCES",
-      "token_mult_prob_error": "TOKENS", "probs_ratio": "TOKENS"}),
-    (dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="seq-mask-tis",
-          truncated_importance_sampling_ratio=2.0, truncated_importance_sampling_ratio_min=0.5),
-     {"loss": "TOKENS", "is_oob_ratio": "SEQUENCES"}),
-    (dict(token_level_loss=False, use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-          truncated_importance_sampling_ratio=2.0),
-     {"loss": "SEQUENCES", "is_oob_ratio": "TOKENS"}),
-], ids=["gspo", "seq_mask_tis_token_loss", "tis_sequence_loss"])
+@pytest.mark.parametrize(
+    "cfg, want",
+    [
+        (
+            dict(
+                token_level_loss=False, sequence_level_importance_ratios=True, use_importance_sampling_correction=True
+            ),
+            {
+                "loss": "SEQUENCES",
+                "kl_penalty": "SEQUENCES",
+                "sampling_importance_ratio": "SEQUENCES",
+                "token_mult_prob_error": "TOKENS",
+                "probs_ratio": "TOKENS",
+            },
+        ),
+        (
+            dict(
+                use_importance_sampling_correction=True,
+                truncated_importance_sampling_type="seq-mask-tis",
+                truncated_importance_sampling_ratio=2.0,
+                truncated_importance_sampling_ratio_min=0.5,
+            ),
+            {"loss": "TOKENS", "is_oob_ratio": "SEQUENCES"},
+        ),
+        (
+            dict(
+                token_level_loss=False,
+                use_importance_sampling_correction=True,
+                truncated_importance_sampling_type="tis",
+                truncated_importance_sampling_ratio=2.0,
+            ),
+            {"loss": "SEQUENCES", "is_oob_ratio": "TOKENS"},
+        ),
+    ],
+    ids=["gspo", "seq_mask_tis_token_loss", "tis_sequence_loss"],
+)
 def test_metric_normalizations_follow_the_flags(cfg, want):  # the other three TestMetricNormalizationAdvertisement
     norms = ClippedPGLossFn(HostLossConfig(**cfg)).metric_normalizations
     for key, kind in want.items():
@@ -286,16 +400,24 @@ def test_metric_normalizations_follow_the_flags(cfg, want):  # the other three T
 
 def test_split_rescale_matches_sync_normalization():  # test_split_rescale_matches_sync_normalization
     g = torch.Generator().manual_seed(7)
-    fn = ClippedPGLossFn(HostLossConfig(use_importance_sampling_correction=True,
-                                        truncated_importance_sampling_type="seq-mask-tis",
-                                        truncated_importance_sampling_ratio=1.4,
-                                        truncated_importance_sampling_ratio_min=0.75))
+    fn = ClippedPGLossFn(
+        HostLossConfig(
+            use_importance_sampling_correction=True,
+            truncated_importance_sampling_type="seq-mask-tis",
+            truncated_importance_sampling_ratio=1.4,
+            truncated_importance_sampling_ratio_min=0.75,
+        )
+    )
     batches = []
     for _ in range(2):
         data = host_batch(batch=4, seq=8)
-        data.update(advantages=torch.randn(4, 8, generator=g), prev_logprobs=-torch.rand(4, 8, generator=g),
-                    generation_logprobs=-torch.rand(4, 8, generator=g),
-                    reference_policy_logprobs=-torch.rand(4, 8, generator=g), sample_mask=torch.tensor([1, 0, 1, 1]))
+        data.update(
+            advantages=torch.randn(4, 8, generator=g),
+            prev_logprobs=-torch.rand(4, 8, generator=g),
+            generation_logprobs=-torch.rand(4, 8, generator=g),
+            reference_policy_logprobs=-torch.rand(4, 8, generator=g),
+            sample_mask=torch.tensor([1, 0, 1, 1]),
+        )
         data["token_mask"][1, -3:] = 0
         batches.append((data, -torch.rand(4, 7, generator=g)))
     n_seq = sum(d["sample_mask"].sum() for d, _ in batches).float()

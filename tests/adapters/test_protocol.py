@@ -11,7 +11,7 @@ from pathlib import Path
 
 from nemo_is_plugin.adapters import protocol
 
-STUB = '''
+STUB = """
 import enum
 class LossType(enum.Enum):
     TOKEN_LEVEL = "token_level"
@@ -24,13 +24,15 @@ class LossInputType(enum.Enum):
     LOGIT = "logit"
     LOGPROB = "logprob"
     DISTILLATION = "distillation"
-'''
+"""
 
 
 def test_fallback_enums_mirror_nemo_rl_values():
     assert not protocol.USING_HOST_ENUMS  # NeMo-RL is not installed in CI
-    assert {m.name: m.value for m in protocol.LossType} == {"TOKEN_LEVEL": "token_level",
-                                                           "SEQUENCE_LEVEL": "sequence_level"}
+    assert {m.name: m.value for m in protocol.LossType} == {
+        "TOKEN_LEVEL": "token_level",
+        "SEQUENCE_LEVEL": "sequence_level",
+    }
     assert {m.value for m in protocol.MetricNormalizer} == {"tokens", "sequences", "none"}
     assert protocol.LossInputType("logprob") is protocol.LossInputType.LOGPROB
     assert protocol.is_extremum("probs_ratio_min") and not protocol.is_extremum("min_ratio")
@@ -54,7 +56,10 @@ def test_host_enums_are_used_when_nemo_rl_is_importable(tmp_path: Path):
         assert fn.metric_normalizations["loss"] is host.MetricNormalizer.SEQUENCES
         print("ok")
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -36,8 +36,13 @@ def nemo_rl_train_data(seed: int = 0, b: int = 5, s: int = 12):
     gen = prev - 0.05 * torch.randn(b, s, generator=g)
     gen = torch.where(token_mask.bool(), gen.clamp(max=-1e-3), torch.full_like(gen, float("nan")))  # junk on padding
     adv = torch.randn(b, 1, generator=g).expand(b, s).contiguous()
-    data = collections.UserDict(prev_logprobs=prev, generation_logprobs=gen, token_mask=token_mask, advantages=adv,
-                                sample_mask=torch.tensor([1.0, 1, 1, 0, 1]))
+    data = collections.UserDict(
+        prev_logprobs=prev,
+        generation_logprobs=gen,
+        token_mask=token_mask,
+        advantages=adv,
+        sample_mask=torch.tensor([1.0, 1, 1, 0, 1]),
+    )
     return data, torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
 
 
@@ -62,8 +67,11 @@ def test_nemo_rl_hook_writes_what_diagnose_reads_with_the_loss_numbers(tmp_path,
     # diagnose on the dump sees the mismatch the loss logs on the same batch
     x = data["prev_logprobs"][:, 1:].clone()
     _, metrics = ClippedPGLoss({"reference_policy_kl_penalty": 0.0})(
-        next_token_logprobs=x, data={**data, "generation_logprobs": torch.nan_to_num(data["generation_logprobs"])},
-        global_valid_seqs=keep.sum(), global_valid_toks=(data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum())
+        next_token_logprobs=x,
+        data={**data, "generation_logprobs": torch.nan_to_num(data["generation_logprobs"])},
+        global_valid_seqs=keep.sum(),
+        global_valid_toks=(data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum(),
+    )
     report = diagnose(path, steps=[0], levels=("token",), truncations=("none",), dtype="float64")
     assert report.analysis.mismatch["mismatch_kl_k3"] == pytest.approx(metrics["mismatch_kl_k3"], rel=1e-4)
     assert report.analysis.mismatch["mismatch_kl_k1"] == pytest.approx(metrics["mismatch_kl_k1"], rel=1e-4, abs=1e-7)
@@ -93,8 +101,13 @@ def verl_batch(seed: int = 1, b: int = 4, t: int = 8):
     rollout = (old + 0.02 * torch.randn(b, t, generator=g)).clamp(max=-1e-3)
     scores = torch.zeros(b, t)
     scores[torch.arange(b), mask.sum(1) - 1] = torch.tensor([1.0, 0.0, 0.5, 1.0])[:b]
-    tensors = {"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
-               "advantages": torch.randn(b, t, generator=g), "token_level_scores": scores}
+    tensors = {
+        "old_log_probs": old,
+        "rollout_log_probs": rollout,
+        "response_mask": mask,
+        "advantages": torch.randn(b, t, generator=g),
+        "token_level_scores": scores,
+    }
     return types.SimpleNamespace(batch=tensors)
 
 
@@ -137,8 +150,14 @@ def test_one_host_copy_per_dump(tmp_path):
     data, rewards = nemo_rl_train_data()
     dumper = RolloutDumper(tmp_path / "d.jsonl")
     with _HostCalls() as mode:
-        dumper.write(data["prev_logprobs"], data["generation_logprobs"], data["token_mask"], step=0,
-                     advantages=data["advantages"], rewards=rewards)
+        dumper.write(
+            data["prev_logprobs"],
+            data["generation_logprobs"],
+            data["token_mask"],
+            step=0,
+            advantages=data["advantages"],
+            rewards=rewards,
+        )
     assert mode.calls == ["to"]
 
 

@@ -16,8 +16,14 @@ from nemo_is_plugin.adapters.verl import (
 )
 from nemo_is_plugin.config import ClippedPGLossConfig
 
-ACTOR = {"clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
-         "loss_scale_factor": None, "global_batch_info": {}}
+ACTOR = {
+    "clip_ratio": 0.2,
+    "clip_ratio_low": None,
+    "clip_ratio_high": 0.28,
+    "clip_ratio_c": 3.0,
+    "loss_scale_factor": None,
+    "global_batch_info": {},
+}
 
 
 def test_verl_settings_become_the_defaults():
@@ -27,8 +33,12 @@ def test_verl_settings_become_the_defaults():
     assert cfg.effective_loss_aggregation == "token-mean" and not cfg.use_importance_sampling_correction
     norm = verl_config({}, ACTOR, "seq-mean-token-sum-norm", horizon=16, weights_only=False)
     assert norm.loss_aggregation_norm == 16.0  # verl: loss_scale_factor or the response length
-    assert verl_config({}, {**ACTOR, "loss_scale_factor": 4096}, "seq-mean-token-sum-norm", 16,
-                       False).loss_aggregation_norm == 4096.0
+    assert (
+        verl_config(
+            {}, {**ACTOR, "loss_scale_factor": 4096}, "seq-mean-token-sum-norm", 16, False
+        ).loss_aggregation_norm
+        == 4096.0
+    )
     weights = verl_config({}, ACTOR, "seq-mean-token-mean", 16, weights_only=True)
     assert weights.use_importance_sampling_correction and weights.is_correction_level == "token"
     assert weights.truncated_importance_sampling_type is None
@@ -44,11 +54,14 @@ def test_explicit_plugin_keys_win_and_displace_conflicting_verl_defaults():
     assert verl_config({"use_cispo": True}, ACTOR, "token-mean", 16, False).ratio_clip_c is None
 
 
-@pytest.mark.parametrize("user,agg,match", [
-    ({}, "seq-sum", "loss_agg_mode='seq-sum' is not one of verl's"),
-    ({"reference_policy_kl_penalty": 0.01}, "token-mean", "verl adds the KL loss itself"),
-    ({"positive_example_nll_weight": 0.1}, "token-mean", "needs per-sample rewards"),
-])
+@pytest.mark.parametrize(
+    "user,agg,match",
+    [
+        ({}, "seq-sum", "loss_agg_mode='seq-sum' is not one of verl's"),
+        ({"reference_policy_kl_penalty": 0.01}, "token-mean", "verl adds the KL loss itself"),
+        ({"positive_example_nll_weight": 0.1}, "token-mean", "needs per-sample rewards"),
+    ],
+)
 def test_unsupported_settings_are_refused(user, agg, match):
     with pytest.raises(ValueError, match=match):
         verl_config(user, ACTOR, agg, 16, False)

@@ -12,7 +12,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "nemo_is_plugin.cli.main", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=REPO)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        COLUMNS="200",
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "nemo_is_plugin.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=REPO,
+    )

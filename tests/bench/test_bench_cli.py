@@ -25,9 +25,27 @@ def _app() -> typer.Typer:
 
 def test_quick_bench_writes_results_plots_and_docs(tmp_path):
     out, docs = tmp_path / "out", tmp_path / "docs"
-    args = ["bench", "--quick", "--model", "tiny-a", "--path", "naive", "--path", "fused_linear", "--path",
-            "fused_2pass", "--memory-tokens", "32", "--memory-tokens", "64", "--out", str(out), "--write-docs",
-            "--docs-dir", str(docs)]
+    args = [
+        "bench",
+        "--quick",
+        "--model",
+        "tiny-a",
+        "--path",
+        "naive",
+        "--path",
+        "fused_linear",
+        "--path",
+        "fused_2pass",
+        "--memory-tokens",
+        "32",
+        "--memory-tokens",
+        "64",
+        "--out",
+        str(out),
+        "--write-docs",
+        "--docs-dir",
+        str(docs),
+    ]
     result = CliRunner().invoke(_app(), args)
     assert result.exit_code == 0, result.output
     assert "fused_linear" in result.output and "f+b / mm" in result.output and "tiny-b" not in result.output
@@ -62,8 +80,19 @@ def test_quick_bench_writes_results_plots_and_docs(tmp_path):
 
     # re-rendering a saved run measures nothing and reproduces the page
     (docs / "performance.md").unlink()
-    again = CliRunner().invoke(_app(), ["bench", "--from-json", str(out / "results.json"), "--out",
-                                        str(tmp_path / "out2"), "--write-docs", "--docs-dir", str(docs)])
+    again = CliRunner().invoke(
+        _app(),
+        [
+            "bench",
+            "--from-json",
+            str(out / "results.json"),
+            "--out",
+            str(tmp_path / "out2"),
+            "--write-docs",
+            "--docs-dir",
+            str(docs),
+        ],
+    )
     assert again.exit_code == 0, again.output
     assert (docs / "performance.md").read_text() == page
 

@@ -15,8 +15,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_head_bench_on_cuda(tmp_path):
-    result = run_cli("bench", "--device", "cuda", "--model", "Qwen3-30B-A3B", "--tokens", "2048", "--repeats", "2",
-                     "--out", str(tmp_path))
+    result = run_cli(
+        "bench",
+        "--device",
+        "cuda",
+        "--model",
+        "Qwen3-30B-A3B",
+        "--tokens",
+        "2048",
+        "--repeats",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "not checked here" in result.stdout  # 2,048 tokens: not the targets' setting
     out = json.loads((tmp_path / "results.json").read_text())
@@ -39,8 +50,22 @@ def test_head_bench_on_cuda(tmp_path):
 
 
 def test_model_step_on_cuda(tmp_path):
-    result = run_cli("bench", "--model-step", "--device", "cuda", "--layers", "1", "--experts", "4", "--tokens", "4096",
-                     "--repeats", "2", "--out", str(tmp_path))
+    result = run_cli(
+        "bench",
+        "--model-step",
+        "--device",
+        "cuda",
+        "--layers",
+        "1",
+        "--experts",
+        "4",
+        "--tokens",
+        "4096",
+        "--repeats",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     out = json.loads((tmp_path / "model_step.json").read_text())
     assert out["config"]["device"] == "cuda" and out["config"]["dtype"] == "bfloat16" and out["skipped"] == {}

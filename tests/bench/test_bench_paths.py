@@ -69,7 +69,8 @@ def test_a_failing_path_is_listed_with_its_reason_and_the_run_goes_on(monkeypatc
     results = runner.run_benchmark(cfg)
     assert {r["path"] for r in results["rows"]} == {"matmul", "naive", "loss"}
     assert results["skipped"]["fused_2pass forward+backward"] == (
-        "failed on tiny-a (cpu): RuntimeError: CUDA out of memory. Tried to allocate 9 GiB")
+        "failed on tiny-a (cpu): RuntimeError: CUDA out of memory. Tried to allocate 9 GiB"
+    )
     naive = next(r for r in results["rows"] if r["path"] == "naive")
     assert naive["fwdbwd_s"] > 0 and naive["dx_err"] < 1e-5 and naive["loss_err"] < 1e-5
     assert results["config"]["quick"] is True
@@ -78,8 +79,9 @@ def test_a_failing_path_is_listed_with_its_reason_and_the_run_goes_on(monkeypatc
 def test_a_cpu_run_records_its_setting_and_says_it_is_not_comparable_to_the_gpu_targets():
     from nemo_is_plugin.bench.report import comparability_note, run_targets
 
-    cfg = BenchConfig(shapes=QUICK_SHAPES[:1], tokens=16, paths=("naive", "fused_linear"), memory_tokens=(), repeats=1,
-                      ref_tokens=8)
+    cfg = BenchConfig(
+        shapes=QUICK_SHAPES[:1], tokens=16, paths=("naive", "fused_linear"), memory_tokens=(), repeats=1, ref_tokens=8
+    )
     results = runner.run_benchmark(cfg)
     assert results["config"]["quick"] is False and results["config"]["device"] == "cpu"
     assert results["config"]["dtype"] == "float32" and results["config"]["statistic"] == "best"

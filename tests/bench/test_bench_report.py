@@ -11,22 +11,39 @@ from nemo_is_plugin.bench.report import derived_rows, markdown_table, memory_fit
 
 
 def _row(path, fwd, fb, **kw):
-    base = dict(model="M", hidden=4, vocab=10, tokens=100, path=path, fwd_s=fwd, fwdbwd_s=fb, fwd_peak=None,
-                fwdbwd_peak=None, fwdbwd_rss=None, lp_err=None, grad_err=None)
+    base = dict(
+        model="M",
+        hidden=4,
+        vocab=10,
+        tokens=100,
+        path=path,
+        fwd_s=fwd,
+        fwdbwd_s=fb,
+        fwd_peak=None,
+        fwdbwd_peak=None,
+        fwdbwd_rss=None,
+        lp_err=None,
+        grad_err=None,
+    )
     base.update(kw)
     return base
 
 
 def _results():
-    rows = [_row("matmul", 2.0, 6.0), _row("naive", 2.4, 7.0), _row("fused_linear", 2.2, 8.0),
-            _row("fused_2pass", None, 9.0)]
+    rows = [
+        _row("matmul", 2.0, 6.0),
+        _row("naive", 2.4, 7.0),
+        _row("fused_linear", 2.2, 8.0),
+        _row("fused_2pass", None, 9.0),
+    ]
     sweep = [dict(path="naive", tokens=n, peak_bytes=1000 + 300 * n) for n in (10, 20, 40)]
     sweep += [dict(path="fused_linear", tokens=n, peak_bytes=2000 + 2 * n) for n in (10, 20, 40)]
-    config = dict(tokens=100, batch=2, tp=1, chunk_size=None, repeats=1, extrapolate_tokens=1000,
-                  memory_shape=[4, 10])
+    config = dict(tokens=100, batch=2, tp=1, chunk_size=None, repeats=1, extrapolate_tokens=1000, memory_shape=[4, 10])
     machine = dict(date="d", cpu="c", torch="t", threads=1)
-    direct = [dict(path="naive", tokens=1000, peak_bytes=250000),
-              dict(path="fused_linear", tokens=1000, peak_bytes=5000)]
+    direct = [
+        dict(path="naive", tokens=1000, peak_bytes=250000),
+        dict(path="fused_linear", tokens=1000, peak_bytes=5000),
+    ]
     return dict(config=config, machine=machine, rows=rows, memory_sweep=sweep, memory_direct=direct, skipped={})
 
 

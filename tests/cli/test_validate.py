@@ -24,8 +24,14 @@ def _validate(*args: str):
     return CliRunner().invoke(app, ["validate", *map(str, args)], env={"COLUMNS": "200"})
 
 
-@pytest.mark.parametrize("text, where", [("", "the file is empty"), ("loss_fn:\n", "the 'loss_fn' section is empty"),
-                                         ("policy: {a: 1}\nloss_fn: {}\n", "the 'loss_fn' section is empty")])
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("", "the file is empty"),
+        ("loss_fn:\n", "the 'loss_fn' section is empty"),
+        ("policy: {a: 1}\nloss_fn: {}\n", "the 'loss_fn' section is empty"),
+    ],
+)
 def test_an_empty_recipe_says_defaults_explicitly(tmp_path, text, where):
     path = tmp_path / "r.yaml"
     path.write_text(text)
@@ -42,8 +48,16 @@ def test_only_defaults_given_is_said_too(tmp_path):
 
 
 def test_json_output_is_one_parseable_object_with_the_loss_and_settings():
-    result = _validate(ROOT / "configs" / "geo_rs_tis.yaml", "--json", "--batch-size", "4", "--seq-len", "32",
-                       "--mismatch-std", "0.0001")
+    result = _validate(
+        ROOT / "configs" / "geo_rs_tis.yaml",
+        "--json",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--mismatch-std",
+        "0.0001",
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["valid"] is True and report["name"] == "nemo_is.clipped_pg" and report["defaults"] is None
@@ -73,22 +87,41 @@ def test_show_effective_prints_every_resolved_choice_and_every_key():
         assert key in out
 
 
-@pytest.mark.parametrize("kwargs, key, expected", [
-    ({}, "policy ratio", "token (NeMo-RL default)"),
-    ({}, "KL to the reference", "k3, beta 0.01, clamps input +-20, output +-10, weight exp(c - sg[c]), gradient the "
-                                "estimator's own"),
-    ({"use_kl_in_reward": True}, "KL to the reference", "in the reward"),
-    ({"disable_ppo_ratio": True}, "policy ratio", "none: REINFORCE"),
-    ({"use_cispo": True, "ratio_clip_min": 1.0, "ratio_clip_max": 5.0}, "ratio clip",
-     "CISPO: stop-gradient weight clamp(r, 0, 6)"),
-    ({"ratio_clip_c": 3.0}, "ratio clip", "ratio space [0.8, 1.2], dual clip c = 3"),
-    ({"loss_aggregation": "seq-mean-token-sum-norm", "loss_aggregation_norm": 512.0}, "aggregation",
-     "seq-mean-token-sum-norm (loss_aggregation, divisor 512"),
-    ({"importance_sampling_veto_threshold": 1e-4}, "IS rejection", "veto a sequence with a token weight < 0.0001"),
-    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
-      "truncated_importance_sampling_ratio": 5.0, "truncated_importance_sampling_ratio_min": 0.5}, "IS truncation",
-     "icepop: zero token weights outside [0.5, 5]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key, expected",
+    [
+        ({}, "policy ratio", "token (NeMo-RL default)"),
+        (
+            {},
+            "KL to the reference",
+            "k3, beta 0.01, clamps input +-20, output +-10, weight exp(c - sg[c]), gradient the estimator's own",
+        ),
+        ({"use_kl_in_reward": True}, "KL to the reference", "in the reward"),
+        ({"disable_ppo_ratio": True}, "policy ratio", "none: REINFORCE"),
+        (
+            {"use_cispo": True, "ratio_clip_min": 1.0, "ratio_clip_max": 5.0},
+            "ratio clip",
+            "CISPO: stop-gradient weight clamp(r, 0, 6)",
+        ),
+        ({"ratio_clip_c": 3.0}, "ratio clip", "ratio space [0.8, 1.2], dual clip c = 3"),
+        (
+            {"loss_aggregation": "seq-mean-token-sum-norm", "loss_aggregation_norm": 512.0},
+            "aggregation",
+            "seq-mean-token-sum-norm (loss_aggregation, divisor 512",
+        ),
+        ({"importance_sampling_veto_threshold": 1e-4}, "IS rejection", "veto a sequence with a token weight < 0.0001"),
+        (
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "icepop",
+                "truncated_importance_sampling_ratio": 5.0,
+                "truncated_importance_sampling_ratio_min": 0.5,
+            },
+            "IS truncation",
+            "icepop: zero token weights outside [0.5, 5]",
+        ),
+    ],
+)
 def test_effective_settings(kwargs, key, expected):
     assert effective_settings(ClippedPGLossConfig(**kwargs))[key].startswith(expected)
 
@@ -120,8 +153,10 @@ def test_the_example_section_with_its_name_is_accepted_by_all_three(tmp_path):
     assert loss.config.truncated_importance_sampling_ratio == 2.0
 
 
-@pytest.mark.parametrize("section", [{"name": "nemo_is.clipped"}, {"ratio_clip_max": -0.5},
-                                     {"name": "nemo_is.clipped_pg", "ratio_clip_min": 1.5}])
+@pytest.mark.parametrize(
+    "section",
+    [{"name": "nemo_is.clipped"}, {"ratio_clip_max": -0.5}, {"name": "nemo_is.clipped_pg", "ratio_clip_min": 1.5}],
+)
 def test_a_bad_section_is_refused_by_all_three(tmp_path, section):
     assert _three_ways(section, tmp_path) == [False, False, False]
 

@@ -4,8 +4,9 @@ and listed as package data, so an installed wheel runs ``nemo-is demo`` too."""
 from __future__ import annotations
 
 import fnmatch
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from nemo_is_plugin.demo.settings import DEFAULT_LOSS_SETTINGS, configs_dir, load_loss_settings
 

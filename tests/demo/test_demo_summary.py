@@ -23,17 +23,37 @@ def run(tmp_path):
     for name in SETTINGS:
         for phase in ("short", "long"):
             for step in range(2):
-                rows.append({"config": name, "phase": phase, "step": step, "is_raw_weight_std": 0.1 * (step + 1),
-                             "clip_fraction": 0.01 * step, "mismatch_kl_k3": 1e-3,
-                             "is_raw_weight_mean": 0.5 + 0.1 * step, "is_raw_weight_ess": 0.8 - 0.1 * step})
+                rows.append(
+                    {
+                        "config": name,
+                        "phase": phase,
+                        "step": step,
+                        "is_raw_weight_std": 0.1 * (step + 1),
+                        "clip_fraction": 0.01 * step,
+                        "mismatch_kl_k3": 1e-3,
+                        "is_raw_weight_mean": 0.5 + 0.1 * step,
+                        "is_raw_weight_ess": 0.8 - 0.1 * step,
+                    }
+                )
     with open(tmp_path / "rollouts.jsonl", "w") as fh:
         for name in SETTINGS:
             for step in range(2):
                 for _ in range(3):
                     gen = (-torch.rand(16, generator=g) - 0.1).tolist()
                     prev = [min(x + 0.05 * float(torch.randn(1, generator=g)), -1e-3) for x in gen]
-                    fh.write(json.dumps({"config": f"{name}@long", "phase": "long", "step": step, "mask": [1] * 16,
-                                         "generation_logprobs": gen, "prev_logprobs": prev}) + "\n")
+                    fh.write(
+                        json.dumps(
+                            {
+                                "config": f"{name}@long",
+                                "phase": "long",
+                                "step": step,
+                                "mask": [1] * 16,
+                                "generation_logprobs": gen,
+                                "prev_logprobs": prev,
+                            }
+                        )
+                        + "\n"
+                    )
     return tmp_path, rows
 
 
@@ -58,8 +78,11 @@ def test_headline_numbers_are_the_means_the_table_and_plot_show(run):
 
 def test_quoted_blocks_render_from_the_summary_and_replace_in_place(run):
     run_dir, rows = run
-    summary = {"warm_start_reward": 0.125, "seconds": 12.0,
-               "headline": headline(rows, run_dir, {"gspo_exp_sum": 0.5, "gspo_seq_mean": 0.25})}
+    summary = {
+        "warm_start_reward": 0.125,
+        "seconds": 12.0,
+        "headline": headline(rows, run_dir, {"gspo_exp_sum": 0.5, "gspo_seq_mean": 0.25}),
+    }
     sentence = readme_sentence(summary)
     assert "on 16-token responses" in sentence and "averages 0.55 with ESS 0.75" in sentence
     tables = demo_tables(summary)
@@ -80,8 +103,15 @@ def test_reward_panel_labels_the_stars(run, monkeypatch):
     run_dir, rows = run
     rows = [dict(r, reward=0.3 + 0.1 * r["step"], grad_norm=1.0, response_length=16.0) for r in rows]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run_dir / "summary.json").write_text(json.dumps({"warm_start_reward": 0.3, "config": {"eval": {"prompts": 128}},
-                                                      "final_reward": {"gspo_exp_sum": 0.5, "gspo_seq_mean": 0.4}}))
+    (run_dir / "summary.json").write_text(
+        json.dumps(
+            {
+                "warm_start_reward": 0.3,
+                "config": {"eval": {"prompts": 128}},
+                "final_reward": {"gspo_exp_sum": 0.5, "gspo_seq_mean": 0.4},
+            }
+        )
+    )
     closed = []
     monkeypatch.setattr(plt, "close", closed.append)
     plot_comparison(run_dir)

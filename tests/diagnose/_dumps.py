@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from nemo_is_plugin.diagnose.dump import RolloutDump
 
 
-def constant_dump(lengths: Sequence[int], delta: float, *, gen: float = -1.0,
-                  masked_tail: Optional[Sequence[int]] = None) -> RolloutDump:
+def constant_dump(
+    lengths: Sequence[int], delta: float, *, gen: float = -1.0, masked_tail: Sequence[int] | None = None
+) -> RolloutDump:
     """Responses of the given valid lengths with p_t - g_t = delta on every token (g_t = gen).
 
     masked_tail: per response, extra masked tokens appended (holding 0).

@@ -20,7 +20,13 @@ LENGTHS = [1, 4, 16, 64]
 
 def _stats(values: np.ndarray) -> dict[str, float]:
     v = np.asarray(values, dtype=np.float64)
-    return {"mean": v.mean(), "std": v.std(), "min": v.min(), "max": v.max(), "ess": v.sum() ** 2 / (len(v) * (v**2).sum())}
+    return {
+        "mean": v.mean(),
+        "std": v.std(),
+        "min": v.min(),
+        "max": v.max(),
+        "ess": v.sum() ** 2 / (len(v) * (v**2).sum()),
+    }
 
 
 def _expected_weights(level: str, lengths, delta: float) -> np.ndarray:
@@ -28,8 +34,14 @@ def _expected_weights(level: str, lengths, delta: float) -> np.ndarray:
     out = []
     for n in lengths:
         t = np.arange(1, n + 1)
-        out.append({"token": np.full(n, math.exp(delta)), "sequence": np.full(n, math.exp(n * delta)),
-                    "sequence_mean": np.full(n, math.exp(delta)), "cumulative": np.exp(t * delta)}[level])
+        out.append(
+            {
+                "token": np.full(n, math.exp(delta)),
+                "sequence": np.full(n, math.exp(n * delta)),
+                "sequence_mean": np.full(n, math.exp(delta)),
+                "cumulative": np.exp(t * delta),
+            }[level]
+        )
     return np.concatenate(out)
 
 
@@ -63,8 +75,15 @@ def test_on_policy_dump_gives_weight_one_and_zero_mismatch():
     for r in a.settings:
         o = r.overall
         assert (o.mean, o.std, o.min, o.max, o.ess, o.truncated, o.masked) == (1, 0, 1, 1, 1, 0, 0), r.setting.name
-    for key in ("mismatch_kl_k1", "mismatch_kl_k3", "log_ppl_diff", "log_ppl_abs_diff", "chi2_token", "chi2_seq",
-                "max_abs_log_ratio"):
+    for key in (
+        "mismatch_kl_k1",
+        "mismatch_kl_k3",
+        "log_ppl_diff",
+        "log_ppl_abs_diff",
+        "chi2_token",
+        "chi2_seq",
+        "max_abs_log_ratio",
+    ):
         # metrics divide by (count + 1e-8) like NeMo-RL's masked_mean: exact to ~1e-8 / count
         assert a.mismatch[key] == pytest.approx(0.0, abs=1e-8), key
     assert a.mismatch["training_log_ppl"] == pytest.approx(1.0) and a.mismatch["responses"] == 4
@@ -92,10 +111,13 @@ def test_truncation_and_masking_fractions():
     from dataclasses import replace
 
     d3, d10 = constant_dump([4], math.log(3.0)), constant_dump([4], math.log(10.0))
-    dump = replace(dump, generation_logprobs=np.concatenate([dump.generation_logprobs, d3.generation_logprobs,
-                                                            d10.generation_logprobs]),
-                   prev_logprobs=np.concatenate([dump.prev_logprobs, d3.prev_logprobs, d10.prev_logprobs]),
-                   mask=np.ones(12, bool), cu_seqlens=np.array([0, 4, 8, 12]))
+    dump = replace(
+        dump,
+        generation_logprobs=np.concatenate([dump.generation_logprobs, d3.generation_logprobs, d10.generation_logprobs]),
+        prev_logprobs=np.concatenate([dump.prev_logprobs, d3.prev_logprobs, d10.prev_logprobs]),
+        mask=np.ones(12, bool),
+        cu_seqlens=np.array([0, 4, 8, 12]),
+    )
     tis = make_setting("token", "tis", high=2.0)
     icepop = make_setting("token", "icepop", low=0.5, high=5.0)
     a = analyze(dump, [tis, icepop], dtype=torch.float64)
@@ -141,13 +163,16 @@ def test_grid_skips_what_the_config_rejects():
         settings_grid(("prefix",), ("none",))
 
 
-@pytest.mark.parametrize(("lengths", "kw", "labels"), [
-    ([1, 2, 3, 100, 5000], {}, ["1-7", "64-511", "4096-32767"]),
-    ([16, 17, 2048], {"max_bins": 3}, ["16-127", "1024-8191"]),
-    ([7, 7], {}, ["4-7"]),
-    ([16, 300, 2048], {"edges": [256, 1024]}, ["1-255", "256-1023", ">=1024"]),
-    ([0, 0], {}, []),
-])
+@pytest.mark.parametrize(
+    ("lengths", "kw", "labels"),
+    [
+        ([1, 2, 3, 100, 5000], {}, ["1-7", "64-511", "4096-32767"]),
+        ([16, 17, 2048], {"max_bins": 3}, ["16-127", "1024-8191"]),
+        ([7, 7], {}, ["4-7"]),
+        ([16, 300, 2048], {"edges": [256, 1024]}, ["1-255", "256-1023", ">=1024"]),
+        ([0, 0], {}, []),
+    ],
+)
 def test_length_bins(lengths, kw, labels):
     bins = length_bins(np.array(lengths), **kw)
     assert [b.label for b in bins] == labels

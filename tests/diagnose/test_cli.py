@@ -1,4 +1,4 @@
-"""``nemo-is diagnose`` through typer's runner: tables, plots, JSON, filters, and clean errors (exit 2, no traceback)."""
+"""``nemo-is diagnose`` via typer's runner: tables, plots, JSON, filters, and clean errors (exit 2, no traceback)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,13 @@ def test_diagnose_prints_tables_and_writes_plots_and_json(app, dump_path, tmp_pa
     out = tmp_path / "plots"
     res = invoke(app, dump_path, "--out", out, "--json", tmp_path / "r.json", "--truncations", "none,tis")
     assert res.exit_code == 0, res.output
-    for title in ("Training/rollout mismatch by response length", "IS weights per setting",
-                  "IS weights by response length", "recommendation", "loss_fn:"):
+    for title in (
+        "Training/rollout mismatch by response length",
+        "IS weights per setting",
+        "IS weights by response length",
+        "recommendation",
+        "loss_fn:",
+    ):
         assert title in res.output
     for name in ("token+tis[0,2]", "sequence_mean", "cumulative+tis[0,2]"):
         assert name in res.output
@@ -53,8 +58,9 @@ def test_diagnose_prints_tables_and_writes_plots_and_json(app, dump_path, tmp_pa
     assert all((out / p).read_bytes()[:8] == PNG and (out / p).stat().st_size > 10_000 for p in pngs)
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["num_responses"] == 24
-    assert set(report["settings"]) == {f"{lv}{t}" for lv in ("token", "sequence", "sequence_mean", "cumulative")
-                                       for t in ("", "+tis[0,2]")}
+    assert set(report["settings"]) == {
+        f"{lv}{t}" for lv in ("token", "sequence", "sequence_mean", "cumulative") for t in ("", "+tis[0,2]")
+    }
     assert report["recommendation"]["name"] in report["settings"]
     # the JSON holds the same numbers as the Python API
     api = diagnose(dump_path, truncations=("none", "tis"))
@@ -68,8 +74,20 @@ def test_default_plot_directory_is_next_to_the_dump(app, dump_path):
 
 
 def test_filters_and_detail(app, dump_path):
-    res = invoke(app, dump_path, "--no-plots", "--step", 1, "--config", "x", "--levels", "sequence", "--detail",
-                 "--bins", "16,64")
+    res = invoke(
+        app,
+        dump_path,
+        "--no-plots",
+        "--step",
+        1,
+        "--config",
+        "x",
+        "--levels",
+        "sequence",
+        "--detail",
+        "--bins",
+        "16,64",
+    )
     assert res.exit_code == 0, res.output
     report = diagnose(dump_path, steps=[1], config="x", levels=("sequence",))
     assert f"{report.analysis.num_responses} responses" in res.output
@@ -77,15 +95,18 @@ def test_filters_and_detail(app, dump_path):
     assert "wrote" not in res.output
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["missing.jsonl"], "no such file"),
-    (["{dump}", "--step", "99"], "no response matches steps=[99]"),
-    (["{dump}", "--levels", "prefix"], "unknown IS level 'prefix'"),
-    (["{dump}", "--truncations", "clip"], "unknown truncation 'clip'"),
-    (["{dump}", "--dtype", "float16"], "dtype must be one of float32, float64"),
-    (["{dump}", "--levels", "sequence", "--truncations", "seq-mask-tis"], "no valid setting to diagnose"),
-    (["{dump}", "--tis-high", "-1", "--truncations", "tis", "--levels", "token"], "no valid setting to diagnose"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing.jsonl"], "no such file"),
+        (["{dump}", "--step", "99"], "no response matches steps=[99]"),
+        (["{dump}", "--levels", "prefix"], "unknown IS level 'prefix'"),
+        (["{dump}", "--truncations", "clip"], "unknown truncation 'clip'"),
+        (["{dump}", "--dtype", "float16"], "dtype must be one of float32, float64"),
+        (["{dump}", "--levels", "sequence", "--truncations", "seq-mask-tis"], "no valid setting to diagnose"),
+        (["{dump}", "--tis-high", "-1", "--truncations", "tis", "--levels", "token"], "no valid setting to diagnose"),
+    ],
+)
 def test_bad_input_exits_2_with_a_message(app, dump_path, tmp_path, args, message):
     args = [a.replace("{dump}", str(dump_path)) for a in args]
     if args[0] == "missing.jsonl":
@@ -136,7 +157,7 @@ def test_write_config_writes_a_ready_to_use_loss_fn_section(app, dump_path, tmp_
     plain = rec.yaml().rstrip().splitlines()
     lines = res.output.splitlines()
     start = lines.index(plain[0])
-    assert lines[start:start + len(plain)] == plain and not any("│" in ln for ln in plain)
+    assert lines[start : start + len(plain)] == plain and not any("│" in ln for ln in plain)
 
 
 def test_a_bad_output_path_is_refused_before_anything_is_written(app, dump_path, tmp_path):

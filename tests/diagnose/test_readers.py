@@ -64,12 +64,15 @@ def test_format_is_sniffed_not_taken_from_the_extension(tmp_path, records):
 
 
 def test_optional_fields_and_defaults(tmp_path):
-    path = _write_lines(tmp_path / "d.jsonl", [
-        json.dumps(_rec(mask=[1, 0, 1], advantage=1.5, step=3)),
-        "",  # blank lines are skipped
-        json.dumps(_rec()),  # no mask: all ones; no advantage: NaN; no step: -1
-        json.dumps(_rec(token_ids=[1, 2, 3], text="ignored")),  # unknown keys are ignored
-    ])
+    path = _write_lines(
+        tmp_path / "d.jsonl",
+        [
+            json.dumps(_rec(mask=[1, 0, 1], advantage=1.5, step=3)),
+            "",  # blank lines are skipped
+            json.dumps(_rec()),  # no mask: all ones; no advantage: NaN; no step: -1
+            json.dumps(_rec(token_ids=[1, 2, 3], text="ignored")),  # unknown keys are ignored
+        ],
+    )
     dump = read_dump(path)
     np.testing.assert_array_equal(dump.mask, [1, 0, 1, 1, 1, 1, 1, 1, 1])
     assert dump.advantage[0] == 1.5 and math.isnan(dump.advantage[1])
@@ -106,8 +109,10 @@ MALFORMED = [
     ('{"generation_logprobs": [-0.4, "x"], "prev_logprobs": [-0.4, -1]}', "'generation_logprobs' element 1 is 'x'"),
     ('{"generation_logprobs": [true], "prev_logprobs": [-0.4]}', "'generation_logprobs' element 0 is True"),
     ('{"generation_logprobs": [[-0.4]], "prev_logprobs": [-0.4]}', "'generation_logprobs' element 0 is [-0.4]"),
-    ('{"generation_logprobs": [-0.4, -1], "prev_logprobs": [-0.4]}',
-     "line 1: 'prev_logprobs' has 1 values but 'generation_logprobs' has 2"),
+    (
+        '{"generation_logprobs": [-0.4, -1], "prev_logprobs": [-0.4]}',
+        "line 1: 'prev_logprobs' has 1 values but 'generation_logprobs' has 2",
+    ),
     ('{"generation_logprobs": [-0.4], "prev_logprobs": [-0.4], "mask": [1, 1]}', "'mask' has 2 values"),
     ('{"generation_logprobs": [], "prev_logprobs": []}', "line 1: empty response (0 tokens)"),
     ('{"generation_logprobs": [-0.4], "prev_logprobs": [-0.4], "mask": [2]}', "'mask' must hold 0/1 values"),
@@ -119,8 +124,10 @@ MALFORMED = [
     ('{"generation_logprobs": [-1], "prev_logprobs": [-1], "advantage": Infinity}', "'advantage' is inf"),
     ('{"generation_logprobs": [-1], "prev_logprobs": [-1], "step": 1.5}', "'step' must be an integer"),
     ('{"generation_logprobs": [-1], "prev_logprobs": [-1], "config": 3}', "'config' must be a string"),
-    ('{"generation_logprobs": [-1], "prev_logprobs": [-1], "training_logprobs": [-1]}',
-     "both 'prev_logprobs' and its alias 'training_logprobs' are given"),
+    (
+        '{"generation_logprobs": [-1], "prev_logprobs": [-1], "training_logprobs": [-1]}',
+        "both 'prev_logprobs' and its alias 'training_logprobs' are given",
+    ),
     ('{"generation_logprobs": [1e999999], "prev_logprobs": [-1]}', "'generation_logprobs' token 0 is inf"),
 ]
 
@@ -128,8 +135,11 @@ MALFORMED = [
 @pytest.mark.parametrize(("line", "message"), MALFORMED)
 def test_malformed_jsonl_names_line_and_key(tmp_path, line, message):
     good = json.dumps(_rec())
-    path = _write_lines(tmp_path / "d.jsonl", [good, line]) if "line 1" not in message else \
-        _write_lines(tmp_path / "d.jsonl", [line])
+    path = (
+        _write_lines(tmp_path / "d.jsonl", [good, line])
+        if "line 1" not in message
+        else _write_lines(tmp_path / "d.jsonl", [line])
+    )
     with pytest.raises(DumpError) as err:
         read_dump(path)
     assert message in str(err.value)
@@ -138,13 +148,16 @@ def test_malformed_jsonl_names_line_and_key(tmp_path, line, message):
         assert f"{path}:line 2" in str(err.value)
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (b"", "no responses found"),
-    (b"\n\n", "no responses found"),
-    (b"\xff\xfe\x00garbage", "not a UTF-8 text file nor Parquet"),
-    (b"\x1f\x8b\x08\x00broken", "cannot read"),
-    (b"PAR1 not really parquet", "cannot read Parquet"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "no responses found"),
+        (b"\n\n", "no responses found"),
+        (b"\xff\xfe\x00garbage", "not a UTF-8 text file nor Parquet"),
+        (b"\x1f\x8b\x08\x00broken", "cannot read"),
+        (b"PAR1 not really parquet", "cannot read Parquet"),
+    ],
+)
 def test_malformed_files(tmp_path, content, message):
     path = tmp_path / "d.bin"
     path.write_bytes(content)
@@ -160,26 +173,48 @@ def test_missing_file_and_empty_directory(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ malformed Parquet
-@pytest.mark.parametrize(("table", "message"), [
-    (pa.table({"generation_logprobs": [[-0.5]]}), "missing column 'prev_logprobs'"),
-    (pa.table({"generation_logprobs": [-0.5], "prev_logprobs": [-0.5]}), "must be a list of numbers per row"),
-    (pa.table({"generation_logprobs": [["a"]], "prev_logprobs": [[-0.5]]}), "must hold numbers, got list<string>"),
-    (pa.table({"generation_logprobs": [[-0.5], None], "prev_logprobs": [[-0.5], [-1.0]]}),
-     "row 1: 'generation_logprobs' is null"),
-    (pa.table({"generation_logprobs": [[-0.5, -1.0]], "prev_logprobs": [[-0.5]]}),
-     "row 0: 'prev_logprobs' has 1 values but 'generation_logprobs' has 2"),
-    (pa.table({"generation_logprobs": [[-0.5, None]], "prev_logprobs": [[-0.5, -1.0]]}),
-     "row 0: 'generation_logprobs' token 1 is nan"),
-    (pa.table({"generation_logprobs": [[-0.5]], "prev_logprobs": [[-0.5]], "mask": [[3]]}), "'mask' must hold 0/1"),
-    (pa.table({"generation_logprobs": [[-0.5]], "prev_logprobs": [[-0.5]], "step": ["x"]}),
-     "column 'step' must be numeric"),
-    (pa.table({"generation_logprobs": [[-0.5]], "prev_logprobs": [[-0.5]], "step": [1.5]}),
-     "row 0: 'step' must be an integer"),
-    (pa.table({"generation_logprobs": [[-0.5]], "prev_logprobs": [[-0.5]], "config": [1]}),
-     "column 'config' must be strings"),
-    (pa.table({"generation_logprobs": pa.array([], pa.list_(pa.float64())),
-               "prev_logprobs": pa.array([], pa.list_(pa.float64()))}), "no responses found"),
-])
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (pa.table({"generation_logprobs": [[-0.5]]}), "missing column 'prev_logprobs'"),
+        (pa.table({"generation_logprobs": [-0.5], "prev_logprobs": [-0.5]}), "must be a list of numbers per row"),
+        (pa.table({"generation_logprobs": [["a"]], "prev_logprobs": [[-0.5]]}), "must hold numbers, got list<string>"),
+        (
+            pa.table({"generation_logprobs": [[-0.5], None], "prev_logprobs": [[-0.5], [-1.0]]}),
+            "row 1: 'generation_logprobs' is null",
+        ),
+        (
+            pa.table({"generation_logprobs": [[-0.5, -1.0]], "prev_logprobs": [[-0.5]]}),
+            "row 0: 'prev_logprobs' has 1 values but 'generation_logprobs' has 2",
+        ),
+        (
+            pa.table({"generation_logprobs": [[-0.5, None]], "prev_logprobs": [[-0.5, -1.0]]}),
+            "row 0: 'generation_logprobs' token 1 is nan",
+        ),
+        (pa.table({"generation_logprobs": [[-0.5]], "prev_logprobs": [[-0.5]], "mask": [[3]]}), "'mask' must hold 0/1"),
+        (
+            pa.table({"generation_logprobs": [[-0.5]], "prev_logprobs": [[-0.5]], "step": ["x"]}),
+            "column 'step' must be numeric",
+        ),
+        (
+            pa.table({"generation_logprobs": [[-0.5]], "prev_logprobs": [[-0.5]], "step": [1.5]}),
+            "row 0: 'step' must be an integer",
+        ),
+        (
+            pa.table({"generation_logprobs": [[-0.5]], "prev_logprobs": [[-0.5]], "config": [1]}),
+            "column 'config' must be strings",
+        ),
+        (
+            pa.table(
+                {
+                    "generation_logprobs": pa.array([], pa.list_(pa.float64())),
+                    "prev_logprobs": pa.array([], pa.list_(pa.float64())),
+                }
+            ),
+            "no responses found",
+        ),
+    ],
+)
 def test_malformed_parquet_names_row_and_column(tmp_path, table, message):
     pq.write_table(table, tmp_path / "d.parquet")
     with pytest.raises(DumpError) as err:
@@ -189,8 +224,14 @@ def test_malformed_parquet_names_row_and_column(tmp_path, table, message):
 
 def test_parquet_accepts_float32_bool_masks_and_fixed_size_lists(tmp_path):
     gen = pa.array([[-0.5, -1.0]], pa.list_(pa.float32(), 2))
-    table = pa.table({"generation_logprobs": gen, "prev_logprobs": pa.array([[-0.25, -1.0]], pa.list_(pa.float32())),
-                      "mask": pa.array([[True, False]]), "step": pa.array([7], pa.int32())})
+    table = pa.table(
+        {
+            "generation_logprobs": gen,
+            "prev_logprobs": pa.array([[-0.25, -1.0]], pa.list_(pa.float32())),
+            "mask": pa.array([[True, False]]),
+            "step": pa.array([7], pa.int32()),
+        }
+    )
     pq.write_table(table, tmp_path / "d.parquet")
     dump = read_dump(tmp_path / "d.parquet")
     assert dump.generation_logprobs.tolist() == [-0.5, 0.0]
@@ -199,12 +240,21 @@ def test_parquet_accepts_float32_bool_masks_and_fixed_size_lists(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ fuzz
 _json_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20), st.floats(), st.text(max_size=5)),
+    st.one_of(st.none(), st.booleans(), st.integers(-(10**20), 10**20), st.floats(), st.text(max_size=5)),
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
     max_leaves=10,
 )
-_KEYS = ["generation_logprobs", "prev_logprobs", "training_logprobs", "mask", "advantage", "reward", "step",
-         "sample_id", "config"]
+_KEYS = [
+    "generation_logprobs",
+    "prev_logprobs",
+    "training_logprobs",
+    "mask",
+    "advantage",
+    "reward",
+    "step",
+    "sample_id",
+    "config",
+]
 
 
 @st.composite

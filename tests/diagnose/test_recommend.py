@@ -67,9 +67,13 @@ def test_check_names_each_failed_criterion_and_bin():
     a = analyze(dump, settings, dtype=torch.float64)
     c = Criteria()
     assert check(a.result("token"), a, c) == [
-        "mean weight 3 outside [0.5, 2] at length 4-7", "mean weight 3 outside [0.5, 2] at length 32-63"]
+        "mean weight 3 outside [0.5, 2] at length 4-7",
+        "mean weight 3 outside [0.5, 2] at length 32-63",
+    ]
     assert check(a.result("token+tis[0,2]"), a, c) == [
-        "100.0% of tokens truncated (> 20%) at length 4-7", "100.0% of tokens truncated (> 20%) at length 32-63"]
+        "100.0% of tokens truncated (> 20%) at length 4-7",
+        "100.0% of tokens truncated (> 20%) at length 32-63",
+    ]
     icepop = check(a.result("token+icepop[0.5,2.5]"), a, c)
     assert "100.0% of tokens masked (> 10%) at length 4-7" in icepop
     assert "ESS 0.00 < 0.5 at length 4-7" in icepop
@@ -87,7 +91,8 @@ def test_small_bins_are_not_judged_alone():
     assert check(a.result("token"), a, Criteria(min_ess=0.9)) == []  # the 256-1023 bin has 1 < 4 responses
     ess = (math.e + 1 / math.e) ** 2 / (2 * (math.e**2 + math.e**-2))
     assert check(a.result("token"), a, Criteria(min_ess=0.9, min_responses=1)) == [
-        f"ESS {ess:.2f} < 0.9 at length 256-1023"]
+        f"ESS {ess:.2f} < 0.9 at length 256-1023"
+    ]
 
 
 def test_recommend_needs_settings():

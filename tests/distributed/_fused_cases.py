@@ -46,7 +46,9 @@ def run(p: HeadProblem, logprob_fn, config: dict, hidden=None, weight=None):
     loss_fn = build_loss_fn(config)
     lp = logprob_fn(h, w, p.target)
     loss, metrics = loss_fn(
-        next_token_logprobs=lp, data=p.data, global_valid_seqs=p.global_valid_seqs,
+        next_token_logprobs=lp,
+        data=p.data,
+        global_valid_seqs=p.global_valid_seqs,
         global_valid_toks=p.global_valid_toks,
     )
     loss.backward()
@@ -73,15 +75,22 @@ def pg_problem(dtype=torch.float32, seed=0, vocab=37):
     return p
 
 
-def fused(p, cfg, *, hidden=None, weight=None, h_grad=True, w_grad=True, upstream=None, data=None, target=None,
-          **kwargs):
+def fused(
+    p, cfg, *, hidden=None, weight=None, h_grad=True, w_grad=True, upstream=None, data=None, target=None, **kwargs
+):
     """(loss, metrics, d hidden, d weight) of ``fused_linear_pg_loss`` on problem ``p`` (CHUNK tokens per chunk)."""
     h = (p.hidden if hidden is None else hidden).clone().requires_grad_(h_grad)
     w = (p.weight if weight is None else weight).clone().requires_grad_(w_grad)
     kwargs.setdefault("chunk_size", CHUNK)
     loss, metrics = fused_linear_pg_loss(
-        build_loss_fn(cfg), h, w, p.target if target is None else target, p.data if data is None else data,
-        p.global_valid_seqs, p.global_valid_toks, **kwargs,
+        build_loss_fn(cfg),
+        h,
+        w,
+        p.target if target is None else target,
+        p.data if data is None else data,
+        p.global_valid_seqs,
+        p.global_valid_toks,
+        **kwargs,
     )
     if loss.requires_grad:
         (loss if upstream is None else upstream * loss).backward()

@@ -23,7 +23,6 @@ TOL = {torch.float32: {"rtol": 2e-6, "atol": 1e-7}, torch.float64: {"rtol": 1e-1
 GRAD_RTOL = {torch.float32: 5e-6, torch.float64: 1e-10}
 
 
-
 def assert_tensor_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, grad: bool = False) -> None:
     """Relative to the largest entry: a gradient's tiny entries carry the absolute error of the big ones."""
     rtol = GRAD_RTOL[dtype] if grad else TOL[dtype]["rtol"]
@@ -35,45 +34,103 @@ LOSS_CONFIGS: dict[str, dict] = {
     "nemo_rl_default": {},
     "gspo_legacy": {"sequence_level_importance_ratios": True, **SEQ_LOSS, "reference_policy_kl_penalty": 0.0, **IS_ON},
     "gspo_token_seqmean_is_tis": {
-        "ratio_level": "sequence_token", **IS_ON, "is_correction_level": "sequence_mean",
-        "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 1.01, **SEQ_LOSS,
+        "ratio_level": "sequence_token",
+        **IS_ON,
+        "is_correction_level": "sequence_mean",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.01,
+        **SEQ_LOSS,
     },
-    "ctpo_cumulative_is": {"ratio_level": "cumulative", **CTPO, **IS_ON, "is_correction_level": "cumulative",
-                           "log_ratio_clip_c": 0.2, "token_log_ratio_clamp": 20.0, "max_log_ratio": 10.0},
+    "ctpo_cumulative_is": {
+        "ratio_level": "cumulative",
+        **CTPO,
+        **IS_ON,
+        "is_correction_level": "cumulative",
+        "log_ratio_clip_c": 0.2,
+        "token_log_ratio_clamp": 20.0,
+        "max_log_ratio": 10.0,
+    },
     "cumulative_mean_seq_is_icepop": {
-        "ratio_level": "cumulative_mean", **CTPO, **IS_ON, "is_correction_level": "sequence",
-        "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 1.4,
+        "ratio_level": "cumulative_mean",
+        **CTPO,
+        **IS_ON,
+        "is_correction_level": "sequence",
+        "truncated_importance_sampling_type": "icepop",
+        "truncated_importance_sampling_ratio": 1.4,
         "truncated_importance_sampling_ratio_min": 0.7,
     },
-    "token_icepop": {**IS_ON, "truncated_importance_sampling_type": "icepop",
-                     "truncated_importance_sampling_ratio": 1.1, "truncated_importance_sampling_ratio_min": 0.9},
-    "seq_mask_tis": {**IS_ON, "is_correction_level": "sequence_mean",
-                     "truncated_importance_sampling_type": "seq-mask-tis",
-                     "truncated_importance_sampling_ratio": 1.03, "truncated_importance_sampling_ratio_min": 0.97},
-    "seq_mis_veto": {"truncated_importance_sampling_type": "seq-mis", "truncated_importance_sampling_ratio": 1.4,
-                     "truncated_importance_sampling_ratio_min": 0.7, "importance_sampling_veto_threshold": 0.7,
-                     "loss_aggregation": "seq-mean-token-sum"},
-    "geo_rs_batch_norm": {**IS_ON, "truncated_importance_sampling_type": "geo-rs",
-                          "truncated_importance_sampling_ratio": 1.05, "truncated_importance_sampling_ratio_min": 0.95,
-                          "importance_sampling_batch_normalize": True, "is_correction_level": "sequence_mean"},
-    "cispo_tis": {"use_cispo": True, "ratio_clip_min": 1.0, "ratio_clip_max": 0.05, "reference_policy_kl_penalty": 0.0,
-                  **IS_ON, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 1.05},
-    "dual_clip_k2_norm": {"ratio_clip_c": 3.0, "reference_policy_kl_type": "k1", "reference_policy_kl_gradient": "k2",
-                          "loss_aggregation": "seq-mean-token-sum-norm", "loss_aggregation_norm": 16.0},
-    "reinforce_on_policy_kl_nll": {"disable_ppo_ratio": True, "use_on_policy_kl_approximation": True, **IS_ON,
-                                   "positive_example_nll_weight": 0.1},
+    "token_icepop": {
+        **IS_ON,
+        "truncated_importance_sampling_type": "icepop",
+        "truncated_importance_sampling_ratio": 1.1,
+        "truncated_importance_sampling_ratio_min": 0.9,
+    },
+    "seq_mask_tis": {
+        **IS_ON,
+        "is_correction_level": "sequence_mean",
+        "truncated_importance_sampling_type": "seq-mask-tis",
+        "truncated_importance_sampling_ratio": 1.03,
+        "truncated_importance_sampling_ratio_min": 0.97,
+    },
+    "seq_mis_veto": {
+        "truncated_importance_sampling_type": "seq-mis",
+        "truncated_importance_sampling_ratio": 1.4,
+        "truncated_importance_sampling_ratio_min": 0.7,
+        "importance_sampling_veto_threshold": 0.7,
+        "loss_aggregation": "seq-mean-token-sum",
+    },
+    "geo_rs_batch_norm": {
+        **IS_ON,
+        "truncated_importance_sampling_type": "geo-rs",
+        "truncated_importance_sampling_ratio": 1.05,
+        "truncated_importance_sampling_ratio_min": 0.95,
+        "importance_sampling_batch_normalize": True,
+        "is_correction_level": "sequence_mean",
+    },
+    "cispo_tis": {
+        "use_cispo": True,
+        "ratio_clip_min": 1.0,
+        "ratio_clip_max": 0.05,
+        "reference_policy_kl_penalty": 0.0,
+        **IS_ON,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.05,
+    },
+    "dual_clip_k2_norm": {
+        "ratio_clip_c": 3.0,
+        "reference_policy_kl_type": "k1",
+        "reference_policy_kl_gradient": "k2",
+        "loss_aggregation": "seq-mean-token-sum-norm",
+        "loss_aggregation_norm": 16.0,
+    },
+    "reinforce_on_policy_kl_nll": {
+        "disable_ppo_ratio": True,
+        "use_on_policy_kl_approximation": True,
+        **IS_ON,
+        "positive_example_nll_weight": 0.1,
+    },
     # verl's rejection options, every aggregation (sequence max through the CP layout's max), several at once; bounds
     # set between the batches' statistics so each one keeps and rejects sequences
     "verl_rejection_rules_token_sum": {
-        **IS_ON, "is_correction_level": "token", "truncated_importance_sampling_type": "tis",
-        "truncated_importance_sampling_ratio": 1.1, "loss_aggregation": "token-sum",
+        **IS_ON,
+        "is_correction_level": "token",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.1,
+        "loss_aggregation": "token-sum",
         "importance_sampling_rejection_rules": [
-            {"option": "token_k1", "threshold": "0.8_1.25"}, {"option": "seq_sum_k2", "threshold": 0.05},
-            {"option": "seq_mean_k3", "threshold": 0.008}, {"option": "seq_max_k3", "threshold": 0.03}],
+            {"option": "token_k1", "threshold": "0.8_1.25"},
+            {"option": "seq_sum_k2", "threshold": 0.05},
+            {"option": "seq_mean_k3", "threshold": 0.008},
+            {"option": "seq_max_k3", "threshold": 0.03},
+        ],
     },
     "verl_bypass_reinforce_seq_max": {
-        "old_policy_logprobs": "generation", "disable_ppo_ratio": True, **IS_ON, "is_correction_level": "sequence",
-        "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0,
+        "old_policy_logprobs": "generation",
+        "disable_ppo_ratio": True,
+        **IS_ON,
+        "is_correction_level": "sequence",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
         "importance_sampling_rejection_rules": [{"option": "seq_max_k2", "threshold": 0.1}],
     },
 }
@@ -124,8 +181,9 @@ def reference(config: dict, logits: torch.Tensor, data: dict, counts=None):
     x = logits.detach().clone().requires_grad_(True)
     logp = torch.log_softmax(x.to(torch.promote_types(x.dtype, torch.float32)), -1)
     lp = logp[:, :-1].gather(-1, data["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
-    loss, metrics = ClippedPGLoss(config)(next_token_logprobs=lp, data=data, global_valid_seqs=gvs,
-                                           global_valid_toks=gvt)
+    loss, metrics = ClippedPGLoss(config)(
+        next_token_logprobs=lp, data=data, global_valid_seqs=gvs, global_valid_toks=gvt
+    )
     loss.backward()
     return loss.detach(), metrics, x.grad
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.device_guard import assert_identical, count_host_syncs, device_guard, run_guarded_and_plain
+
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.problem import make_problem
 from nemo_is_plugin.distributed.context_parallel import CPTokenLayout, cp_layout
@@ -122,8 +122,16 @@ def test_out_of_order_layout_prefix_sums():
 
 
 @pytest.mark.parametrize("order", CP_ORDERS)
-@pytest.mark.parametrize("name", ["nemo_rl_default", "ctpo_cumulative_is", "cumulative_mean_seq_is_icepop",
-                                  "gspo_token_seqmean_is_tis", "seq_mask_tis"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "nemo_rl_default",
+        "ctpo_cumulative_is",
+        "cumulative_mean_seq_is_icepop",
+        "gspo_token_seqmean_is_tis",
+        "seq_mask_tis",
+    ],
+)
 def test_cp_layout_single_process_is_device_clean(name, order):
     """CPTokenLayout with no group (one rank holding every chunk) equals the packed layout, under the guard, with the
     one host sync of the metrics."""
@@ -131,8 +139,10 @@ def test_cp_layout_single_process_is_device_clean(name, order):
     lp = padded_lengths(lengths, num_chunks(1, order))
     cu = [0] + torch.tensor(lp).cumsum(0).tolist()
     n_seq, n_tok = global_counts(data)
-    tokens = {k: pack(data[k][:, 1:].double(), lp) for k in ("token_mask", "advantages", "prev_logprobs",
-                                                            "generation_logprobs", "reference_policy_logprobs")}
+    tokens = {
+        k: pack(data[k][:, 1:].double(), lp)
+        for k in ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
+    }
     curr = (tokens["prev_logprobs"] + 0.05 * torch.sin(torch.arange(len(tokens["prev_logprobs"])))).clamp(max=0)
     loss_fn = build_loss_fn(LOSS_CONFIGS[name])
 
@@ -141,16 +151,22 @@ def test_cp_layout_single_process_is_device_clean(name, order):
             layout = layout_of()
             c = curr.clone().requires_grad_(True)
             inputs = LossInputs(
-                curr_logprobs=c, prev_logprobs=tokens["prev_logprobs"],
+                curr_logprobs=c,
+                prev_logprobs=tokens["prev_logprobs"],
                 generation_logprobs=tokens["generation_logprobs"],
-                reference_logprobs=tokens["reference_policy_logprobs"], advantages=tokens["advantages"],
-                token_mask=tokens["token_mask"], sample_mask=data["sample_mask"].double(), global_valid_seqs=n_seq,
-                global_valid_toks=n_tok, rewards=data["rewards"].double(),
+                reference_logprobs=tokens["reference_policy_logprobs"],
+                advantages=tokens["advantages"],
+                token_mask=tokens["token_mask"],
+                sample_mask=data["sample_mask"].double(),
+                global_valid_seqs=n_seq,
+                global_valid_toks=n_tok,
+                rewards=data["rewards"].double(),
             )
             with count_host_syncs() as syncs:
                 loss, metrics = loss_fn.compute(inputs, layout)
             loss.backward()
             return (loss.detach(), metrics, c.grad), len(syncs)
+
         return call
 
     lengths_t = [b - a for a, b in zip(cu[:-1], cu[1:])]
@@ -237,8 +253,10 @@ def check_triton_backend_under_guard() -> None:
 
 def test_fused_linear_logprobs_triton_backend_is_device_clean():
     pytest.importorskip("triton")
-    code = (f"import sys; sys.path.insert(0, {TESTS_DIR!r}); "
-            "from distributed.test_device_clean import check_triton_backend_under_guard as f; f()")
+    code = (
+        f"import sys; sys.path.insert(0, {TESTS_DIR!r}); "
+        "from distributed.test_device_clean import check_triton_backend_under_guard as f; f()"
+    )
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -252,8 +270,17 @@ def test_fused_linear_pg_loss_is_device_clean(name, single_pass):
 
     def run():
         h, w = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
-        loss, metrics = fused_linear_pg_loss(loss_fn, h, w, p.target, p.data, p.global_valid_seqs,
-                                             p.global_valid_toks, chunk_size=5, single_pass=single_pass)
+        loss, metrics = fused_linear_pg_loss(
+            loss_fn,
+            h,
+            w,
+            p.target,
+            p.data,
+            p.global_valid_seqs,
+            p.global_valid_toks,
+            chunk_size=5,
+            single_pass=single_pass,
+        )
         loss.backward()
         return loss.detach(), metrics, h.grad, w.grad
 

@@ -14,25 +14,49 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.device_guard import PACKAGE_DIR, DeviceLessTensorError, count_host_syncs, device_guard
+
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.problem import make_problem
 from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
 from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
 
-FUSED_FILES = ("fused_linear.py", "fused_linear_loss.py", "vocab_parallel.py", "chunk_math.py", "chunk_inplace.py",
-               "gemm.py", "softmax_partials.py", "triton_logprob.py", "separable.py", "derivatives.py")
+FUSED_FILES = (
+    "fused_linear.py",
+    "fused_linear_loss.py",
+    "vocab_parallel.py",
+    "chunk_math.py",
+    "chunk_inplace.py",
+    "gemm.py",
+    "softmax_partials.py",
+    "triton_logprob.py",
+    "separable.py",
+    "derivatives.py",
+)
 CONFIGS = {
-    "token_tis_k3_nll": dict(ratio_level="token", use_importance_sampling_correction=True,
-                             truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.05,
-                             reference_policy_kl_penalty=0.1, positive_example_nll_weight=0.2),
-    "cumulative_log_clip": dict(ratio_level="cumulative", log_ratio_clip_low=0.01, log_ratio_clip_high=0.015,
-                                clip_position_power=0.5, use_importance_sampling_correction=True,
-                                is_correction_level="cumulative"),
-    "sequence_two_pass": dict(ratio_level="sequence", loss_aggregation="seq-mean-token-mean",
-                              use_importance_sampling_correction=True, is_correction_level="sequence_mean"),
+    "token_tis_k3_nll": dict(
+        ratio_level="token",
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=1.05,
+        reference_policy_kl_penalty=0.1,
+        positive_example_nll_weight=0.2,
+    ),
+    "cumulative_log_clip": dict(
+        ratio_level="cumulative",
+        log_ratio_clip_low=0.01,
+        log_ratio_clip_high=0.015,
+        clip_position_power=0.5,
+        use_importance_sampling_correction=True,
+        is_correction_level="cumulative",
+    ),
+    "sequence_two_pass": dict(
+        ratio_level="sequence",
+        loss_aggregation="seq-mean-token-mean",
+        use_importance_sampling_correction=True,
+        is_correction_level="sequence_mean",
+    ),
 }
 
 
@@ -44,8 +68,18 @@ def _problem():
 
 def _pg_loss(p, name, chunk_size, **kwargs):
     h, w = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
-    loss, metrics = fused_linear_pg_loss(build_loss_fn(CONFIGS[name]), h, w, p.target, p.data, p.global_valid_seqs,
-                                         p.global_valid_toks, chunk_size=chunk_size, temperature=0.9, **kwargs)
+    loss, metrics = fused_linear_pg_loss(
+        build_loss_fn(CONFIGS[name]),
+        h,
+        w,
+        p.target,
+        p.data,
+        p.global_valid_seqs,
+        p.global_valid_toks,
+        chunk_size=chunk_size,
+        temperature=0.9,
+        **kwargs,
+    )
     return loss, metrics, h, w
 
 
@@ -61,7 +95,8 @@ def test_pg_loss_forward_is_sync_free_in_the_fused_modules_and_per_chunk(name):
             loss.backward()
         assert fwd.from_files(FUSED_FILES) == [], fwd.from_files(FUSED_FILES)
         assert len(bwd.from_files(FUSED_FILES)) <= 1 and {r.function for r in bwd.from_files(FUSED_FILES)} <= {
-            "_is_one_on_cpu"}, str(bwd)
+            "_is_one_on_cpu"
+        }, str(bwd)
         counts[chunk_size] = (len(fwd), len(bwd))
     assert counts[1] == counts[1000], counts  # nothing runs per chunk, in any module
     assert counts[1][0] <= 8, str(fwd)  # validation, layout, metrics: a few per call
@@ -99,8 +134,17 @@ def test_pg_loss_creates_no_tensor_without_a_device(name, weight_grad):
     h, w = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
     main_grad = torch.zeros(w.shape) if weight_grad == "main_grad" else None
     with device_guard():
-        loss, _ = fused_linear_pg_loss(build_loss_fn(CONFIGS[name]), h, w, p.target, p.data, p.global_valid_seqs,
-                                       p.global_valid_toks, chunk_size=5, grad_weight_out=main_grad)
+        loss, _ = fused_linear_pg_loss(
+            build_loss_fn(CONFIGS[name]),
+            h,
+            w,
+            p.target,
+            p.data,
+            p.global_valid_seqs,
+            p.global_valid_toks,
+            chunk_size=5,
+            grad_weight_out=main_grad,
+        )
         loss.backward()
     assert h.grad is not None and (w.grad is None) == (main_grad is not None)
 
@@ -124,5 +168,7 @@ def test_device_guard_rejects_a_device_less_factory_in_a_package_frame():
     with device_guard(), pytest.raises(DeviceLessTensorError, match="zeros called without device"):
         exec(code, {"torch": torch})
     with device_guard():
-        exec(compile("torch.zeros(3, device='cpu')", str(PACKAGE_DIR / "distributed" / "fused_linear.py"), "exec"),
-             {"torch": torch})
+        exec(
+            compile("torch.zeros(3, device='cpu')", str(PACKAGE_DIR / "distributed" / "fused_linear.py"), "exec"),
+            {"torch": torch},
+        )

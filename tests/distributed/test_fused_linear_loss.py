@@ -73,7 +73,9 @@ def test_sequence_levels_run_first_pass_then_loss_then_recomputing_backward(monk
     lp = fused_linear_module.fused_linear_logprobs(h, w, p.target, chunk_size=CHUNK)
     events.append("forward done")
     loss, _ = build_loss_fn(level_config(ratio_level, is_level))(
-        next_token_logprobs=lp, data=p.data, global_valid_seqs=p.global_valid_seqs,
+        next_token_logprobs=lp,
+        data=p.data,
+        global_valid_seqs=p.global_valid_seqs,
         global_valid_toks=p.global_valid_toks,
     )
     events.append("loss done")

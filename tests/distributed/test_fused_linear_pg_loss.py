@@ -72,9 +72,20 @@ def test_cumulative_ratios_every_is_level_single_pass(monkeypatch, ratio_level, 
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 8, 1000])
-@pytest.mark.parametrize("extra", [{}, {"token_log_ratio_clamp": 0.04, "max_log_ratio": 0.02},
-                                   {"log_ratio_clip_low": 0.01, "log_ratio_clip_high": 0.015,
-                                    "clip_position_power": 0.5, "log_ratio_clip_c": 0.05, "ratio_clip_c": None}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"token_log_ratio_clamp": 0.04, "max_log_ratio": 0.02},
+        {
+            "log_ratio_clip_low": 0.01,
+            "log_ratio_clip_high": 0.015,
+            "clip_position_power": 0.5,
+            "log_ratio_clip_c": 0.05,
+            "ratio_clip_c": None,
+        },
+    ],
+)
 def test_cumulative_single_pass_any_chunking_and_ctpo_clip(monkeypatch, chunk_size, extra):
     """Chunk sizes that split sequences anywhere (1 token, odd, one row, everything) and CTPO's clamps / adaptive
     log-space clip give the naive path's numbers."""
@@ -115,28 +126,35 @@ _KL = dict(reference_policy_kl_penalty=0.1)
 SEPARABLE_CONFIGS = {
     "tis_with_min": variant(truncated_importance_sampling_ratio_min=0.97),
     "icepop": variant(
-        truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=1.05,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=1.05,
         truncated_importance_sampling_ratio_min=0.95,
     ),
     "seq_mask_tis": variant(
-        truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=1.03,
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=1.03,
         truncated_importance_sampling_ratio_min=0.97,
     ),
     "seq_mis": variant(
-        truncated_importance_sampling_type="seq-mis", truncated_importance_sampling_ratio=1.1,
+        truncated_importance_sampling_type="seq-mis",
+        truncated_importance_sampling_ratio=1.1,
         truncated_importance_sampling_ratio_min=0.9,
     ),
     "seq_mis_without_is_weights": variant(
-        truncated_importance_sampling_type="seq-mis", truncated_importance_sampling_ratio=1.1,
-        truncated_importance_sampling_ratio_min=0.9, use_importance_sampling_correction=False,
+        truncated_importance_sampling_type="seq-mis",
+        truncated_importance_sampling_ratio=1.1,
+        truncated_importance_sampling_ratio_min=0.9,
+        use_importance_sampling_correction=False,
         is_correction_level=None,
     ),
     "geo_rs": variant(
-        truncated_importance_sampling_type="geo-rs", truncated_importance_sampling_ratio=1.03,
+        truncated_importance_sampling_type="geo-rs",
+        truncated_importance_sampling_ratio=1.03,
         truncated_importance_sampling_ratio_min=0.97,
     ),
     "tis_plus_geo_rs_rejection": variant(
-        importance_sampling_rejection="geo-rs", importance_sampling_rejection_min=0.97,
+        importance_sampling_rejection="geo-rs",
+        importance_sampling_rejection_min=0.97,
         importance_sampling_rejection_max=1.03,
     ),
     "kl_k1": variant(reference_policy_kl_type="k1", **_KL),
@@ -151,16 +169,23 @@ SEPARABLE_CONFIGS = {
     "agg_seq_mean_token_sum": aggregation("seq-mean-token-sum"),
     "agg_seq_mean_token_sum_norm": aggregation("seq-mean-token-sum-norm", loss_aggregation_norm=8.0),
     "agg_token_sum": aggregation("token-sum"),
-    "verl_rejection_rules": variant(importance_sampling_rejection_rules=[
-        {"option": "token_k1", "threshold": "0.9_1.1"}, {"option": "seq_mean_k3", "threshold": 0.002},
-        {"option": "seq_max_k2", "threshold": 0.006}]),
+    "verl_rejection_rules": variant(
+        importance_sampling_rejection_rules=[
+            {"option": "token_k1", "threshold": "0.9_1.1"},
+            {"option": "seq_mean_k3", "threshold": 0.002},
+            {"option": "seq_max_k2", "threshold": 0.006},
+        ]
+    ),
     "agg_legacy_token_level_loss_false": variant(token_level_loss=False, loss_aggregation=None),
     "cispo": variant(use_cispo=True),
     "disable_ppo_ratio": variant(disable_ppo_ratio=True),
     "disable_ppo_ratio_dual_clip": variant(disable_ppo_ratio=True, ratio_clip_c=1.5),
     "log_space_clip": variant(log_ratio_clip_low=0.02, log_ratio_clip_high=0.03),
     "log_space_clip_position_power": variant(
-        log_ratio_clip_low=0.01, log_ratio_clip_high=0.015, clip_position_power=0.5, log_ratio_clip_c=0.05,
+        log_ratio_clip_low=0.01,
+        log_ratio_clip_high=0.015,
+        clip_position_power=0.5,
+        log_ratio_clip_c=0.05,
     ),
     "dual_clip": variant(ratio_clip_c=1.02),
     "token_log_ratio_clamp_and_max": variant(token_log_ratio_clamp=0.04, max_log_ratio=0.02),
@@ -168,8 +193,10 @@ SEPARABLE_CONFIGS = {
     "batch_normalize": variant(importance_sampling_batch_normalize=True),
     "veto": variant(importance_sampling_veto_threshold=0.96),
     "no_is_correction": variant(
-        use_importance_sampling_correction=False, truncated_importance_sampling_type=None,
-        truncated_importance_sampling_ratio=None, is_correction_level=None,
+        use_importance_sampling_correction=False,
+        truncated_importance_sampling_type=None,
+        truncated_importance_sampling_ratio=None,
+        is_correction_level=None,
     ),
     "nemo_rl_defaults": {},
     "kl_in_reward": variant(use_kl_in_reward=True, **_KL),
@@ -187,11 +214,23 @@ def test_separable_config_sweep(monkeypatch, name):
 def test_config_sweep_exercises_its_features():
     """The sweep's problem actually hits what each config switches on (so that the parity is not vacuous)."""
     p = problem()
-    m = {name: run(p, naive_logprobs, SEPARABLE_CONFIGS[name])[1] for name in (
-        "icepop", "seq_mask_tis", "seq_mis", "geo_rs", "veto", "dual_clip", "log_space_clip_position_power",
-        "kl_k3", "positive_example_nll", "token_log_ratio_clamp_and_max", "tis_plus_geo_rs_rejection",
-        "verl_rejection_rules",
-    )}
+    m = {
+        name: run(p, naive_logprobs, SEPARABLE_CONFIGS[name])[1]
+        for name in (
+            "icepop",
+            "seq_mask_tis",
+            "seq_mis",
+            "geo_rs",
+            "veto",
+            "dual_clip",
+            "log_space_clip_position_power",
+            "kl_k3",
+            "positive_example_nll",
+            "token_log_ratio_clamp_and_max",
+            "tis_plus_geo_rs_rejection",
+            "verl_rejection_rules",
+        )
+    }
     for name in ("icepop", "seq_mis", "geo_rs", "veto", "tis_plus_geo_rs_rejection", "verl_rejection_rules"):
         assert 0 < m[name]["is_rejected_fraction"] < 1, name
     for rule in ("token_k1", "sequence_mean_k3", "sequence_max_k2"):

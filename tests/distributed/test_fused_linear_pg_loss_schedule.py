@@ -117,8 +117,9 @@ def _logged_run(monkeypatch, cfg, chunk_size):
 
 @pytest.mark.parametrize("ratio_level", ["token", "cumulative"])
 @pytest.mark.parametrize("chunk_size", [CHUNK, 7])
-def test_single_pass_runs_every_chunk_gemm_in_the_forward_and_none_in_the_backward(monkeypatch, chunk_size,
-                                                                                    ratio_level):
+def test_single_pass_runs_every_chunk_gemm_in_the_forward_and_none_in_the_backward(
+    monkeypatch, chunk_size, ratio_level
+):
     cfg = level_config(ratio_level, "cumulative")
     events, p, dx, dw = _logged_run(monkeypatch, cfg, chunk_size)
     n_chunks = -(-p.num_tokens // chunk_size)
@@ -144,12 +145,16 @@ def _row_layout(batch: int, seq_len: int) -> TokenLayout:
 
 LAYOUT_CONFIGS = {
     "cumulative_is_log_clip": dict(
-        level_config("token", "cumulative"), log_ratio_clip_low=0.01, log_ratio_clip_high=0.015,
+        level_config("token", "cumulative"),
+        log_ratio_clip_low=0.01,
+        log_ratio_clip_high=0.015,
         clip_position_power=0.5,
     ),
     "seq_mask_tis_seq_mean": aggregation(
-        "seq-mean-token-mean", truncated_importance_sampling_type="seq-mask-tis",
-        truncated_importance_sampling_ratio=1.03, truncated_importance_sampling_ratio_min=0.97,
+        "seq-mean-token-mean",
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=1.03,
+        truncated_importance_sampling_ratio_min=0.97,
         reference_policy_kl_penalty=0.1,
     ),
     "sequence_ratio_two_pass": level_config("sequence", "sequence_mean"),
@@ -178,6 +183,7 @@ def test_explicit_non_padded_layout(name):
 
 def _pack_problem(p, lengths):
     """The first ``lengths[i]`` next-token positions of each row of ``p``, packed into one [1, N] row (THD)."""
+
     def pack_tokens(x):  # [B, T, ...] -> [1, N, ...]
         return torch.cat([x[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
 

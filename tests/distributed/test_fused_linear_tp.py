@@ -157,8 +157,16 @@ def _pg_loss_tp(p, cfg, hidden, weight, **kwargs):
     """(loss, metrics, d hidden, d weight) of fused_linear_pg_loss with this rank's weight shard and the TP group."""
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     loss, metrics = fused_linear_pg_loss(
-        build_loss_fn(cfg), h, w, p.target, p.data, p.global_valid_seqs, p.global_valid_toks, GROUPS["tp"],
-        chunk_size=CHUNK, **kwargs,
+        build_loss_fn(cfg),
+        h,
+        w,
+        p.target,
+        p.data,
+        p.global_valid_seqs,
+        p.global_valid_toks,
+        GROUPS["tp"],
+        chunk_size=CHUNK,
+        **kwargs,
     )
     loss.backward()
     return loss.detach(), metrics, h.grad, w.grad
@@ -213,7 +221,11 @@ def _pg_sequence_parallel_check(ratio_level: str, is_level: str):
         single = ratio_level in SINGLE_PASS_LEVELS
         with _forbidden_chunk_logits(fused_linear_module if single else fused_loss_module):
             got = _pg_loss_tp(
-                p, cfg, p.hidden[rows], vocab_shard(p.weight, tp_rank, tp_size), sequence_parallel=True,
+                p,
+                cfg,
+                p.hidden[rows],
+                vocab_shard(p.weight, tp_rank, tp_size),
+                sequence_parallel=True,
                 single_pass=single or None,
             )
         assert got[2].shape == (n_local,) + tuple(p.hidden.shape[1:])
@@ -222,19 +234,26 @@ def _pg_sequence_parallel_check(ratio_level: str, is_level: str):
     return check
 
 
-CHECKS = [(f"levels[{r}-{i}]", _level_check(r, i)) for r, i in itertools.product(RATIO_LEVELS, IS_LEVELS)] + [
-    ("sequence_parallel", check_sequence_parallel),
-    ("entropy_and_temperature", check_entropy_and_temperature),
-    ("bf16", check_bf16),
-] + [
-    (f"pg_loss_{'single' if r in SINGLE_PASS_LEVELS else 'two'}_pass[{r}-{i}]", _pg_level_check(r, i))
-    for r, i in itertools.product(RATIO_LEVELS, IS_LEVELS)
-] + [
-    ("pg_loss_sequence_parallel_single_pass[token-cumulative]", _pg_sequence_parallel_check("token", "cumulative")),
-    ("pg_loss_sequence_parallel_single_pass[cumulative-cumulative]",
-     _pg_sequence_parallel_check("cumulative", "cumulative")),
-    ("pg_loss_sequence_parallel_two_pass[sequence-sequence]", _pg_sequence_parallel_check("sequence", "sequence")),
-]
+CHECKS = (
+    [(f"levels[{r}-{i}]", _level_check(r, i)) for r, i in itertools.product(RATIO_LEVELS, IS_LEVELS)]
+    + [
+        ("sequence_parallel", check_sequence_parallel),
+        ("entropy_and_temperature", check_entropy_and_temperature),
+        ("bf16", check_bf16),
+    ]
+    + [
+        (f"pg_loss_{'single' if r in SINGLE_PASS_LEVELS else 'two'}_pass[{r}-{i}]", _pg_level_check(r, i))
+        for r, i in itertools.product(RATIO_LEVELS, IS_LEVELS)
+    ]
+    + [
+        ("pg_loss_sequence_parallel_single_pass[token-cumulative]", _pg_sequence_parallel_check("token", "cumulative")),
+        (
+            "pg_loss_sequence_parallel_single_pass[cumulative-cumulative]",
+            _pg_sequence_parallel_check("cumulative", "cumulative"),
+        ),
+        ("pg_loss_sequence_parallel_two_pass[sequence-sequence]", _pg_sequence_parallel_check("sequence", "sequence")),
+    ]
+)
 
 
 @pytest.mark.parametrize("name", [name for name, _ in CHECKS])

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernels._interpreter import interpreter_results
+
 from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
 
 triton = pytest.importorskip("triton")
@@ -31,8 +31,9 @@ def _small_blocks():
 
 def _logprob_run(backend, x, w, target, coef, **kwargs):
     xb, wb = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    lp, ent = fused_linear_logprobs(xb, wb, target, chunk_size=10, temperature=0.9, with_entropy=True,
-                                    backend=backend, **kwargs)
+    lp, ent = fused_linear_logprobs(
+        xb, wb, target, chunk_size=10, temperature=0.9, with_entropy=True, backend=backend, **kwargs
+    )
     ((lp * coef).sum() + ent.sum()).backward()
     return lp.detach(), ent.detach(), xb.grad, wb.grad
 
@@ -62,9 +63,16 @@ def check_pg_loss_single_and_two_pass(device="cpu", dtype=torch.float32, tol=1e-
 
     _small_blocks()
     p = make_problem(3, 9, 16, 37, seed=0)
-    cfg = dict(ratio_level="token", is_correction_level="token", use_importance_sampling_correction=True,
-               truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.05,
-               reference_policy_kl_penalty=0.1, ratio_clip_min=0.03, ratio_clip_max=0.03)
+    cfg = dict(
+        ratio_level="token",
+        is_correction_level="token",
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=1.05,
+        reference_policy_kl_penalty=0.1,
+        ratio_clip_min=0.03,
+        ratio_clip_max=0.03,
+    )
     data = {k: v.to(device) for k, v in p.data.items()}
     for single in (True, False):
         out = {}
@@ -72,8 +80,17 @@ def check_pg_loss_single_and_two_pass(device="cpu", dtype=torch.float32, tol=1e-
             h = p.hidden.to(device, dtype).clone().requires_grad_(True)
             w = p.weight.to(device, dtype).clone().requires_grad_(True)
             loss, metrics = fused_linear_pg_loss(
-                build_loss_fn(cfg), h, w, p.target.to(device), data, p.global_valid_seqs, p.global_valid_toks,
-                chunk_size=5, temperature=1.3, single_pass=single, backend=backend,
+                build_loss_fn(cfg),
+                h,
+                w,
+                p.target.to(device),
+                data,
+                p.global_valid_seqs,
+                p.global_valid_toks,
+                chunk_size=5,
+                temperature=1.3,
+                single_pass=single,
+                backend=backend,
             )
             loss.backward()
             out[backend] = (loss.detach().double().cpu(), metrics, h.grad.double().cpu(), w.grad.double().cpu())

@@ -25,8 +25,17 @@ from ._fused_cases import pg_problem as problem
 
 def _pg(p, cfg, weight, upstream=1.0, **kwargs):
     h = p.hidden.to(weight.dtype).clone().requires_grad_(True)
-    loss, _ = fused_linear_pg_loss(build_loss_fn(cfg), h, weight, p.target, p.data, p.global_valid_seqs,
-                                   p.global_valid_toks, chunk_size=CHUNK, **kwargs)
+    loss, _ = fused_linear_pg_loss(
+        build_loss_fn(cfg),
+        h,
+        weight,
+        p.target,
+        p.data,
+        p.global_valid_seqs,
+        p.global_valid_toks,
+        chunk_size=CHUNK,
+        **kwargs,
+    )
     (upstream * loss).backward()
     return h.grad
 

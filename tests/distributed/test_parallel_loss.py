@@ -59,8 +59,9 @@ def _init(tp: int, cp: int, pp: int = 1) -> ParallelGroups:
     ps = PS["ps"]
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 context_parallel_size=cp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+    )
     groups = ParallelGroups.from_parallel_state()
     assert groups.tp_size == tp and groups.cp_size == cp
     return groups
@@ -105,8 +106,13 @@ def _run_parallel(cfg, logits_local, data, counts, groups, order, cu):
     x = logits_local.detach().clone().requires_grad_(True)
     loss_fn = LogitClippedPGLoss(ClippedPGLoss(cfg), cp_order=order, chunk_size=5)
     loss, metrics = loss_fn(
-        x, data, *counts, vocab_parallel_rank=groups.tp_rank, vocab_parallel_group=groups.tp,
-        context_parallel_group=groups.cp, cu_seqlens_padded=cu,
+        x,
+        data,
+        *counts,
+        vocab_parallel_rank=groups.tp_rank,
+        vocab_parallel_group=groups.tp,
+        context_parallel_group=groups.cp,
+        cu_seqlens_padded=cu,
     )
     loss.backward()
     return loss.detach(), metrics, x.grad
@@ -131,8 +137,14 @@ def _compare_layouts(groups: ParallelGroups, names, dtype: torch.dtype, failures
         failures.check(ctx + " metrics", assert_metrics_close, metrics, want_metrics, context=ctx, **tol)
         if dtype == torch.bfloat16:
             rtol = BF16_GRAD_RTOL
-            failures.check(ctx + " grad", torch.testing.assert_close, grad.float(), want_local.float(), rtol=rtol,
-                           atol=rtol * float(want_grad.abs().max()))
+            failures.check(
+                ctx + " grad",
+                torch.testing.assert_close,
+                grad.float(),
+                want_local.float(),
+                rtol=rtol,
+                atol=rtol * float(want_grad.abs().max()),
+            )
         else:
             failures.check(ctx + " grad", assert_tensor_close, grad, want_local, dtype, grad=True)
 
@@ -165,8 +177,9 @@ def check_dp_sums_to_the_global_batch(rank: int, world: int) -> None:
         reduced = all_reduce_metrics(metrics, groups.dp)
         want_loss, want_metrics, _ = reference(LOSS_CONFIGS[name], cat_logits, cat_data)
         failures.check(name + " loss", assert_tensor_close, total, want_loss, torch.float32)
-        failures.check(name + " metrics", assert_metrics_close, reduced, want_metrics, context=name,
-                       **TOL[torch.float32])
+        failures.check(
+            name + " metrics", assert_metrics_close, reduced, want_metrics, context=name, **TOL[torch.float32]
+        )
     failures.raise_if_any()
 
 
@@ -179,8 +192,9 @@ def check_pp_metrics_broadcast(rank: int, world: int) -> None:
     metrics = None
     if groups.pp_is_last:
         local, cu, _ = _local_logits(full, lengths, groups, "packed", "load_balanced", seed=5)
-        _, metrics, _ = _run_parallel(LOSS_CONFIGS["ctpo_cumulative_is"], local, data, counts, groups,
-                                      "load_balanced", cu)
+        _, metrics, _ = _run_parallel(
+            LOSS_CONFIGS["ctpo_cumulative_is"], local, data, counts, groups, "load_balanced", cu
+        )
     got = broadcast_metrics_from_last_stage(metrics, groups)
     _, want, _ = reference(LOSS_CONFIGS["ctpo_cumulative_is"], full, data, counts)
     assert_metrics_close(got, want, context=f"pp last={groups.pp_is_last}", **TOL[torch.float32])
@@ -204,8 +218,10 @@ CHECKS = [
     ("tp1_cp2_dp2", _layout_check(1, 2)),
     ("tp2_cp2", _layout_check(2, 2)),
     ("tp2_cp2_fp64", _layout_check(2, 2, dtype=torch.float64)),
-    ("tp2_cp2_bf16", _layout_check(2, 2, names=("nemo_rl_default", "ctpo_cumulative_is", "gspo_legacy"),
-                                   dtype=torch.bfloat16)),
+    (
+        "tp2_cp2_bf16",
+        _layout_check(2, 2, names=("nemo_rl_default", "ctpo_cumulative_is", "gspo_legacy"), dtype=torch.bfloat16),
+    ),
     ("dp_sums_to_the_global_batch", check_dp_sums_to_the_global_batch),
     ("pp_metrics_broadcast", check_pp_metrics_broadcast),
 ]

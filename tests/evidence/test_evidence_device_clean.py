@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers.device_guard import assert_identical, run_guarded_and_plain
+
 from nemo_is_plugin.evidence.ctpo_variance import estimator_gradients, make_policy
 from nemo_is_plugin.evidence.is_collapse import IS_LEVELS, level_weights, summarise
 from nemo_is_plugin.evidence.kl_gradient_bias import ALL_VARIANTS, expected_gradient, make_problem, per_sample_penalty
@@ -61,8 +61,9 @@ def test_mean_estimate_and_hotelling_test():
 def test_kl_gradient_bias_per_sample_penalty(variant):
     problem = make_problem(seed=3)
     actions = torch.tensor([0, 2, 2, 5, 1])
-    got, want = run_guarded_and_plain(lambda: (per_sample_penalty(problem, actions, variant),
-                                               expected_gradient(problem, variant)))
+    got, want = run_guarded_and_plain(
+        lambda: (per_sample_penalty(problem, actions, variant), expected_gradient(problem, variant))
+    )
     assert_identical(got, want)
 
 
@@ -83,9 +84,21 @@ def test_mismatch_metrics_and_is_correction():
     def run():
         layout = TokenLayout.padded(4, 9, device=prev.device)
         sums = mismatch_metric_sums(prev, gen, tm, sm, layout, 20.0, 3.0)
-        corr = compute_is_correction(prev, gen, tm, tm, layout, level="sequence_mean", legacy=False,
-                                     apply_weights=True, truncation="icepop", low=0.8, high=1.2,
-                                     veto_threshold=1e-3, batch_normalize=True)
+        corr = compute_is_correction(
+            prev,
+            gen,
+            tm,
+            tm,
+            layout,
+            level="sequence_mean",
+            legacy=False,
+            apply_weights=True,
+            truncation="icepop",
+            low=0.8,
+            high=1.2,
+            veto_threshold=1e-3,
+            batch_normalize=True,
+        )
         return finalize_metrics({k: float(v) for k, v in sums.items()}), corr.weights, corr.rejected
 
     got, want = run_guarded_and_plain(run)

@@ -87,8 +87,11 @@ def test_the_loss_applies_the_kl_as_analysed(problem, mc):
     """ClippedPGLoss's KL term: default k3 unbiased, k2 biased (score weight), k2 gradient option unbiased."""
     by_name = {v.name: v for v in kb.LOSS}
     grad_kl = problem.exact_gradient()
-    for name, twin in (("loss k3", "k3 + score weight"), ("loss k2", "k2 + score weight"),
-                       ("loss k3, kl_gradient=k2", "k3 straight-through")):
+    for name, twin in (
+        ("loss k3", "k3 + score weight"),
+        ("loss k2", "k2 + score weight"),
+        ("loss k3, kl_gradient=k2", "k3 straight-through"),
+    ):
         want = kb.expected_gradient(problem, next(v for v in kb.ALL_VARIANTS if v.name == twin))
         # rtol 1e-7: the loss's token mean divides by global_valid_toks + 1e-8 (NeMo-RL's masked_mean)
         torch.testing.assert_close(kb.expected_gradient(problem, by_name[name]), want, atol=1e-12, rtol=1e-7)

@@ -2,6 +2,6 @@
 
 ``device_guard`` (the CPU guard against device-less tensors and the host-sync counter), ``devices`` (the CPU /
 CUDA parametrisation), ``golden_utils`` (loading golden cases), ``golden_calls`` (every golden case as plugin calls),
-``golden_ctpo`` / ``golden_verl`` (those suites' mappings to plugin calls), ``loss_strategies`` (hypothesis strategies of
-random valid configs and batches).
+``golden_ctpo`` / ``golden_verl`` (those suites' mappings to plugin calls), ``loss_strategies`` (hypothesis strategies
+of random valid configs and batches).
 """

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -51,8 +51,26 @@ try:
 except ImportError:  # pragma: no cover - older / newer torch
     FACTORIES = frozenset(
         getattr(torch, n)
-        for n in ("arange", "as_tensor", "asarray", "empty", "empty_strided", "eye", "full", "linspace", "logspace",
-                  "ones", "rand", "randint", "randn", "randperm", "range", "scalar_tensor", "tensor", "zeros")
+        for n in (
+            "arange",
+            "as_tensor",
+            "asarray",
+            "empty",
+            "empty_strided",
+            "eye",
+            "full",
+            "linspace",
+            "logspace",
+            "ones",
+            "rand",
+            "randint",
+            "randn",
+            "randperm",
+            "range",
+            "scalar_tensor",
+            "tensor",
+            "zeros",
+        )
     )
 # These keep the device of a tensor argument.
 _KEEP_INPUT_DEVICE = frozenset(f for f in (torch.as_tensor, torch.asarray) if f in FACTORIES)
@@ -103,8 +121,8 @@ class SyncRecord:
 
     op: str
     where: str
-    file: Optional[str] = None
-    function: Optional[str] = None
+    file: str | None = None
+    function: str | None = None
 
     def __str__(self) -> str:
         return f"{self.op} at {self.where}"
@@ -135,8 +153,10 @@ def _sync_record(op: str) -> SyncRecord:
         path = Path(frame.filename).resolve()
         if path == _THIS_FILE or "/torch/" in frame.filename:
             continue
-        where = f"{path.relative_to(PACKAGE_DIR.parent) if PACKAGE_DIR in path.parents else frame.filename}:" \
-                f"{frame.lineno} ({frame.line})"
+        where = (
+            f"{path.relative_to(PACKAGE_DIR.parent) if PACKAGE_DIR in path.parents else frame.filename}:"
+            f"{frame.lineno} ({frame.line})"
+        )
         if PACKAGE_DIR in path.parents:
             return SyncRecord(op, where, path.name, frame.name)
         fallback = fallback or where
@@ -146,8 +166,17 @@ def _sync_record(op: str) -> SyncRecord:
 # aten ops whose CUDA kernels copy a result to the host before they return.
 _SYNCING_ATEN = {
     "_local_scalar_dense",  # .item(), bool(t), float(t), int(t), t.__index__()
-    "nonzero", "argwhere", "masked_select", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive",
-    "equal", "allclose", "is_nonzero",
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "equal",
+    "allclose",
+    "is_nonzero",
 }
 # Python-level tensor methods that copy to the host without a syncing aten op on a CPU tensor.
 _SYNCING_METHODS = {torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy}

@@ -21,8 +21,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, replace
-from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -49,11 +50,11 @@ class Outcome:
     grads: dict[str, torch.Tensor]
     metrics: dict[str, float]
 
-    def cpu(self) -> "Outcome":
+    def cpu(self) -> Outcome:
         return Outcome(self.loss.detach().cpu(), {k: g.cpu() for k, g in self.grads.items()}, dict(self.metrics))
 
 
-Runner = Callable[[torch.device | str, Optional[torch.dtype], Callable[[], ContextManager]], Outcome]
+Runner = Callable[[torch.device | str, torch.dtype | None, Callable[[], ContextManager]], Outcome]
 
 
 @dataclass
@@ -68,7 +69,7 @@ class PluginCall:
     suite: str
     label: str
     run: Runner
-    check_golden: Optional[Callable[[Outcome], None]] = None
+    check_golden: Callable[[Outcome], None] | None = None
     fmt: str = "nemo_rl"  # the case format (case_format): "nemo_rl" calls go through ClippedPGLoss.__call__
 
     @property
@@ -81,7 +82,7 @@ def suites() -> list[str]:
     return sorted(d.name for d in GOLDEN.iterdir() if d.is_dir() and any(d.glob("case_*.pt")))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_suite(suite: str) -> list[dict]:
     """The suite's cases (loaded once per session; treat them as read-only)."""
     cases = []
@@ -92,15 +93,20 @@ def load_suite(suite: str) -> list[dict]:
     return cases
 
 
-def golden_calls(suite_names: Optional[tuple[str, ...]] = None) -> list[PluginCall]:
+def golden_calls(suite_names: tuple[str, ...] | None = None) -> list[PluginCall]:
     """The plugin calls of every non-error case of the given suites (default: all of them)."""
     return list(_golden_calls(tuple(suite_names or suites())))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _golden_calls(suite_names: tuple[str, ...]) -> tuple[PluginCall, ...]:
-    return tuple(call for s in suite_names for case in load_suite(s) if "error" not in case["expected"]
-                 for call in plugin_calls(s, case))
+    return tuple(
+        call
+        for s in suite_names
+        for case in load_suite(s)
+        if "error" not in case["expected"]
+        for call in plugin_calls(s, case)
+    )
 
 
 def case_format(case: dict) -> str:
@@ -123,13 +129,16 @@ def plugin_calls(suite: str, case: dict) -> list[PluginCall]:
         return [PluginCall(suite, case["id"], _nemo_rl_runner(case), _nemo_rl_check(case), fmt)]
     if fmt == "ctpo":
         inputs, _ = ctpo_inputs(case)
-        return [PluginCall(suite, case["id"], _compute_runner(ctpo_config(case["params"]), inputs),
-                           _ctpo_check(case), fmt)]
+        return [
+            PluginCall(suite, case["id"], _compute_runner(ctpo_config(case["params"]), inputs), _ctpo_check(case), fmt)
+        ]
     # verl's call through the project's own mapping of algorithm.rollout_correction (weights, rejections, metrics)
     configs = {"mapping": plugin_keys(case["params"])}
     inputs, _ = loss_inputs(case)
-    return [PluginCall(suite, f"{case['id']}/{name}", _compute_runner(cfg, inputs), None, fmt)
-            for name, cfg in configs.items()]
+    return [
+        PluginCall(suite, f"{case['id']}/{name}", _compute_runner(cfg, inputs), None, fmt)
+        for name, cfg in configs.items()
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------- runners
@@ -169,7 +178,7 @@ def _compute_runner(config: dict, cpu_inputs: LossInputs) -> Runner:
     """``build_loss_fn(config).compute`` on ``cpu_inputs`` moved to the device (log-probs cast to the dtype)."""
 
     def run(device, dtype, guard) -> Outcome:
-        def move(t: Optional[torch.Tensor], logprob: bool) -> Optional[torch.Tensor]:
+        def move(t: torch.Tensor | None, logprob: bool) -> torch.Tensor | None:
             if t is None:
                 return None
             return t.detach().to(device=device, dtype=dtype if logprob and dtype is not None else t.dtype)
@@ -201,10 +210,18 @@ def _nemo_rl_check(case: dict) -> Callable[[Outcome], None]:
         want = case["expected"]
         torch.testing.assert_close(out.loss.float(), want["loss"].float(), rtol=1e-4, atol=1e-6)
         for key, grad in out.grads.items():
-            torch.testing.assert_close(grad.float(), want[f"grad_{key}"].float(), rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, key=key: f"d loss / d {key}: {m}")
-        bad = {k: (out.metrics.get(k), v) for k, v in want["metrics"].items()
-               if k not in out.metrics or not metric_close(k, out.metrics[k], v)}
+            torch.testing.assert_close(
+                grad.float(),
+                want[f"grad_{key}"].float(),
+                rtol=1e-4,
+                atol=1e-6,
+                msg=lambda m, key=key: f"d loss / d {key}: {m}",
+            )
+        bad = {
+            k: (out.metrics.get(k), v)
+            for k, v in want["metrics"].items()
+            if k not in out.metrics or not metric_close(k, out.metrics[k], v)
+        }
         assert not bad, f"metric mismatches (got, want): {bad}"
 
     return check
@@ -214,23 +231,37 @@ def _ctpo_check(case: dict) -> Callable[[Outcome], None]:
     def check(out: Outcome) -> None:
         want, rtol = case["expected"], loss_rtol(case)
         torch.testing.assert_close(out.loss.float(), want["pg_loss"].float(), rtol=rtol, atol=1e-6)
-        torch.testing.assert_close(out.grads["curr_logprobs"].float(), want["grad_log_prob"].float(), rtol=rtol,
-                                   atol=1e-6)
+        torch.testing.assert_close(
+            out.grads["curr_logprobs"].float(), want["grad_log_prob"].float(), rtol=rtol, atol=1e-6
+        )
 
     return check
 
 
 # ---------------------------------------------------------------------------------------------------- comparisons
-def assert_same_outcome(got: Outcome, want: Outcome, *, rtol: float = 0.0, atol: float = 0.0,
-                        grad_rtol: Optional[float] = None, metric_rtol: Optional[float] = None) -> None:
+def assert_same_outcome(
+    got: Outcome,
+    want: Outcome,
+    *,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    grad_rtol: float | None = None,
+    metric_rtol: float | None = None,
+) -> None:
     """``got`` equals ``want`` (both moved to CPU) within the tolerances; NaN equals NaN, inf must match exactly."""
     got, want = got.cpu(), want.cpu()
     grad_rtol = rtol if grad_rtol is None else grad_rtol
     torch.testing.assert_close(got.loss, want.loss, rtol=rtol, atol=atol, equal_nan=True)
     assert got.grads.keys() == want.grads.keys()
     for key in want.grads:
-        torch.testing.assert_close(got.grads[key], want.grads[key], rtol=grad_rtol, atol=atol, equal_nan=True,
-                                   msg=lambda m, key=key: f"d loss / d {key}: {m}")
+        torch.testing.assert_close(
+            got.grads[key],
+            want.grads[key],
+            rtol=grad_rtol,
+            atol=atol,
+            equal_nan=True,
+            msg=lambda m, key=key: f"d loss / d {key}: {m}",
+        )
     assert got.metrics.keys() == want.metrics.keys(), set(got.metrics) ^ set(want.metrics)
     m_rtol = rtol if metric_rtol is None else metric_rtol
     bad = {k: (got.metrics[k], v) for k, v in want.metrics.items() if not _float_close(got.metrics[k], v, m_rtol, atol)}

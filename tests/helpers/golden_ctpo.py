@@ -27,12 +27,15 @@ def ctpo_config(params: dict, power: float | None = None) -> dict:
         if power is None:
             power = 0.0 if params.get("p0_workaround") else ref["clip_ratio_la_power"]
         cfg.update(
-            log_ratio_clip_low=ref["la_clip_low"], log_ratio_clip_high=ref["la_clip_high"],
-            log_ratio_clip_c=ref["la_clip_c"], clip_position_power=power,
+            log_ratio_clip_low=ref["la_clip_low"],
+            log_ratio_clip_high=ref["la_clip_high"],
+            log_ratio_clip_c=ref["la_clip_c"],
+            clip_position_power=power,
         )
     else:
         cfg.update(
-            ratio_clip_min=ref["clip_ratio_low"], ratio_clip_max=ref["clip_ratio_high"],
+            ratio_clip_min=ref["clip_ratio_low"],
+            ratio_clip_max=ref["clip_ratio_high"],
             ratio_clip_c=ref["clip_ratio_c"],
         )
     if params["uses_rollout_is_weights"]:

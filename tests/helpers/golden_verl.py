@@ -25,7 +25,13 @@ def loss_inputs(case: dict) -> tuple[LossInputs, TokenLayout]:
     p, g, m = inp["old_log_prob"], inp["rollout_log_prob"], inp["response_mask"]
     B, T = p.shape
     return LossInputs(
-        curr_logprobs=p.clone().requires_grad_(True), prev_logprobs=p, generation_logprobs=g,
-        reference_logprobs=None, advantages=torch.ones_like(p), token_mask=m, sample_mask=torch.ones(B),
-        global_valid_seqs=float(B), global_valid_toks=float(m.sum()),
+        curr_logprobs=p.clone().requires_grad_(True),
+        prev_logprobs=p,
+        generation_logprobs=g,
+        reference_logprobs=None,
+        advantages=torch.ones_like(p),
+        token_mask=m,
+        sample_mask=torch.ones(B),
+        global_valid_seqs=float(B),
+        global_valid_toks=float(m.sum()),
     ), TokenLayout.padded(B, T)

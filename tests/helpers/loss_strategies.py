@@ -4,7 +4,7 @@ device-guard tests. ``NEMO_IS_PROPERTY_SCALE=<k>`` multiplies the example counts
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,8 +19,13 @@ HYPOTHESIS_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too
 
 RATIO_LEVELS = (None, "token", "sequence", "sequence_token", "cumulative", "cumulative_mean")
 IS_LEVELS = ("token", "sequence", "sequence_mean", "cumulative")
-BOUNDS = {"tis": (None, 2.0), "icepop": (0.5, 5.0), "seq-mask-tis": (0.9, 1.1), "seq-mis": (0.5, 2.0),
-          "geo-rs": (0.9, 1.1)}
+BOUNDS = {
+    "tis": (None, 2.0),
+    "icepop": (0.5, 5.0),
+    "seq-mask-tis": (0.9, 1.1),
+    "seq-mis": (0.5, 2.0),
+    "geo-rs": (0.9, 1.1),
+}
 
 
 # --------------------------------------------------------------------------------------------- strategies
@@ -57,8 +62,11 @@ def loss_configs(draw, *, force_is: bool = False) -> ClippedPGLossConfig:
     trunc = draw(st.sampled_from([None, "tis", "icepop", "seq-mask-tis", "seq-mis", "geo-rs"]))
     if trunc is not None and (use_is or trunc in ("seq-mis", "geo-rs")):
         low, high = BOUNDS[trunc]
-        kw.update(truncated_importance_sampling_type=trunc, truncated_importance_sampling_ratio=high,
-                  truncated_importance_sampling_ratio_min=low)
+        kw.update(
+            truncated_importance_sampling_type=trunc,
+            truncated_importance_sampling_ratio=high,
+            truncated_importance_sampling_ratio_min=low,
+        )
     if use_is or kw.get("truncated_importance_sampling_type") in ("seq-mis", "geo-rs"):
         kw["is_correction_level"] = draw(st.sampled_from([None, *IS_LEVELS]))
         kw["importance_sampling_batch_normalize"] = draw(st.booleans())
@@ -73,8 +81,11 @@ def loss_configs(draw, *, force_is: bool = False) -> ClippedPGLossConfig:
     if draw(st.booleans()):
         kw["kl_input_clamp_value"], kw["kl_output_clamp_value"] = None, None
     if not gspo and family != "cispo":
-        agg = draw(st.sampled_from([None, "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                    "seq-mean-token-sum-norm"]))
+        agg = draw(
+            st.sampled_from(
+                [None, "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+            )
+        )
         kw["loss_aggregation"] = agg
         if agg == "seq-mean-token-sum-norm":
             kw["loss_aggregation_norm"] = 16.0
@@ -90,9 +101,9 @@ def loss_configs(draw, *, force_is: bool = False) -> ClippedPGLossConfig:
 def batches(
     draw,
     *,
-    is_scale: Optional[float] = None,
-    policy_scale: Optional[float] = None,
-    dtype: Optional[torch.dtype] = None,
+    is_scale: float | None = None,
+    policy_scale: float | None = None,
+    dtype: torch.dtype | None = None,
     min_b: int = 1,
     max_b: int = 4,
     max_t: int = 12,

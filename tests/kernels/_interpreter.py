@@ -35,8 +35,10 @@ def run_checks(module_name: str, out_path: str) -> None:
 
 def interpreter_results(module_name: str, tmp_dir: Path, timeout: int = 900) -> dict:
     out = Path(tmp_dir) / "results.json"
-    code = (f"import sys; sys.path.insert(0, {TESTS_DIR!r}); from kernels._interpreter import run_checks; "
-            f"run_checks({module_name!r}, {str(out)!r})")
+    code = (
+        f"import sys; sys.path.insert(0, {TESTS_DIR!r}); from kernels._interpreter import run_checks; "
+        f"run_checks({module_name!r}, {str(out)!r})"
+    )
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], env=env, check=True, timeout=timeout)
     return json.loads(out.read_text())

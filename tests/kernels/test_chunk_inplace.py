@@ -42,20 +42,28 @@ def test_inplace_chunk_math_equals_the_float64_softmax():
     got = chunk_partials_(shard.clone(), local_t, owned, True, torch.empty(8, 19, dtype=torch.float64))
     m = shard.amax(-1)
     e = torch.exp(shard - m[:, None])
-    want = (m, e.sum(-1), torch.where(owned, shard.gather(1, local_t[:, None]).squeeze(1), 0.0),
-            (e * (shard - m[:, None])).sum(-1))
+    want = (
+        m,
+        e.sum(-1),
+        torch.where(owned, shard.gather(1, local_t[:, None]).squeeze(1), 0.0),
+        (e * (shard - m[:, None])).sum(-1),
+    )
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
     lse = torch.logsumexp(z, -1)  # the global lse (all shards)
     logp = shard - lse[:, None]
     p = logp.exp()
-    ent, g_lp, g_h = torch.rand(6, generator=g, dtype=torch.float64), *torch.randn(2, 6, generator=g,
-                                                                                 dtype=torch.float64)
+    ent, g_lp, g_h = (
+        torch.rand(6, generator=g, dtype=torch.float64),
+        *torch.randn(2, 6, generator=g, dtype=torch.float64),
+    )
     onehot = torch.zeros_like(shard)
     onehot[owned, local_t[owned]] = 1.0
-    for args, want in (((g_lp, ent, g_h), g_lp[:, None] * (onehot - p) - g_h[:, None] * p * (logp + ent[:, None])),
-                       ((g_lp, None, None), g_lp[:, None] * (onehot - p)),
-                       ((None, ent, g_h), -g_h[:, None] * p * (logp + ent[:, None]))):
+    for args, want in (
+        ((g_lp, ent, g_h), g_lp[:, None] * (onehot - p) - g_h[:, None] * p * (logp + ent[:, None])),
+        ((g_lp, None, None), g_lp[:, None] * (onehot - p)),
+        ((None, ent, g_h), -g_h[:, None] * p * (logp + ent[:, None])),
+    ):
         have = logits_grad_(shard.clone(), local_t, owned, lse, *args, scratch=torch.empty_like(shard), scale=0.5)
         torch.testing.assert_close(have, 0.5 * want, rtol=1e-12, atol=1e-14)
     with pytest.raises(ValueError, match="scratch"):

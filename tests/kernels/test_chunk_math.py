@@ -75,8 +75,9 @@ def test_a_failing_kernel_falls_back_to_torch_under_auto(monkeypatch):
     monkeypatch.setattr(tk, "triton_partials", broken)
     monkeypatch.setattr(tk, "triton_logits_grad", broken)
     z, local_t, owned, column, zz, g = _case()
-    want = ChunkMath("torch", torch.float32, torch.float32, z.device, N, V).partials(z.clone(), local_t, owned,
-                                                                                     column, SCALE)
+    want = ChunkMath("torch", torch.float32, torch.float32, z.device, N, V).partials(
+        z.clone(), local_t, owned, column, SCALE
+    )
     strict = ChunkMath("triton", torch.float32, torch.float32, z.device, N, V, fallback=False)
     with pytest.raises(RuntimeError, match="PTX"):
         strict.partials(z.clone(), local_t, owned, column, SCALE)

@@ -34,8 +34,9 @@ def case(dtype, seed=0, device="cpu", wide=False):
     column = torch.tensor([0, V - 1, -1, 5, -1, 17, 36])  # first / last column, other ranks' targets
     zz = z.double() * SCALE
     vec = lambda: torch.randn(N, generator=g)  # noqa: E731
-    return dict(z=z.to(device), column=column.to(device), col=column, zz=zz, g=vec(), h=vec(),
-                ent=torch.rand(N, generator=g))
+    return dict(
+        z=z.to(device), column=column.to(device), col=column, zz=zz, g=vec(), h=vec(), ent=torch.rand(N, generator=g)
+    )
 
 
 def reference_partials(zz, column):
@@ -192,8 +193,10 @@ def test_kernel_on_gpu(name):
         **{f"partials[{k}]": (lambda d=d: check_partials(d, device="cuda")) for k, d in DTYPES.items()},
         "partials[bf16-row-stride]": lambda: check_partials(torch.bfloat16, wide=True, device="cuda"),
         **{f"logits_grad[{k}]": (lambda d=d: check_logits_grad(d, device="cuda")) for k, d in DTYPES.items()},
-        **{f"backends_agree[{k}]": (lambda d=d: check_chunk_math_backends_agree(d, device="cuda"))
-           for k, d in DTYPES.items()},
+        **{
+            f"backends_agree[{k}]": (lambda d=d: check_chunk_math_backends_agree(d, device="cuda"))
+            for k, d in DTYPES.items()
+        },
         "vocab_parallel_bf16": lambda: check_vocab_parallel_reads_low_precision_logits(device="cuda"),
     }[name]
     from nemo_is_plugin.kernels import triton_logprob as tk

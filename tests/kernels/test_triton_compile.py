@@ -54,26 +54,31 @@ def cache_dir(tmp_path_factory):
         os.environ["TRITON_CACHE_DIR"] = saved
 
 
-@pytest.mark.parametrize("chunk,with_entropy,n_cols", list(itertools.product(CHUNK_TYPES, (False, True),
-                                                                                (151936, 18992))))
+@pytest.mark.parametrize(
+    "chunk,with_entropy,n_cols", list(itertools.product(CHUNK_TYPES, (False, True), (151936, 18992)))
+)
 def test_partials_kernel_compiles_for_sm90(cache_dir, chunk, with_entropy, n_cols):
     """Rows of a whole MoE vocab (the 32k block, 32 warps) and of a TP=8 shard (next_pow2: 32k as well, or less)."""
     pointers = {"Z": chunk, "TGT": "*i64", "M_OUT": "*fp32", "S_OUT": "*fp32", "T_OUT": "*fp32", "Q_OUT": "*fp32"}
     block, warps = tk.BLOCKS.partials_launch(n_cols, with_entropy)
-    kernel = _compile(tk._partials_kernel, pointers, {"WITH_ENTROPY": with_entropy, "BLOCK_V": block}, warps,
-                      cache_dir)
+    kernel = _compile(tk._partials_kernel, pointers, {"WITH_ENTROPY": with_entropy, "BLOCK_V": block}, warps, cache_dir)
     assert "cubin" in kernel.asm and len(kernel.asm["cubin"]) > 0
     assert ".target sm_90" in kernel.asm["ptx"]
 
 
-@pytest.mark.parametrize("chunk,flags", list(itertools.product(CHUNK_TYPES, [(True, False), (True, True),
-                                                                              (False, True)])))
+@pytest.mark.parametrize(
+    "chunk,flags", list(itertools.product(CHUNK_TYPES, [(True, False), (True, True), (False, True)]))
+)
 def test_logits_grad_kernel_compiles_for_sm90(cache_dir, chunk, flags):
     has_g, has_h = flags
     pointers = {"Z": chunk, "OUT": chunk, "TGT": "*i64", "LSE": "*fp32", "G": "*fp32", "ENT": "*fp32", "HG": "*fp32"}
-    kernel = _compile(tk._logits_grad_kernel, pointers,
-                      {"HAS_G": has_g, "HAS_H": has_h, "BLOCK_V": tk.BLOCKS.grad_block_v},
-                      tk.BLOCKS.grad_warps, cache_dir)
+    kernel = _compile(
+        tk._logits_grad_kernel,
+        pointers,
+        {"HAS_G": has_g, "HAS_H": has_h, "BLOCK_V": tk.BLOCKS.grad_block_v},
+        tk.BLOCKS.grad_warps,
+        cache_dir,
+    )
     assert "cubin" in kernel.asm and len(kernel.asm["cubin"]) > 0
     # the bf16 store rounds to nearest (the interpreter truncates; the GPU must not)
     if chunk == "*bf16":
@@ -92,8 +97,12 @@ def _ptxas_report(ptx: str, tmp_path) -> str:
         pytest.skip("this triton does not expose its ptxas")
     src = tmp_path / "kernel.ptx"
     src.write_text(ptx)
-    result = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(src), "-o", str(tmp_path / "kernel.o")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [ptxas, "-v", "--gpu-name=sm_90a", str(src), "-o", str(tmp_path / "kernel.o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     return result.stderr
 
@@ -104,13 +113,25 @@ def test_default_launches_do_not_spill_registers(cache_dir, tmp_path, chunk, wit
     registers per thread; the entropy variant halves its block to stay within them)."""
     block, warps = tk.BLOCKS.partials_launch(151936, with_entropy)
     pointers = {"Z": chunk, "TGT": "*i64", "M_OUT": "*fp32", "S_OUT": "*fp32", "T_OUT": "*fp32", "Q_OUT": "*fp32"}
-    partials = _compile(tk._partials_kernel, pointers, {"WITH_ENTROPY": with_entropy, "BLOCK_V": block}, warps,
-                        cache_dir)
-    grad_pointers = {"Z": chunk, "OUT": chunk, "TGT": "*i64", "LSE": "*fp32", "G": "*fp32", "ENT": "*fp32",
-                     "HG": "*fp32"}
-    grad = _compile(tk._logits_grad_kernel, grad_pointers,
-                    {"HAS_G": True, "HAS_H": with_entropy, "BLOCK_V": tk.BLOCKS.grad_block_v}, tk.BLOCKS.grad_warps,
-                    cache_dir)
+    partials = _compile(
+        tk._partials_kernel, pointers, {"WITH_ENTROPY": with_entropy, "BLOCK_V": block}, warps, cache_dir
+    )
+    grad_pointers = {
+        "Z": chunk,
+        "OUT": chunk,
+        "TGT": "*i64",
+        "LSE": "*fp32",
+        "G": "*fp32",
+        "ENT": "*fp32",
+        "HG": "*fp32",
+    }
+    grad = _compile(
+        tk._logits_grad_kernel,
+        grad_pointers,
+        {"HAS_G": True, "HAS_H": with_entropy, "BLOCK_V": tk.BLOCKS.grad_block_v},
+        tk.BLOCKS.grad_warps,
+        cache_dir,
+    )
     for kernel in (partials, grad):
         report = _ptxas_report(kernel.asm["ptx"], tmp_path)
         assert "0 bytes spill stores, 0 bytes spill loads" in report, report
