@@ -11,8 +11,9 @@ from __future__ import annotations
 from nemo_is_plugin.config.model import ClippedPGLossConfig
 
 
-def _g(x: float) -> str:
-    return f"{x:g}"
+def _g(x: float | None) -> str:
+    """A number as the config shows it; an unset bound (which a validated config never reads here) as YAML's null."""
+    return "null" if x is None else f"{x:g}"
 
 
 def _ratio(cfg: ClippedPGLossConfig) -> str:

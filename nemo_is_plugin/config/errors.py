@@ -6,6 +6,7 @@ Imports without torch.
 from __future__ import annotations
 
 from pydantic import ValidationError
+from pydantic_core import InitErrorDetails
 
 
 class ConfigError(ValueError):
@@ -24,10 +25,12 @@ class ConfigValidationError(ValidationError, ConfigError, AssertionError):
     def wrap(cls, exc: ValidationError) -> ConfigValidationError:
         if isinstance(exc, cls):
             return exc
-        details = [
-            {"type": e["type"], "loc": e["loc"], "input": e["input"], **({"ctx": e["ctx"]} if "ctx" in e else {})}
-            for e in exc.errors(include_url=False)
-        ]
+        details: list[InitErrorDetails] = []
+        for e in exc.errors(include_url=False):
+            detail = InitErrorDetails(type=e["type"], loc=e["loc"], input=e["input"])
+            if "ctx" in e:
+                detail["ctx"] = e["ctx"]
+            details.append(detail)
         return cls.from_exception_data(exc.title, details)
 
 

@@ -224,6 +224,14 @@ class ClippedPGLossConfig(BaseModel):
         return self.log_ratio_clip_low is not None or self.log_ratio_clip_high is not None
 
     @property
+    def log_ratio_clip_bounds(self) -> tuple[float, float]:
+        """(eps_low, eps_high) of the log-space clip; read when :attr:`uses_log_space_clip` (validation sets both)."""
+        low, high = self.log_ratio_clip_low, self.log_ratio_clip_high
+        if low is None or high is None:
+            raise ConfigError("log_ratio_clip_low and log_ratio_clip_high must be set together (CTPO: 0.025 and 0.05)")
+        return low, high
+
+    @property
     def rejection_rules(self) -> tuple[RejectionRule, ...]:
         """Every rejection rule: ``importance_sampling_rejection`` (a k1 rule) first, then the listed rules."""
         rules = tuple(self.importance_sampling_rejection_rules)

@@ -7,7 +7,7 @@ validated, before the combination checks. Imports without torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,12 @@ class NumericRange:
         return f"{lo}, {hi}"
 
 
-_POS = dict(low=0.0, low_open=True)
+class _Bound(TypedDict):
+    low: float
+    low_open: bool
+
+
+_POS: _Bound = {"low": 0.0, "low_open": True}
 # Every numeric key; null (where allowed) always means "off". w = 1 is the weight of an on-policy token, so every band
 # on an IS weight must contain 1: a band without it acts on data with no mismatch at all.
 NUMERIC_RANGES: dict[str, NumericRange] = {

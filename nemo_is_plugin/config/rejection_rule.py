@@ -140,7 +140,7 @@ class RejectionRule(BaseModel):
     def from_band(cls, kind: str, low: float, high: float) -> RejectionRule:
         """``seq-mis`` / ``geo-rs`` with a ratio band [low, high] on exp(sum_t x_t) / exp(mean_t x_t), as a k1 rule
         (k1 = -log ratio, so the band becomes [-log high, -log low]); unclamped, as those shorthands always were."""
-        aggregation = "sequence_sum" if kind == "seq-mis" else "sequence_mean"
+        aggregation: RejectionAggregation = "sequence_sum" if kind == "seq-mis" else "sequence_mean"
         return cls(
             statistic="k1", aggregation=aggregation, min=-math.log(high), max=-math.log(low), log_ratio_clamp=None
         )
