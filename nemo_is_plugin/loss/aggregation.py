@@ -51,6 +51,8 @@ def aggregate(
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / (layout.seq_sum(token_mask.to(x.dtype)) + EPS)
     elif mode == "seq-mean-token-sum-norm":
+        if norm is None:
+            raise ValueError("loss aggregation 'seq-mean-token-sum-norm' needs norm (loss_aggregation_norm)")
         per_seq = per_seq / norm
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")

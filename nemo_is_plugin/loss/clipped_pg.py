@@ -21,8 +21,13 @@ import torch
 
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError, load_loss_config
 from nemo_is_plugin.loss.aggregation import aggregate
-from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
-from nemo_is_plugin.loss.input_validation import input_anomalies, validate_loss_inputs, warn_input_anomalies
+from nemo_is_plugin.loss.correction import ISCorrection, ISCorrectionOptions, compute_is_correction
+from nemo_is_plugin.loss.input_validation import (
+    input_anomalies,
+    required_input,
+    validate_loss_inputs,
+    warn_input_anomalies,
+)
 from nemo_is_plugin.loss.is_weights import exp_or_zero
 from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
 from nemo_is_plugin.loss.layout import TokenLayout
@@ -31,6 +36,7 @@ from nemo_is_plugin.loss.metrics import MetricBook, legacy_error_metrics
 from nemo_is_plugin.loss.ratios import policy_log_ratio, unmasked_positions
 from nemo_is_plugin.loss.registry import NAME_KEY, get_loss, split_name
 from nemo_is_plugin.loss.surrogate import (
+    SurrogateOut,
     cispo_surrogate,
     log_space_clip_surrogate,
     on_policy_surrogate,
@@ -165,28 +171,39 @@ class ClippedPGLoss:
         # Half-precision log-probs are upcast: the ratio / exp arithmetic needs fp32 (gradients flow back through it).
         dtype = torch.float32 if c_in.dtype in (torch.float16, torch.bfloat16) else c_in.dtype
         c = c_in.to(dtype)
-        as_f = lambda t: None if t is None else t.detach().to(dtype)  # noqa: E731
+
+        def as_f(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(dtype)
+
         tm, sm = inputs.token_mask.to(dtype), inputs.sample_mask.to(dtype)
         valid = tm * layout.to_tokens(sm)
         adv = as_f(inputs.advantages)
         g = as_f(inputs.generation_logprobs)
-        p = c.detach() if cfg.force_on_policy_ratio else g if cfg.bypasses_prev else as_f(inputs.prev_logprobs)
+        if cfg.force_on_policy_ratio:
+            p = c.detach()
+        elif cfg.bypasses_prev:
+            p = g
+        else:
+            p = as_f(required_input(inputs.prev_logprobs, "prev_logprobs"))
         # What the IS weights, rejections and mismatch diagnostics compare with mu: pi_old, or in bypass mode (pi_old =
         # mu) the current policy, detached, as verl's bypass mode does.
         p_is = c.detach() if cfg.bypasses_prev else p
         n_tok = _as_scalar(inputs.global_valid_toks, dtype, c.device)
         n_seq = _as_scalar(inputs.global_valid_seqs, dtype, c.device)
         agg = cfg.effective_loss_aggregation
-        reduce = lambda x: aggregate(  # noqa: E731
-            x,
-            tm,
-            sm,
-            layout,
-            mode=agg,
-            global_valid_toks=n_tok,
-            global_valid_seqs=n_seq,
-            norm=cfg.loss_aggregation_norm,
-        )
+
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            return aggregate(
+                x,
+                tm,
+                sm,
+                layout,
+                mode=agg,
+                global_valid_toks=n_tok,
+                global_valid_seqs=n_seq,
+                norm=cfg.loss_aggregation_norm,
+            )
+
         book = MetricBook(layout, valid, n_tok, n_seq)
 
         # 1. Mismatch diagnostics NeMo-RL reports (no grad).
@@ -199,7 +216,8 @@ class ClippedPGLoss:
         kl_loss = torch.zeros((), dtype=dtype, device=c.device)
         if beta != 0:
             c_kl = c if inputs.curr_logprobs_unfiltered is None else inputs.curr_logprobs_unfiltered.to(dtype)
-            kl_loss = reduce(beta * self.kl_tokens(c_kl, g, as_f(inputs.reference_logprobs)))
+            ref = as_f(required_input(inputs.reference_logprobs, "reference_policy_logprobs"))
+            kl_loss = reduce(beta * self.kl_tokens(c_kl, g, ref))
         book.add_sum("kl_penalty", kl_loss.detach().double() / beta if beta != 0 else kl_loss.detach())
 
         # 3. Policy ratio and surrogate. n_t (1-based position among unmasked tokens) serves the log-space clip and
@@ -284,7 +302,15 @@ class ClippedPGLoss:
             straight_through_k2=cfg.reference_policy_kl_gradient == "k2",
         )
 
-    def surrogate(self, c, p, adv, tm, layout, positions):
+    def surrogate(
+        self,
+        c: torch.Tensor,
+        p: torch.Tensor,
+        adv: torch.Tensor,
+        tm: torch.Tensor,
+        layout: TokenLayout,
+        positions: torch.Tensor,
+    ) -> SurrogateOut:
         """The per-token surrogate (:class:`~nemo_is_plugin.loss.surrogate.SurrogateOut`) of the configured ratio."""
         cfg = self.config
         # NeMo-RL tests force_on_policy_ratio first: with disable_ppo_ratio as well, the ratio is still exp(c - sg c).
@@ -306,18 +332,21 @@ class ClippedPGLoss:
             )
         return self.clipped_surrogate(log_r, c, adv, positions)
 
-    def clipped_surrogate(self, log_r, c, adv, positions):
+    def clipped_surrogate(
+        self, log_r: torch.Tensor, c: torch.Tensor, adv: torch.Tensor, positions: torch.Tensor
+    ) -> SurrogateOut:
         """The configured clip (ratio space, log space or CISPO) of a policy log-ratio ``log_r``; all Float[*T]."""
         cfg = self.config
         if cfg.use_cispo:
             return cispo_surrogate(log_r, c, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max)
         if cfg.uses_log_space_clip:
+            eps_low, eps_high = cfg.log_ratio_clip_bounds
             return log_space_clip_surrogate(
                 log_r,
                 adv,
                 positions,
-                eps_low=cfg.log_ratio_clip_low,
-                eps_high=cfg.log_ratio_clip_high,
+                eps_low=eps_low,
+                eps_high=eps_high,
                 eps_c=cfg.log_ratio_clip_c,
                 power=cfg.clip_position_power,
             )
@@ -326,9 +355,9 @@ class ClippedPGLoss:
         )
 
 
-def is_correction_kwargs(cfg: ClippedPGLossConfig) -> dict[str, Any]:
+def is_correction_kwargs(cfg: ClippedPGLossConfig) -> ISCorrectionOptions:
     """The one binding of config fields to :func:`~nemo_is_plugin.loss.correction.compute_is_correction`'s arguments."""
-    return dict(
+    return ISCorrectionOptions(
         level=cfg.effective_is_level,
         legacy=cfg.is_correction_level is None,
         apply_weights=cfg.use_importance_sampling_correction,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -47,6 +48,20 @@ class ISCorrection:
     batch_norm_factor: torch.Tensor
     rules: tuple[RuleOutcome, ...] = ()
     rules_keep: torch.Tensor | None = None
+
+
+class ISCorrectionOptions(TypedDict):
+    """The keyword arguments of :func:`compute_is_correction` that a loss config fixes (``is_correction_kwargs``)."""
+
+    level: str
+    legacy: bool
+    apply_weights: bool
+    truncation: str | None
+    low: float | None
+    high: float | None
+    veto_threshold: float | None
+    batch_normalize: bool
+    rules: Sequence[RuleSpec]
 
 
 @torch.no_grad()
@@ -101,22 +116,26 @@ def compute_is_correction(
     seq_oob = None
 
     if truncation == "tis":
-        w, oob = T.tis(raw, low, high) if legacy else T.tis_log(log_w, low, high)
+        hi = _bound(high, "high", truncation)
+        w, oob = T.tis(raw, low, hi) if legacy else T.tis_log(log_w, low, hi)
     elif truncation == "icepop":
-        in_band = T.band_mask(raw, low, high) if legacy else T.band_mask_log(log_w, low, high)
+        hi = _bound(high, "high", truncation)
+        in_band = T.band_mask(raw, _bound(low, "low", truncation), hi) if legacy else T.band_mask_log(log_w, low, hi)
         oob, keep = ~in_band, in_band
     elif truncation in ("seq-mask-tis", "seq-mis", "geo-rs"):
+        hi = _bound(high, "high", truncation)
         seq_log = _sequence_log_ratio(prev, gen, token_mask, layout, geometric=truncation != "seq-mis")
         if legacy and truncation == "seq-mask-tis":
-            in_band = T.band_mask(torch.exp(seq_log), low, high)
+            in_band = T.band_mask(torch.exp(seq_log), _bound(low, "low", truncation), hi)
         else:
-            in_band = T.band_mask_log(seq_log, low, high)
+            in_band = T.band_mask_log(seq_log, low, hi)
         seq_oob = ~in_band
         keep = layout.to_tokens(in_band)
         oob = ~keep
     truncation_keep = keep
     if rejection is not None:
-        rules = (band_rule(rejection, rejection_low, rejection_high), *rules)
+        band = band_rule(rejection, _bound(rejection_low, "low", rejection), _bound(rejection_high, "high", rejection))
+        rules = (band, *rules)
     rules_keep, outcomes = evaluate_rules(rules, prev, gen, token_mask, layout) if rules else (None, ())
     if rules_keep is not None:
         keep = keep & rules_keep
@@ -135,6 +154,13 @@ def compute_is_correction(
         w = w / torch.where(factor > 0, factor, torch.ones_like(factor))
     w = torch.where(keep, w, torch.zeros_like(w))
     return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor, outcomes, rules_keep)
+
+
+def _bound(value: float | None, which: str, kind: str) -> float:
+    """A band edge that ``kind`` needs (the config requires it with that truncation / rejection type)."""
+    if value is None:
+        raise ValueError(f"IS truncation / rejection {kind!r} needs its {which} bound, got None")
+    return value
 
 
 def _sequence_log_ratio(

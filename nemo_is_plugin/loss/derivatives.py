@@ -43,12 +43,14 @@ def d_exp(x: Dual) -> Dual:
 
 def d_clamp(x: Dual, lo: float | None = None, hi: float | None = None) -> Dual:
     """``x.clamp(lo, hi)``; at least one bound is given."""
-    if lo is None:
-        keep = x.v <= hi
-    elif hi is None:
-        keep = x.v >= lo
-    else:
+    if lo is not None and hi is not None:
         keep = (x.v >= lo) & (x.v <= hi)
+    elif lo is not None:
+        keep = x.v >= lo
+    elif hi is not None:
+        keep = x.v <= hi
+    else:
+        raise ValueError("d_clamp needs a lower or an upper bound")
     return Dual(x.v.clamp(lo, hi), torch.where(keep, x.d, 0.0))
 
 

@@ -77,6 +77,14 @@ class MissingInputError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+def required_input(t: torch.Tensor | None, key: str) -> torch.Tensor:
+    """``t``, a loss input the config reads; absent (loss inputs built without the validating entry point), the
+    :class:`MissingInputError` that :func:`validate_loss_inputs` raises for the missing data key."""
+    if t is None:
+        raise MissingInputError(f"the loss inputs lack '{key}' (needed by {_WHY[key]})")
+    return t
+
+
 def validate_loss_inputs(
     next_token_logprobs: Any,
     data: Any,

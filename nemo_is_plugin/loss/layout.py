@@ -42,7 +42,8 @@ class TokenLayout:
         self.seq_index = seq_index
         self.position = position
         self.num_seqs = int(num_seqs)
-        self.padded = padded
+        # Not ``self.padded``: that name is the class's constructor of padded layouts.
+        self.is_padded = padded
         self._flat_seq = seq_index.reshape(-1)
         if padded:
             in_order = True
@@ -96,7 +97,7 @@ class TokenLayout:
     # ------------------------------------------------------------------ reductions (overridden under CP)
     def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Per-sequence sum. x: token tensor -> [S] (differentiable)."""
-        if self.padded:
+        if self.is_padded:
             return x.sum(-1)
         out = x.new_zeros(self.num_seqs)
         return out.index_add(0, self._flat_seq, x.reshape(-1))
@@ -117,7 +118,7 @@ class TokenLayout:
 
     def to_tokens(self, s: torch.Tensor) -> torch.Tensor:
         """Broadcast a per-sequence tensor [S] to a token tensor."""
-        if self.padded:
+        if self.is_padded:
             return s.unsqueeze(-1).expand(self.shape)
         return s[self.seq_index]
 
@@ -142,7 +143,7 @@ class TokenLayout:
 
     def _local_prefix_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Prefix sum over the tokens held here, restarting at each sequence (no communication)."""
-        if self.padded:
+        if self.is_padded:
             return torch.cumsum(x, dim=-1)
         flat = x.reshape(-1)
         if self._order is not None:

@@ -18,7 +18,7 @@ import difflib
 from collections.abc import Callable, Mapping
 from importlib import import_module
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from nemo_is_plugin.config import ConfigError
 
@@ -28,7 +28,7 @@ NAME_KEY = "name"  # the key of a loss_fn section that names the loss; stripped 
 
 LossFactory = Callable[..., Any]
 Target = LossFactory | str  # an object, or a lazy "module:attr" reference
-_F = TypeVar("_F", bound=LossFactory)
+_T = TypeVar("_T", bound=Target)
 
 _LOCAL: dict[str, Target] = {}
 
@@ -55,7 +55,11 @@ def _entry_points() -> dict[str, EntryPoint]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def register_loss(name: str, target: Target | None = None, *, override: bool = False):
+@overload
+def register_loss(name: str, target: None = None, *, override: bool = False) -> Callable[[_T], _T]: ...
+@overload
+def register_loss(name: str, target: _T, *, override: bool = False) -> _T: ...
+def register_loss(name: str, target: Target | None = None, *, override: bool = False) -> Any:
     """Register ``target`` (a loss factory or a ``"module:attr"`` string) under ``name``, in this process only.
 
     Usable directly, ``register_loss("my.loss", MyLoss)``, or as a decorator, ``@register_loss("my.loss")``.
@@ -65,7 +69,7 @@ def register_loss(name: str, target: Target | None = None, *, override: bool = F
     if not isinstance(name, str) or not name:
         raise ValueError(f"loss name must be a non-empty string, got {name!r}")
 
-    def _do(obj: _F) -> _F:
+    def _do(obj: _T) -> _T:
         if not (callable(obj) or (isinstance(obj, str) and ":" in obj)):
             raise TypeError(f"register_loss({name!r}): expected a callable or a 'module:attr' string, got {obj!r}")
         old = _LOCAL.get(name)

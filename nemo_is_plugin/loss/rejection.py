@@ -31,14 +31,18 @@ from nemo_is_plugin.loss.masked import EPS, where_mask
 
 
 class RuleSpec(Protocol):
-    """What a rule provides (``nemo_is_plugin.config.RejectionRule`` is one)."""
+    """What a rule provides, read-only (``nemo_is_plugin.config.RejectionRule`` is one, and :class:`Rule`)."""
 
-    statistic: str
-    aggregation: str
-    min: float | None
-    max: float | None
-    log_ratio_clamp: float | None
-
+    @property
+    def statistic(self) -> str: ...
+    @property
+    def aggregation(self) -> str: ...
+    @property
+    def min(self) -> float | None: ...
+    @property
+    def max(self) -> float | None: ...
+    @property
+    def log_ratio_clamp(self) -> float | None: ...
     @property
     def name(self) -> str: ...
 

@@ -48,6 +48,7 @@ from nemo_is_plugin.loss.derivatives import (
     straight_through_log_ratio_d,
     token_log_ratio_d,
 )
+from nemo_is_plugin.loss.input_validation import required_input
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
 from nemo_is_plugin.loss.ratios import cumulative_anchor, token_log_ratio, unmasked_positions
@@ -118,13 +119,22 @@ class TokenLossGradient:
             raise ValueError(f"no chunk-by-chunk loss gradient: {why} (use the two-pass path)")
         c_in = inputs.curr_logprobs
         dtype = torch.float32 if c_in.dtype in (torch.float16, torch.bfloat16) else c_in.dtype
-        f = lambda t: None if t is None else t.detach().to(dtype)  # noqa: E731
-        flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+
+        def f(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(dtype)
+
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1)
+
         tm, sm = inputs.token_mask.to(dtype), inputs.sample_mask.to(dtype)
         valid = tm * layout.to_tokens(sm)
+        prev = f(required_input(inputs.prev_logprobs, "prev_logprobs"))
+        reference = None
+        if cfg.effective_kl_penalty != 0:
+            reference = flat(f(required_input(inputs.reference_logprobs, "reference_policy_logprobs")))
         with torch.no_grad():
             corr = compute_is_correction(
-                f(inputs.prev_logprobs), f(inputs.generation_logprobs), tm, valid, layout, **is_correction_kwargs(cfg)
+                prev, f(inputs.generation_logprobs), tm, valid, layout, **is_correction_kwargs(cfg)
             )
             nll_weight = None
             if cfg.positive_example_nll_weight > 0 and inputs.rewards is not None:  # as the loss: no term otherwise
@@ -134,15 +144,15 @@ class TokenLossGradient:
         return cls(
             loss=loss,
             agg_weight=flat(aggregation_weights(cfg, tm, sm, layout, inputs)),
-            prev=flat(f(inputs.prev_logprobs)),
+            prev=flat(prev),
             generation=flat(f(inputs.generation_logprobs)),
             advantages=flat(f(inputs.advantages)),
             token_mask=flat(tm),
             valid=flat(valid),
             positions=flat(unmasked_positions(tm, layout)),
             is_weight=flat(corr.weights.detach()),
-            reference=flat(f(inputs.reference_logprobs)) if cfg.effective_kl_penalty != 0 else None,
-            nll_weight=flat(nll_weight),
+            reference=reference,
+            nll_weight=None if nll_weight is None else flat(nll_weight),
             prefix=None if is_token_separable(cfg) else PrefixCarry(cfg, layout),
             correction=corr,
         )
@@ -192,12 +202,13 @@ class TokenLossGradient:
         if cfg.use_cispo:
             return cispo_d(log_r, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max)
         if cfg.uses_log_space_clip:
+            eps_low, eps_high = cfg.log_ratio_clip_bounds
             return log_space_clip_d(
                 log_r,
                 adv,
                 positions,
-                eps_low=cfg.log_ratio_clip_low,
-                eps_high=cfg.log_ratio_clip_high,
+                eps_low=eps_low,
+                eps_high=eps_high,
                 eps_c=cfg.log_ratio_clip_c,
                 power=cfg.clip_position_power,
             ).d

@@ -50,8 +50,8 @@ def band_mask(w: torch.Tensor, low: float, high: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def band_mask_log(log_w: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    """:func:`band_mask` in log space."""
+def band_mask_log(log_w: torch.Tensor, low: float | None, high: float) -> torch.Tensor:
+    """:func:`band_mask` in log space (no lower edge when ``low`` is None)."""
     return (log_w >= _log(low, float("-inf"))) & (log_w <= math.log(high))
 
 

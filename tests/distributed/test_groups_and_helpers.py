@@ -42,7 +42,7 @@ def test_from_parallel_state_without_initialisation_is_all_none(monkeypatch):
 
 def test_cp_layout_without_cp_is_the_plain_layout():
     padded = cp_layout(None, num_seqs=2, seq_len=6)
-    assert type(padded) is TokenLayout and padded.padded and padded.shape == (2, 6)
+    assert type(padded) is TokenLayout and padded.is_padded and padded.shape == (2, 6)
     packed = cp_layout(None, cu_seqlens_padded=[0, 4, 10])
     assert type(packed) is TokenLayout and packed.position.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="num_seqs"):
