@@ -52,7 +52,9 @@ def level_weights(
     Returns:
         (w, log w): Float64[B, L] token tensors (sequence levels broadcast to every token).
     """
-    layout = layout if layout is not None else TokenLayout.padded(*mismatch.shape, device=mismatch.device)
+    if layout is None:
+        num_seqs, seq_len = mismatch.shape
+        layout = TokenLayout.padded(num_seqs, seq_len, device=mismatch.device)
     mask = torch.ones_like(mismatch)
     log_w = is_log_weight(level, mismatch, torch.zeros_like(mismatch), mask, layout)
     return finite_exp(log_w), log_w
@@ -61,7 +63,8 @@ def level_weights(
 def summarise(mismatch: torch.Tensor) -> dict[str, dict[str, float]]:
     """Per level: :func:`~.stats.weight_summary` of the token-pooled weights plus ``tis_mean`` (mean after TIS at 2)."""
     out = {}
-    layout = TokenLayout.padded(*mismatch.shape, device=mismatch.device)
+    num_seqs, seq_len = mismatch.shape
+    layout = TokenLayout.padded(num_seqs, seq_len, device=mismatch.device)
     for level in IS_LEVELS:
         w, log_w = level_weights(mismatch, level, layout)
         if level in ("sequence", "sequence_mean"):
