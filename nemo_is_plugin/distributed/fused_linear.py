@@ -54,7 +54,7 @@ from nemo_is_plugin.kernels.gemm import (
     compute_dtype,
     default_grad_weight_dtype,
 )
-from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials, empty_partials, finalize_partials
+from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials, empty_partials, finalize_partials, partials_rows
 from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target, owned_column
 
 
@@ -185,8 +185,7 @@ def _chunk_partials(chunks: HeadChunks, with_entropy: bool) -> SoftmaxPartials:
     inv_t = chunks.opts.inv_temperature
     for sl in chunks.slices():
         z = chunk_logits(chunks.x[sl].to(chunks.dtype), chunks.w, chunks.zbuf)  # GEMM 1
-        rows_out = SoftmaxPartials(*(None if f is None else f[sl] for f in out))
-        chunks.math.partials(z, *chunks.rows(sl), inv_t, rows_out)
+        chunks.math.partials(z, *chunks.rows(sl), inv_t, partials_rows(out, sl))
     return out
 
 
@@ -202,8 +201,9 @@ class _FusedLinearLogprob(torch.autograd.Function):
 
         ctx.opts = opts
         ctx.save_for_backward(hidden, weight, local_t, owned, lse, entropy if with_entropy else None)
-        out_entropy = entropy.reshape(target.shape) if with_entropy else logprob.new_empty(0)
-        if not with_entropy:
+        # entropy is None exactly when with_entropy is False (the partials then have no entropy field)
+        out_entropy = logprob.new_empty(0) if entropy is None else entropy.reshape(target.shape)
+        if entropy is None:
             ctx.mark_non_differentiable(out_entropy)
         return logprob.reshape(target.shape), out_entropy
 
@@ -228,7 +228,7 @@ class _FusedLinearLogprob(torch.autograd.Function):
                 lse[sl],
                 None if g_lp is None else g_lp[sl],
                 entropy[sl] if use_h else None,
-                g_h[sl] if use_h else None,
+                None if g_h is None else g_h[sl],
                 inv_t,
                 inv_t,
             )

@@ -17,8 +17,12 @@ def broadcast_metrics_from_last_stage(metrics: dict[str, float] | None, groups: 
         if metrics is None:
             raise ValueError("no pipeline group and no metrics: this rank must be the last stage")
         return dict(metrics)
-    if groups.pp_is_last and metrics is None:
-        raise ValueError("the last pipeline stage must pass the metrics it computed")
-    box = [dict(metrics) if groups.pp_is_last else None]
+    box: list[dict[str, float] | None] = [None]
+    if groups.pp_is_last:
+        if metrics is None:
+            raise ValueError("the last pipeline stage must pass the metrics it computed")
+        box[0] = dict(metrics)
     dist.broadcast_object_list(box, src=groups.pp_last_rank, group=groups.pp)
+    if box[0] is None:
+        raise RuntimeError(f"the broadcast from pipeline rank {groups.pp_last_rank} delivered no metrics")
     return box[0]

@@ -43,6 +43,7 @@ from nemo_is_plugin.kernels.softmax_partials import (
     SoftmaxPartials,
     empty_partials,
     finalize_partials,
+    partials_rows,
     rescale_partials,
 )
 from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target, owned_column
@@ -74,14 +75,14 @@ class _VocabParallelLogprob(torch.autograd.Function):
         math = _chunk_math(backend, flat, chunk_size, with_entropy)
         out = empty_partials(n, with_entropy, flat.new_empty(0, dtype=math.acc))
         for sl in chunk_slices(n, chunk_size):
-            rows_out = SoftmaxPartials(*(None if f is None else f[sl] for f in out))
-            math.partials(flat[sl], local_t[sl], owned[sl], column[sl], 1.0, rows_out, writable=False)
+            math.partials(flat[sl], local_t[sl], owned[sl], column[sl], 1.0, partials_rows(out, sl), writable=False)
         logprob, lse, entropy = finalize_partials(reduce_partials(out, tp_group))
 
         ctx.chunk_size, ctx.backend = chunk_size, backend
         ctx.save_for_backward(logits, local_t, owned, lse, entropy if with_entropy else None)
-        out_entropy = entropy.reshape(target.shape) if with_entropy else logprob.new_empty(0)
-        if not with_entropy:
+        # entropy is None exactly when with_entropy is False (the partials then have no entropy field)
+        out_entropy = logprob.new_empty(0) if entropy is None else entropy.reshape(target.shape)
+        if entropy is None:
             ctx.mark_non_differentiable(out_entropy)
         return logprob.reshape(target.shape), out_entropy
 
@@ -105,7 +106,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
                 lse[sl],
                 None if g_lp is None else g_lp[sl],
                 entropy[sl] if use_h else None,
-                g_h[sl] if use_h else None,
+                None if g_h is None else g_h[sl],
                 1.0,
                 1.0,
             )

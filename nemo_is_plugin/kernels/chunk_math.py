@@ -27,7 +27,7 @@ import torch
 
 from nemo_is_plugin.kernels import triton_logprob as tk
 from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, logits_grad_, softmax_grad_from_exp_
-from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials
+from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials, copy_partials_
 
 BACKENDS = ("auto", "torch", "triton")
 _triton_failure: str | None = None  # set once a kernel failed under "auto": torch from then on
@@ -160,10 +160,7 @@ class ChunkMath:
         self._exp = None if self.with_entropy else work
         if out is None:
             return got
-        for dst, src in zip(out, got):
-            if dst is not None:
-                dst.copy_(src)
-        return out
+        return copy_partials_(out, got)
 
     # ------------------------------------------------------------------------------------------- pass 2
     def single_pass_grad(

@@ -41,6 +41,23 @@ def empty_partials(n: int, with_entropy: bool, like: torch.Tensor) -> SoftmaxPar
     return SoftmaxPartials(fields[0], fields[1], fields[2], fields[3] if with_entropy else None)
 
 
+def partials_rows(p: SoftmaxPartials, sl: slice) -> SoftmaxPartials:
+    """Rows ``sl`` of every field: views, so writing them writes ``p``."""
+    return SoftmaxPartials(p.max[sl], p.sumexp[sl], p.target[sl], None if p.sum_zexp is None else p.sum_zexp[sl])
+
+
+def copy_partials_(dst: SoftmaxPartials, src: SoftmaxPartials) -> SoftmaxPartials:
+    """Write ``src`` into ``dst`` field by field; ``src`` has every field ``dst`` has (the entropy one included)."""
+    dst.max.copy_(src.max)
+    dst.sumexp.copy_(src.sumexp)
+    dst.target.copy_(src.target)
+    if dst.sum_zexp is not None:
+        if src.sum_zexp is None:
+            raise ValueError("the output partials hold an entropy field, the computed ones do not")
+        dst.sum_zexp.copy_(src.sum_zexp)
+    return dst
+
+
 def rescale_partials(p: SoftmaxPartials, new_max: torch.Tensor) -> SoftmaxPartials:
     """Express ``p`` relative to ``new_max >= p.max`` (the shift identity for S and Q; the target is absolute)."""
     delta = p.max - new_max
@@ -53,7 +70,9 @@ def merge_partials(a: SoftmaxPartials, b: SoftmaxPartials) -> SoftmaxPartials:
     """Online-softmax merge of two disjoint vocab blocks of the same tokens (targets add: one of them is 0)."""
     m = torch.maximum(a.max, b.max)
     a, b = rescale_partials(a, m), rescale_partials(b, m)
-    sum_zexp = None if a.sum_zexp is None else a.sum_zexp + b.sum_zexp
+    if (a.sum_zexp is None) != (b.sum_zexp is None):
+        raise ValueError("cannot merge partials with an entropy field into partials without one")
+    sum_zexp = None if a.sum_zexp is None or b.sum_zexp is None else a.sum_zexp + b.sum_zexp
     return SoftmaxPartials(m, a.sumexp + b.sumexp, a.target + b.target, sum_zexp)
 
 
@@ -65,4 +84,12 @@ def finalize_partials(p: SoftmaxPartials) -> tuple[torch.Tensor, torch.Tensor, t
     return p.target - lse, lse, entropy
 
 
-__all__ = ["SoftmaxPartials", "empty_partials", "finalize_partials", "merge_partials", "rescale_partials"]
+__all__ = [
+    "SoftmaxPartials",
+    "copy_partials_",
+    "empty_partials",
+    "finalize_partials",
+    "merge_partials",
+    "partials_rows",
+    "rescale_partials",
+]

@@ -215,8 +215,10 @@ def triton_logits_grad(
     has_g, has_h = grad_logprob is not None, grad_entropy is not None and entropy is not None
     # the kernel indexes per-row vectors with stride 1: upstream gradients may arrive expanded (stride 0)
     lse, target_column = lse.contiguous(), target_column.contiguous()
-    g = grad_logprob.contiguous() if has_g else lse  # lse: a valid pointer for a disabled input
-    ent, h = (entropy.contiguous(), grad_entropy.contiguous()) if has_h else (lse, lse)
+    g = lse if grad_logprob is None else grad_logprob.contiguous()  # lse: a valid pointer for a disabled input
+    ent, h = (lse, lse)
+    if entropy is not None and grad_entropy is not None:
+        ent, h = entropy.contiguous(), grad_entropy.contiguous()
     block = BLOCKS.grad_block_v
     _logits_grad_kernel[(n, triton.cdiv(v, block))](
         z,
