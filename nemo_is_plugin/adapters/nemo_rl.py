@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from pydantic import BaseModel
@@ -51,6 +51,10 @@ from nemo_is_plugin.adapters.protocol import LossInputType, MetricNormalizer
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.groups import ParallelGroups
 from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME, build_loss
+
+if TYPE_CHECKING:
+    from nemo_is_plugin.distributed.cp_sharding import CPOrder
+    from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
 
 PARALLEL_STATE = "parallel_state"  # groups sentinel: read megatron-core's groups inside the worker
 GroupsSpec = None | str | ParallelGroups
@@ -75,6 +79,14 @@ NEMO_RL_CONFIG_ATTRIBUTES = (
     "positive_example_nll_weight",
     "use_cispo",
 )
+
+
+class _LogitOptions(TypedDict):
+    """The keyword arguments of the LOGIT loss (``LogitClippedPGLoss``), kept to rebuild it after unpickling."""
+
+    cp_order: CPOrder
+    host_divides_by_cp: bool
+    chunk_size: int | None
 
 
 def loss_section(cfg: Any) -> dict[str, Any]:
@@ -118,7 +130,7 @@ class NeMoRLLossFn:
         *,
         input_type: Any = "logprob",
         groups: GroupsSpec = None,
-        cp_order: str = "load_balanced",
+        cp_order: CPOrder = "load_balanced",
         host_divides_by_cp: bool = True,
         logprob_chunk_size: int = 1024,
     ):
@@ -136,17 +148,16 @@ class NeMoRLLossFn:
         if not (groups is None or groups == PARALLEL_STATE or isinstance(groups, ParallelGroups)):
             raise ValueError(f"groups must be None, a ParallelGroups or {PARALLEL_STATE!r}, got {groups!r}")
         self._groups_spec = groups
-        self._logit_options = {
-            "cp_order": cp_order,
-            "host_divides_by_cp": host_divides_by_cp,
-            "chunk_size": logprob_chunk_size,
-        }
+        self._logit_options = _LogitOptions(
+            cp_order=cp_order, host_divides_by_cp=host_divides_by_cp, chunk_size=logprob_chunk_size
+        )
         self._build()
 
     def _build(self) -> None:
         self.loss = build_loss(self._section)
         self.config: ClippedPGLossConfig = self.loss.config
-        self._logit_loss, self._resolved_groups = None, None
+        self._logit_loss: LogitClippedPGLoss | None = None
+        self._resolved_groups: ParallelGroups | None = None
         if self.input_type == LossInputType.LOGIT:
             from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
 
@@ -190,7 +201,8 @@ class NeMoRLLossFn:
             if self._resolved_groups is None:  # resolved once, in the worker; the spec stays picklable
                 self._resolved_groups = ParallelGroups.from_parallel_state()
             return self._resolved_groups
-        return self._groups_spec or ParallelGroups()
+        # the spec is None, PARALLEL_STATE (above) or a ParallelGroups (checked by the constructor)
+        return self._groups_spec if isinstance(self._groups_spec, ParallelGroups) else ParallelGroups()
 
     def __call__(
         self,
@@ -212,6 +224,7 @@ class NeMoRLLossFn:
             groups = self._groups()
             kwargs.setdefault("vocab_parallel_group", groups.tp)
             kwargs.setdefault("context_parallel_group", groups.cp)
+            assert self._logit_loss is not None  # _build creates it for input_type LOGIT
             return self._logit_loss(logits, data, global_valid_seqs, global_valid_toks, **kwargs)
         elif next_token_logprobs is None:
             raise TypeError("input_type=LOGPROB: pass next_token_logprobs=[B, S-1]")

@@ -20,7 +20,7 @@ NeMo-RL's classes when ``nemo_rl`` imports, and look-alikes with the same member
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 
 class _LossType(enum.Enum):
@@ -40,7 +40,10 @@ class _MetricNormalizer(enum.Enum):
     NONE = "none"  # raw counts, local means, min/max: never rescaled
 
 
-def _host_enum(name: str, fallback: type[enum.Enum]) -> type[enum.Enum]:
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _host_enum(name: str, fallback: type[_E]) -> type[_E]:
     # Newer NeMo-RL keeps the interface under algorithms/loss/, older releases directly under algorithms/.
     for module in ("nemo_rl.algorithms.loss.interfaces", "nemo_rl.algorithms.interfaces"):
         try:
@@ -49,7 +52,9 @@ def _host_enum(name: str, fallback: type[enum.Enum]) -> type[enum.Enum]:
             continue
         found = getattr(mod, name, None)
         if isinstance(found, type) and issubclass(found, enum.Enum):
-            return found
+            # The look-alike mirrors NeMo-RL's enum member for member (names and values), so code typed against it
+            # is right for NeMo-RL's.
+            return cast("type[_E]", found)
     return fallback
 
 

@@ -137,15 +137,15 @@ def dump_batch(
         name = keys.get(role)
         return tensors[name] if name is not None and name in tensors else None
 
-    missing = [keys[r] for r in ("prev", "gen", "mask") if get(r) is None]
-    if missing:
+    prev, gen, mask = get("prev"), get("gen"), get("mask")
+    if prev is None or gen is None or mask is None:
+        missing = [keys[r] for r in ("prev", "gen", "mask") if get(r) is None]
         raise KeyError(f"dumping rollouts needs {missing} in the batch (present: {sorted(map(str, tensors.keys()))})")
-    mask = get("mask")
     sample_mask = get("sample_mask")
     if sample_mask is not None:
         mask = mask * sample_mask.to(mask.dtype).reshape(-1, 1)
     rewards = rewards if rewards is not None else get("rewards")
-    return dumper.write(get("prev"), get("gen"), mask, step=step, advantages=get("advantages"), rewards=rewards)
+    return dumper.write(prev, gen, mask, step=step, advantages=get("advantages"), rewards=rewards)
 
 
 __all__ = ["DUMP_ENV", "EVERY_ENV", "RolloutDumper", "dump_batch"]

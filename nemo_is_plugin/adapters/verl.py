@@ -380,7 +380,7 @@ class VerlPolicyLoss:
                 "enable verl's token-level rollout_is with a huge threshold (raw ratios) or pass "
                 "rollout_log_probs; or set use_importance_sampling_correction: false to let verl correct"
             )
-        if weights_only:
+        if weights_only and rollout_is_weights is not None:  # weights_only means verl passed its weights
             return generation_logprobs(old_log_prob, mask, rollout_is_weights)
         return old_log_prob.detach()
 
