@@ -22,6 +22,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -143,7 +144,7 @@ class BenchDevice:
 
     def describe(self) -> dict:
         """Machine facts for the result: device type and name, dtype, versions, date."""
-        info = dict(
+        info: dict[str, Any] = dict(
             device=self.device.type,
             dtype=dtype_name(self.dtype),
             torch=torch.__version__,

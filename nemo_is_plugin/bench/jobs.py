@@ -35,6 +35,8 @@ def path_loss(path: LogprobPath, problem: HeadProblem, loss_fn, h: torch.Tensor,
     """The benchmark loss of ``path`` on ``problem`` with ``h`` / ``w`` standing in for its hidden states and head."""
     if path.loss is not None:
         return path.loss(loss_fn, problem, h, w)
+    if path.fn is None:
+        raise ValueError(f"path {path.name!r} has neither a log-prob function nor a loss of its own")
     loss, _ = loss_fn(
         next_token_logprobs=path.fn(h, w, problem.target),
         data=problem.data,
@@ -59,10 +61,13 @@ def fwd_bwd_job(path: LogprobPath, problem: HeadProblem, loss_fn) -> Callable[[]
 
 def forward_job(path: LogprobPath, problem: HeadProblem) -> Job:
     """Log-probs under ``no_grad`` (the old-policy / reference pass)."""
+    fn = path.fn
+    if fn is None:
+        raise ValueError(f"path {path.name!r} has no log-prob function to time")
 
     def run() -> None:
         with torch.no_grad():
-            path.fn(problem.hidden, problem.weight, problem.target)
+            fn(problem.hidden, problem.weight, problem.target)
 
     return run
 

@@ -18,7 +18,7 @@ import importlib.util
 import torch
 
 from nemo_is_plugin.bench.paths import LogprobPath
-from nemo_is_plugin.bench.problem import HeadProblem
+from nemo_is_plugin.bench.problem import HeadProblem, leaf_grad
 
 
 def liger_unavailable_reason() -> str | None:
@@ -99,7 +99,7 @@ def liger_mean_logprob_grad(
         h, weight.detach(), target, ones, ones[:, 0], old_per_token_logps=ref_logprobs.float()
     )
     loss.backward()
-    return h.grad
+    return leaf_grad(h)
 
 
 __all__ = ["liger_loss", "liger_loss_value", "liger_mean_logprob_grad", "liger_path", "liger_unavailable_reason"]

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from nemo_is_plugin.bench.device import BenchDevice, dtype_name
 from nemo_is_plugin.bench.jobs import BENCH_LOSS_CONFIG, bench_loss_fn
-from nemo_is_plugin.bench.problem import HeadProblem, make_rl_batch
+from nemo_is_plugin.bench.problem import RLBatch, make_rl_batch
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [B, S]
     position_ids: torch.Tensor  # [B, S]
     attention_mask: torch.Tensor  # [1, 1, S, S] bool, True = masked
-    batch: HeadProblem  # target [B, S-1] and the RL data
+    batch: RLBatch  # target [B, S-1] and the RL data
     probe: torch.Tensor  # [B, S, H] the body variant's upstream gradient
 
 
@@ -273,7 +273,6 @@ def variant_loss(name: str, model, inputs: StepInputs, loss_fn, chunk_size: int 
         logp = torch.log_softmax(out[:, :-1].float(), dim=-1)
         lp = logp.gather(-1, rl.target.unsqueeze(-1)).squeeze(-1)
         return loss_fn(lp, rl.data, rl.global_valid_seqs, rl.global_valid_toks)[0]
-    kw = {} if chunk_size is None else {"chunk_size": chunk_size}
     loss, _ = fused_linear_pg_loss(
         loss_fn,
         out[:, :-1],
@@ -282,8 +281,8 @@ def variant_loss(name: str, model, inputs: StepInputs, loss_fn, chunk_size: int 
         rl.data,
         rl.global_valid_seqs,
         rl.global_valid_toks,
+        chunk_size=chunk_size,
         single_pass=None if name == "fused" else False,
-        **kw,
     )
     return loss
 
@@ -322,11 +321,17 @@ def run_model_step(cfg: StepConfig, progress: Callable[[str], None] | None = Non
                     for _ in range(cfg.warmup):
                         step()
                     model.zero_grad(set_to_none=True)
-                    out: dict = {}
-                    measured = dev.measure_memory(lambda out=out: out.__setitem__("loss", step()))
+                    out: dict[str, torch.Tensor] = {}
+
+                    def tracked_step(out: dict[str, torch.Tensor] = out) -> None:
+                        out["loss"] = step()
+
+                    measured = dev.measure_memory(tracked_step)
                     values.update(peak_bytes=measured.peak_bytes, loss=out["loss"].float().item())
                     if name != "body":
                         grad = _watched_grad(model).grad
+                        if grad is None:
+                            raise RuntimeError(f"{name}: the step left no gradient on the watched body weight")
                         if "grad" not in reference:
                             first = grad.detach().to(torch.float32, copy=True)
                             reference.update(grad=first, loss=values["loss"], variant=name)
@@ -350,10 +355,10 @@ def run_model_step(cfg: StepConfig, progress: Callable[[str], None] | None = Non
             rows.append(values)
         diff_base = reference.get("variant")
     body = next((r["step_s"] for r in rows if r["variant"] == "body"), None)
-    for r in rows:
-        if body is not None and r["variant"] != "body":
-            r["head_loss_s"] = r["step_s"] - body
-            r["head_loss_share"] = r["head_loss_s"] / r["step_s"]
+    for row in rows:
+        if body is not None and row["variant"] != "body":
+            row["head_loss_s"] = row["step_s"] - body
+            row["head_loss_share"] = row["head_loss_s"] / row["step_s"]
     config = dict(
         shape=dataclasses.asdict(shape),
         tokens=shape.tokens,

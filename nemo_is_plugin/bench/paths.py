@@ -152,14 +152,13 @@ def fused_path(variant: FusedVariant, chunk_size: int | None) -> LogprobPath:
 def logprob_paths(chunk_size: int | None = None) -> list[LogprobPath]:
     """The plugin's torch paths in benchmark order (``PLUGIN_PATHS``); ``chunk_size`` (tokens per chunk) for the
     chunked ones, None = their default."""
-    logits_kw = {} if chunk_size is None else {"chunk_size": chunk_size}
     fused = {v.name: v for v in FUSED_VARIANTS}
     return [
         LogprobPath("naive", "full logits + fp32 log_softmax (NeMo-RL DistributedLogprob)", naive_logprobs),
         LogprobPath(
             "from_logits",
             "full logits + chunked online-lse log-prob, recomputing backward (vocab_parallel)",
-            lambda h, w, t: vocab_parallel_logprobs(lm_head_logits(h, w), t, **logits_kw),
+            lambda h, w, t: vocab_parallel_logprobs(lm_head_logits(h, w), t, chunk_size=chunk_size),
         ),
         fused_path(fused["fused_linear"], chunk_size),
         fused_path(fused["fused_2pass"], chunk_size),

@@ -8,15 +8,31 @@ row shards), ``target [B, T]`` = ``input_ids[:, 1:]``, ``data``: NeMo-RL's ``[B,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+# Log-probs [B, T] of the sampled tokens, or how to compute them from the targets [B, T].
+BaseLogprobs = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class RLBatch:
+    """The RL side of a problem alone, for a model that makes its own hidden states (no ``hidden`` / ``weight``)."""
+
+    target: torch.Tensor
+    data: dict[str, torch.Tensor]
+    global_valid_seqs: float
+    global_valid_toks: float
+    hidden = None
+    weight = None
+
 
 @dataclass
 class HeadProblem:
-    hidden: torch.Tensor | None
-    weight: torch.Tensor | None
+    hidden: torch.Tensor
+    weight: torch.Tensor
     target: torch.Tensor
     data: dict[str, torch.Tensor]
     global_valid_seqs: float
@@ -59,11 +75,17 @@ def make_problem(
     hidden = torch.randn(batch, seq_len - 1, hidden_size, generator=big, device=device).to(dtype)
     weight = torch.randn(vocab, hidden_size, generator=big, device=device)
     weight = weight.mul_(logit_std / hidden_size**0.5).to(dtype)
+    base: BaseLogprobs | None
     if isinstance(base_logprobs, str):
         if base_logprobs != "model":
             raise ValueError(f"base_logprobs must be a tensor, None or 'model', got {base_logprobs!r}")
-        base_logprobs = lambda target: target_logprobs(hidden, weight, target.to(device)).cpu()  # noqa: E731
-    target, data, valid_seqs, valid_toks = _rl_batch(g, batch, seq_len, vocab, base_logprobs, mismatch_std, device)
+
+        def base(target: torch.Tensor) -> torch.Tensor:
+            return target_logprobs(hidden, weight, target.to(device)).cpu()
+
+    else:
+        base = base_logprobs
+    target, data, valid_seqs, valid_toks = _rl_batch(g, batch, seq_len, vocab, base, mismatch_std, device)
     return HeadProblem(hidden, weight, target, data, valid_seqs, valid_toks)
 
 
@@ -85,24 +107,30 @@ def target_logprobs(
 
 def make_rl_batch(
     batch: int, seq_len: int, vocab: int, *, seed: int = 0, device: torch.device | None = None
-) -> HeadProblem:
+) -> RLBatch:
     """The RL batch of :func:`make_problem` alone (``hidden`` / ``weight`` are None): for a model that makes its own
     hidden states. ``data["input_ids"] [B, S]`` are the model's input tokens, ``target [B, S-1]`` the next tokens."""
     g = torch.Generator().manual_seed(seed)
     device = torch.device("cpu") if device is None else torch.device(device)
     target, data, valid_seqs, valid_toks = _rl_batch(g, batch, seq_len, vocab, None, 0.05, device)
-    return HeadProblem(None, None, target, data, valid_seqs, valid_toks)
+    return RLBatch(target, data, valid_seqs, valid_toks)
 
 
 def _rl_batch(
-    g: torch.Generator, batch: int, seq_len: int, vocab: int, base_logprobs, mismatch_std: float, device: torch.device
-):
+    g: torch.Generator,
+    batch: int,
+    seq_len: int,
+    vocab: int,
+    base_logprobs: BaseLogprobs | None,
+    mismatch_std: float,
+    device: torch.device,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], float, float]:
     """``(target [B, S-1], data, valid sequences, valid tokens)`` drawn from ``g`` on the CPU, moved to ``device``."""
     t = seq_len - 1
     input_ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
     if base_logprobs is None:
         base_logprobs = -torch.rand(batch, t, generator=g) * 8.0
-    elif callable(base_logprobs):
+    elif not isinstance(base_logprobs, torch.Tensor):
         base_logprobs = base_logprobs(input_ids[:, 1:])
     base = base_logprobs.detach().double().cpu()
 
@@ -132,6 +160,13 @@ def _rl_batch(
     return input_ids[:, 1:].contiguous().to(device), data, sample_mask.sum().item(), valid_toks
 
 
+def leaf_grad(leaf: torch.Tensor) -> torch.Tensor:
+    """The gradient ``backward()`` left on ``leaf``; an error when it left none (the loss did not use the leaf)."""
+    if leaf.grad is None:
+        raise RuntimeError(f"backward() left no gradient on the leaf of shape {tuple(leaf.shape)}")
+    return leaf.grad
+
+
 def vocab_shard(weight: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """Rows ``[r V/tp, (r+1) V/tp)`` of the LM head: the shard a TP rank holds (V must divide evenly)."""
     vocab = weight.shape[0]
@@ -141,4 +176,4 @@ def vocab_shard(weight: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tenso
     return weight[tp_rank * per : (tp_rank + 1) * per]
 
 
-__all__ = ["HeadProblem", "make_problem", "make_rl_batch", "target_logprobs", "vocab_shard"]
+__all__ = ["HeadProblem", "RLBatch", "leaf_grad", "make_problem", "make_rl_batch", "target_logprobs", "vocab_shard"]

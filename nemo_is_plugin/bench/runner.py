@@ -30,8 +30,8 @@ from nemo_is_plugin.bench.jobs import path_loss as _path_loss
 from nemo_is_plugin.bench.liger import liger_mean_logprob_grad
 from nemo_is_plugin.bench.measure import max_abs_err, max_rel_err, path_errors, reference_logprobs_and_grad
 from nemo_is_plugin.bench.paths import LogprobPath, lm_head_logits
-from nemo_is_plugin.bench.problem import HeadProblem, make_problem
-from nemo_is_plugin.bench.reference import compare, reference_loss_and_grads
+from nemo_is_plugin.bench.problem import HeadProblem, leaf_grad, make_problem
+from nemo_is_plugin.bench.reference import Reference, compare, reference_loss_and_grads
 from nemo_is_plugin.bench.shapes import BenchConfig, ModelShape
 from nemo_is_plugin.bench.sweep import count_sweep_steps, direct_memory, memory_sweep
 
@@ -71,6 +71,18 @@ def _row(shape: ModelShape, vocab: int, tokens: int, path: str, **values) -> dic
 def _failure(exc: BaseException, where: str) -> str:
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     return f"failed on {where}: {type(exc).__name__}: {first}"
+
+
+def _check_against(ref: Reference) -> Callable[[object], dict]:
+    """The error check of a forward+backward job's ``(loss, dX, dW)`` result against ``ref``."""
+
+    def check(result: object) -> dict:
+        if not (isinstance(result, tuple) and len(result) == 3):
+            raise TypeError(f"a forward+backward job returns (loss, dX, dW), got {type(result).__name__}")
+        loss, grad_hidden, grad_weight = result
+        return compare(loss, grad_hidden, grad_weight, ref)
+
+    return check
 
 
 def _tracked_call(dev: BenchDevice, job: Job, warmup: int) -> tuple[Measured, object]:
@@ -168,7 +180,7 @@ def bench_shape(
             run.jobs.update(path_jobs(path, problem, loss_fn))
         for key in [k for k in run.jobs if k[0] == name]:
             checks = path is not None and key[1] == "fwdbwd" and not path.own_loss
-            run.warm_up(key, cfg.warmup, (lambda result, ref=ref: compare(*result, ref)) if checks else None)
+            run.warm_up(key, cfg.warmup, _check_against(ref) if checks else None)
     del ref
     for r in range(cfg.repeats):
         progress(f"{shape.name}: timing round {r + 1}/{cfg.repeats}")
@@ -242,7 +254,7 @@ def _add_loss_errors(
     def hidden_grad(path: LogprobPath, dtype: torch.dtype) -> torch.Tensor:
         h = small.hidden.detach().to(dtype).requires_grad_(True)
         _path_loss(path, small, loss_fn, h, small.weight.detach().to(dtype)).backward()
-        return h.grad
+        return leaf_grad(h)
 
     ref = hidden_grad(paths["naive"], torch.float64)
     for r in rows:
@@ -263,10 +275,11 @@ def run_benchmark(cfg: BenchConfig, progress: Progress | None = None) -> dict:
     paths = {p.name: p for p in bench_paths(cfg.chunk_size, dev.device)}
     skipped: dict[str, str] = {}
     for name in cfg.paths:
-        if paths[name].unavailable:
-            skipped[name] = paths[name].unavailable
-        elif paths[name].fwdbwd_unavailable:
-            skipped[f"{name} forward+backward"] = paths[name].fwdbwd_unavailable
+        path = paths[name]
+        if path.unavailable:
+            skipped[name] = path.unavailable
+        elif path.fwdbwd_unavailable:
+            skipped[f"{name} forward+backward"] = path.fwdbwd_unavailable
     rows = []
     for shape in cfg.shapes:
         rows += bench_shape(shape, cfg, dev, paths, progress, skipped)

@@ -9,6 +9,10 @@ GPU the [N, V] memory traffic costs as much as the GEMMs, on a CPU it is a fract
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,28 @@ QUICK_SHAPES = (ModelShape("tiny-a", 64, 4096), ModelShape("tiny-b", 96, 6144))
 PATHS = ("naive", "from_logits", "fused_linear", "fused_2pass", "fused_triton", "fused_2pass_triton", "liger", "cce")
 CPU_PATHS = ("naive", "from_logits", "fused_linear", "fused_2pass", "liger")  # no Triton / CCE kernels on a CPU
 GPU_TARGET_TOKENS, GPU_TARGET_DTYPE = 16384, "bfloat16"  # the setting of the GPU targets (8 sequences x 2,048)
+
+
+class BenchOverrides(TypedDict, total=False):
+    """Any subset of :class:`BenchConfig`'s fields but ``device``, typed: the keyword overrides of its constructors
+    (which take the device by name)."""
+
+    shapes: tuple[ModelShape, ...]
+    tokens: int
+    batch: int
+    tp: int
+    chunk_size: int | None
+    repeats: int
+    paths: tuple[str, ...]
+    ref_tokens: int
+    memory_tokens: tuple[int, ...]
+    memory_shape: tuple[int, int]
+    extrapolate_tokens: int
+    direct_memory_paths: tuple[str, ...]
+    threads: int
+    dtype: str | None
+    warmup: int
+    quick_run: bool
 
 
 @dataclass
@@ -101,9 +127,9 @@ class BenchConfig:
         return self.device.startswith("cuda")
 
     @classmethod
-    def quick(cls, **overrides) -> BenchConfig:
+    def quick(cls, *, device: str = "cpu", **overrides: Unpack[BenchOverrides]) -> BenchConfig:
         """Seconds-long run on tiny shapes (smoke tests, CI)."""
-        base = dict(
+        base = BenchOverrides(
             shapes=QUICK_SHAPES,
             tokens=64,
             chunk_size=16,
@@ -113,24 +139,25 @@ class BenchConfig:
             ref_tokens=8,
             quick_run=True,
         )
-        if str(overrides.get("device", "cpu")).startswith("cuda"):
-            base.update(_CUDA_DEFAULTS, tokens=64, batch=2, memory_tokens=())
+        if device.startswith("cuda"):
+            base.update(_CUDA_DEFAULTS)
+            base.update({"tokens": 64, "batch": 2, "memory_tokens": ()})
         base.update(overrides)
-        return cls(**base)
+        return cls(device=device, **base)
 
     @classmethod
-    def for_device(cls, device: str = "cpu", quick: bool = False, **overrides) -> BenchConfig:
+    def for_device(cls, device: str = "cpu", quick: bool = False, **overrides: Unpack[BenchOverrides]) -> BenchConfig:
         """The default run on ``device``: the CPU's scaled one, or on CUDA the GPU targets' setting (bf16, 16,384
         tokens in 8 sequences, every path, a median of 5 rounds after 2 warm-up calls, no CPU-style memory sweep:
         each row's peak is measured at the full token count)."""
         if quick:
             return cls.quick(device=device, **overrides)
-        base = dict(_CUDA_DEFAULTS) if device.startswith("cuda") else {}
+        base = _CUDA_DEFAULTS.copy() if device.startswith("cuda") else BenchOverrides()
         base.update(overrides)
         return cls(device=device, **base)
 
 
-_CUDA_DEFAULTS = dict(
+_CUDA_DEFAULTS: BenchOverrides = BenchOverrides(
     tokens=GPU_TARGET_TOKENS,
     batch=8,
     repeats=5,
