@@ -40,9 +40,10 @@ def length_bins(valid_lengths: np.ndarray, *, max_bins: int = 6, edges: Sequence
     lengths = lengths[lengths > 0]
     if len(lengths) == 0:
         return []
+    ends: list[int | None]  # a bin's exclusive end; None: unbounded
     if edges is not None:
         inner = sorted({int(e) for e in edges if int(e) > 1})
-        bounds: list[int | None] = [1, *inner, None]
+        starts, ends = [1, *inner], [*inner, None]
     else:
         if max_bins < 1:
             raise ValueError(f"max_bins must be >= 1, got {max_bins}")
@@ -51,5 +52,6 @@ def length_bins(valid_lengths: np.ndarray, *, max_bins: int = 6, edges: Sequence
         step = max(1, math.ceil((e_hi - e_lo) / max_bins))
         top = e_lo + step * math.ceil((e_hi - e_lo) / step)  # >= e_hi: the last bin ends above the longest response
         bounds = [2**e for e in range(e_lo, top + 1, step)]
-    bins = [LengthBin(int(lo), None if hi is None else int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        starts, ends = bounds[:-1], [*bounds[1:]]
+    bins = [LengthBin(lo, hi) for lo, hi in zip(starts, ends)]
     return [b for b in bins if b.contains(lengths).any()]

@@ -114,8 +114,8 @@ def _parse_record(
                 packed[key].append(None)
                 lengths[key].append(-1)
                 continue
-            alias = [a for a, k in ALIASES.items() if k == key]
-            hint = f" (or its alias '{alias[0]}')" if alias else ""
+            aliases = [a for a, k in ALIASES.items() if k == key]
+            hint = f" (or its alias '{aliases[0]}')" if aliases else ""
             raise DumpError(f"{where}: missing key '{key}'{hint}; present: {sorted(rec)}")
         arr = _number_list(where, key, rec[key])
         packed[key].append(arr)

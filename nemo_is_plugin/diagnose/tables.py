@@ -75,7 +75,7 @@ def settings_table(a: Analysis, rec: Recommendation | None = None) -> Table:
         t.add_column("verdict")
     for r in a.settings:
         o = r.overall
-        cells = [
+        cells: list[str | Text] = [
             r.setting.name,
             fmt(o.mean),
             fmt(o.std),
