@@ -26,7 +26,11 @@ def _build_config(
     from nemo_is_plugin.demo.settings import quick as quick_cfg
 
     data = OmegaConf.to_container(OmegaConf.load(run_config), resolve=True) if run_config else {}
-    cfg = DemoConfig(**data)
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"--run-config {run_config}: expected a mapping of DemoConfig fields, got a {type(data).__name__}"
+        )
+    cfg = DemoConfig.model_validate(data)
     if quick:
         cfg = quick_cfg(cfg)
     upd = cfg.model_dump()

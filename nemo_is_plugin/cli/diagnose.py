@@ -23,6 +23,11 @@ def _floats(text: str, option: str, n: int) -> tuple[float, ...]:
     return vals
 
 
+def _band(text: str, option: str) -> tuple[float, float]:
+    low, high = _floats(text, option, 2)
+    return low, high
+
+
 def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -73,12 +78,12 @@ def register(app: typer.Typer) -> None:
                     raise ValueError(f"{target} is a directory; give a file path")
             if out is not None and out.exists() and not out.is_dir() and not no_plots:
                 raise ValueError(f"--out {out} is a file; give a directory for the plots")
-            bounds = {
+            bounds: dict[str, tuple[float | None, float]] = {
                 "tis": (None, tis_high),
-                "icepop": _floats(icepop, "--icepop", 2),
-                "seq-mask-tis": _floats(seq_mask_tis, "--seq-mask-tis", 2),
-                "seq-mis": _floats(seq_mis, "--seq-mis", 2),
-                "geo-rs": _floats(geo_rs, "--geo-rs", 2),
+                "icepop": _band(icepop, "--icepop"),
+                "seq-mask-tis": _band(seq_mask_tis, "--seq-mask-tis"),
+                "seq-mis": _band(seq_mis, "--seq-mis"),
+                "geo-rs": _band(geo_rs, "--geo-rs"),
             }
             edges = [int(v) for v in _floats(bins, "--bins", len(bins.split(",")))] if bins else None
             report = diagnose(

@@ -4,28 +4,28 @@ heavy imports (torch, megatron, ray) happen inside the commands, so ``nemo-is --
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
 
-class _PlainFlags:
+def _plain_flags(params: list[Any]) -> list[Any]:
     """Help without a ``<bool>`` placeholder after on/off flags (``--help`` included): a flag takes no value."""
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
 
+
+class _Group(TyperGroup):
     def get_params(self, ctx):
-        params = super().get_params(ctx)
-        for p in params:
-            if getattr(p, "is_flag", False) and p.metavar is None:
-                p.metavar = ""
-        return params
+        return _plain_flags(super().get_params(ctx))
 
 
-class _Group(_PlainFlags, TyperGroup):
-    pass
-
-
-class _Command(_PlainFlags, TyperCommand):
-    pass
+class _Command(TyperCommand):
+    def get_params(self, ctx):
+        return _plain_flags(super().get_params(ctx))
 
 
 app = typer.Typer(
