@@ -78,6 +78,18 @@ class _Linear:
         return _round(x @ self.weight.t(), self.precision)
 
 
+@dataclass
+class _Layer:
+    """One decoder layer's weights in the engine's precision (the router stays fp32, as in serving)."""
+
+    ln1: torch.Tensor
+    qkv: _Linear
+    proj: _Linear
+    ln2: torch.Tensor
+    router: torch.Tensor
+    experts: list[tuple[_Linear, _Linear]]  # (fc1, fc2) per expert
+
+
 class KVCachedDecoder:
     """Autoregressive sampler over the Megatron GPT weights with a per-layer KV cache.
 
@@ -89,12 +101,16 @@ class KVCachedDecoder:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.shape, self.precision = shape, precision
-        p, r = precision, (lambda t: _round(t.detach().float(), precision))
+        p = precision
+
+        def r(t: torch.Tensor) -> torch.Tensor:
+            return _round(t.detach().float(), precision)
+
         self.embed = r(state["embedding.word_embeddings.weight"])
         self.final_norm = r(state["decoder.final_layernorm.weight"])
         # quantised checkpoints keep the LM head in bf16 (vLLM fp8, AWQ / GPTQ)
         self.head = _Linear.make(state["output_layer.weight"], "bf16" if p in ("fp8", "int4") else p)
-        self.layers = []
+        self.layers: list[_Layer] = []
         for i in range(shape.layers):
             pre = f"decoder.layers.{i}."
             experts = []
@@ -104,7 +120,7 @@ class KVCachedDecoder:
                     (_Linear.make(state[ep + "linear_fc1.weight"], p), _Linear.make(state[ep + "linear_fc2.weight"], p))
                 )
             self.layers.append(
-                dict(
+                _Layer(
                     ln1=r(state[pre + "input_layernorm.weight"]),
                     qkv=_Linear.make(state[pre + "self_attention.linear_qkv.weight"], p),
                     proj=_Linear.make(state[pre + "self_attention.linear_proj.weight"], p),
@@ -129,13 +145,13 @@ class KVCachedDecoder:
         x1, x2 = x.chunk(2, dim=-1)
         return _round(x * emb.cos() + torch.cat((-x2, x1), dim=-1) * emb.sin(), self.precision)
 
-    def _moe(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
+    def _moe(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """Top-k on router logits, softmax over the k chosen (Megatron's default, = Mixtral), dense experts."""
-        logits = x @ layer["router"].t()  # [N, E] fp32
+        logits = x @ layer.router.t()  # [N, E] fp32
         top, idx = logits.topk(self.shape.topk, dim=-1)
         probs = torch.zeros_like(logits).scatter(-1, idx, torch.softmax(top, dim=-1))
         out = torch.zeros_like(x)
-        for e, (fc1, fc2) in enumerate(layer["experts"]):
+        for e, (fc1, fc2) in enumerate(layer.experts):
             rows = probs[:, e] > 0
             if rows.any():
                 gate, up = fc1(x[rows]).chunk(2, dim=-1)
@@ -152,8 +168,8 @@ class KVCachedDecoder:
         end = start + t
         causal = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start)  # [T, end]
         for layer, (k_cache, v_cache) in zip(self.layers, cache):
-            h = self._norm(x, layer["ln1"])
-            qkv = layer["qkv"](h).view(b, t, s.heads, 3 * hd).transpose(1, 2)  # per head [q; k; v] (Megatron layout)
+            h = self._norm(x, layer.ln1)
+            qkv = layer.qkv(h).view(b, t, s.heads, 3 * hd).transpose(1, 2)  # per head [q; k; v] (Megatron layout)
             q, k, v = qkv.split(hd, dim=-1)
             k_cache[:, :, start:end] = self._rope(k, pos)
             v_cache[:, :, start:end] = v
@@ -161,8 +177,8 @@ class KVCachedDecoder:
             scores = (q @ k_cache[:, :, :end].transpose(-1, -2)) / hd**0.5
             probs = _round(torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1), self.precision)
             ctx = _round(probs @ v_cache[:, :, :end], self.precision).transpose(1, 2).reshape(b, t, s.hidden)
-            x = _round(x + layer["proj"](ctx), self.precision)
-            h = self._norm(x, layer["ln2"])
+            x = _round(x + layer.proj(ctx), self.precision)
+            h = self._norm(x, layer.ln2)
             x = _round(x + self._moe(h.reshape(b * t, s.hidden), layer).view(b, t, s.hidden), self.precision)
         return self.head(self._norm(x, self.final_norm)).float()
 

@@ -77,12 +77,18 @@ class _CPURNGTracker:
             torch.set_rng_state(outer)
 
 
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
 def apply_cpu_patches() -> None:
     """The three patches megatron-core 0.16.1 needs to build and train GPTModel + MoE on CPU (idempotent)."""
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
-    torch.cuda.current_device = lambda: "cpu"  # buffers are allocated on current_device(); make that the CPU
+    # Buffers are allocated on current_device(); make that the CPU. megatron-core passes the value on as a device, so a
+    # device name works.
+    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]  # torch types it as a CUDA index
     if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, _CPURNGTracker):
         mrandom._CUDA_RNG_STATE_TRACKER = _CPURNGTracker()
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -98,7 +104,8 @@ class SPRMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
         super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = bool(config.sequence_parallel)
+        sp = bool(config.sequence_parallel)
+        self.weight.sequence_parallel = sp  # type: ignore[attr-defined]  # Megatron's parameter tag, untyped in torch
 
 
 def init_distributed(rank: int, world_size: int, tp: int, master_addr: str, master_port: int) -> None:
@@ -226,7 +233,7 @@ def full_state_dict(model: torch.nn.Module, tp_group) -> dict[str, torch.Tensor]
         if world == 1 or not getattr(p, "tensor_model_parallel", False):
             out[name] = t.clone()
             continue
-        dim = p.partition_dim
+        dim = p.partition_dim  # type: ignore[attr-defined]  # Megatron's tag on TP-sharded parameters, untyped in torch
         if name.endswith("linear_fc1.weight"):
             gate, up = t.chunk(2, dim=0)
             out[name] = torch.cat(_gather(gate, tp_group) + _gather(up, tp_group), dim=0)

@@ -18,9 +18,14 @@ def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def _series(rows: list[dict], config: str, phase: str, key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["step"], r.get(key)) for r in rows if r["config"] == config and r["phase"] == phase]
-    pts = [(s, v) for s, v in pts if v is not None]
-    return [s for s, _ in pts], [v for _, v in pts]
+    steps: list[int] = []
+    values: list[float] = []
+    for r in rows:
+        value = r.get(key)
+        if r["config"] == config and r["phase"] == phase and value is not None:
+            steps.append(r["step"])
+            values.append(value)
+    return steps, values
 
 
 def long_batches(run_dir: Path) -> list[tuple[Any, Any, Any]]:
@@ -43,12 +48,11 @@ def long_batches(run_dir: Path) -> list[tuple[Any, Any, Any]]:
                 continue
             seen_first = True
         n = min(len(r["mask"]) for r in recs)
-        out.append(
-            tuple(
-                torch.tensor([r[k][:n] for r in recs], dtype=torch.float64)
-                for k in ("prev_logprobs", "generation_logprobs", "mask")
-            )
+        prev, gen, mask = (
+            torch.tensor([r[k][:n] for r in recs], dtype=torch.float64)
+            for k in ("prev_logprobs", "generation_logprobs", "mask")
         )
+        out.append((prev, gen, mask))
     return out
 
 

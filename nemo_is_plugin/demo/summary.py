@@ -26,9 +26,10 @@ LEVELS = (
 _CUTS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def _mean(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
+def _mean(values: list[float | None]) -> float | None:
+    """The mean of the values present (a metric row may lack one), None without any."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
 
 
 def headline(rows: list[dict[str, Any]], run_dir: str | Path, final_reward: dict[str, float]) -> dict[str, Any]:

@@ -14,12 +14,16 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from nemo_is_plugin.demo.model import ModelShape
 from nemo_is_plugin.demo.rollout import RolloutOutput
 from nemo_is_plugin.demo.task import EOS, PAD, VOCAB_SIZE
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 
 def mixtral_config(shape: ModelShape) -> dict:
@@ -80,7 +84,7 @@ class VLLMBackend:
         self.shape, self.precision, self.temperature, self.seed = shape, precision, temperature, seed
         self.dir = Path(tempfile.mkdtemp(prefix="nemo_is_demo_vllm_"))
         (self.dir / "config.json").write_text(json.dumps(mixtral_config(shape), indent=1))
-        self.llm = None
+        self.llm: LLM | None = None  # built by the first load_weights()
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         torch.save(megatron_to_mixtral(self.shape, state), self.dir / "pytorch_model.bin")
@@ -116,6 +120,8 @@ class VLLMBackend:
             )
             for i in range(prompts.shape[0])
         ]
+        if self.llm is None:
+            raise RuntimeError("VLLMBackend.generate() before load_weights(): the engine is built with the weights")
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=row.tolist()) for row in prompts], params)
         b = prompts.shape[0]
         tokens = torch.full((b, max_new_tokens), PAD, dtype=torch.long)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nemo_is_plugin.demo.model import ModelShape
+
+if TYPE_CHECKING:
+    from nemo_is_plugin.demo.policy import MegatronPolicy
 
 
 class PolicyActor:
@@ -23,7 +26,7 @@ class PolicyActor:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.rank, self.world_size = rank, world_size
         self.shape, self.kwargs = ModelShape(**shape), policy_kwargs
-        self.policy = None
+        self.policy: MegatronPolicy | None = None  # built by setup(), in the actor process
         self.loss_fns: dict[str, Any] = {}
 
     def address(self) -> tuple[str, int]:
@@ -42,15 +45,20 @@ class PolicyActor:
             self.rank, self.world_size, self.shape, master_addr=master_addr, master_port=master_port, **self.kwargs
         )
 
+    def _setup_policy(self) -> MegatronPolicy:
+        if self.policy is None:
+            raise RuntimeError("PolicyActor: call setup() before using the policy")
+        return self.policy
+
     def call(self, method: str, *args, **kwargs):
-        return getattr(self.policy, method)(*args, **kwargs)
+        return getattr(self._setup_policy(), method)(*args, **kwargs)
 
     def train(self, data: dict[str, torch.Tensor], setting: str, loss_config: dict, minibatches: int):
         if setting not in self.loss_fns:  # built once per setting; the config was validated by the driver
             from nemo_is_plugin import build_loss_fn
 
             self.loss_fns[setting] = build_loss_fn(loss_config)
-        return self.policy.train(data, self.loss_fns[setting], minibatches)
+        return self._setup_policy().train(data, self.loss_fns[setting], minibatches)
 
 
 class RolloutActor:
@@ -89,8 +97,8 @@ class PolicyGroup:
     def call(self, method: str, *args, **kwargs) -> Any:
         import ray
 
-        args = [ray.put(a) if isinstance(a, (torch.Tensor, dict)) else a for a in args]  # ship once, not per rank
-        return self._all([a.call.remote(method, *args, **kwargs) for a in self.actors])
+        shipped = [ray.put(a) if isinstance(a, (torch.Tensor, dict)) else a for a in args]  # once, not per rank
+        return self._all([a.call.remote(method, *shipped, **kwargs) for a in self.actors])
 
     def train(self, data: dict[str, torch.Tensor], setting: str, loss_config: dict, minibatches: int) -> list[dict]:
         import ray
