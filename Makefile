@@ -7,7 +7,7 @@ LOCK := requirements/ci.lock
 TORCH := 2.13.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 
-.PHONY: setup test demo bench evidence lock clean
+.PHONY: setup lint test demo bench evidence lock clean
 
 # Every package at the exact version of $(LOCK), installed without resolution (--no-deps), then the project.
 $(STAMP): pyproject.toml $(LOCK)
@@ -24,7 +24,13 @@ $(STAMP): pyproject.toml $(LOCK)
 
 setup: $(STAMP)
 
-test: setup
+# Lint, format and type checks (seconds; mypy's cache makes a re-run near instant), before the test suite.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: setup lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests functional_tests
 
 demo: setup
@@ -55,4 +61,4 @@ lock:
 	rm -rf $(LOCK_VENV)
 
 clean:
-	rm -rf $(VENV) $(LOCK_VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LOCK_VENV) runs .pytest_cache .hypothesis .mypy_cache .ruff_cache
