@@ -105,9 +105,16 @@ def _guards_imports(node: ast.Try) -> bool:
     return None in caught or bool(names & {"ImportError", "ModuleNotFoundError", "Exception"})
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    """``if TYPE_CHECKING:`` / ``if typing.TYPE_CHECKING:``: a block only a type checker reads."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
 def _module_level_imports(source: str) -> set[str]:
-    """Top-level names of the absolute imports a module runs when imported: function bodies and the body of a
-    ``try`` that catches ImportError excluded."""
+    """Top-level names of the absolute imports a module runs when imported: function bodies, the body of a
+    ``try`` that catches ImportError and the body of an ``if TYPE_CHECKING:`` excluded."""
     names: set[str] = set()
     pending = list(ast.parse(source).body)
     while pending:
@@ -118,6 +125,8 @@ def _module_level_imports(source: str) -> set[str]:
             names.add(node.module.split(".")[0])
         elif isinstance(node, ast.Try) and _guards_imports(node):
             pending += node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            pending += node.orelse
         elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             pending += [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)]
     return names
@@ -133,6 +142,16 @@ def test_module_level_imports_skip_function_bodies_and_guarded_imports():
         "def f():\n    import ray\n"
     )
     assert _module_level_imports(source) == {"os", "torch", "yaml", "fallback", "unguarded", "numpy", "pydantic"}
+
+
+def test_type_checking_imports_are_not_run_at_import():
+    source = (
+        "import typing\nfrom typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import pydantic_core\nelse:\n    import json\n"
+        "if typing.TYPE_CHECKING:\n    from vllm import LLM\n"
+        "if not TYPE_CHECKING:\n    import numpy\n"
+    )
+    assert _module_level_imports(source) == {"typing", "json", "numpy"}
 
 
 def test_the_modules_a_trainer_imports_import_only_core_dependencies():

@@ -5,8 +5,12 @@ Imports without torch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import ValidationError
-from pydantic_core import InitErrorDetails
+
+if TYPE_CHECKING:
+    from pydantic_core import InitErrorDetails  # a TypedDict: a type only (pydantic-core comes with pydantic)
 
 
 class ConfigError(ValueError):
@@ -27,7 +31,7 @@ class ConfigValidationError(ValidationError, ConfigError, AssertionError):
             return exc
         details: list[InitErrorDetails] = []
         for e in exc.errors(include_url=False):
-            detail = InitErrorDetails(type=e["type"], loc=e["loc"], input=e["input"])
+            detail: InitErrorDetails = {"type": e["type"], "loc": e["loc"], "input": e["input"]}
             if "ctx" in e:
                 detail["ctx"] = e["ctx"]
             details.append(detail)
