@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.config_cases import ACTIVATING_KEYS
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -108,52 +109,20 @@ def test_load_loss_config_rejects_non_mappings(bad):
 
 
 # ------------------------------------------------------------------------------------ non-finite hyper-parameters
-# For each float field: the smallest companion keys that make the field active, so that the only error is NaN.
-_ACTIVE = {
-    "reference_policy_kl_penalty": {},
-    "kl_input_clamp_value": {},
-    "kl_output_clamp_value": {},
-    "ratio_clip_min": {},
-    "ratio_clip_max": {},
-    "ratio_clip_c": {},
-    "truncated_importance_sampling_ratio": dict(
-        use_importance_sampling_correction=True, truncated_importance_sampling_type="tis"
-    ),
-    "truncated_importance_sampling_ratio_min": dict(
-        use_importance_sampling_correction=True,
-        truncated_importance_sampling_type="icepop",
-        truncated_importance_sampling_ratio=5.0,
-    ),
-    "positive_example_nll_weight": {},
-    "log_ratio_clip_low": dict(log_ratio_clip_high=0.05),
-    "log_ratio_clip_high": dict(log_ratio_clip_low=0.025),
-    "log_ratio_clip_c": dict(log_ratio_clip_low=0.025, log_ratio_clip_high=0.05),
-    "clip_position_power": dict(log_ratio_clip_low=0.025, log_ratio_clip_high=0.05),
-    "token_log_ratio_clamp": {},
-    "max_log_ratio": {},
-    "importance_sampling_veto_threshold": {},
-    "importance_sampling_rejection_min": dict(
-        importance_sampling_rejection="geo-rs", importance_sampling_rejection_max=1.001
-    ),
-    "importance_sampling_rejection_max": dict(
-        importance_sampling_rejection="geo-rs", importance_sampling_rejection_min=0.999
-    ),
-    "loss_aggregation_norm": dict(loss_aggregation="seq-mean-token-sum-norm", token_level_loss=False),
-}
 
 
 def test_every_float_field_is_covered():
     floats = {n for n, f in ClippedPGLossConfig.model_fields.items() if "float" in str(f.annotation)}
-    assert floats == set(_ACTIVE)
+    assert floats == set(ACTIVATING_KEYS)
 
 
 @pytest.mark.parametrize(
     "field",
-    sorted(_ACTIVE),
+    sorted(ACTIVATING_KEYS),
 )
 def test_nan_hyper_parameters_are_rejected_naming_the_field(field):
     with pytest.raises(ValidationError) as err:
-        ClippedPGLossConfig(**_ACTIVE[field], **{field: math.nan})
+        ClippedPGLossConfig(**ACTIVATING_KEYS[field], **{field: math.nan})
     assert field in str(err.value)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
+from helpers.config_cases import ACTIVATING_KEYS
 from helpers.golden_utils import load_cases
 from omegaconf import OmegaConf
 
@@ -18,42 +19,9 @@ from nemo_is_plugin.config.ranges import NUMERIC_RANGES
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# the smallest companion keys that make each key active, so that the only possible error is its range
-COMPANIONS = {
-    "reference_policy_kl_penalty": {},
-    "kl_input_clamp_value": {},
-    "kl_output_clamp_value": {},
-    "ratio_clip_min": {},
-    "ratio_clip_max": {},
-    "ratio_clip_c": {},
-    "truncated_importance_sampling_ratio": dict(
-        use_importance_sampling_correction=True, truncated_importance_sampling_type="tis"
-    ),
-    "truncated_importance_sampling_ratio_min": dict(
-        use_importance_sampling_correction=True,
-        truncated_importance_sampling_type="icepop",
-        truncated_importance_sampling_ratio=5.0,
-    ),
-    "positive_example_nll_weight": {},
-    "log_ratio_clip_low": dict(log_ratio_clip_high=0.05),
-    "log_ratio_clip_high": dict(log_ratio_clip_low=0.025),
-    "log_ratio_clip_c": dict(log_ratio_clip_low=0.025, log_ratio_clip_high=0.05),
-    "clip_position_power": dict(log_ratio_clip_low=0.025, log_ratio_clip_high=0.05),
-    "token_log_ratio_clamp": {},
-    "max_log_ratio": {},
-    "importance_sampling_rejection_min": dict(
-        importance_sampling_rejection="geo-rs", importance_sampling_rejection_max=1.001
-    ),
-    "importance_sampling_rejection_max": dict(
-        importance_sampling_rejection="geo-rs", importance_sampling_rejection_min=0.999
-    ),
-    "importance_sampling_veto_threshold": {},
-    "loss_aggregation_norm": dict(loss_aggregation="seq-mean-token-sum-norm"),
-}
-
 
 def _build(key: str, value: float) -> ClippedPGLossConfig:
-    return ClippedPGLossConfig(**COMPANIONS[key], **{key: value})
+    return ClippedPGLossConfig(**ACTIVATING_KEYS[key], **{key: value})
 
 
 def _refused(key: str, value: float) -> str:
@@ -64,7 +32,7 @@ def _refused(key: str, value: float) -> str:
 
 def test_every_numeric_field_has_a_range():
     numeric = {n for n, f in ClippedPGLossConfig.model_fields.items() if "float" in str(f.annotation)}
-    assert numeric == set(NUMERIC_RANGES) == set(COMPANIONS)
+    assert numeric == set(NUMERIC_RANGES) == set(ACTIVATING_KEYS)
 
 
 def _cases() -> list[tuple[str, float, bool]]:

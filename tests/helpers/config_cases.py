@@ -1,0 +1,39 @@
+"""Config fixtures shared by the config tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# For each numeric config key: the smallest companion keys that make it active (read by the loss), so that a test
+# setting the key alone can only fail on the key's own value.
+ACTIVATING_KEYS: dict[str, dict[str, Any]] = {
+    "reference_policy_kl_penalty": {},
+    "kl_input_clamp_value": {},
+    "kl_output_clamp_value": {},
+    "ratio_clip_min": {},
+    "ratio_clip_max": {},
+    "ratio_clip_c": {},
+    "truncated_importance_sampling_ratio": dict(
+        use_importance_sampling_correction=True, truncated_importance_sampling_type="tis"
+    ),
+    "truncated_importance_sampling_ratio_min": dict(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=5.0,
+    ),
+    "positive_example_nll_weight": {},
+    "log_ratio_clip_low": dict(log_ratio_clip_high=0.05),
+    "log_ratio_clip_high": dict(log_ratio_clip_low=0.025),
+    "log_ratio_clip_c": dict(log_ratio_clip_low=0.025, log_ratio_clip_high=0.05),
+    "clip_position_power": dict(log_ratio_clip_low=0.025, log_ratio_clip_high=0.05),
+    "token_log_ratio_clamp": {},
+    "max_log_ratio": {},
+    "importance_sampling_rejection_min": dict(
+        importance_sampling_rejection="geo-rs", importance_sampling_rejection_max=1.001
+    ),
+    "importance_sampling_rejection_max": dict(
+        importance_sampling_rejection="geo-rs", importance_sampling_rejection_min=0.999
+    ),
+    "importance_sampling_veto_threshold": {},
+    "loss_aggregation_norm": dict(loss_aggregation="seq-mean-token-sum-norm"),
+}
