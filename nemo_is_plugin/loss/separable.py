@@ -18,7 +18,7 @@ carried from chunk to chunk gives the same value, so they take the single pass t
 ``sequence_token`` ratios need the whole sequence first (two passes).
 
 ``dL/dc_t`` itself is computed in closed form (:mod:`nemo_is_plugin.loss.derivatives`, which follows surrogate.py and
-kl.py op by op, autograd's conventions at every kink included; tests/test_loss_derivatives.py checks it against
+kl.py op by op, autograd's conventions at every kink included; tests/loss/test_loss_derivatives.py checks it against
 autograd of the whole loss): a few dozen elementwise ops on the chunk's ``[n]`` vectors, no autograd graph and no host
 synchronisation per chunk. The batch constants are computed once per call; the IS correction among them is handed to
 the loss's metrics pass so that it is not computed twice.

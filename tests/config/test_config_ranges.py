@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.config.ranges import NUMERIC_RANGES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _build(key: str, value: float) -> ClippedPGLossConfig:

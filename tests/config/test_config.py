@@ -15,7 +15,7 @@ from nemo_is_plugin.config import (
     load_loss_config,
 )
 
-CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 
 NEMO_RL_DEFAULTS = {
     "reference_policy_kl_penalty": 0.01,
