@@ -45,7 +45,8 @@ def count_steps(cfg: BenchConfig) -> int:
     return len(cfg.shapes) * per_shape + count_sweep_steps(cfg)
 
 
-def _row(shape: ModelShape, vocab: int, tokens: int, path: str, **values) -> dict:
+def result_row(shape: ModelShape, vocab: int, tokens: int, path: str, **values) -> dict:
+    """One row of ``results.json``: every column present (None where not measured), ``values`` filled in."""
     base = dict(
         model=shape.name,
         hidden=shape.hidden,
@@ -189,7 +190,7 @@ def bench_shape(
     for name in ["matmul", *cfg.paths]:
         values = run.values(name)
         if values is not None:
-            rows.append(_row(shape, vocab, problem.num_tokens, name, **values))
+            rows.append(result_row(shape, vocab, problem.num_tokens, name, **values))
     run.jobs.clear()
 
     progress(f"{shape.name}: float64 reference on a few tokens, loss epilogue")
@@ -208,7 +209,7 @@ def _epilogue_row(
     job = fwd_bwd_job(LogprobPath("loss", "the loss epilogue", lambda h, w_, t: h), given, loss_fn)
     measured, _ = _tracked_call(dev, job, cfg.warmup)
     seconds = dev.summarise([dev.time_call(job) for _ in range(max(1, cfg.repeats))])
-    return _row(shape, vocab, problem.num_tokens, "loss", fwdbwd_s=seconds, fwdbwd_peak=measured.peak_bytes)
+    return result_row(shape, vocab, problem.num_tokens, "loss", fwdbwd_s=seconds, fwdbwd_peak=measured.peak_bytes)
 
 
 def _add_errors(rows: list[dict], problem: HeadProblem, cfg: BenchConfig, paths: dict[str, LogprobPath]) -> None:

@@ -21,32 +21,16 @@ from nemo_is_plugin.bench.report import (
     gpu_targets,
     run_targets,
 )
+from nemo_is_plugin.bench.runner import result_row
+from nemo_is_plugin.bench.shapes import ModelShape
 from nemo_is_plugin.cli.bench import register
 
 H, V, N = 2048, 151936, 16384
 
 
 def _row(path, fwd, fb, **kw):
-    base = dict(
-        model="Qwen3-30B-A3B",
-        hidden=H,
-        vocab=V,
-        tokens=N,
-        path=path,
-        fwd_s=fwd,
-        fwdbwd_s=fb,
-        fwd_peak=None,
-        fwdbwd_peak=None,
-        fwdbwd_rss=None,
-        lp_err=None,
-        grad_err=None,
-        loss_grad_err=None,
-        loss_err=None,
-        dx_err=None,
-        dw_err=None,
-    )
-    base.update(kw)
-    return base
+    """A results.json row of the runner's schema for the Qwen3-30B-A3B head at the targets' setting."""
+    return result_row(ModelShape("Qwen3-30B-A3B", H, V), V, N, path, fwd_s=fwd, fwdbwd_s=fb, **kw)
 
 
 def gpu_results(**config) -> dict:
@@ -177,35 +161,13 @@ def test_write_docs_refuses_what_is_not_a_real_gpu_run(tmp_path):
     app.callback()(lambda: None)
     register(app)
     saved = tmp_path / "quick.json"
+    write_docs_cmd = ["bench", "--from-json", str(saved), "--out", str(tmp_path / "o")]
+    write_docs_cmd += ["--write-docs", "--docs-dir", str(tmp_path / "docs")]
     saved.write_text(json.dumps(gpu_results(quick=True)))
-    result = CliRunner().invoke(
-        app,
-        [
-            "bench",
-            "--from-json",
-            str(saved),
-            "--out",
-            str(tmp_path / "o"),
-            "--write-docs",
-            "--docs-dir",
-            str(tmp_path / "docs"),
-        ],
-    )
+    result = CliRunner().invoke(app, write_docs_cmd)
     assert result.exit_code == 2 and "--quick" in result.output and not (tmp_path / "docs").exists()
     saved.write_text(json.dumps(gpu_results()))
-    result = CliRunner().invoke(
-        app,
-        [
-            "bench",
-            "--from-json",
-            str(saved),
-            "--out",
-            str(tmp_path / "o"),
-            "--write-docs",
-            "--docs-dir",
-            str(tmp_path / "docs"),
-        ],
-    )
+    result = CliRunner().invoke(app, write_docs_cmd)
     assert result.exit_code == 0, result.output
     assert "not met" in result.output and "f+b x GEMM" in result.output
     assert section((tmp_path / "docs" / "performance.md").read_text(), "head") is not None
