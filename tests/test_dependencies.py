@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _clean_install_check import CORE_MODULES  # what a trainer imports: one list for both dependency checks
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -23,17 +24,6 @@ REPO = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 LOCK = REPO / "requirements" / "ci.lock"
 APP_STACK = {"ray", "matplotlib", "typer", "rich", "pyarrow", "click"}
-# What a trainer imports: the loss, the distributed entry points, the host adapters and recipes (the rollout-dump
-# hook, imported when called, is called below).
-CORE_MODULES = (
-    "nemo_is_plugin",
-    "nemo_is_plugin.recipes",
-    "nemo_is_plugin.adapters.nemo_rl",
-    "nemo_is_plugin.adapters.verl",
-    "nemo_is_plugin.distributed.logit_loss",
-    "nemo_is_plugin.distributed.fused_linear",
-    "nemo_is_plugin.distributed.fused_linear_loss",
-)
 
 
 def _requirements(extra: str | None = None) -> list[Requirement]:

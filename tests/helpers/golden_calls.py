@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from helpers.golden_ctpo import ctpo_config, ctpo_inputs, loss_rtol
-from helpers.golden_utils import GOLDEN, metric_close
+from helpers.golden_utils import GOLDEN, load_named_cases, metric_close
 from helpers.golden_verl import loss_inputs, plugin_keys
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.loss import LossInputs
@@ -84,13 +84,8 @@ def suites() -> list[str]:
 
 @functools.cache
 def load_suite(suite: str) -> list[dict]:
-    """The suite's cases (loaded once per session; treat them as read-only)."""
-    cases = []
-    for path in sorted((GOLDEN / suite).glob("case_*.pt")):
-        case = torch.load(path, weights_only=True)
-        case.setdefault("id", path.stem)
-        cases.append(case)
-    return cases
+    """The suite's cases, :func:`load_named_cases` loaded once per session (treat them as read-only)."""
+    return load_named_cases(suite)
 
 
 def golden_calls(suite_names: tuple[str, ...] | None = None) -> list[PluginCall]:

@@ -25,6 +25,7 @@ import os
 
 import pytest
 import torch
+from helpers.policy_draws import draw_policy_logprobs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -137,15 +138,11 @@ def _batch(loss: ClippedPGLoss, seed: int, kinds: list[str]):
     if cfg.effective_ratio_level != "token" and not cfg.disable_ppo_ratio:
         kinds = [k if k in ("random", "kl_in_hi", "kl_in_lo") else "random" for k in kinds]
     g = torch.Generator().manual_seed(seed)
-    c = -torch.rand(B, T, dtype=F64, generator=g) * 3 - 0.05
+    c, prev, gen, ref, adv = draw_policy_logprobs(g, B, T)
     tm = torch.ones(B, T, dtype=F64)
     tm[0, 6:] = 0
     tm[1, 0] = 0
     tm[2, 3] = 0
-    prev = c + 0.05 * torch.randn(B, T, dtype=F64, generator=g)
-    gen = prev + 0.05 * torch.randn(B, T, dtype=F64, generator=g)
-    ref = c + 0.1 * torch.randn(B, T, dtype=F64, generator=g)
-    adv = torch.randn(B, T, dtype=F64, generator=g)
     positions = unmasked_positions(tm, TokenLayout.padded(B, T))
     # the log-space bounds exactly as surrogate.log_space_clip_surrogate computes them
     scale = positions**cfg.clip_position_power if cfg.clip_position_power else torch.ones_like(c)

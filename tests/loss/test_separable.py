@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers.policy_draws import draw_policy_logprobs
 
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.context_parallel import CPTokenLayout
@@ -168,15 +169,11 @@ def _batch(seed=0, extreme=None):
     """Random float64 batch around on-policy; ``extreme = (name, value)`` writes value into that tensor at the
     masked tokens (padding of a valid sequence and the masked first token of another)."""
     g = torch.Generator().manual_seed(seed)
-    c = -torch.rand(B, T, dtype=F64, generator=g) * 3 - 0.05
+    c, prev, gen, ref, adv = draw_policy_logprobs(g, B, T)
     tm = torch.ones(B, T, dtype=F64)
     tm[0, 5:] = 0
     tm[1, 0] = 0
     tm[2, 6] = 0
-    prev = c + 0.05 * torch.randn(B, T, dtype=F64, generator=g)
-    gen = prev + 0.05 * torch.randn(B, T, dtype=F64, generator=g)
-    ref = c + 0.1 * torch.randn(B, T, dtype=F64, generator=g)
-    adv = torch.randn(B, T, dtype=F64, generator=g)
     tensors = dict(prev=prev, gen=gen, ref=ref, adv=adv)
     if extreme is not None:
         name, value = extreme
