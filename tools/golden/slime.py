@@ -126,8 +126,11 @@ def load_slime(repo: Path) -> types.ModuleType:
     return loss
 
 
-def make_batch(seed: int, *, drop_log_probs: bool = False) -> tuple[dict[str, Any], torch.Tensor]:
-    """A micro-batch in slime's format (per-sample lists) and its float32 logits ``[1, sum(total), V]``."""
+def make_batch(
+    seed: int, *, drop_log_probs: bool = False, mismatch: float = 0.4
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """A micro-batch in slime's format (per-sample lists) and its float32 logits ``[1, sum(total), V]``;
+    ``mismatch``: the scale of the rollout log-probs' noise around ``log_probs``."""
     g = torch.Generator().manual_seed(seed)
     totals, responses = [9, 7, 12, 6], [5, 4, 8, 1]
     logits = torch.randn(1, sum(totals), VOCAB, generator=g) * 1.5
@@ -152,7 +155,7 @@ def make_batch(seed: int, *, drop_log_probs: bool = False) -> tuple[dict[str, An
         "loss_masks": masks,
         "advantages": [torch.randn(r, generator=g) for r in responses],
         "log_probs": [] if drop_log_probs else log_probs,
-        "rollout_log_probs": [near(lp, 0.4) for lp in log_probs],
+        "rollout_log_probs": [near(lp, mismatch) for lp in log_probs],
         "ref_log_probs": [near(c, 0.3) for c in current],
         # per-rollout denominators: samples 0-1 and 2-3 are one rollout group each
         "rollout_mask_sums": [
@@ -190,7 +193,7 @@ def tis_case(loss_mod: types.ModuleType, name: str, flags: dict, seed: int) -> d
     flags = dict(flags)
     function = flags.pop("function", "vanilla_tis_function")
     args = argparse.Namespace(**{**DEFAULT_ARGS, "use_tis": True, **flags})
-    batch, _ = make_batch(seed)
+    batch, _ = make_batch(seed, mismatch=0.8)
     g = torch.Generator().manual_seed(seed + 1000)
     pg_loss = torch.randn(sum(batch["response_lengths"]), generator=g, dtype=torch.float32)
     kwargs = {
