@@ -303,9 +303,7 @@ def response_logprobs(
     flat = torch.cat([t.reshape(-1) for t in tokens]).to(device=x.device, dtype=torch.long)
     target = flat.index_select(0, shard.target_index(starts))
     chunk = int(getattr(args, "log_probs_chunk_size", -1) or -1)
-    return vocab_parallel_logprobs(
-        rows, target, groups.tp, chunk_size=chunk if chunk > 0 else None, with_entropy=True
-    )
+    return vocab_parallel_logprobs(rows, target, groups.tp, chunk_size=chunk if chunk > 0 else None, with_entropy=True)
 
 
 # The objects slime loads by path (module attributes: nothing to pickle, each Ray worker imports them).

@@ -116,7 +116,7 @@ def missing_message(entry: str) -> str:
         f"{entry}: no plugin config on this slime worker. Give args.{ARGS_KEY} (a mapping of plugin keys or a recipe "
         f"path, through slime's --custom-config-path YAML: '{ARGS_KEY}: {{}}' means slime's flags only) or export "
         f"{CONFIG_ENV}=/abs/recipe.yaml to the Ray workers (ray job submit --runtime-env-json "
-        f"'{{\"env_vars\": {{\"{CONFIG_ENV}\": ...}}}}'). See docs/slime.md."
+        f'\'{{"env_vars": {{"{CONFIG_ENV}": ...}}}}\'). See docs/slime.md.'
     )
 
 
@@ -240,8 +240,7 @@ def policy_config(args: Any, user: Mapping[str, Any]) -> ClippedPGLossConfig:
             warnings.warn("--eps-clip-c is ignored with --advantage-estimator cispo, as slime ignores it", stacklevel=3)
     elif estimator not in ADVANTAGE_ONLY_ESTIMATORS:
         raise SlimeConfigError(
-            f"--advantage-estimator {estimator!r} is not one of slime's "
-            f"{(*ADVANTAGE_ONLY_ESTIMATORS, 'gspo', 'cispo')}"
+            f"--advantage-estimator {estimator!r} is not one of slime's {(*ADVANTAGE_ONLY_ESTIMATORS, 'gspo', 'cispo')}"
         )
     if _arg(args, "use_rollout_logprobs", False):
         base["old_policy_logprobs"] = "generation"

@@ -53,7 +53,9 @@ def _spans(total: int, response: int, cp_rank: int, cp_size: int, row0: int) -> 
     for slot, chunk_id in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
         lo, hi = max(chunk_id * chunk, prompt - 1), min((chunk_id + 1) * chunk, total - 1)
         if lo < hi:  # logit positions [lo, hi) predict response positions [lo - (prompt - 1), hi - (prompt - 1))
-            spans.append(Span((lo - prompt + 1, hi - prompt + 1), row0 + slot * chunk + lo - chunk_id * chunk, chunk_id))
+            spans.append(
+                Span((lo - prompt + 1, hi - prompt + 1), row0 + slot * chunk + lo - chunk_id * chunk, chunk_id)
+            )
     return spans, 2 * chunk
 
 
@@ -152,7 +154,12 @@ class ResponseShard:
             for n in self.local_lengths:
                 cu.append(cu[-1] + n)
             return TokenLayout.packed(cu, device=self.device)
-        flat = [(i, s.response[0] + k, s.chunk) for i, spans in enumerate(self.spans) for s in spans for k in range(s.length)]
+        flat = [
+            (i, s.response[0] + k, s.chunk)
+            for i, spans in enumerate(self.spans)
+            for s in spans
+            for k in range(s.length)
+        ]
         seq, pos, chunk = (self._ints([t[j] for t in flat]) for j in range(3))
         return CPTokenLayout(seq, pos, chunk, self.num_seqs, 2 * self.cp_size, self.cp_group, in_order=True)
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.golden_utils import GOLDEN
 
 from adapters.slime_host import loss_function, namespace, tis_call
-from helpers.golden_utils import GOLDEN
 from nemo_is_plugin.adapters.slime import SlimeISCorrection, SlimePolicyLoss
 
 SUITE = GOLDEN / "slime"

@@ -71,8 +71,11 @@ POLICY_CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("cispo", {"advantage_estimator": "cispo", "eps_clip": 1.0, "eps_clip_high": 0.3}, {}),
     ("kl_k1", {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k1"}, {}),
     ("kl_k2", {"use_kl_loss": True, "kl_loss_coef": 0.05, "kl_loss_type": "k2"}, {}),
-    ("kl_low_var_unbiased", {"use_kl_loss": True, "kl_loss_coef": 0.2, "kl_loss_type": "low_var_kl",
-                             "use_unbiased_kl": True}, {}),
+    (
+        "kl_low_var_unbiased",
+        {"use_kl_loss": True, "kl_loss_coef": 0.2, "kl_loss_type": "low_var_kl", "use_unbiased_kl": True},
+        {},
+    ),
     ("bypass_rollout_logprobs_tis", {"use_rollout_logprobs": True, "use_tis": True}, {}),
     ("per_token_loss", {"calculate_per_token_loss": True, "use_tis": True}, {}),
     ("temperature_chunked", {"rollout_temperature": 0.7, "log_probs_chunk_size": 3}, {}),
