@@ -1,7 +1,9 @@
 """Read a rollout dump from JSONL (optionally gzipped) or Parquet into a validated :class:`RolloutDump`.
 
 Every malformed input raises :class:`DumpError` naming the file, the line (JSONL, 1-based) or row (Parquet,
-0-based) and the key; no exception from json / pyarrow / numpy escapes unwrapped.
+0-based) and the key; no exception from json / pyarrow / numpy / pydantic escapes unwrapped. A JSONL record's shape
+and types are checked by the pydantic model :class:`~nemo_is_plugin.diagnose.record.DumpRecord`; a Parquet file's by
+its column types.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from nemo_is_plugin.diagnose.dump import (
     RolloutDump,
     build_dump,
 )
+from nemo_is_plugin.diagnose.record import parse_record
 
 _LIST_KEYS = (*LOGPROB_KEYS, "mask")
 _DEFAULT_NAMES = ("rollouts.jsonl", "rollouts.jsonl.gz", "rollouts.parquet")
@@ -103,58 +106,17 @@ def _parse_record(
         raise DumpError(f"{where}: JSON nested too deeply") from None
     if not isinstance(rec, dict):
         raise DumpError(f"{where}: expected a JSON object per line, got {type(rec).__name__}")
-    for alias, key in ALIASES.items():
-        if alias in rec:
-            if key in rec:
-                raise DumpError(f"{where}: both '{key}' and its alias '{alias}' are given; keep one")
-            rec[key] = rec.pop(alias)
+    record = parse_record(where, rec)
     for key in _LIST_KEYS:
-        if key not in rec:
-            if key == "mask":
-                packed[key].append(None)
-                lengths[key].append(-1)
-                continue
-            aliases = [a for a, k in ALIASES.items() if k == key]
-            hint = f" (or its alias '{aliases[0]}')" if aliases else ""
-            raise DumpError(f"{where}: missing key '{key}'{hint}; present: {sorted(rec)}")
-        arr = _number_list(where, key, rec[key])
+        if getattr(record, key) is None:  # no mask: all ones, filled in once the dump has one
+            packed[key].append(None)
+            lengths[key].append(-1)
+            continue
+        arr = record.array(key)
         packed[key].append(arr)
         lengths[key].append(len(arr))
     for key in scalars:
-        scalars[key].append(_scalar(where, key, rec.get(key)))
-
-
-def _number_list(where: str, key: str, value: Any) -> np.ndarray:
-    if not isinstance(value, list):
-        raise DumpError(f"{where}: '{key}' must be a list of numbers, got {type(value).__name__}")
-    for j, v in enumerate(value):
-        # null is kept as NaN (an error only if the token is unmasked); bool and str are always wrong
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            if not (key == "mask" and isinstance(v, bool)):
-                raise DumpError(f"{where}: '{key}' element {j} is {v!r}; expected a number")
-    try:
-        return np.asarray([math.nan if v is None else float(v) for v in value], dtype=np.float64)
-    except OverflowError:  # a huge JSON integer
-        raise DumpError(f"{where}: '{key}' holds a number too large for float64") from None
-
-
-def _scalar(where: str, key: str, value: Any) -> Any:
-    if value is None:
-        return None
-    if key == "config":
-        if not isinstance(value, str):
-            raise DumpError(f"{where}: 'config' must be a string, got {type(value).__name__}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DumpError(f"{where}: '{key}' must be a number, got {value!r}")
-    if key in SCALAR_INT_KEYS:
-        if not (isinstance(value, int) or float(value).is_integer()) or abs(value) >= 2**63:
-            raise DumpError(f"{where}: '{key}' must be an integer (64-bit), got {value!r}")
-        return int(value)
-    try:
-        return float(value)
-    except OverflowError:
-        raise DumpError(f"{where}: '{key}' is too large for float64") from None
+        scalars[key].append(record.scalar(key))
 
 
 def _fill(key: str, vals: list[Any]) -> Any:

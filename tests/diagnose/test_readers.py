@@ -50,6 +50,15 @@ def test_round_trip(tmp_path, records, suffix):
     np.testing.assert_array_equal(again.cu_seqlens, dump.cu_seqlens)
 
 
+def test_integral_floats_and_nulls_read_as_the_dump_stores_them(tmp_path):
+    """A writer may print an integer step as 3.0; null scalars are absent values, not zeros."""
+    lines = [json.dumps(_rec(step=3.0, sample_id=7, reward=None)), json.dumps(_rec(step=4, sample_id=8, reward=1))]
+    dump = read_dump(_write_lines(tmp_path / "d.jsonl", lines))
+    assert dump.step.tolist() == [3, 4] and dump.step.dtype == np.int64
+    assert dump.sample_id.tolist() == [7, 8]
+    assert math.isnan(dump.reward[0]) and dump.reward[1] == 1.0
+
+
 def test_gzip_and_run_directory(tmp_path, records):
     with gzip.open(tmp_path / "rollouts.jsonl.gz", "wt") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in records)
@@ -129,6 +138,11 @@ MALFORMED = [
         "both 'prev_logprobs' and its alias 'training_logprobs' are given",
     ),
     ('{"generation_logprobs": [1e999999], "prev_logprobs": [-1]}', "'generation_logprobs' token 0 is inf"),
+    ('{"generation_logprobs": [1' + "0" * 400 + '], "prev_logprobs": [-1]}', "holds a number too large for float64"),
+    ('{"generation_logprobs": [-1], "prev_logprobs": [-1], "reward": 1' + "0" * 400 + "}", "'reward' is too large"),
+    ('{"generation_logprobs": [-1], "prev_logprobs": [-1], "mask": null}', "'mask' must be a list of numbers"),
+    ('{"generation_logprobs": [-1], "prev_logprobs": [-1], "step": 1e30}', "'step' must be an integer (64-bit)"),
+    ('{"generation_logprobs": [-1], "prev_logprobs": [-1], "step": true}', "'step' must be a number, got True"),
 ]
 
 
