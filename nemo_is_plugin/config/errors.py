@@ -7,13 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import ValidationError
-from pydantic_core import PydanticCustomError
-from pydantic_core.core_schema import ErrorType
 
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails, InitErrorDetails  # TypedDicts: types only
-
-_PYDANTIC_ERROR_TYPES = frozenset(get_args(ErrorType))
 
 
 class ConfigError(ValueError):
@@ -38,12 +34,16 @@ class ConfigValidationError(ValidationError, ConfigError, AssertionError):
     def wrap(cls, exc: ValidationError) -> ConfigValidationError:
         """``exc`` as a :class:`ConfigValidationError`, a :class:`ConfigValidationTypeError` if any of its errors is
         a type error; each error (type, location, input, message) is kept."""
+        # pydantic-core comes with pydantic but is no declared dependency: imported where it is used
+        from pydantic_core import PydanticCustomError
+        from pydantic_core.core_schema import ErrorType
+
         if isinstance(exc, ConfigValidationError):
             return exc
         errors = exc.errors(include_url=False)
         details: list[InitErrorDetails] = []
         for e in errors:
-            known = e["type"] in _PYDANTIC_ERROR_TYPES  # pydantic rebuilds its own messages; ours are kept as written
+            known = e["type"] in get_args(ErrorType)  # pydantic rebuilds its own messages; ours are kept as written
             detail: InitErrorDetails = {
                 "type": e["type"] if known else PydanticCustomError(e["type"], e["msg"]),
                 "loc": e["loc"],

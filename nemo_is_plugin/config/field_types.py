@@ -6,13 +6,17 @@ estimator vocabulary (:data:`KLType`) that a config key, a rejection rule and ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BeforeValidator, GetCoreSchemaHandler, GetJsonSchemaHandler, ValidationInfo
-from pydantic.json_schema import JsonSchemaValue
-from pydantic_core import PydanticCustomError, core_schema
 
 from nemo_is_plugin.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pydantic.json_schema import JsonSchemaValue
+    from pydantic_core import CoreSchema
+
+# pydantic-core comes with pydantic but is no declared dependency: it is imported where it is used.
 
 # Schulman's estimators of a KL: the values of reference_policy_kl_type and of a rejection rule's statistic.
 KLType = Literal["k1", "k2", "k3"]
@@ -25,6 +29,8 @@ def refuse_bool(value: Any, message: str = "Input should be a number, not a bool
     """pydantic's lax mode reads true as 1.0 for a float field: a boolean where a number belongs is a type error
     (e.g. verl's ``rollout_is_threshold: true``). Numeric strings ("1e-4", as YAML 1.1 reads it) stay accepted."""
     if isinstance(value, bool):
+        from pydantic_core import PydanticCustomError
+
         raise PydanticCustomError(NUMBER_TYPE_ERROR, message)
     return value
 
@@ -66,14 +72,14 @@ class NumericRange:
             )
         return value
 
-    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        from pydantic_core import core_schema
+
         checked = core_schema.with_info_after_validator_function(self._check, handler(source))
         message = f"Input should be a number in {self.interval()}, not a boolean: {self.fix}"
         return core_schema.no_info_before_validator_function(lambda value: refuse_bool(value, message), checked)
 
-    def __get_pydantic_json_schema__(
-        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
-    ) -> JsonSchemaValue:
+    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
         out = handler(schema)
         if self.low is not None:
             out["exclusiveMinimum" if self.low_open else "minimum"] = self.low
