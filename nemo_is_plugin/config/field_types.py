@@ -86,13 +86,3 @@ class NumericRange:
         if self.high is not None:
             out["exclusiveMaximum" if self.high_open else "maximum"] = self.high
         return {**out, "why": self.why, "fix": self.fix}
-
-
-def numeric_ranges(model: Any) -> dict[str, NumericRange]:
-    """Every field of a pydantic ``model`` class with a :class:`NumericRange`, in field order."""
-    return {
-        name: meta
-        for name, field in model.model_fields.items()
-        for meta in field.metadata
-        if isinstance(meta, NumericRange)
-    }

@@ -12,7 +12,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nemo_is_plugin.config.field_types import KLType, NumericRange, numeric_ranges
+from nemo_is_plugin.config.field_types import KLType, NumericRange
 from nemo_is_plugin.config.rejection_rule import RejectionRule
 
 # ---- the values of each choice key (typing.get_args gives them as a tuple) and the groups the checks use ----
@@ -281,4 +281,6 @@ class LossKeys(BaseModel):
 
 
 # Every numeric key's interval, read from its field (the docs' range table and the tests compare against it).
-NUMERIC_RANGES: dict[str, NumericRange] = numeric_ranges(LossKeys)
+NUMERIC_RANGES: dict[str, NumericRange] = {
+    key: meta for key, info in LossKeys.model_fields.items() for meta in info.metadata if isinstance(meta, NumericRange)
+}
