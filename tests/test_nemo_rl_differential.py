@@ -27,8 +27,7 @@ import pytest
 import torch
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.config import ConfigValidationError
-from nemo_is_plugin.config.ranges import NUMERIC_RANGES
+from nemo_is_plugin.config import NUMERIC_RANGES, ConfigValidationError
 
 KL_TYPES = ("k1", "k2", "k3")
 TIS_TYPES = ("tis", "icepop", "seq-mask-tis")
@@ -331,7 +330,7 @@ def trial(seed: int) -> str:
 @pytest.mark.parametrize("chunk", range(6))
 def test_legacy_path_equals_nemo_rl(chunk):
     """300 (config, batch) trials in all. Where NeMo-RL accepts a config the plugin computes the same, except for values
-    outside a key's valid range (config.ranges.NUMERIC_RANGES, e.g. a negative positive_example_nll_weight), which the
+    outside a key's valid range (config.NUMERIC_RANGES, e.g. a negative positive_example_nll_weight), which the
     plugin refuses on purpose (docs/nemo_rl.md, "Where the plugin deliberately differs")."""
     outcomes = [trial(1000 * chunk + i) for i in range(50)]
     assert outcomes.count("agree") >= 30 and "both reject" in outcomes, outcomes

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from nemo_is_plugin.config import ConfigError, verl_rejection_rule
+from nemo_is_plugin.config import ConfigError, ConfigTypeError, verl_rejection_rule
 
 VERL_LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp in every ratio loss
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -46,6 +46,10 @@ ROLLOUT_CORRECTION_DEFAULTS = {
 
 class VerlConfigError(ConfigError):
     """A verl setting the plugin cannot honour; the message names the key and the fix."""
+
+
+class VerlConfigTypeError(VerlConfigError, ConfigTypeError):
+    """A verl setting of the wrong type (e.g. ``rollout_is_threshold: true``): also a ``TypeError``, as in verl."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -172,7 +176,7 @@ def _items(config: Any) -> dict[str, Any]:
 def parse_is_threshold(spec: Any) -> tuple[float, float | None]:
     """verl's ``rollout_is_threshold``: a number (TIS upper bound) or ``"lo_hi"`` (IcePop band) -> (upper, lower)."""
     if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
-        raise VerlConfigError(f"rollout_is_threshold must be a number or a 'lower_upper' string, got {spec!r}")
+        raise VerlConfigTypeError(f"rollout_is_threshold must be a number or a 'lower_upper' string, got {spec!r}")
     text = str(spec).strip()
     lo_text, hi_text = text.split("_", 1) if "_" in text else (None, text)
     try:
@@ -190,7 +194,7 @@ def rejection_rules(rollout_rs: str | None, threshold: Any) -> list[dict[str, An
     if rollout_rs is None:
         return []
     if not isinstance(rollout_rs, str):
-        raise VerlConfigError(f"rollout_rs must be a comma-separated string of options, got {rollout_rs!r}")
+        raise VerlConfigTypeError(f"rollout_rs must be a comma-separated string of options, got {rollout_rs!r}")
     options = list(dict.fromkeys(o.strip() for o in rollout_rs.split(",") if o.strip()))
     if not options:
         raise VerlConfigError("rollout_rs names no option; use null to disable rejection")
@@ -369,6 +373,7 @@ __all__ = [
     "VERL_AGG_MODES",
     "VERL_LOG_RATIO_CLAMP",
     "VerlConfigError",
+    "VerlConfigTypeError",
     "actor_keys",
     "parse_is_threshold",
     "plugin_section_keys",

@@ -1,27 +1,35 @@
 """The loss configuration (pydantic v2, imports without torch): the only place where defaults live.
 
-Modules: ``model`` (:class:`ClippedPGLossConfig` and :func:`load_loss_config`), ``choices`` (each option's allowed
-values), ``rejection_rule`` (:class:`RejectionRule`, verl's ``rollout_rs`` options), ``ranges`` (the valid interval of
-every numeric key), ``contradictions`` (the combination checks), ``unknown_keys`` (warn or refuse unknown keys),
-``errors`` (the exception and warning types), ``effective`` (every derived choice in words).
+Modules: ``keys`` (every key, one field each: type, default, choices, valid range with why and fix), ``model``
+(:class:`ClippedPGLossConfig`: the unknown-key policy, the combination checks and the derived choices, and
+:func:`load_loss_config`), ``field_types`` (what fields are built from: :class:`NumericRange`, a bool-refusing number,
+the KL estimator vocabulary), ``rejection_rule`` (:class:`RejectionRule`, verl's ``rollout_rs`` options),
+``contradictions`` (the combination checks), ``unknown_keys`` (warn or refuse unknown keys), ``errors`` (the exception
+and warning types), ``effective`` (every derived choice in words).
 """
 
-from nemo_is_plugin.config.choices import (
+from nemo_is_plugin.config.errors import (
+    ConfigError,
+    ConfigTypeError,
+    ConfigValidationError,
+    ConfigValidationTypeError,
+    UnknownConfigKeyWarning,
+)
+from nemo_is_plugin.config.field_types import KLType, NumericRange
+from nemo_is_plugin.config.keys import (
+    NUMERIC_RANGES,
     REJECTION_TYPES,
     SEQUENCE_MASK_TYPES,
     TOKEN_AGGREGATIONS,
     ISCorrectionLevel,
     KLGradient,
-    KLType,
     LossAggregation,
     OldPolicyLogprobs,
     RatioLevel,
     RejectionType,
     TruncationType,
 )
-from nemo_is_plugin.config.errors import ConfigError, ConfigValidationError, UnknownConfigKeyWarning
 from nemo_is_plugin.config.model import ClippedPGLossConfig, load_loss_config
-from nemo_is_plugin.config.ranges import NUMERIC_RANGES, NumericRange
 from nemo_is_plugin.config.rejection_rule import (
     REJECTION_LOG_RATIO_CLAMP,
     VERL_RS_AGGREGATIONS,
@@ -49,7 +57,9 @@ __all__ = [
     "VERL_RS_OPTIONS",
     "ClippedPGLossConfig",
     "ConfigError",
+    "ConfigTypeError",
     "ConfigValidationError",
+    "ConfigValidationTypeError",
     "ISCorrectionLevel",
     "KLGradient",
     "KLType",

@@ -1,15 +1,16 @@
 """The combination checks of a loss config: every contradiction NeMo-RL rejects, plus the plugin's own.
 
-Each message names the fields and the fix. Run by :class:`~nemo_is_plugin.config.model.ClippedPGLossConfig` after the
-numeric ranges (:mod:`~nemo_is_plugin.config.ranges`). Imports without torch.
+Each message names the fields and the fix. Run by :class:`~nemo_is_plugin.config.model.ClippedPGLossConfig` once
+every field is valid (types, choices and numeric ranges are the fields' own, in :mod:`~nemo_is_plugin.config.keys`).
+Imports without torch.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING
 
-from nemo_is_plugin.config.choices import REJECTION_TYPES, SEQUENCE_MASK_TYPES, TOKEN_AGGREGATIONS, TruncationType
+from nemo_is_plugin.config.keys import REJECTION_TYPES, SEQUENCE_MASK_TYPES, TOKEN_AGGREGATIONS
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
@@ -22,19 +23,12 @@ def contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     lo, hi = cfg.truncated_importance_sampling_ratio_min, cfg.truncated_importance_sampling_ratio
     gspo = cfg.sequence_level_importance_ratios
 
-    if cfg.reference_policy_kl_type not in ("k1", "k2", "k3"):
-        out.append(f"reference_policy_kl_type={cfg.reference_policy_kl_type!r} is not one of 'k1', 'k2', 'k3'")
     if gspo and cfg.token_level_loss:
         out.append(
             "sequence-level importance sampling (e.g. GSPO) is mutually exclusive with token-level loss: "
             "sequence_level_importance_ratios=true requires token_level_loss: false"
         )
     if tis is not None:
-        if tis not in get_args(TruncationType):
-            out.append(
-                f"truncated_importance_sampling_type={tis!r} is not one of 'tis', 'icepop', 'seq-mask-tis', "
-                "'seq-mis', 'geo-rs' (or null)"
-            )
         if tis not in REJECTION_TYPES and not cfg.use_importance_sampling_correction:
             out.append(
                 "truncated importance sampling is only supported when use_importance_sampling_correction is True: "

@@ -1,6 +1,7 @@
 """The loss configuration: NeMo-RL's ``loss_fn`` keys, plus independent IS / ratio / clip / KL / aggregation choices.
 
-This module imports without torch. It is the only place where defaults live. Every NeMo-RL ``ClippedPGLossConfig``
+This module imports without torch. The keys themselves (type, default, choices, range) are the fields of
+:class:`~nemo_is_plugin.config.keys.LossKeys`, the only place where defaults live. Every NeMo-RL ``ClippedPGLossConfig``
 key is accepted with NeMo-RL's name, type and default, so an existing NeMo-RL ``loss_fn`` section validates unchanged.
 The new fields default to ``None`` / off, in which case the loss reproduces NeMo-RL's ``ClippedPGLossFn``.
 
@@ -26,125 +27,39 @@ unmasked tokens):
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ValidationError, model_validator
 
-from nemo_is_plugin.config.choices import (
-    TOKEN_AGGREGATIONS,
-    ISCorrectionLevel,
-    KLGradient,
-    LossAggregation,
-    OldPolicyLogprobs,
-    RatioLevel,
-    RejectionType,
-)
 from nemo_is_plugin.config.contradictions import contradictions
 from nemo_is_plugin.config.errors import ConfigError, ConfigValidationError
-from nemo_is_plugin.config.ranges import range_errors
+from nemo_is_plugin.config.keys import (
+    TOKEN_AGGREGATIONS,
+    ISCorrectionLevel,
+    LossAggregation,
+    LossKeys,
+    RatioLevel,
+)
 from nemo_is_plugin.config.rejection_rule import RejectionRule
-from nemo_is_plugin.config.unknown_keys import STRICT_KEYS_OVERRIDE, check_unknown_keys, strict_keys_default
+from nemo_is_plugin.config.unknown_keys import (
+    STRICT_KEYS_OVERRIDE,
+    check_unknown_keys,
+    strict_keys_default,
+    unknown_keys_message,
+)
+
+if TYPE_CHECKING:
+    from pydantic_core import InitErrorDetails  # a TypedDict: a type only
 
 
-class ClippedPGLossConfig(BaseModel):
+class ClippedPGLossConfig(LossKeys):
     """Configuration of :class:`nemo_is_plugin.loss.ClippedPGLoss`.
 
-    The first block is NeMo-RL's ``ClippedPGLossConfig`` (commit 7ea279ab), unchanged. The second block holds the
-    plugin's independent choices; see ``docs/config.md`` for each formula.
+    Its keys (NeMo-RL's ``ClippedPGLossConfig`` at commit 7ea279ab, then the plugin's independent choices) are the
+    fields of :class:`~nemo_is_plugin.config.keys.LossKeys`, each with its type, default, choices and valid range;
+    this class adds the unknown-key policy, the combination checks and the derived choices. See ``docs/config.md``.
     """
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    # ---- NeMo-RL keys (names, types and defaults as in NeMo-RL) ----
-    reference_policy_kl_penalty: float = 0.01
-    reference_policy_kl_type: str = "k3"
-    kl_input_clamp_value: float | None = 20.0
-    kl_output_clamp_value: float | None = 10.0
-    ratio_clip_min: float = 0.2
-    ratio_clip_max: float = 0.2
-    ratio_clip_c: float | None = None
-    use_on_policy_kl_approximation: bool = False
-    use_importance_sampling_correction: bool = False
-    truncated_importance_sampling_type: str | None = None
-    truncated_importance_sampling_ratio: float | None = None
-    truncated_importance_sampling_ratio_min: float | None = None
-    token_level_loss: bool = True
-    sequence_level_importance_ratios: bool = False
-    force_on_policy_ratio: bool = False
-    use_kl_in_reward: bool = False
-    disable_ppo_ratio: bool = False
-    use_cispo: bool = False
-    positive_example_nll_weight: float = 0.0
-
-    # ---- plugin choices (None / off reproduces NeMo-RL) ----
-    ratio_level: RatioLevel | None = Field(
-        None, description="Policy-ratio level; None derives it from sequence_level_importance_ratios like NeMo-RL."
-    )
-    is_correction_level: ISCorrectionLevel | None = Field(
-        None, description="IS-weight level; None derives it from sequence_level_importance_ratios like NeMo-RL."
-    )
-    log_ratio_clip_low: float | None = Field(
-        None, description="eps_low of the log-space clip: log r >= -eps_low * t^clip_position_power."
-    )
-    log_ratio_clip_high: float | None = Field(
-        None, description="eps_high of the log-space clip: log r <= eps_high * t^clip_position_power."
-    )
-    log_ratio_clip_c: float | None = Field(
-        None, description="Log-space dual clip: for A < 0 the loss is capped at -A * exp(eps_c * t^power)."
-    )
-    clip_position_power: float = Field(
-        0.0, description="p in the position-adaptive bounds eps * t^p (CTPO uses 0.5); 0 gives fixed bounds."
-    )
-    token_log_ratio_clamp: float | None = Field(
-        None, description="Clamp each token log-ratio c_t - p_t to +-value before building the ratio (CTPO: 20)."
-    )
-    max_log_ratio: float | None = Field(
-        None, description="Upper cap on the log of the policy ratio after building it (CTPO: 10)."
-    )
-    importance_sampling_rejection: RejectionType | None = Field(
-        None,
-        description="Sequence rejection on top of the truncation type: 'seq-mis' (exp(sum_t x_t)) or 'geo-rs' "
-        "(exp(mean_t x_t)) outside [importance_sampling_rejection_min, _max] zeroes the sequence (verl's "
-        "Seq-MIS / Geo-RS + TIS presets).",
-    )
-    importance_sampling_rejection_min: float | None = Field(
-        None, description="Lower bound of the rejection band (ratio space)."
-    )
-    importance_sampling_rejection_max: float | None = Field(
-        None, description="Upper bound of the rejection band (ratio space)."
-    )
-    importance_sampling_veto_threshold: float | None = Field(
-        None, description="Reject a sequence if any token weight exp(p_t - g_t) is below this (veto)."
-    )
-    importance_sampling_batch_normalize: bool = Field(
-        False, description="Divide IS weights by their masked mean over the batch (after truncation)."
-    )
-    reference_policy_kl_gradient: KLGradient = Field(
-        "estimator", description="'k2': straight-through KL whose value is the chosen estimator and gradient is k2's."
-    )
-    loss_aggregation: LossAggregation | None = Field(
-        None, description="Loss aggregation; None derives it from token_level_loss like NeMo-RL."
-    )
-    loss_aggregation_norm: float | None = Field(
-        None, description="Constant divisor per sequence for seq-mean-token-sum-norm (e.g. max response length)."
-    )
-
-    # ---- rejection rules and the old policy (verl's rollout_rs / bypass_mode in the plugin's vocabulary) ----
-    importance_sampling_rejection_rules: list[RejectionRule] = Field(
-        default_factory=list,
-        description="Rejection criteria that must all pass (verl's rollout_rs): a token or "
-        "sequence failing one gets weight 0, after truncation and batch normalisation. See RejectionRule.",
-    )
-    old_policy_logprobs: OldPolicyLogprobs = Field(
-        "prev",
-        description="pi_old of the policy ratio: 'prev' (three policies) or 'generation' (verl's bypass_mode: "
-        "r = pi_theta / mu, and the IS weights / rejections measure the current policy, detached, against mu).",
-    )
-    strict_input_checks: bool = Field(
-        False,
-        description="Raise on non-finite generation log-probs and on positive log-probs (above the dtype's "
-        "rounding tolerance) instead of computing them as NeMo-RL does and reporting them in the input_* metrics.",
-    )
 
     # ------------------------------------------------------------------ construction: one exception type
     def __init__(self, **data: Any) -> None:
@@ -165,6 +80,11 @@ class ClippedPGLossConfig(BaseModel):
             STRICT_KEYS_OVERRIDE.reset(token)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        fields = type(self).model_fields
+        if name not in fields and not name.startswith("_"):  # assigning an unknown key is always an error
+            error = ConfigError(unknown_keys_message([name], set(fields)))
+            detail: InitErrorDetails = {"type": "value_error", "loc": (name,), "input": value, "ctx": {"error": error}}
+            raise ConfigValidationError.from_exception_data(type(self).__name__, [detail])
         try:
             super().__setattr__(name, value)
         except ValidationError as exc:
@@ -174,7 +94,7 @@ class ClippedPGLossConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_unknown_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
+        if isinstance(data, Mapping):  # a dict, or e.g. an OmegaConf DictConfig given to model_validate
             known = set(cls.model_fields)
             unknown = [k for k in data if k not in known]
             if unknown:
@@ -189,8 +109,8 @@ class ClippedPGLossConfig(BaseModel):
         # that a model_dump() reloads unchanged.
         if self.loss_aggregation is not None and "token_level_loss" not in self.model_fields_set:
             self.__dict__["token_level_loss"] = self.loss_aggregation in TOKEN_AGGREGATIONS
-        # Out-of-range values first and alone: the combination checks below compare values that must be in range.
-        errors = range_errors(self) or [msg for msg in contradictions(self) if msg]
+        # Runs only once every field is valid: out-of-range values were refused by their NumericRange already.
+        errors = [msg for msg in contradictions(self) if msg]
         if errors:
             raise ConfigError("; ".join(errors))
         return self

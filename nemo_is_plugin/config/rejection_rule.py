@@ -11,9 +11,10 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nemo_is_plugin.config.errors import ConfigError
+from nemo_is_plugin.config.errors import ConfigError, ConfigTypeError
+from nemo_is_plugin.config.field_types import KLType, Real
 
-RejectionStatistic = Literal["k1", "k2", "k3"]
+RejectionStatistic = KLType  # the three KL estimators of log(pi_prev / mu)
 RejectionAggregation = Literal["token", "sequence_sum", "sequence_mean", "sequence_max"]
 # verl's rollout_rs option prefixes -> the plugin's aggregations. verl has no seq_max_k1 (the plugin has).
 VERL_RS_AGGREGATIONS = {
@@ -42,8 +43,10 @@ def verl_rejection_rule(option: str, threshold: Any) -> dict[str, Any]:
     if opt not in VERL_RS_OPTIONS:
         raise ConfigError(f"rollout_rs option {opt!r} is not one of verl's: {', '.join(VERL_RS_OPTIONS)}")
     prefix, stat = opt.rsplit("_", 1)
-    if threshold is None or isinstance(threshold, bool):
-        raise ConfigError(f"rollout_rs option {opt!r} needs a numeric rollout_rs_threshold, got {threshold!r}")
+    if threshold is None:
+        raise ConfigError(f"rollout_rs option {opt!r} needs a numeric rollout_rs_threshold, got None")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
+        raise ConfigTypeError(f"rollout_rs option {opt!r} needs a numeric rollout_rs_threshold, got {threshold!r}")
     spec = str(threshold).strip()
     rule: dict[str, Any] = {"statistic": stat, "aggregation": VERL_RS_AGGREGATIONS[prefix]}
     if stat == "k1":
@@ -85,9 +88,9 @@ class RejectionRule(BaseModel):
 
     statistic: RejectionStatistic
     aggregation: RejectionAggregation
-    min: float | None = Field(None, description="Lower bound of the aggregated statistic (k1 only).")
-    max: float | None = Field(None, description="Upper bound of the aggregated statistic.")
-    log_ratio_clamp: float | None = Field(
+    min: Real | None = Field(None, description="Lower bound of the aggregated statistic (k1 only).")
+    max: Real | None = Field(None, description="Upper bound of the aggregated statistic.")
+    log_ratio_clamp: Real | None = Field(
         REJECTION_LOG_RATIO_CLAMP,
         gt=0,
         description="Clamp of y_t to +-value before the statistic (verl: 20); null: no clamp, non-finite y_t count 0.",
@@ -97,7 +100,7 @@ class RejectionRule(BaseModel):
     @classmethod
     def _verl_form(cls, data: Any) -> Any:
         if isinstance(data, str):
-            raise ConfigError(
+            raise ConfigTypeError(
                 f"rejection rule {data!r} has no bounds: write {{option: {data}, threshold: ...}} "
                 "(verl's form) or {statistic: ..., aggregation: ..., max: ...}"
             )

@@ -14,9 +14,13 @@ unbiased for tokens sampled from pi_theta (verl's ``k3+``, which is broken in ve
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
-KL_TYPES = ("k1", "k2", "k3")
+from nemo_is_plugin.config import KLType
+
+KL_TYPES: tuple[str, ...] = get_args(KLType)
 
 
 def kl_estimate(logr: torch.Tensor, kl_type: str) -> torch.Tensor:

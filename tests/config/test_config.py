@@ -85,6 +85,23 @@ def test_unknown_key_is_an_error_in_strict_mode(monkeypatch):
         load_loss_config({"foo": 1}, strict=False)
 
 
+def test_unknown_key_in_a_mapping_of_any_kind_follows_the_same_policy():
+    """A DictConfig handed to model_validate warns about an unknown key like a dict (strict: refuses it)."""
+    section = OmegaConf.create({"ratio_clip_max": 0.3, "is_corection_level": "token"})
+    with pytest.warns(UnknownConfigKeyWarning, match="did you mean 'is_correction_level'"):
+        assert ClippedPGLossConfig.model_validate(section) == ClippedPGLossConfig(ratio_clip_max=0.3)
+    with pytest.raises(ConfigValidationError, match="did you mean 'is_correction_level'"):
+        ClippedPGLossConfig.model_validate(section, context={"strict_keys": True})
+
+
+def test_assigning_an_unknown_key_is_refused_naming_the_nearest():
+    cfg = ClippedPGLossConfig()
+    with pytest.raises(ConfigValidationError, match=r"'ratio_clip_mn' \(did you mean 'ratio_clip_min'\?\)") as err:
+        cfg.ratio_clip_mn = 0.1
+    assert err.value.errors()[0]["loc"] == ("ratio_clip_mn",)
+    assert cfg == ClippedPGLossConfig() and not hasattr(cfg, "ratio_clip_mn")
+
+
 def test_config_errors_are_validation_value_and_assertion_errors():
     """One exception type: pydantic's ValidationError (field-naming message), a ValueError / ConfigError, and the
     AssertionError NeMo-RL raises for invalid combinations; from the model, load_loss_config and assignment."""

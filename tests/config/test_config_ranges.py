@@ -14,8 +14,7 @@ from helpers.config_cases import ACTIVATING_KEYS
 from helpers.golden_utils import load_cases
 from omegaconf import OmegaConf
 
-from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.config.ranges import NUMERIC_RANGES
+from nemo_is_plugin.config import NUMERIC_RANGES, ClippedPGLossConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,6 +103,18 @@ def test_docs_list_the_same_intervals():
         for key in re.findall(r"`([a-z_]+)`", keys):
             listed[key] = interval
     assert listed == {k: r.interval() for k, r in NUMERIC_RANGES.items()}
+
+
+def test_the_json_schema_carries_each_interval_and_its_why():
+    properties = ClippedPGLossConfig.model_json_schema()["properties"]
+    bound = {"low": ("minimum", "exclusiveMinimum"), "high": ("maximum", "exclusiveMaximum")}
+    for key, r in NUMERIC_RANGES.items():
+        want = {"why": r.why, "fix": r.fix}
+        for end, (closed, opened) in bound.items():
+            if getattr(r, end) is not None:
+                want[opened if getattr(r, f"{end}_open") else closed] = getattr(r, end)
+        got = {k: v for k, v in properties[key].items() if k in want or k in sum(bound.values(), ())}
+        assert got == want, key
 
 
 def _numeric_values(cfg: dict) -> dict[str, float]:
