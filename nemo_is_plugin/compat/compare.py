@@ -114,6 +114,8 @@ class Finding:
 def _scalar(output: str, host: float, plugin: float, rtol: float, atol: float, batch: str) -> Finding:
     if (math.isnan(host) and math.isnan(plugin)) or (math.isinf(host) and host == plugin):
         return Finding(output, AGREES, batch=batch)
+    if not (math.isfinite(host) and math.isfinite(plugin)):
+        return Finding(output, DIFFERS, math.inf, math.inf, batch, [f"plugin {plugin} vs host {host}"])
     diff = abs(plugin - host)
     rel = diff / abs(host) if host != 0 else (0.0 if diff == 0 else math.inf)
     ok = diff <= atol + rtol * abs(host)  # False for any nan

@@ -156,10 +156,10 @@ def test_a_host_metric_off_by_1_001_and_a_metric_the_plugin_drops_are_caught(fak
     assert "metric probs_ratio" in report["verdict"] and "metric gen_kl_error" in report["verdict"]
 
 
-def test_a_config_both_refuse_agrees_and_one_only_nemo_rl_refuses_differs(fake_nemo_rl, tmp_path):
+def test_a_config_the_plugin_refuses_exits_2_before_comparing(fake_nemo_rl, tmp_path):
     # a truncation ratio without its type: NeMo-RL refuses at the first call, the plugin when it is built
     code, report, output = compat(tmp_path, MASTER.replace("  truncated_importance_sampling_type: tis\n", ""))
-    assert code == 2 and report is None  # the plugin's own validation refuses the config up front
+    assert code == 2 and report is None
     assert "truncated_importance_sampling" in output
 
 
