@@ -12,7 +12,9 @@ working directory to its workers' ``sys.path``), builds the loss and sends it to
   driver's environment to every worker): the worker unpickles the loss and computes the driver's value;
 - not set up: the call fails with the documented error, ``No module named 'nemo_is_plugin'``.
 
-Embedded local Ray (one CPU, no dashboard); one driver process for both actors, bounded by a timeout.
+Embedded local Ray (one CPU, no dashboard); one driver process for both actors, bounded by a timeout. verl's workers
+get the loss from verl's own registry instead (its ``verl.plugins`` entry points load at ``import verl``): the check
+docs/verl.md gives runs on the same interpreter, in a plain subprocess.
 """
 
 from __future__ import annotations
@@ -86,7 +88,10 @@ def worker_python(tmp_path_factory) -> Path:
     python = venv / "bin" / "python"
     site = subprocess.run(
         [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-        check=True, capture_output=True, text=True, timeout=60,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout.strip()
     (Path(site) / "host_packages.pth").write_text("\n".join(_site_packages_of(torch, pydantic, ray)) + "\n")
     return python
@@ -109,7 +114,11 @@ def test_pickled_loss_runs_in_a_worker_env_set_up_as_documented_and_fails_clearl
     env.update(OMP_NUM_THREADS="1", RAY_DISABLE_IMPORT_WARNING="1")
     proc = subprocess.run(
         [sys.executable, str(script), str(ROOT), str(worker_python)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=360,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -121,3 +130,35 @@ def test_pickled_loss_runs_in_a_worker_env_set_up_as_documented_and_fails_clearl
     assert out["driver_loss"] != 0.0
     assert "loss" not in out["not_set_up"]
     assert "No module named 'nemo_is_plugin'" in out["not_set_up"]["error"], out["not_set_up"]
+
+
+VERL_CHECK = (
+    "import verl\n"
+    "from verl.trainer.ppo.core_algos import get_policy_loss_fn\n"
+    "try:\n"
+    "    print('FOUND', type(get_policy_loss_fn('nemo_is.clipped_pg')).__name__)\n"
+    "except ValueError as exc:\n"
+    "    print('ERROR', exc)\n"
+)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("set_up", [True, False], ids=["source_dir_on_pythonpath", "not_set_up"])
+def test_verl_worker_env_check_of_docs_verl(worker_python, tmp_path, set_up):
+    """docs/verl.md's check on a verl worker's interpreter without the plugin: verl's entry-point discovery at
+    `import verl` registers the loss when the plugin's source directory is on PYTHONPATH, and without it verl's
+    lookup fails with its own `Unsupported loss mode` (the failing entry point is logged at debug level only)."""
+    pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl is the verl extra")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VERL_USE_EXTERNAL_PLUGINS")}
+    env["OMP_NUM_THREADS"] = "1"
+    if set_up:
+        env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(
+        [str(worker_python), "-c", VERL_CHECK], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    if set_up:
+        assert last == "FOUND VerlPolicyLoss", out.stdout[-2000:]
+    else:
+        assert last.startswith("ERROR Unsupported loss mode: nemo_is.clipped_pg. Supported modes are:"), last

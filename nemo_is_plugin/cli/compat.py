@@ -30,7 +30,7 @@ def compat(
     strict: bool = typer.Option(False, "--strict", help="Documented deliberate differences fail too."),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic batches and of the dump's current policy."),
 ) -> None:
-    """Compare the installed host's loss with the plugin's on CONFIG: loss, gradient and every metric the host reports."""
+    """Compare the installed host's loss with the plugin's on CONFIG: loss, gradient and every host metric."""
     from rich.console import Console
 
     from nemo_is_plugin.compat import HOSTS, load_host

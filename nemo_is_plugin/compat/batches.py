@@ -53,8 +53,14 @@ class CompatBatch:
 
 
 def _assemble(
-    name: str, curr: torch.Tensor, prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, adv_rows: torch.Tensor,
-    rewards: torch.Tensor, g: torch.Generator,
+    name: str,
+    curr: torch.Tensor,
+    prev: torch.Tensor,
+    gen: torch.Tensor,
+    mask: torch.Tensor,
+    adv_rows: torch.Tensor,
+    rewards: torch.Tensor,
+    g: torch.Generator,
 ) -> CompatBatch:
     """NeMo-RL's layout from ``[B, T]`` response tensors: a prompt column in front, zeros on masked tokens."""
     b = curr.shape[0]
@@ -119,8 +125,7 @@ def dump_batches(path: str | Path, max_batches: int, seed: int = 0) -> list[Comp
     for start in range(0, dump.num_responses, DUMP_BATCH_SIZE)[:max_batches]:
         rows = range(start, min(start + DUMP_BATCH_SIZE, dump.num_responses))
         width = max(int(dump.lengths[i]) for i in rows)
-        zeros = lambda: torch.zeros(len(rows), width, dtype=torch.float64)  # noqa: E731
-        prev, gen, mask = zeros(), zeros(), zeros()
+        prev, gen, mask = (torch.zeros(len(rows), width, dtype=torch.float64) for _ in range(3))
         for r, i in enumerate(rows):
             a, z = int(dump.cu_seqlens[i]), int(dump.cu_seqlens[i + 1])
             prev[r, : z - a] = torch.from_numpy(dump.prev_logprobs[a:z])

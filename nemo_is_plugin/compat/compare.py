@@ -145,7 +145,9 @@ def compare_outcomes(host: Host, batch: CompatBatch, theirs: Outcome, ours: Outc
             return [Finding("refusal", AGREES, batch=batch.name, notes=[f"both refuse: {theirs.message[:200]}"])]
         who, what = ("host", theirs) if isinstance(theirs, Refusal) else ("plugin", ours)
         assert isinstance(what, Refusal)
-        return [Finding("refusal", DIFFERS, math.inf, math.inf, batch.name, [f"only the {who} refuses: {what.message}"])]
+        return [
+            Finding("refusal", DIFFERS, math.inf, math.inf, batch.name, [f"only the {who} refuses: {what.message}"])
+        ]
     out = [
         _scalar("loss", theirs.loss, ours.loss, tol.loss_rtol, tol.loss_atol, batch.name),
         _gradient(theirs.grad, ours.grad, tol, host.deliberate("nan_gradient", "gradient", batch), batch.name),
@@ -158,7 +160,9 @@ def compare_outcomes(host: Host, batch: CompatBatch, theirs: Outcome, ours: Outc
         note = host.deliberate("missing_metric", name, batch)
         status = DELIBERATE if note else DIFFERS
         out.append(Finding(output, status, math.inf, math.inf, batch.name, [note or "not reported by the plugin"]))
-    out += [Finding(f"metric {n}", PLUGIN_ONLY, batch=batch.name) for n in sorted(set(ours.metrics) - set(theirs.metrics))]
+    out += [
+        Finding(f"metric {n}", PLUGIN_ONLY, batch=batch.name) for n in sorted(set(ours.metrics) - set(theirs.metrics))
+    ]
     return out
 
 
@@ -223,9 +227,10 @@ def _valid(findings: dict[str, Finding]) -> bool:
 
 
 def run_compat(
-    host: Host, batches: Sequence[CompatBatch], config: str, tol: Tolerances = Tolerances(), strict: bool = False
+    host: Host, batches: Sequence[CompatBatch], config: str, tol: Tolerances | None = None, strict: bool = False
 ) -> CompatReport:
     """Parity on the host's part of the config, then (with plugin keys) what the plugin keys change."""
+    tol = Tolerances() if tol is None else tol
     parity = list(compare_all(host, batches, {}, tol).values())
     changes: list[Finding] = []
     if host.plugin_keys:
@@ -240,12 +245,34 @@ def run_compat(
             changes.append(found)
         unchanged = [f.output for f in full.values() if f.status == AGREES]
     return CompatReport(
-        host.name, config, dict(host.host_keys), dict(host.plugin_keys), [b.name for b in batches], tol, parity,
-        changes, unchanged if host.plugin_keys else [], strict,
+        host.name,
+        config,
+        dict(host.host_keys),
+        dict(host.plugin_keys),
+        [b.name for b in batches],
+        tol,
+        parity,
+        changes,
+        unchanged if host.plugin_keys else [],
+        strict,
     )
 
 
 __all__ = [
-    "AGREES", "CHANGED", "DELIBERATE", "DIFFERS", "PLUGIN_ONLY", "CompatReport", "Finding", "Host", "Outcome",
-    "Refusal", "Run", "Tolerances", "compare_all", "compare_outcomes", "run_call", "run_compat",
+    "AGREES",
+    "CHANGED",
+    "DELIBERATE",
+    "DIFFERS",
+    "PLUGIN_ONLY",
+    "CompatReport",
+    "Finding",
+    "Host",
+    "Outcome",
+    "Refusal",
+    "Run",
+    "Tolerances",
+    "compare_all",
+    "compare_outcomes",
+    "run_call",
+    "run_compat",
 ]

@@ -65,7 +65,8 @@ class NeMoRLHost:
             try:
                 load_loss_spec(config, overrides)  # the section validates as the plugin's config (RecipeError if not)
             except UnknownConfigKeyWarning as exc:
-                raise ConfigError(f"{exc}".replace("; they are ignored", ": compat refuses keys neither loss reads;"))
+                message = f"{exc}".replace("; they are ignored", ": compat refuses keys neither loss reads;")
+                raise ConfigError(message) from None
         section = loss_section(load_yaml(config, overrides))
         section.pop("name", None)
         declared = _declared_keys(self._config_cls)

@@ -38,8 +38,14 @@ ACTOR = "actor_rollout_ref.actor"
 POLICY_LOSS = f"{ACTOR}.policy_loss"
 ROLLOUT_CORRECTION = "algorithm.rollout_correction"
 ACTOR_LOSS_KEYS = (
-    "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "loss_scale_factor",
-    "tau_pos", "tau_neg",
+    "clip_ratio",
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "loss_agg_mode",
+    "loss_scale_factor",
+    "tau_pos",
+    "tau_neg",
 )
 OTHER_POLICY_LOSS_KEYS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
 HOST_LOSS_MODE = "vanilla"
@@ -124,7 +130,9 @@ class VerlHost:
         old = batch.data["prev_logprobs"][:, 1:]
         rollout = batch.data["generation_logprobs"][:, 1:]
         mask = batch.valid.float()
-        weights, verl_mask, _ = self._helper.compute_rollout_correction_and_rejection_mask(old, rollout, mask, **self._rc)
+        weights, verl_mask, _ = self._helper.compute_rollout_correction_and_rejection_mask(
+            old, rollout, mask, **self._rc
+        )
         return {
             "old_log_prob": old,
             "advantages": batch.data["advantages"][:, 1:],
@@ -149,9 +157,7 @@ class VerlHost:
         return run_call(call)
 
     def run_host(self, batch: CompatBatch) -> Outcome:
-        return self._call(
-            self._core.get_policy_loss_fn(HOST_LOSS_MODE), self._actor(HOST_LOSS_MODE, None), batch
-        )
+        return self._call(self._core.get_policy_loss_fn(HOST_LOSS_MODE), self._actor(HOST_LOSS_MODE, None), batch)
 
     def run_plugin(self, batch: CompatBatch, plugin_keys: dict[str, Any]) -> Outcome:
         from nemo_is_plugin.adapters.verl import VerlPolicyLoss

@@ -77,11 +77,16 @@ def test_tolerances_decide(batches):
     within = _run(1.0 + 0.5e-5, m=2.0 * (1 + 0.5e-5))
     beyond = _run(1.0 * 1.001, (0.5, -0.25 * 1.001), m=2.0 * 1.001, extra=1.0)
     assert _status(compare_outcomes(_Host(), batches[0], host, within, tol)) == {
-        "loss": AGREES, "gradient": AGREES, "metric m": AGREES,
+        "loss": AGREES,
+        "gradient": AGREES,
+        "metric m": AGREES,
     }
     found = {f.output: f for f in compare_outcomes(_Host(), batches[0], host, beyond, tol)}
     assert {k: f.status for k, f in found.items()} == {
-        "loss": DIFFERS, "gradient": DIFFERS, "metric m": DIFFERS, "metric extra": PLUGIN_ONLY,
+        "loss": DIFFERS,
+        "gradient": DIFFERS,
+        "metric m": DIFFERS,
+        "metric extra": PLUGIN_ONLY,
     }
     assert found["loss"].rel_diff == pytest.approx(1e-3)
     assert found["gradient"].abs_diff == pytest.approx(0.25e-3)
@@ -93,7 +98,9 @@ def test_non_finite_values_agree_only_when_equal(batches):
     assert set(_status(compare_outcomes(_Host(), batches[0], host, host, tol)).values()) == {AGREES}
     other = _run(-math.inf, (0.0, 1.0), m=1.0)
     assert _status(compare_outcomes(_Host(), batches[0], host, other, tol)) == {
-        "loss": DIFFERS, "gradient": DIFFERS, "metric m": DIFFERS,
+        "loss": DIFFERS,
+        "gradient": DIFFERS,
+        "metric m": DIFFERS,
     }
     # a host NaN gradient the host documents: deliberate, and the finite entries must still agree
     found = compare_outcomes(_Host("documented reason"), batches[0], host, other, tol)

@@ -51,8 +51,15 @@ def test_nemo_rl_config_agrees_on_loss_gradient_and_every_host_metric(fake_nemo_
     assert report["host_keys"]["truncated_importance_sampling_ratio"] == 2.0
     parity = by_output(report["parity"])
     # every metric NeMo-RL's loss reports is compared, the IS metrics of TIS included
-    for name in ("loss", "gradient", "metric sampling_importance_ratio", "metric is_oob_ratio", "metric kl_penalty",
-                 "metric probs_ratio_max", "metric token_mult_prob_error"):
+    for name in (
+        "loss",
+        "gradient",
+        "metric sampling_importance_ratio",
+        "metric is_oob_ratio",
+        "metric kl_penalty",
+        "metric probs_ratio_max",
+        "metric token_mult_prob_error",
+    ):
         assert parity[name]["status"] == AGREES, (name, parity[name])
     assert "metric is_weight_mean" not in parity or parity["metric is_weight_mean"]["status"] == "plugin only"
     assert len(report["batches"]) == 4
