@@ -12,7 +12,6 @@ batch's global counts.
 from __future__ import annotations
 
 import importlib
-import math
 import warnings
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -123,7 +122,7 @@ class NeMoRLHost:
         beta = 0.0 if keys.get("use_kl_in_reward") else keys.get("reference_policy_kl_penalty", 0.01)
         gen = batch.data["generation_logprobs"][:, 1:]
         nonfinite_gen = bool((~torch.isfinite(gen) & batch.valid).any())
-        if keys.get("use_on_policy_kl_approximation") and beta != 0 and not math.isclose(beta, 0) and nonfinite_gen:
+        if keys.get("use_on_policy_kl_approximation") and beta != 0 and nonfinite_gen:
             return (
                 "NaN gradients: NeMo-RL's on-policy KL weight at a -inf generation log-prob back-propagates 0 * inf; "
                 f"the plugin differentiates the value NeMo-RL computes ({_DOCS})"
