@@ -37,6 +37,7 @@ LAYER_OF_PREFIX = {
     "nemo_is_plugin.diagnose": "apps",
     "nemo_is_plugin.evidence": "apps",
     "nemo_is_plugin.bench": "apps",
+    "nemo_is_plugin.compat": "apps",
 }
 # Documented import paths kept for users; no module of the package imports them.
 REEXPORT_MODULES = ("nemo_is_plugin.registry", "nemo_is_plugin.recipes")

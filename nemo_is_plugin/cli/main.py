@@ -54,7 +54,7 @@ def _root(
     """Keeps ``nemo-is`` a command group even while only one command is registered."""
 
 
-COMMAND_MODULES = ("validate", "demo", "diagnose", "bench", "evidence")
+COMMAND_MODULES = ("validate", "compat", "demo", "diagnose", "bench", "evidence")
 
 for _name in COMMAND_MODULES:
     importlib.import_module(f"nemo_is_plugin.cli.{_name}").register(app)

@@ -1,0 +1,133 @@
+"""NeMo-RL as ``nemo-is compat`` runs it: the installed ``ClippedPGLossFn`` against the plugin's drop-in.
+
+The config is read as NeMo-RL's ``load_config`` reads a master YAML (``defaults:`` inheritance, then Hydra-style
+overrides; :mod:`nemo_is_plugin.adapters.recipes`), and only its ``loss_fn`` section matters. The host's part of it is
+every key NeMo-RL's own ``ClippedPGLossConfig`` declares (read from the installed class: its pydantic fields, or the
+keys of the older ``TypedDict``); the other keys are the plugin's. Both losses are built as ``grpo.setup`` builds
+its loss, ``ClippedPGLossFn(ClippedPGLossConfig(**loss_fn))`` -- NeMo-RL's config model keeps extra keys, which is how
+the plugin's keys reach the drop-in -- and called as NeMo-RL's workers call a LOGPROB loss, once per batch with the
+batch's global counts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import torch
+
+from nemo_is_plugin.compat.batches import CompatBatch
+from nemo_is_plugin.compat.compare import Outcome, run_call
+from nemo_is_plugin.config import ConfigError, UnknownConfigKeyWarning
+
+HOST_MODULE = "nemo_rl.algorithms.loss.loss_functions"
+INSTALL_HINT = (
+    "run nemo-is compat where NeMo-RL itself runs: in NeMo-RL's checkout, `uv run nemo-is compat ...` "
+    "(nemo-is-plugin installed into that environment), or install NeMo-RL (https://github.com/NVIDIA-NeMo/RL)"
+)
+_DOCS = "docs/nemo_rl.md, 'Where the plugin deliberately differs'"
+
+
+class HostUnavailableError(RuntimeError):
+    """The host trainer cannot be imported here; the message names what to install."""
+
+
+def import_host(module: str, hint: str, what: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise HostUnavailableError(f"{what} is not importable here ({exc}): {hint}") from None
+
+
+def _declared_keys(config_cls: type) -> set[str]:
+    fields = getattr(config_cls, "model_fields", None)  # pydantic (NeMo-RL since #2325)
+    if fields is not None:
+        return set(fields)
+    return set(get_type_hints(config_cls))  # the TypedDict of older NeMo-RL
+
+
+class NeMoRLHost:
+    """The installed NeMo-RL's ``ClippedPGLossFn`` and the plugin's, built from one master config."""
+
+    name = "NeMo-RL"
+
+    def __init__(self, config: str | Path, overrides: list[str] | tuple[str, ...] = ()):
+        from nemo_is_plugin.adapters.recipes import load_loss_spec, load_yaml, loss_section
+
+        module = import_host(HOST_MODULE, INSTALL_HINT, "NeMo-RL")
+        self._loss_cls = module.ClippedPGLossFn
+        self._config_cls = module.ClippedPGLossConfig
+        with warnings.catch_warnings():  # a key neither loss reads is most likely a typo: compat refuses it
+            warnings.simplefilter("error", UnknownConfigKeyWarning)
+            try:
+                load_loss_spec(config, overrides)  # the section validates as the plugin's config (RecipeError if not)
+            except UnknownConfigKeyWarning as exc:
+                message = f"{exc}".replace("; they are ignored", ": compat refuses keys neither loss reads;")
+                raise ConfigError(message) from None
+        section = loss_section(load_yaml(config, overrides))
+        section.pop("name", None)
+        declared = _declared_keys(self._config_cls)
+        self.host_keys = {k: v for k, v in section.items() if k in declared}
+        self.plugin_keys = {k: v for k, v in section.items() if k not in declared}
+        self._losses: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ building, as grpo.setup does
+    def _config(self, keys: dict[str, Any]) -> Any:
+        if hasattr(self._config_cls, "model_fields"):
+            return self._config_cls(**keys)
+        return dict(keys)
+
+    def _loss(self, which: str, keys: dict[str, Any]) -> Any:
+        """The cached loss object; raises what its constructor raises (NeMo-RL asserts on bad combinations)."""
+        cache_key = f"{which}:{sorted(keys.items())!r}"
+        if cache_key not in self._losses:
+            if which == "host":
+                self._losses[cache_key] = self._loss_cls(self._config(keys))
+            else:
+                from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
+
+                self._losses[cache_key] = NeMoRLLossFn(self._config(keys))
+        return self._losses[cache_key]
+
+    @staticmethod
+    def _call(build, batch: CompatBatch) -> Outcome:
+        def call():
+            loss_fn = build()
+            data = {k: v.clone() for k, v in batch.data.items()}
+            x = batch.logprobs.clone().requires_grad_(True)
+            sm = data["sample_mask"]
+            loss, metrics = loss_fn(
+                next_token_logprobs=x,
+                data=data,
+                global_valid_seqs=sm.sum(),
+                global_valid_toks=(data["token_mask"][:, 1:] * sm[:, None]).sum(),
+            )
+            return loss, metrics, x
+
+        return run_call(call)
+
+    def run_host(self, batch: CompatBatch) -> Outcome:
+        return self._call(lambda: self._loss("host", self.host_keys), batch)
+
+    def run_plugin(self, batch: CompatBatch, plugin_keys: dict[str, Any]) -> Outcome:
+        return self._call(lambda: self._loss("plugin", {**self.host_keys, **plugin_keys}), batch)
+
+    # ------------------------------------------------------------------ documented differences
+    def deliberate(self, kind: str, name: str, batch: CompatBatch) -> str | None:
+        if kind != "nan_gradient":
+            return None
+        keys = self.host_keys
+        beta = 0.0 if keys.get("use_kl_in_reward") else keys.get("reference_policy_kl_penalty", 0.01)
+        gen = batch.data["generation_logprobs"][:, 1:]
+        nonfinite_gen = bool((~torch.isfinite(gen) & batch.valid).any())
+        if keys.get("use_on_policy_kl_approximation") and beta != 0 and nonfinite_gen:
+            return (
+                "NaN gradients: NeMo-RL's on-policy KL weight at a -inf generation log-prob back-propagates 0 * inf; "
+                f"the plugin differentiates the value NeMo-RL computes ({_DOCS})"
+            )
+        return None
+
+
+__all__ = ["HOST_MODULE", "HostUnavailableError", "NeMoRLHost", "import_host"]
