@@ -46,7 +46,7 @@ from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_sum
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
 from nemo_is_plugin.distributed.vocab_parallel import reduce_partials
 from nemo_is_plugin.kernels.chunk_math import ChunkMath, resolve_backend
-from nemo_is_plugin.kernels.chunking import chunk_slices, device_chunk_size
+from nemo_is_plugin.kernels.chunking import chunk_slices, plan_chunks
 from nemo_is_plugin.kernels.gemm import (
     WeightGrad,
     acc_dtype,
@@ -69,20 +69,17 @@ def check_head_inputs(
     with_entropy: bool = False,
 ) -> int:
     """Raise ValueError naming the argument unless the shapes and settings of an LM-head call agree; returns the chunk
-    size in tokens (``device_chunk_size`` when ``chunk_size`` is None)."""
+    size in tokens (``plan_chunks``: ``device_chunk_size`` of the backend that will run when ``chunk_size`` is None)."""
     if hidden.shape[:-1] != target.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and target {tuple(target.shape)} disagree on [...] dims")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} must be [V/TP, H] with H = {hidden.shape[-1]}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    dtype = compute_dtype(hidden)
-    resolved = resolve_backend(backend, hidden.device, dtype)
-    if chunk_size is None:
-        return device_chunk_size(weight.shape[0], hidden.device, dtype, resolved, with_entropy)
-    if chunk_size < 1:
+    _, chunk = plan_chunks(backend, hidden.device, compute_dtype(hidden), weight.shape[0], chunk_size, with_entropy)
+    if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return chunk_size
+    return chunk
 
 
 def check_grad_weight_out(weight: torch.Tensor, grad_weight_out: torch.Tensor | None) -> None:
