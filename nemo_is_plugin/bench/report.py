@@ -162,8 +162,9 @@ def memory_fit(results: dict) -> dict[str, dict]:
 def targets(results: dict) -> list[dict]:
     """The benchmark's CPU-checkable targets, each with the measured value and whether it holds."""
     rows, out = derived_rows(results), []
-    fused = [r for r in rows if r["path"] == "fused_linear"]
-    naive = {r["model"]: r for r in rows if r["path"] == "naive"}
+    timed = [r for r in rows if r["fwd_s"] is not None and r["fwdbwd_s"] is not None]  # failed rows: failure_lines
+    fused = [r for r in timed if r["path"] == "fused_linear"]
+    naive = {r["model"]: r for r in timed if r["path"] == "naive"}
     for r in fused:
         out.append(
             dict(
@@ -195,7 +196,7 @@ def targets(results: dict) -> list[dict]:
                     ok=r["fwdbwd_s"] < nv["fwdbwd_s"],
                 )
             )
-    for r in (r for r in rows if r["path"] == "fused_2pass"):
+    for r in (r for r in rows if r["path"] == "fused_2pass" and r["fwdbwd_s"] is not None):
         out.append(
             dict(
                 target=f"{r['model']}: two-pass fused forward+backward <= {TARGET_FWDBWD}x matmul "
@@ -238,6 +239,53 @@ def targets(results: dict) -> list[dict]:
     return out
 
 
+# ------------------------------------------------------------------------------------------------------ failures
+# the measurements a row's ``failed`` can name, and what each is called in the reports
+MEASUREMENTS = {
+    "fwd": "forward",
+    "fwdbwd": "forward+backward",
+    "reference": "log-prob and gradient errors vs float64",
+    "loss_grad": "loss gradient error vs naive float64",
+}
+FAILED_CELL = "failed"
+
+
+def measurement_of(key: str) -> str | None:
+    """The measurement (a key of ``MEASUREMENTS``) a result column comes from; None for the row's labels."""
+    if key.startswith("fwdbwd_") or key in ("loss_err", "dx_err", "dw_err", "useful_tflops"):
+        return "fwdbwd"
+    if key.startswith("fwd_"):
+        return "fwd"
+    if key in ("lp_err", "grad_err"):
+        return "reference"
+    return "loss_grad" if key == "loss_grad_err" else None
+
+
+def failure_lines(results: dict) -> list[str]:
+    """One line per failed measurement: ``model path measurement: error``."""
+    return [
+        f"{r['model']} {r['path']} {MEASUREMENTS.get(what, what)}: {error}"
+        for r in results["rows"]
+        for what, error in (r.get("failed") or {}).items()
+    ]
+
+
+def failures_markdown(results: dict) -> str:
+    """The failed measurements and the Triton fallback as markdown paragraphs under a results table ("" if none)."""
+    lines = [f"- {line}" for line in failure_lines(results)]
+    text = f"\n\nFailed measurements (their cells read `{FAILED_CELL}`):\n" + "\n".join(lines) if lines else ""
+    note = fallback_note(results)
+    return text + (f"\n\n**Note:** {note}." if note else "")
+
+
+def fallback_note(results: dict) -> str | None:
+    """A sentence when the Triton backend fell back to torch during the run (None: it did not)."""
+    reason = results.get("triton_fallback")
+    if reason is None:
+        return None
+    return f"the Triton backend fell back to torch in this run ({reason}): rows with backend torch ran without Triton"
+
+
 # ------------------------------------------------------------------------------------------------------ formatting
 def _fmt(value: float | None, kind: str) -> str:
     if value is None:
@@ -259,6 +307,7 @@ COLUMNS = (  # header, key, kind
     ("model", "model", "str"),
     ("N", "tokens", "str"),
     ("path", "path", "str"),
+    ("backend", "backend", "str"),
     ("fwd tok/s", "fwd_tok_s", "num"),
     ("fwd / mm", "fwd_ratio", "ratio"),
     ("f+b tok/s", "fwdbwd_tok_s", "num"),
@@ -276,6 +325,7 @@ COLUMNS = (  # header, key, kind
 GPU_COLUMNS = (  # header, key, kind
     ("model", "model", "str"),
     ("path", "path", "str"),
+    ("backend", "backend", "str"),
     ("fwd x GEMM", "fwd_ratio", "ratio"),
     ("f+b x GEMM", "fwdbwd_ratio", "ratio"),
     ("f+b ms", "fwdbwd_s", "ms"),
@@ -287,9 +337,19 @@ GPU_COLUMNS = (  # header, key, kind
 )
 
 
+def _cell(row: dict, key: str, kind: str) -> str:
+    """A value, ``-`` where nothing was measured, ``failed`` where its measurement raised (``failure_lines``)."""
+    value = row.get(key)
+    if value is None and measurement_of(key) in (row.get("failed") or {}):
+        return FAILED_CELL
+    if kind == "str":
+        return "-" if value is None else str(value)
+    return _fmt(value, kind)
+
+
 def table_cells(results: dict, columns=COLUMNS) -> tuple[list[str], list[list[str]]]:
     rows = derived_rows(results)
-    cells = [[str(r[k]) if kind == "str" else _fmt(r.get(k), kind) for _, k, kind in columns] for r in rows]
+    cells = [[_cell(r, k, kind) for _, k, kind in columns] for r in rows]
     return [h for h, _, _ in columns], cells
 
 
@@ -297,6 +357,7 @@ TERMINAL_COLUMNS = (
     "model",
     "N",
     "path",
+    "backend",
     "fwd / mm",
     "f+b tok/s",
     "f+b / mm",
@@ -320,7 +381,7 @@ def rich_table(results: dict):
         keep = [all_headers.index(h) for h in TERMINAL_COLUMNS]
         headers, cells = [all_headers[i] for i in keep], [[row[i] for i in keep] for row in all_cells]
     table = Table(title="LM head -> log-prob -> PG loss (ratios to the bare GEMM of the same run)")
-    n_text = 2 if is_gpu_run(results) else 3
+    n_text = 3 if is_gpu_run(results) else 4
     for i, h in enumerate(headers):
         table.add_column(h, justify="left" if i < n_text else "right")
     for row in cells:
@@ -340,15 +401,21 @@ def write_json(results: dict, path: Path) -> Path:
 
 
 __all__ = [
+    "FAILED_CELL",
     "GPU_COLUMNS",
+    "MEASUREMENTS",
     "QUICK_NOTE",
     "comparability_note",
     "derived_rows",
+    "failure_lines",
+    "failures_markdown",
+    "fallback_note",
     "gpu_memory_bound",
     "gpu_targets",
     "is_gpu_run",
     "is_gpu_target_run",
     "markdown_table",
+    "measurement_of",
     "memory_fit",
     "rich_table",
     "run_targets",
