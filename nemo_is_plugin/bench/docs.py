@@ -36,7 +36,8 @@ For every model shape (H, V from the models' `config.json`, research/performance
   backward (`from_logits`, `fused_2pass`: 1 forward + 1 recompute + 2 gradient GEMMs);
 - **GFLOP/s**: effective, counting 8NHV for forward+backward whatever a path executes (Liger's convention);
 - **backend**: the chunk-math backend the path's memory-tracked calls ran on (`torch` or `triton`; `-`: the path has
-  no chunk math). A measurement that raised reads **failed** in its cells, with its error listed under the table;
+  no chunk math); a fallback from Triton to torch is noted under the table (`NEMO_IS_STRICT_BACKEND=1` makes it an
+  error instead). A measurement that raised reads **failed** in its cells, with its error listed under the table;
 - **peak MiB**: the high-water mark of tensor bytes allocated above the inputs, tracked by a `TorchDispatchMode` that
   counts every new storage an op returns and uncounts it when freed (`nemo_is_plugin/bench/memory.py`). It includes
   saved activations, workspaces and the gradients (dW alone is V x H x 4 bytes: 1187 MiB at H=2048, V=151936);

@@ -262,7 +262,8 @@ def fused_linear_logprobs(
         with_entropy: also return the full-vocab entropy per token (differentiable).
         sequence_parallel: ``hidden`` is sharded over TP along dim 0 (Megatron sequence parallelism).
         backend: "auto" (Triton kernels for the elementwise passes on CUDA, torch elsewhere; falls back to torch with
-            a warning if triton is missing or a kernel fails to compile), "torch", or "triton" (no fallback).
+            a warning if triton is missing or a kernel fails to compile, an error with NEMO_IS_STRICT_BACKEND=1),
+            "torch", or "triton" (no fallback).
         grad_weight_out: a ``[V/TP, H]`` floating-point buffer (typically Megatron's fp32 ``main_grad``) that the
             weight's gradient is ADDED into during the backward; ``weight`` then receives no ``.grad``. Requires
             ``weight.requires_grad``; nothing is added when no backward runs (e.g. under ``torch.no_grad``).
