@@ -8,17 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nemo_is_plugin.bench.failures import failures_markdown
 from nemo_is_plugin.bench.gpu_docs import carry_gpu_sections
 from nemo_is_plugin.bench.plots import plot_memory, plot_ratios
-from nemo_is_plugin.bench.report import (
-    MIB,
-    failures_markdown,
-    markdown_table,
-    memory_fit,
-    table_cells,
-    targets,
-    write_json,
-)
+from nemo_is_plugin.bench.report import MIB, markdown_table, memory_fit, table_cells, targets, write_json
 
 METHOD = """\
 ## What is measured

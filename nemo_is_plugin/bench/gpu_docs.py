@@ -11,10 +11,10 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+from nemo_is_plugin.bench.failures import failures_markdown
 from nemo_is_plugin.bench.report import (
     GPU_COLUMNS,
     comparability_note,
-    failures_markdown,
     gpu_targets,
     is_gpu_run,
     markdown_table,

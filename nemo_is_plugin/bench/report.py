@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from nemo_is_plugin.bench.failures import FAILED_CELL, measurement_of
 from nemo_is_plugin.bench.shapes import GPU_TARGET_DTYPE, GPU_TARGET_TOKENS
 
 MIB, GIB = 2**20, 2**30
@@ -239,53 +240,6 @@ def targets(results: dict) -> list[dict]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------------ failures
-# the measurements a row's ``failed`` can name, and what each is called in the reports
-MEASUREMENTS = {
-    "fwd": "forward",
-    "fwdbwd": "forward+backward",
-    "reference": "log-prob and gradient errors vs float64",
-    "loss_grad": "loss gradient error vs naive float64",
-}
-FAILED_CELL = "failed"
-
-
-def measurement_of(key: str) -> str | None:
-    """The measurement (a key of ``MEASUREMENTS``) a result column comes from; None for the row's labels."""
-    if key.startswith("fwdbwd_") or key in ("loss_err", "dx_err", "dw_err", "useful_tflops"):
-        return "fwdbwd"
-    if key.startswith("fwd_"):
-        return "fwd"
-    if key in ("lp_err", "grad_err"):
-        return "reference"
-    return "loss_grad" if key == "loss_grad_err" else None
-
-
-def failure_lines(results: dict) -> list[str]:
-    """One line per failed measurement: ``model path measurement: error``."""
-    return [
-        f"{r['model']} {r['path']} {MEASUREMENTS.get(what, what)}: {error}"
-        for r in results["rows"]
-        for what, error in (r.get("failed") or {}).items()
-    ]
-
-
-def failures_markdown(results: dict) -> str:
-    """The failed measurements and the Triton fallback as markdown paragraphs under a results table ("" if none)."""
-    lines = [f"- {line}" for line in failure_lines(results)]
-    text = f"\n\nFailed measurements (their cells read `{FAILED_CELL}`):\n" + "\n".join(lines) if lines else ""
-    note = fallback_note(results)
-    return text + (f"\n\n**Note:** {note}." if note else "")
-
-
-def fallback_note(results: dict) -> str | None:
-    """A sentence when the Triton backend fell back to torch during the run (None: it did not)."""
-    reason = results.get("triton_fallback")
-    if reason is None:
-        return None
-    return f"the Triton backend fell back to torch in this run ({reason}): rows with backend torch ran without Triton"
-
-
 # ------------------------------------------------------------------------------------------------------ formatting
 def _fmt(value: float | None, kind: str) -> str:
     if value is None:
@@ -401,21 +355,15 @@ def write_json(results: dict, path: Path) -> Path:
 
 
 __all__ = [
-    "FAILED_CELL",
     "GPU_COLUMNS",
-    "MEASUREMENTS",
     "QUICK_NOTE",
     "comparability_note",
     "derived_rows",
-    "failure_lines",
-    "failures_markdown",
-    "fallback_note",
     "gpu_memory_bound",
     "gpu_targets",
     "is_gpu_run",
     "is_gpu_target_run",
     "markdown_table",
-    "measurement_of",
     "memory_fit",
     "rich_table",
     "run_targets",

@@ -18,7 +18,7 @@ rounds as the paths; ``loss`` is the loss epilogue alone (forward+backward on gi
 math, e.g. naive); ``results["triton_fallback"]`` is why ``auto`` fell back from Triton to torch in this run (None:
 it did not). A path that cannot run here is listed in ``skipped`` with the reason. A measurement that raises (an
 out-of-memory, a backend error) is recorded in its row's ``failed`` (``{measurement: error}``, the measurements of
-``report.MEASUREMENTS``) and the run goes on: a failure is never an empty cell.
+``failures.MEASUREMENTS``) and the run goes on: a failure is never an empty cell.
 """
 
 from __future__ import annotations

@@ -147,17 +147,10 @@ def _report(results: dict, console, out: Path, write_docs: bool, docs_dir: Path)
     from rich.markup import escape
 
     from nemo_is_plugin.bench.docs import write_docs as write_cpu_docs
+    from nemo_is_plugin.bench.failures import failure_lines, fallback_note
     from nemo_is_plugin.bench.gpu_docs import gpu_docs_refusal, write_gpu_section
     from nemo_is_plugin.bench.plots import plot_memory, plot_ratios
-    from nemo_is_plugin.bench.report import (
-        comparability_note,
-        failure_lines,
-        fallback_note,
-        is_gpu_run,
-        rich_table,
-        run_targets,
-        write_json,
-    )
+    from nemo_is_plugin.bench.report import comparability_note, is_gpu_run, rich_table, run_targets, write_json
 
     console.print(rich_table(results))
     for name, why in results["skipped"].items():

@@ -23,7 +23,11 @@ triton_logprob.TritonCompileError`). Either warns once, and this process uses to
 (:func:`triton_fallback_reason` says why). Nothing else falls back: an error of a launch (an illegal address, an
 out-of-memory, a bad argument), on the first launch or a later one, propagates. The fused LM-head paths compile their
 kernels in :func:`resolve_backend` (``cols`` given) before they size their chunk, so a fallback there sizes the chunk
-for the torch backend's fp32 workspace (:func:`~nemo_is_plugin.kernels.chunking.plan_chunks`). An explicit
+for the torch backend's fp32 workspace (:func:`~nemo_is_plugin.kernels.chunking.plan_chunks`); with their default
+chunk sizes every launch is of a specialisation compiled there. A specialisation first met at a launch (another
+layout, e.g. per-token vectors at an unaligned offset under a caller's chunk size, or the logits path of
+``vocab_parallel``, whose chunk is budgeted in fp32 anyway) is compiled right before it, and a failure there makes
+:class:`ChunkMath` compute that chunk, and the rest of the call, on torch in the chunk the caller sized. An explicit
 ``"triton"``, or the environment variable ``NEMO_IS_STRICT_BACKEND=1`` (``STRICT_BACKEND_ENV``), makes any fallback
 an error (:class:`BackendFallbackError`; a compile failure under ``"triton"`` raises TritonCompileError itself).
 

@@ -63,7 +63,8 @@ def test_a_failing_measurement_is_a_failed_row_with_its_error_and_the_run_goes_o
     from rich.console import Console
 
     from nemo_is_plugin.bench.docs import render_markdown
-    from nemo_is_plugin.bench.report import failure_lines, table_cells
+    from nemo_is_plugin.bench.failures import failure_lines
+    from nemo_is_plugin.bench.report import table_cells
     from nemo_is_plugin.cli.bench import _report
 
     def broken(*_args, **_kw):
