@@ -167,9 +167,11 @@ _COMPILED: set[tuple] = set()  # specialisations compiled in this process (their
 
 
 def _specialisation(kernel, args: tuple, kwargs: dict) -> tuple:
-    """What Triton compiles one binary per: tensor dtypes and 16-byte alignment, integers equal to 1 or divisible
-    by 16, the constexprs and launch options. A ``torch.dtype`` stands for an aligned tensor (``warmup``'s mock)."""
-    parts: list = [getattr(kernel, "__name__", repr(kernel))]
+    """What Triton compiles one binary per: the current device, tensor dtypes and 16-byte alignment, integers equal
+    to 1 or divisible by 16, the constexprs and launch options. A ``torch.dtype`` stands for an aligned tensor
+    (``warmup``'s mock)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None  # Triton compiles for this one
+    parts: list = [getattr(kernel, "__name__", repr(kernel)), device]
     for a in args:
         if isinstance(a, torch.Tensor):
             parts.append((a.dtype, a.data_ptr() % 16 == 0))
