@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nemo_is_plugin.bench.failures import failures_markdown
 from nemo_is_plugin.bench.gpu_docs import carry_gpu_sections
 from nemo_is_plugin.bench.plots import plot_memory, plot_ratios
 from nemo_is_plugin.bench.report import MIB, markdown_table, memory_fit, table_cells, targets, write_json
@@ -27,6 +28,9 @@ For every model shape (H, V from the models' `config.json`, research/performance
   pass: logits, dX, dW per chunk; token-level and cumulative ratios), 4x for one that recomputes the logits in its
   backward (`from_logits`, `fused_2pass`: 1 forward + 1 recompute + 2 gradient GEMMs);
 - **GFLOP/s**: effective, counting 8NHV for forward+backward whatever a path executes (Liger's convention);
+- **backend**: the chunk-math backend the path's memory-tracked calls ran on (`torch` or `triton`; `-`: the path has
+  no chunk math); a fallback from Triton to torch is noted under the table (`NEMO_IS_STRICT_BACKEND=1` makes it an
+  error instead). A measurement that raised reads **failed** in its cells, with its error listed under the table;
 - **peak MiB**: the high-water mark of tensor bytes allocated above the inputs, tracked by a `TorchDispatchMode` that
   counts every new storage an op returns and uncounts it when freed (`nemo_is_plugin/bench/memory.py`). It includes
   saved activations, workspaces and the gradients (dW alone is V x H x 4 bytes: 1187 MiB at H=2048, V=151936);
@@ -82,6 +86,8 @@ CAVEATS = """\
   benchmark, so its peak above counts dW).
 - **GPU**: these CPU numbers do not carry over to a GPU. A GPU run (`nemo-is bench --device cuda --write-docs`, bf16,
   16,384 tokens) writes its own section at the top of this page, with the GPU targets; a CPU regeneration keeps it.
+  `scripts/gpu_check.sh` runs the GPU tests, that run and the model step in one command (logs under `$OUT`, default
+  `runs/gpu_check`), and fails if any step failed or the Triton backend fell back to torch (docs/testing.md).
 """
 
 
@@ -132,7 +138,7 @@ Raw results: [`img/perf_results.json`]({img_prefix}perf_results.json).{skipped}
 
 ## Results
 
-{markdown_table(headers, cells)}
+{markdown_table(headers, cells)}{failures_markdown(results)}
 
 ![time ratios]({img_prefix}perf_ratios.png)
 

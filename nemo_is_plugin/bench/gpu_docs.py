@@ -11,6 +11,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+from nemo_is_plugin.bench.failures import failures_markdown
 from nemo_is_plugin.bench.report import (
     GPU_COLUMNS,
     comparability_note,
@@ -112,8 +113,9 @@ divided by one bare forward GEMM `X W^T` of the same shape, timed in the same ro
 floor without recompute). **useful TFLOP/s**: 6NHV / time. **peak**: `torch.cuda.max_memory_allocated` above the
 inputs (includes dX and dW). **errors** against an fp32 reference of the whole problem (`bench/reference.py`): loss
 |dL| / |L|; dX and dW max |d| / max |reference|. Liger computes its own loss, so it has no error columns.
+**backend**: the chunk-math backend the path ran on (`-`: none); a measurement that raised reads `failed`.
 
-{markdown_table(headers, cells)}
+{markdown_table(headers, cells)}{failures_markdown(results)}
 
 ### GPU targets
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from nemo_is_plugin.bench.failures import FAILED_CELL, measurement_of
 from nemo_is_plugin.bench.shapes import GPU_TARGET_DTYPE, GPU_TARGET_TOKENS
 
 MIB, GIB = 2**20, 2**30
@@ -162,8 +163,9 @@ def memory_fit(results: dict) -> dict[str, dict]:
 def targets(results: dict) -> list[dict]:
     """The benchmark's CPU-checkable targets, each with the measured value and whether it holds."""
     rows, out = derived_rows(results), []
-    fused = [r for r in rows if r["path"] == "fused_linear"]
-    naive = {r["model"]: r for r in rows if r["path"] == "naive"}
+    timed = [r for r in rows if r["fwd_s"] is not None and r["fwdbwd_s"] is not None]  # failed rows: failure_lines
+    fused = [r for r in timed if r["path"] == "fused_linear"]
+    naive = {r["model"]: r for r in timed if r["path"] == "naive"}
     for r in fused:
         out.append(
             dict(
@@ -195,7 +197,7 @@ def targets(results: dict) -> list[dict]:
                     ok=r["fwdbwd_s"] < nv["fwdbwd_s"],
                 )
             )
-    for r in (r for r in rows if r["path"] == "fused_2pass"):
+    for r in (r for r in rows if r["path"] == "fused_2pass" and r["fwdbwd_s"] is not None):
         out.append(
             dict(
                 target=f"{r['model']}: two-pass fused forward+backward <= {TARGET_FWDBWD}x matmul "
@@ -259,6 +261,7 @@ COLUMNS = (  # header, key, kind
     ("model", "model", "str"),
     ("N", "tokens", "str"),
     ("path", "path", "str"),
+    ("backend", "backend", "str"),
     ("fwd tok/s", "fwd_tok_s", "num"),
     ("fwd / mm", "fwd_ratio", "ratio"),
     ("f+b tok/s", "fwdbwd_tok_s", "num"),
@@ -276,6 +279,7 @@ COLUMNS = (  # header, key, kind
 GPU_COLUMNS = (  # header, key, kind
     ("model", "model", "str"),
     ("path", "path", "str"),
+    ("backend", "backend", "str"),
     ("fwd x GEMM", "fwd_ratio", "ratio"),
     ("f+b x GEMM", "fwdbwd_ratio", "ratio"),
     ("f+b ms", "fwdbwd_s", "ms"),
@@ -287,9 +291,19 @@ GPU_COLUMNS = (  # header, key, kind
 )
 
 
+def _cell(row: dict, key: str, kind: str) -> str:
+    """A value, ``-`` where nothing was measured, ``failed`` where its measurement raised (``failure_lines``)."""
+    value = row.get(key)
+    if value is None and measurement_of(key) in (row.get("failed") or {}):
+        return FAILED_CELL
+    if kind == "str":
+        return "-" if value is None else str(value)
+    return _fmt(value, kind)
+
+
 def table_cells(results: dict, columns=COLUMNS) -> tuple[list[str], list[list[str]]]:
     rows = derived_rows(results)
-    cells = [[str(r[k]) if kind == "str" else _fmt(r.get(k), kind) for _, k, kind in columns] for r in rows]
+    cells = [[_cell(r, k, kind) for _, k, kind in columns] for r in rows]
     return [h for h, _, _ in columns], cells
 
 
@@ -297,6 +311,7 @@ TERMINAL_COLUMNS = (
     "model",
     "N",
     "path",
+    "backend",
     "fwd / mm",
     "f+b tok/s",
     "f+b / mm",
@@ -320,7 +335,7 @@ def rich_table(results: dict):
         keep = [all_headers.index(h) for h in TERMINAL_COLUMNS]
         headers, cells = [all_headers[i] for i in keep], [[row[i] for i in keep] for row in all_cells]
     table = Table(title="LM head -> log-prob -> PG loss (ratios to the bare GEMM of the same run)")
-    n_text = 2 if is_gpu_run(results) else 3
+    n_text = 3 if is_gpu_run(results) else 4
     for i, h in enumerate(headers):
         table.add_column(h, justify="left" if i < n_text else "right")
     for row in cells:

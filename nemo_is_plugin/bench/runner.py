@@ -12,8 +12,13 @@ Per shape and path:
   the first ``ref_tokens`` tokens; ``loss_grad_err``: the loss's ``d/d hidden`` against the naive path in float64 on
   a ``ref_tokens``-token problem of the same shape (inputs in fp32).
 The ``matmul`` row is the bare ``hidden @ W.T`` (forward) and its 3 GEMMs (forward+backward), timed in the same
-rounds as the paths; ``loss`` is the loss epilogue alone (forward+backward on given log-probs). A path that cannot
-run here, or fails (an out-of-memory, a backend error), is listed in ``skipped`` with the reason; the run goes on.
+rounds as the paths; ``loss`` is the loss epilogue alone (forward+backward on given log-probs).
+
+``backend``: the chunk-math backend(s) the path's memory-tracked calls ran on (``torch``, ``triton``; None: no chunk
+math, e.g. naive); ``results["triton_fallback"]`` is why ``auto`` fell back from Triton to torch in this run (None:
+it did not). A path that cannot run here is listed in ``skipped`` with the reason. A measurement that raises (an
+out-of-memory, a backend error) is recorded in its row's ``failed`` (``{measurement: error}``, the measurements of
+``failures.MEASUREMENTS``) and the run goes on: a failure is never an empty cell.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ from nemo_is_plugin.bench.problem import HeadProblem, leaf_grad, make_problem
 from nemo_is_plugin.bench.reference import Reference, compare, reference_loss_and_grads
 from nemo_is_plugin.bench.shapes import BenchConfig, ModelShape
 from nemo_is_plugin.bench.sweep import count_sweep_steps, direct_memory, memory_sweep
+from nemo_is_plugin.kernels.chunk_math import record_backends, triton_fallback_reason
 
 Progress = Callable[[str], None]
-KIND_LABEL = {"fwd": "forward", "fwdbwd": "forward+backward"}
 
 
 def count_steps(cfg: BenchConfig) -> int:
@@ -64,6 +69,8 @@ def result_row(shape: ModelShape, vocab: int, tokens: int, path: str, **values) 
         loss_err=None,
         dx_err=None,
         dw_err=None,
+        backend=None,
+        failed={},
     )
     base.update(values)
     return base
@@ -86,38 +93,46 @@ def _check_against(ref: Reference) -> Callable[[object], dict]:
     return check
 
 
-def _tracked_call(dev: BenchDevice, job: Job, warmup: int) -> tuple[Measured, object]:
-    """``warmup`` untracked calls, then one memory-tracked call whose result is returned."""
+def _tracked_call(dev: BenchDevice, job: Job, warmup: int) -> tuple[Measured, object, set[str]]:
+    """``warmup`` untracked calls, then one memory-tracked call: its measurement, result and chunk-math backends."""
     for _ in range(warmup):
         job()
     out: dict = {}
-    measured = dev.measure_memory(lambda: out.__setitem__("result", job()))
-    return measured, out.get("result")
+    with record_backends() as used:
+        measured = dev.measure_memory(lambda: out.__setitem__("result", job()))
+    return measured, out.get("result"), used
+
+
+def _backend_label(used: set[str]) -> str | None:
+    return "+".join(sorted(used)) or None
 
 
 class _ShapeRun:
-    """The jobs of one shape with their memory, errors, timing rounds and failures."""
+    """The jobs of one shape with their memory, errors, backends, timing rounds and failures."""
 
-    def __init__(self, dev: BenchDevice, shape: ModelShape, skipped: dict) -> None:
-        self.dev, self.shape, self.skipped = dev, shape, skipped
+    def __init__(self, dev: BenchDevice, shape: ModelShape) -> None:
+        self.dev, self.shape = dev, shape
         self.jobs: dict[tuple[str, str], Job] = {}
         self.memory: dict[tuple[str, str], Measured] = {}
         self.errors: dict[str, dict] = {}
+        self.backends: dict[str, set[str]] = {}
         self.times: dict[tuple[str, str], list[float]] = {}
+        self.failed: dict[str, dict[str, str]] = {}  # path -> {measurement: error}
 
     def fail(self, key: tuple[str, str], exc: BaseException) -> None:
         self.jobs.pop(key, None)
         self.times.pop(key, None)
         self.memory.pop(key, None)
-        self.skipped[f"{key[0]} {KIND_LABEL[key[1]]}"] = _failure(exc, f"{self.shape.name} ({self.dev.device.type})")
+        self.failed.setdefault(key[0], {})[key[1]] = _failure(exc, f"{self.shape.name} ({self.dev.device.type})")
 
     def warm_up(self, key: tuple[str, str], warmup: int, check: Callable[[object], dict] | None) -> None:
         try:
-            self.memory[key], result = _tracked_call(self.dev, self.jobs[key], warmup)
+            self.memory[key], result, used = _tracked_call(self.dev, self.jobs[key], warmup)
+            self.backends.setdefault(key[0], set()).update(used)
             if check is not None:
                 self.errors[key[0]] = check(result)
             self.times[key] = []
-        except Exception as exc:  # a backend or an out-of-memory: reported in `skipped`, the run goes on
+        except Exception as exc:  # a backend or an out-of-memory: recorded in the row's `failed`, the run goes on
             self.fail(key, exc)
         self.dev.release_cached()
 
@@ -130,10 +145,12 @@ class _ShapeRun:
                 self.dev.release_cached()
 
     def values(self, name: str) -> dict | None:
+        """The row's measured values, its backend and failures; None when nothing of ``name`` was attempted."""
         keys = [k for k in self.times if k[0] == name and self.times[k]]
-        if not keys:
+        if not keys and name not in self.failed:
             return None
         values: dict = dict(self.errors.get(name, {}))
+        values.update(backend=_backend_label(self.backends.get(name, set())), failed=dict(self.failed.get(name, {})))
         for _, kind in keys:
             values[f"{kind}_s"] = self.dev.summarise(self.times[(name, kind)])
             values[f"{kind}_peak"] = self.memory[(name, kind)].peak_bytes
@@ -148,7 +165,6 @@ def bench_shape(
     dev: BenchDevice,
     paths: dict[str, LogprobPath],
     progress: Progress,
-    skipped: dict,
 ) -> list[dict]:
     """Rows for one model shape: matmul, each path, the loss epilogue (see the module docstring).
 
@@ -172,7 +188,7 @@ def bench_shape(
     loss_fn = bench_loss_fn()
     progress(f"{shape.name}: fp32 reference of loss, dX, dW")
     ref = reference_loss_and_grads(problem, loss_fn)
-    run = _ShapeRun(dev, shape, skipped)
+    run = _ShapeRun(dev, shape)
     run.jobs.update(matmul_jobs(problem))
     for name in ["matmul", *cfg.paths]:
         progress(f"{shape.name}: warm-up + memory, {name}")
@@ -207,8 +223,12 @@ def _epilogue_row(
     lp = torch.randn(problem.target.shape, device=problem.target.device).clamp(max=-0.01)
     given = dataclasses.replace(problem, hidden=lp)
     job = fwd_bwd_job(LogprobPath("loss", "the loss epilogue", lambda h, w_, t: h), given, loss_fn)
-    measured, _ = _tracked_call(dev, job, cfg.warmup)
-    seconds = dev.summarise([dev.time_call(job) for _ in range(max(1, cfg.repeats))])
+    try:
+        measured, _, _ = _tracked_call(dev, job, cfg.warmup)
+        seconds = dev.summarise([dev.time_call(job) for _ in range(max(1, cfg.repeats))])
+    except Exception as exc:  # recorded in the row, the run goes on
+        failed = {"fwdbwd": _failure(exc, f"{shape.name} ({dev.device.type})")}
+        return result_row(shape, vocab, problem.num_tokens, "loss", failed=failed)
     return result_row(shape, vocab, problem.num_tokens, "loss", fwdbwd_s=seconds, fwdbwd_peak=measured.peak_bytes)
 
 
@@ -226,8 +246,8 @@ def _add_errors(rows: list[dict], problem: HeadProblem, cfg: BenchConfig, paths:
             elif r["path"] == "matmul":
                 logits = lm_head_logits(xs, w).float()
                 r["lp_err"] = max_abs_err(torch.log_softmax(logits, -1).gather(-1, ts[:, None])[:, 0], ref_lp)
-        except Exception:  # a backend that ran the full problem but not this one: the cell stays empty
-            continue
+        except Exception as exc:  # a backend that ran the full problem but not this one: recorded in the row
+            r["failed"]["reference"] = _failure(exc, f"{r['model']} float64 reference errors")
 
 
 def _add_loss_errors(
@@ -264,8 +284,8 @@ def _add_loss_errors(
             continue
         try:
             r["loss_grad_err"] = max_rel_err(hidden_grad(path, torch.float32), ref)
-        except Exception:  # e.g. a bf16-only kernel: the cell stays empty
-            continue
+        except Exception as exc:  # e.g. a bf16-only kernel: recorded in the row
+            r["failed"]["loss_grad"] = _failure(exc, f"{r['model']} loss gradient vs naive float64")
 
 
 def run_benchmark(cfg: BenchConfig, progress: Progress | None = None) -> dict:
@@ -283,7 +303,7 @@ def run_benchmark(cfg: BenchConfig, progress: Progress | None = None) -> dict:
             skipped[f"{name} forward+backward"] = path.fwdbwd_unavailable
     rows = []
     for shape in cfg.shapes:
-        rows += bench_shape(shape, cfg, dev, paths, progress, skipped)
+        rows += bench_shape(shape, cfg, dev, paths, progress)
         dev.release_cached()
     sweep = memory_sweep(cfg, dev, paths, progress)
     direct = direct_memory(cfg, dev, paths, progress)
@@ -308,7 +328,15 @@ def run_benchmark(cfg: BenchConfig, progress: Progress | None = None) -> dict:
         quick=cfg.quick_run,
     )
     machine = dict(dev.describe(), threads=cfg.threads)
-    return dict(config=config, machine=machine, rows=rows, memory_sweep=sweep, memory_direct=direct, skipped=skipped)
+    return dict(
+        config=config,
+        machine=machine,
+        rows=rows,
+        memory_sweep=sweep,
+        memory_direct=direct,
+        skipped=skipped,
+        triton_fallback=triton_fallback_reason(),
+    )
 
 
 __all__ = ["BENCH_LOSS_CONFIG", "bench_shape", "count_steps", "run_benchmark"]

@@ -147,6 +147,7 @@ def _report(results: dict, console, out: Path, write_docs: bool, docs_dir: Path)
     from rich.markup import escape
 
     from nemo_is_plugin.bench.docs import write_docs as write_cpu_docs
+    from nemo_is_plugin.bench.failures import failure_lines, fallback_note
     from nemo_is_plugin.bench.gpu_docs import gpu_docs_refusal, write_gpu_section
     from nemo_is_plugin.bench.plots import plot_memory, plot_ratios
     from nemo_is_plugin.bench.report import comparability_note, is_gpu_run, rich_table, run_targets, write_json
@@ -154,6 +155,10 @@ def _report(results: dict, console, out: Path, write_docs: bool, docs_dir: Path)
     console.print(rich_table(results))
     for name, why in results["skipped"].items():
         console.print(f"[yellow]not measured: {escape(name)}:[/yellow] {escape(why)}")
+    for line in failure_lines(results):
+        console.print(f"[red]failed:[/red] {escape(line)}")
+    if note := fallback_note(results):
+        console.print(f"[bold red]note:[/bold red] {escape(note)}")
     if note := comparability_note(results):
         console.print(f"[bold yellow]note:[/bold yellow] {escape(note)}")
     for t in run_targets(results):

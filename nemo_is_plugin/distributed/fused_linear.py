@@ -46,7 +46,7 @@ from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_sum
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
 from nemo_is_plugin.distributed.vocab_parallel import reduce_partials
 from nemo_is_plugin.kernels.chunk_math import ChunkMath, resolve_backend
-from nemo_is_plugin.kernels.chunking import chunk_slices, device_chunk_size
+from nemo_is_plugin.kernels.chunking import chunk_slices, plan_chunks
 from nemo_is_plugin.kernels.gemm import (
     WeightGrad,
     acc_dtype,
@@ -69,20 +69,17 @@ def check_head_inputs(
     with_entropy: bool = False,
 ) -> int:
     """Raise ValueError naming the argument unless the shapes and settings of an LM-head call agree; returns the chunk
-    size in tokens (``device_chunk_size`` when ``chunk_size`` is None)."""
+    size in tokens (``plan_chunks``: ``device_chunk_size`` of the backend that will run when ``chunk_size`` is None)."""
     if hidden.shape[:-1] != target.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and target {tuple(target.shape)} disagree on [...] dims")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} must be [V/TP, H] with H = {hidden.shape[-1]}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    dtype = compute_dtype(hidden)
-    resolved = resolve_backend(backend, hidden.device, dtype)
-    if chunk_size is None:
-        return device_chunk_size(weight.shape[0], hidden.device, dtype, resolved, with_entropy)
-    if chunk_size < 1:
+    _, chunk = plan_chunks(backend, hidden.device, compute_dtype(hidden), weight.shape[0], chunk_size, with_entropy)
+    if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return chunk_size
+    return chunk
 
 
 def check_grad_weight_out(weight: torch.Tensor, grad_weight_out: torch.Tensor | None) -> None:
@@ -265,7 +262,8 @@ def fused_linear_logprobs(
         with_entropy: also return the full-vocab entropy per token (differentiable).
         sequence_parallel: ``hidden`` is sharded over TP along dim 0 (Megatron sequence parallelism).
         backend: "auto" (Triton kernels for the elementwise passes on CUDA, torch elsewhere; falls back to torch with
-            a warning if triton is missing or a kernel fails to compile), "torch", or "triton" (no fallback).
+            a warning if triton is missing or a kernel fails to compile, an error with NEMO_IS_STRICT_BACKEND=1),
+            "torch", or "triton" (no fallback).
         grad_weight_out: a ``[V/TP, H]`` floating-point buffer (typically Megatron's fp32 ``main_grad``) that the
             weight's gradient is ADDED into during the backward; ``weight`` then receives no ``.grad``. Requires
             ``weight.requires_grad``; nothing is added when no backward runs (e.g. under ``torch.no_grad``).

@@ -15,13 +15,32 @@ Backends:
 - ``"torch"`` (:mod:`kernels.chunk_inplace`): fp32 (fp64) math in place. A low-precision chunk (bf16 on a GPU
   without triton) is first copied into an fp32 workspace and the gradient copied back.
 - ``"auto"`` (the default of the public entry points): Triton on CUDA when triton imports and the dtype is one it
-  takes, torch otherwise. If triton is missing on CUDA, or a kernel fails at its first launch (compilation), it warns
-  once and this process uses torch from then on. An explicit ``"triton"`` never falls back: errors propagate.
+  takes, torch otherwise.
+
+Fallback (``auto`` only). Two things make ``auto`` use torch on CUDA instead of Triton: triton does not import, or a
+kernel specialisation fails to compile (or to load) before its first launch (:class:`~nemo_is_plugin.kernels.
+triton_logprob.TritonCompileError`). Either warns once, and this process uses torch from then on
+(:func:`triton_fallback_reason` says why). Nothing else falls back: an error of a launch (an illegal address, an
+out-of-memory, a bad argument), on the first launch or a later one, propagates. The fused LM-head paths compile their
+kernels in :func:`resolve_backend` (``cols`` given) before they size their chunk, so a fallback there sizes the chunk
+for the torch backend's fp32 workspace (:func:`~nemo_is_plugin.kernels.chunking.plan_chunks`); with their default
+chunk sizes every launch is of a specialisation compiled there. A specialisation first met at a launch (another
+layout, e.g. per-token vectors at an unaligned offset under a caller's chunk size, or the logits path of
+``vocab_parallel``, whose chunk is budgeted in fp32 anyway) is compiled right before it, and a failure there makes
+:class:`ChunkMath` compute that chunk, and the rest of the call, on torch in the chunk the caller sized. An explicit
+``"triton"``, or the environment variable ``NEMO_IS_STRICT_BACKEND=1`` (``STRICT_BACKEND_ENV``), makes any fallback
+an error (:class:`BackendFallbackError`; a compile failure under ``"triton"`` raises TritonCompileError itself).
+
+Which backend actually ran is recorded per pass: :func:`record_backends` collects it for a block of code (the
+benchmark's ``backend`` column).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -30,11 +49,49 @@ from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, logits_grad_, 
 from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials, copy_partials_
 
 BACKENDS = ("auto", "torch", "triton")
-_triton_failure: str | None = None  # set once a kernel failed under "auto": torch from then on
+STRICT_BACKEND_ENV = "NEMO_IS_STRICT_BACKEND"  # "1": a fallback from Triton to torch under "auto" is an error
+_triton_failure: str | None = None  # why "auto" fell back to torch in this process (torch from then on)
+_backend_records: list[set[str]] = []  # the open record_backends() blocks
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``"torch"`` or ``"triton"`` for a chunk of ``dtype`` on ``device`` (see the module docstring)."""
+class BackendFallbackError(RuntimeError):
+    """``auto`` would fall back from Triton to torch, and ``NEMO_IS_STRICT_BACKEND=1`` forbids it."""
+
+
+def strict_backend() -> bool:
+    """True when ``NEMO_IS_STRICT_BACKEND=1``: any fallback from Triton to torch raises."""
+    value = os.environ.get(STRICT_BACKEND_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{STRICT_BACKEND_ENV} must be 1 (a fallback to torch is an error) or 0 / unset: {value!r}")
+    return value == "1"
+
+
+def triton_fallback_reason() -> str | None:
+    """Why ``auto`` uses torch instead of Triton in this process (None: it has not fallen back)."""
+    return _triton_failure
+
+
+def _fall_back(reason: str) -> str:
+    """Record the fallback of ``auto`` to torch (warned once) and return ``"torch"``; raise in strict mode."""
+    global _triton_failure
+    if strict_backend():
+        raise BackendFallbackError(
+            f"the Triton log-prob kernels cannot run ({reason}) and {STRICT_BACKEND_ENV}=1 forbids the fallback to "
+            "the torch backend; fix the Triton install, or unset it to accept the (slower) torch backend"
+        )
+    _triton_failure = reason
+    _warn_once(f"the Triton log-prob kernels cannot run ({reason}); the torch backend runs from now on (slower)")
+    return "torch"
+
+
+def resolve_backend(
+    backend: str, device: torch.device, dtype: torch.dtype, *, cols: int | None = None, with_entropy: bool = False
+) -> str:
+    """``"torch"`` or ``"triton"`` for a chunk of ``dtype`` on ``device`` (see the module docstring).
+
+    With ``cols`` (the chunk's columns) a Triton answer first compiles the kernels an LM-head call over such chunks
+    launches (``triton_logprob.compile_kernels``): under ``auto`` a compile failure falls back here, before any chunk
+    is sized or allocated; under ``triton`` it raises TritonCompileError."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
@@ -44,13 +101,38 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
             raise ValueError("backend='triton' needs a CUDA device and an importable triton; use 'auto' or 'torch'")
         if dtype not in tk.TRITON_DTYPES:
             raise ValueError(f"backend='triton' takes {tk.TRITON_DTYPES} chunks, not {dtype}; use 'auto' or 'torch'")
+        if cols is not None:
+            tk.compile_kernels(dtype, cols, with_entropy)
         return "triton"
-    if device.type != "cuda" or dtype not in tk.TRITON_DTYPES or _triton_failure is not None:
+    if device.type != "cuda" or dtype not in tk.TRITON_DTYPES:
         return "torch"
+    if _triton_failure is not None:
+        return _fall_back(_triton_failure)
     if tk.triton is None:
-        _warn_once("triton is not importable: the fused log-prob chunks run on the torch backend (slower on GPUs)")
-        return "torch"
+        return _fall_back("triton is not importable")
+    if cols is not None:
+        try:
+            tk.compile_kernels(dtype, cols, with_entropy)
+        except tk.TritonCompileError as exc:
+            return _fall_back(str(exc))
     return "triton"
+
+
+@contextlib.contextmanager
+def record_backends() -> Iterator[set[str]]:
+    """The set of backends (``"torch"`` / ``"triton"``) the chunk passes ran on inside the block (filled as they
+    run); empty when no chunk pass ran."""
+    used: set[str] = set()
+    _backend_records.append(used)
+    try:
+        yield used
+    finally:
+        _backend_records[:] = [r for r in _backend_records if r is not used]
+
+
+def _ran(backend: str) -> None:
+    for record in _backend_records:
+        record.add(backend)
 
 
 _warned: set[str] = set()
@@ -119,19 +201,18 @@ class ChunkMath:
 
     # ------------------------------------------------------------------------------------------- triton guard
     def _triton(self, fn, *args):
-        """Run a Triton launcher; under ``auto`` a failure switches this process to the torch backend."""
-        global _triton_failure
+        """Run a Triton launcher. Only a compile failure before a specialisation's first launch may switch (under
+        ``auto``, outside strict mode) to the torch backend, which then computes this chunk: returns None. Any other
+        error propagates."""
         try:
-            return fn(*args)
-        except tk.ChunkLayoutError:  # a caller's argument (dtype, strides): not a kernel failure
-            raise
-        except Exception as exc:  # compilation / launch errors of any kind
+            done = fn(*args)
+        except tk.TritonCompileError as exc:
             if not self.fallback:
                 raise
-            _triton_failure = f"{type(exc).__name__}: {exc}"
-            _warn_once(f"a Triton log-prob kernel failed ({_triton_failure}); using the torch backend from now on")
-            self.backend = "torch"
+            self.backend = _fall_back(str(exc))
             return None
+        _ran("triton")
+        return done
 
     # ------------------------------------------------------------------------------------------- pass 1
     def partials(
@@ -154,6 +235,7 @@ class ChunkMath:
             done = self._triton(tk.triton_partials, z, target_column, in_scale, self.with_entropy, out)
             if done is not None:
                 return done
+        _ran("torch")
         work = self._fp_view(z, in_scale, z if writable else None)
         scratch = self._scratch_buf() if self.with_entropy else None
         got = chunk_partials_(work, local_target, owned, self.with_entropy, scratch)
@@ -189,6 +271,7 @@ class ChunkMath:
             return self.logits_grad(
                 z, z, local_target, owned, target_column, lse, grad_logprob, None, None, in_scale, out_scale
             )
+        _ran("torch")
         e, self._exp = self._exp, None
         grad = softmax_grad_from_exp_(e, torch.exp(local.max - lse), local_target, owned, grad_logprob, out_scale)
         return grad if grad.data_ptr() == z.data_ptr() else z.copy_(grad)
@@ -224,6 +307,7 @@ class ChunkMath:
             )
             if done is not None:
                 return done
+        _ran("torch")
         work = self._fp_view(z, in_scale, out)
         use_h = grad_entropy is not None and entropy is not None
         grad = logits_grad_(
@@ -240,4 +324,13 @@ class ChunkMath:
         return out if grad.data_ptr() == out.data_ptr() else out.copy_(grad)
 
 
-__all__ = ["BACKENDS", "ChunkMath", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "STRICT_BACKEND_ENV",
+    "BackendFallbackError",
+    "ChunkMath",
+    "record_backends",
+    "resolve_backend",
+    "strict_backend",
+    "triton_fallback_reason",
+]

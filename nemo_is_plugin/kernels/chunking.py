@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from nemo_is_plugin.kernels.chunk_math import ChunkMath
+from nemo_is_plugin.kernels.chunk_math import ChunkMath, resolve_backend
 from nemo_is_plugin.kernels.gemm import acc_dtype
 
 # Budget of one chunk's fp32 logits; 256 MiB keeps 256-1024 tokens per chunk at V/TP = 64k-250k (GEMM-efficient),
@@ -45,6 +45,24 @@ def device_chunk_size(
     return max(1, rows)
 
 
+def plan_chunks(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    vocab_local: int,
+    chunk_size: int | None,
+    with_entropy: bool = False,
+) -> tuple[str, int]:
+    """(backend that will run, tokens per chunk) of one LM-head call over ``[chunk, vocab_local]`` chunks of
+    ``dtype``: the backend is resolved first, its kernels compiled (``resolve_backend`` with ``cols``), so that a
+    fallback from Triton to torch sizes the default chunk for the torch backend's workspace; ``chunk_size`` (not
+    None) is the caller's and is kept whatever the backend."""
+    resolved = resolve_backend(backend, device, dtype, cols=vocab_local, with_entropy=with_entropy)
+    if chunk_size is not None:
+        return resolved, chunk_size
+    return resolved, device_chunk_size(vocab_local, device, dtype, resolved, with_entropy)
+
+
 def chunk_slices(n: int, chunk_size: int) -> Iterator[slice]:
     """Consecutive ``[start, start + chunk_size)`` slices covering ``range(n)``."""
     for start in range(0, n, chunk_size):
@@ -58,4 +76,5 @@ __all__ = [
     "chunk_slices",
     "default_chunk_size",
     "device_chunk_size",
+    "plan_chunks",
 ]

@@ -20,9 +20,14 @@ Precision policy (why each dtype):
     it; no dW is returned. Low-precision operands into an fp32 buffer use ``addmm(..., out_dtype=torch.float32,
     out=buf)`` (one GEMM, fp32 C read and written by the epilogue) where torch supports it, else the product of a
     block of rows in the operand dtype added in fp32 (one rounding per chunk and entry, temporaries of 256 MiB).
+    The switch to the blocked product happens only when torch says the ``out_dtype`` kernel does not exist
+    (``mixed_addmm_unsupported``), with a warning, once per (device type, dtypes); any other error of the GEMM (an
+    out-of-memory first of all) propagates and switches nothing.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -50,6 +55,18 @@ def chunk_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> to
     return torch.mm(x, weight.t(), out=out[: x.shape[0]])
 
 
+def mixed_addmm_unsupported(exc: BaseException) -> bool:
+    """True when ``exc`` from ``addmm(..., out_dtype=)`` says this torch / device has no such kernel: a TypeError (a
+    torch without the keyword), a NotImplementedError (no ``aten::addmm.dtype_out`` kernel for the backend, e.g.
+    CPU), or a RuntimeError whose message is about ``out_dtype`` (an unsupported dtype pair). An out-of-memory, or
+    any other error, is not: it must propagate."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    if isinstance(exc, (TypeError, NotImplementedError)):
+        return True
+    return isinstance(exc, RuntimeError) and ("out_dtype" in str(exc) or "dtype_out" in str(exc))
+
+
 def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``acc += a @ b`` in place, the product accumulated in fp32 (fp64) inside the GEMM (see module docstring)."""
     if acc.dtype == a.dtype:
@@ -58,8 +75,18 @@ def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _MIXED_ADDMM.get(key, acc.device.type != "cpu"):
         try:
             return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MIXED_ADDMM[key] = False  # this torch / device has no such kernel: blocked fallback from now on
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            if not mixed_addmm_unsupported(exc):
+                raise
+            _MIXED_ADDMM[key] = False  # this torch / device has no such kernel: blocked product from now on
+            why = (str(exc).splitlines() or [""])[0][:200]
+            warnings.warn(
+                f"addmm(out_dtype={acc.dtype}) is not available for {a.dtype} operands on {acc.device.type} "
+                f"({type(exc).__name__}: {why}); the weight gradient is accumulated with the blocked product from "
+                "now on (one rounding per chunk and entry)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     rows = max(1, FALLBACK_BLOCK_BYTES // max(1, b.shape[1] * a.element_size()))
     for r0 in range(0, a.shape[0], rows):
         acc[r0 : r0 + rows].add_(torch.mm(a[r0 : r0 + rows], b))
@@ -107,4 +134,12 @@ def default_grad_weight_dtype(weight: torch.Tensor, requested: torch.dtype | Non
     return acc_dtype(weight.dtype) if weight.device.type == "cpu" else weight.dtype
 
 
-__all__ = ["WeightGrad", "acc_dtype", "addmm_", "chunk_logits", "compute_dtype", "default_grad_weight_dtype"]
+__all__ = [
+    "WeightGrad",
+    "acc_dtype",
+    "addmm_",
+    "chunk_logits",
+    "compute_dtype",
+    "default_grad_weight_dtype",
+    "mixed_addmm_unsupported",
+]

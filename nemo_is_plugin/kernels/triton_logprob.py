@@ -29,6 +29,12 @@ Block sizes (``BLOCKS``), reasoned for H100 rows of 64k-250k columns (V/TP), not
   thread) needs no loop and no reduction.
 
 The numbers are fields of one dataclass so that a GPU run can sweep them (the benchmark records them).
+
+Compilation is separate from launching. Every specialisation (dtypes, pointer alignment, the integers Triton
+specialises on, constexprs, warps) is compiled and loaded onto the device with ``JITFunction.warmup`` before its
+first launch; whatever fails there is raised as :class:`TritonCompileError` (the only error the ``auto`` backend may
+fall back on, :mod:`kernels.chunk_math`). The launch itself is never wrapped: its errors propagate as they are.
+``compile_kernels`` compiles what one LM-head call launches before the call sizes its chunks.
 """
 
 from __future__ import annotations
@@ -153,6 +159,93 @@ if triton is not None:
         tl.store(OUT + row * stride_out + cols, out, mask=mask)
 
 
+class TritonCompileError(RuntimeError):
+    """A kernel specialisation failed to compile, or to load onto the device, before its first launch."""
+
+
+_COMPILED: set[tuple] = set()  # specialisations compiled in this process (their launches are not gated again)
+
+
+def _specialisation(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What Triton compiles one binary per: the current device, tensor dtypes and 16-byte alignment, integers equal
+    to 1 or divisible by 16, the constexprs and launch options. A ``torch.dtype`` stands for an aligned tensor
+    (``warmup``'s mock)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None  # Triton compiles for this one
+    parts: list = [getattr(kernel, "__name__", repr(kernel)), device]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, torch.dtype):
+            parts.append((a, True))
+        elif isinstance(a, bool) or not isinstance(a, int):
+            parts.append(type(a).__name__)
+        else:
+            parts.append((a == 1, a % 16 == 0))
+    return (*parts, *sorted(kwargs.items()))
+
+
+def _compile(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """Compile the specialisation ``args`` select and load it onto the device, without launching it."""
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)  # None under the interpreter: nothing to compile
+    load = getattr(compiled, "_init_handles", None)  # loading is where a kernel too large for the device is refused
+    if load is not None:
+        load()
+
+
+def _ensure_compiled(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """Compile the specialisation once per process; any failure is a :class:`TritonCompileError`."""
+    key = _specialisation(kernel, args, kwargs)
+    if key in _COMPILED:
+        return
+    try:
+        _compile(kernel, grid, args, kwargs)
+    except Exception as exc:
+        name = getattr(kernel, "__name__", "kernel")
+        raise TritonCompileError(f"{name} failed to compile: {type(exc).__name__}: {exc}") from exc
+    _COMPILED.add(key)
+
+
+def _run(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+    kernel[grid](*args, **kwargs)
+
+
+def _launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """Compile before the first launch of a specialisation (errors: TritonCompileError), then launch (errors: as
+    raised)."""
+    _ensure_compiled(kernel, grid, args, kwargs)
+    _run(kernel, grid, args, kwargs)
+
+
+def _partials_args(z, stride_z: int, target_column, m, s, t, q, n_cols: int, in_scale: float, with_entropy: bool):
+    """Positional arguments and keywords (constexprs, warps) of ``_partials_kernel``, in its signature's order."""
+    block, warps = BLOCKS.partials_launch(n_cols, with_entropy)
+    args = (z, stride_z, target_column, m, s, t, q, n_cols, float(in_scale))
+    return args, dict(WITH_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps)
+
+
+def _grad_args(z, strides: tuple[int, int], out, vectors: tuple, n_cols: int, scales: tuple[float, float], flags):
+    """Positional arguments and keywords of ``_logits_grad_kernel``; ``vectors`` = (target column, lse, g, entropy,
+    h), ``flags`` = (HAS_G, HAS_H)."""
+    args = (z, strides[0], out, strides[1], *vectors, n_cols, float(scales[0]), float(scales[1]))
+    kwargs = dict(HAS_G=flags[0], HAS_H=flags[1], BLOCK_V=BLOCKS.grad_block_v, num_warps=BLOCKS.grad_warps)
+    return args, kwargs
+
+
+def compile_kernels(dtype: torch.dtype, n_cols: int, with_entropy: bool) -> None:
+    """Compile (no launch) the specialisations one LM-head call over row-major ``[n, n_cols]`` chunks of ``dtype``
+    launches: pass 1 (``with_entropy``) and pass 2 with the upstream gradients that call can receive. Raises
+    TritonCompileError. Run before the call sizes its chunk, so that a fallback can size it for the torch backend."""
+    if triton is None:
+        raise TritonCompileError("triton is not importable")
+    f32, i64 = torch.float32, torch.int64
+    args, kwargs = _partials_args(dtype, n_cols, i64, f32, f32, f32, f32, n_cols, 1.0, with_entropy)
+    _ensure_compiled(_partials_kernel, (1,), args, kwargs)
+    for flags in [(True, False)] + ([(True, True), (False, True)] if with_entropy else []):
+        vectors = (i64, f32, f32, f32, f32)
+        args, kwargs = _grad_args(dtype, (n_cols, n_cols), dtype, vectors, n_cols, (1.0, 1.0), flags)
+        _ensure_compiled(_logits_grad_kernel, (1, 1), args, kwargs)
+
+
 class ChunkLayoutError(ValueError):
     """A launcher's argument the kernels cannot take (dtype, strides): the caller's error, not a kernel failure."""
 
@@ -176,21 +269,10 @@ def triton_partials(
     if any(f is not None and f.stride(0) != 1 for f in out):
         raise ChunkLayoutError("triton_partials writes contiguous [n] outputs")
     q_out = out.sum_zexp if with_entropy else out.max  # a valid pointer when WITH_ENTROPY is off
-    block, warps = BLOCKS.partials_launch(v, with_entropy)
-    _partials_kernel[(n,)](
-        z,
-        z.stride(0),
-        target_column.contiguous(),
-        out.max,
-        out.sumexp,
-        out.target,
-        q_out,
-        v,
-        float(in_scale),
-        WITH_ENTROPY=with_entropy,
-        BLOCK_V=block,
-        num_warps=warps,
+    args, kwargs = _partials_args(
+        z, z.stride(0), target_column.contiguous(), out.max, out.sumexp, out.target, q_out, v, in_scale, with_entropy
     )
+    _launch(_partials_kernel, (n,), args, kwargs)
     return out
 
 
@@ -219,25 +301,10 @@ def triton_logits_grad(
     ent, h = (lse, lse)
     if entropy is not None and grad_entropy is not None:
         ent, h = entropy.contiguous(), grad_entropy.contiguous()
-    block = BLOCKS.grad_block_v
-    _logits_grad_kernel[(n, triton.cdiv(v, block))](
-        z,
-        z.stride(0),
-        out,
-        out.stride(0),
-        target_column,
-        lse,
-        g,
-        ent,
-        h,
-        v,
-        float(in_scale),
-        float(out_scale),
-        HAS_G=has_g,
-        HAS_H=has_h,
-        BLOCK_V=block,
-        num_warps=BLOCKS.grad_warps,
-    )
+    strides = (z.stride(0), out.stride(0))
+    vectors = (target_column, lse, g, ent, h)
+    args, kwargs = _grad_args(z, strides, out, vectors, v, (in_scale, out_scale), (has_g, has_h))
+    _launch(_logits_grad_kernel, (n, triton.cdiv(v, BLOCKS.grad_block_v)), args, kwargs)
     return out
 
 
@@ -246,6 +313,8 @@ __all__ = [
     "TRITON_DTYPES",
     "ChunkLayoutError",
     "TritonBlocks",
+    "TritonCompileError",
+    "compile_kernels",
     "triton_logits_grad",
     "triton_partials",
     "triton_usable",

@@ -42,6 +42,9 @@ def test_head_bench_on_cuda(tmp_path):
         r = rows[name]
         assert 0 <= r["loss_err"] < 2e-2 and 0 < r["dx_err"] < 3e-2 and 0 < r["dw_err"] < 3e-2, r
         assert r["lp_err"] < 0.1 and r["loss_grad_err"] < 1e-3, r
+    if out["machine"]["triton"]:  # triton installed: the fused rows ran on it, no fallback to torch
+        assert out["triton_fallback"] is None and rows["fused_linear"]["backend"] == "triton", rows["fused_linear"]
+    assert all(not r["failed"] for r in out["rows"]), [r["failed"] for r in out["rows"]]
     # the plugin's paths hold nothing of size tokens x vocab: far below the naive path's fp32 [N, V] buffers
     assert rows["fused_linear"]["fwdbwd_peak"] < rows["naive"]["fwdbwd_peak"] / 2
     for name, why in out["skipped"].items():  # whatever could not run says why

@@ -140,6 +140,22 @@ def test_gpu_section_is_spliced_after_the_title_and_replaced_in_place(tmp_path):
     assert splice("", "head", "B").startswith("# Performance")
 
 
+def test_gpu_section_names_the_backend_per_row_the_failed_rows_and_a_triton_fallback(tmp_path):
+    results = gpu_results()
+    for r in results["rows"]:
+        r["backend"] = "torch" if r["path"].startswith("fused") else None
+    oom = "failed on Qwen3-30B-A3B (cuda): OutOfMemoryError: CUDA out of memory. Tried to allocate 36.00 GiB"
+    results["rows"][1].update(fwdbwd_s=None, fwdbwd_peak=None, loss_err=None, dx_err=None, failed={"fwdbwd": oom})
+    results["triton_fallback"] = "_partials_kernel failed to compile: PTXASError: ptxas fatal"
+    write_gpu_section(results, tmp_path, "head")
+    block = section((tmp_path / "performance.md").read_text(), "head")
+    assert "| Qwen3-30B-A3B | fused_linear | torch | 1.10x |" in block
+    assert "| Qwen3-30B-A3B | naive | - | 1.20x | failed | failed |" in block
+    assert f"- Qwen3-30B-A3B naive forward+backward: {oom}" in block
+    words = " ".join(block.split())
+    assert "the Triton backend fell back to torch in this run (_partials_kernel failed to compile" in words
+
+
 def test_a_cpu_regeneration_keeps_the_gpu_section(tmp_path):
     write_gpu_section(gpu_results(), tmp_path, "head")
     block = section((tmp_path / "performance.md").read_text(), "head")

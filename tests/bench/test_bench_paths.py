@@ -1,5 +1,5 @@
 """The benchmark's path table: availability per device, the keyword-argument checks of the fused variants, and a
-failing path reported (not crashed on)."""
+failing measurement recorded as a failed row with its error (not crashed on, not an empty cell)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,17 @@ def test_a_two_pass_variant_falls_back_to_log_probs_then_loss():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_a_failing_path_is_listed_with_its_reason_and_the_run_goes_on(monkeypatch):
+def test_a_failing_measurement_is_a_failed_row_with_its_error_and_the_run_goes_on(monkeypatch, tmp_path):
+    """fused_2pass's forward+backward raises, and so does every path's float64 reference check: each is recorded in
+    its row's ``failed`` with the error, its cells read "failed" (never empty), the CLI report lists the errors, and
+    every row says which chunk-math backend it ran on."""
+    from rich.console import Console
+
+    from nemo_is_plugin.bench.docs import render_markdown
+    from nemo_is_plugin.bench.failures import failure_lines
+    from nemo_is_plugin.bench.report import table_cells
+    from nemo_is_plugin.cli.bench import _report
+
     def broken(*_args, **_kw):
         raise RuntimeError("CUDA out of memory. Tried to allocate 9 GiB\nsecond line")
 
@@ -64,15 +74,40 @@ def test_a_failing_path_is_listed_with_its_reason_and_the_run_goes_on(monkeypatc
         paths = bench_paths(chunk_size, device)
         return [dataclasses.replace(p, loss=broken) if p.name == "fused_2pass" else p for p in paths]
 
+    def no_reference(*_args, **_kw):
+        raise ValueError("takes bf16 only")
+
     monkeypatch.setattr(runner, "bench_paths", paths_with_a_broken_one)
-    cfg = BenchConfig.quick(shapes=QUICK_SHAPES[:1], paths=("naive", "fused_2pass"), memory_tokens=(), repeats=1)
-    results = runner.run_benchmark(cfg)
-    assert {r["path"] for r in results["rows"]} == {"matmul", "naive", "loss"}
-    assert results["skipped"]["fused_2pass forward+backward"] == (
-        "failed on tiny-a (cpu): RuntimeError: CUDA out of memory. Tried to allocate 9 GiB"
+    monkeypatch.setattr(runner, "path_errors", no_reference)
+    cfg = BenchConfig.quick(
+        shapes=QUICK_SHAPES[:1], paths=("naive", "fused_linear", "fused_2pass"), memory_tokens=(), repeats=1
     )
-    naive = next(r for r in results["rows"] if r["path"] == "naive")
-    assert naive["fwdbwd_s"] > 0 and naive["dx_err"] < 1e-5 and naive["loss_err"] < 1e-5
+    results = runner.run_benchmark(cfg)
+    rows = {r["path"]: r for r in results["rows"]}
+    assert list(rows) == ["matmul", "naive", "fused_linear", "fused_2pass", "loss"] and results["skipped"] == {}
+    oom = "failed on tiny-a (cpu): RuntimeError: CUDA out of memory. Tried to allocate 9 GiB"
+    reference = "failed on tiny-a float64 reference errors: ValueError: takes bf16 only"
+    assert rows["fused_2pass"]["failed"] == {"fwdbwd": oom, "reference": reference}
+    assert rows["fused_2pass"]["fwdbwd_s"] is None and rows["fused_2pass"]["loss_grad_err"] is None
+    for name in ("naive", "fused_linear"):
+        assert rows[name]["failed"] == {"reference": reference}
+        assert rows[name]["fwdbwd_s"] > 0 and rows[name]["dx_err"] < 1e-5 and rows[name]["loss_err"] < 1e-5
+        assert 0 <= rows[name]["loss_grad_err"] < 1e-5
+    assert rows["matmul"]["failed"] == {} and rows["matmul"]["lp_err"] is not None  # no path function involved
+    # the backend that ran: the fused path's chunk math on torch (CPU), none for the rest
+    assert rows["fused_linear"]["backend"] == "torch" and results["triton_fallback"] is None
+    assert [rows[n]["backend"] for n in ("matmul", "naive", "fused_2pass", "loss")] == [None] * 4
+    headers, cells = table_cells(results)
+    table = {row[headers.index("path")]: dict(zip(headers, row)) for row in cells}
+    assert table["fused_2pass"]["f+b / mm"] == "failed" and table["fused_2pass"]["dX err"] == "failed"
+    assert table["fused_2pass"]["fwd / mm"] == "-"  # a two-pass forward is fused_linear's: not measured, not failed
+    assert table["fused_linear"]["max dlogp err"] == "failed" and table["fused_linear"]["backend"] == "torch"
+    assert table["naive"]["backend"] == "-" and table["naive"]["f+b / mm"].endswith("x")
+    assert f"tiny-a fused_2pass forward+backward: {oom}" in failure_lines(results)
+    assert f"- tiny-a fused_2pass forward+backward: {oom}" in render_markdown(results)
+    console = Console(record=True, width=300)
+    _report(results, console, tmp_path, False, tmp_path)
+    assert f"failed: tiny-a fused_2pass forward+backward: {oom}" in console.export_text()
     assert results["config"]["quick"] is True
 
 

@@ -1,5 +1,5 @@
-"""kernels/chunk_math.py: which backend runs where, the fallback from a failing Triton kernel to torch, and the torch
-backend on low-precision chunks (what a GPU without triton runs), against float64 references.
+"""kernels/chunk_math.py: which backend runs where, and the torch backend on low-precision chunks (what a GPU without
+triton runs), against float64 references. The fallback from Triton to torch: test_backend_fallback.py.
 
 Tolerances: statistics 1e-6 relative (fp32 math on exact bf16 values); a gradient written back into a bf16 chunk is one
 bf16 rounding (2^-8) of the largest entry.
@@ -61,37 +61,6 @@ def test_missing_triton_on_cuda_warns_once_and_uses_torch(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resolve_backend("auto", CUDA, torch.bfloat16) == "torch"  # warned once only
-
-
-def test_a_failing_kernel_falls_back_to_torch_under_auto(monkeypatch):
-    """A kernel that fails (e.g. does not compile) under ``auto``: one warning, the torch result for that chunk, and
-    torch for the rest of the process. An explicit ``triton`` request propagates the error instead."""
-    monkeypatch.setattr(chunk_math, "_triton_failure", None)
-    monkeypatch.setattr(chunk_math, "_warned", set())
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("PTX assembly failed")
-
-    monkeypatch.setattr(tk, "triton_partials", broken)
-    monkeypatch.setattr(tk, "triton_logits_grad", broken)
-    z, local_t, owned, column, zz, g = _case()
-    want = ChunkMath("torch", torch.float32, torch.float32, z.device, N, V).partials(
-        z.clone(), local_t, owned, column, SCALE
-    )
-    strict = ChunkMath("triton", torch.float32, torch.float32, z.device, N, V, fallback=False)
-    with pytest.raises(RuntimeError, match="PTX"):
-        strict.partials(z.clone(), local_t, owned, column, SCALE)
-    math = ChunkMath("triton", torch.float32, torch.float32, z.device, N, V, fallback=True)
-    with pytest.warns(RuntimeWarning, match="PTX assembly failed"):
-        got = math.partials(z.clone(), local_t, owned, column, SCALE)
-    for a, b in zip(got, want):
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
-    assert math.backend == "torch" and chunk_math._triton_failure is not None
-    if tk.triton is not None:
-        assert resolve_backend("auto", CUDA, torch.bfloat16) == "torch"  # the process stays on torch
-    lse = torch.logsumexp(zz, -1).float()
-    dz = math.single_pass_grad(z.clone(), got, lse, local_t, owned, column, g, SCALE, SCALE)
-    torch.testing.assert_close(dz.double(), _reference_grad(zz, column, lse.double(), g), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

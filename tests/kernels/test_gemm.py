@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -124,3 +126,55 @@ def test_cuda_mixed_accumulation_adds_in_place_in_fp32():
         acc.add(dz[sl], x[sl])
     ref = 1 + dz.double().t() @ x.double()
     assert ((main_grad.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+MIXED_KEY = ("cpu", torch.bfloat16, torch.float32)
+
+
+def _mixed_operands():
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(V, 7, generator=g).to(torch.bfloat16)
+    b = torch.randn(7, H, generator=g).to(torch.bfloat16)
+    return torch.ones(V, H), a, b
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("CUDA error: out of memory"),  # an allocator that raises the plain RuntimeError
+    ],
+)
+def test_an_out_of_memory_in_the_mixed_gemm_propagates_and_switches_nothing(monkeypatch, error):
+    monkeypatch.setitem(gemm._MIXED_ADDMM, MIXED_KEY, True)  # as on a GPU: try addmm(out_dtype=) first
+
+    def oom(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(gemm.torch, "addmm", oom)
+    acc, a, b = _mixed_operands()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        addmm_(acc, a, b)
+    assert gemm._MIXED_ADDMM[MIXED_KEY] is True and torch.equal(acc, torch.ones(V, H))
+
+
+def test_a_missing_out_dtype_kernel_switches_to_the_blocked_product_with_one_warning(monkeypatch):
+    """CPU torch has no ``aten::addmm.dtype_out`` kernel (NotImplementedError): the blocked product, warned once."""
+    monkeypatch.setitem(gemm._MIXED_ADDMM, MIXED_KEY, True)
+    acc, a, b = _mixed_operands()
+    with pytest.warns(RuntimeWarning, match="blocked product"):
+        addmm_(acc, a, b)
+    assert gemm._MIXED_ADDMM[MIXED_KEY] is False
+    ref = 1 + a.double() @ b.double()
+    assert (acc.double() - ref).abs().max() <= 2.0**-8 * ref.abs().max()  # one bf16 rounding of the product
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        addmm_(acc, a, b)  # no second warning
+
+
+def test_which_addmm_errors_mean_unsupported():
+    assert gemm.mixed_addmm_unsupported(TypeError("addmm() got an unexpected keyword argument 'out_dtype'"))
+    assert gemm.mixed_addmm_unsupported(NotImplementedError("Could not run 'aten::addmm.dtype_out'"))
+    assert gemm.mixed_addmm_unsupported(RuntimeError("out_dtype must be the same as input dtype or fp32"))
+    assert not gemm.mixed_addmm_unsupported(torch.cuda.OutOfMemoryError("CUDA out of memory (out_dtype)"))
+    assert not gemm.mixed_addmm_unsupported(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED"))

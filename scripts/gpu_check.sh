@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, on a CUDA machine, from the repository root (docs/testing.md, "One command on a GPU"):
+#
+#   1. install the Python 3.12 wheels carried in .whl/ into /tmp/site (no index, no dependency resolution);
+#   2. the `gpu` test tier:             python -m pytest -q -m gpu tests
+#   3. the LM-head benchmark:           nemo-is bench --device cuda --out $OUT/head --write-docs
+#      (writes the GPU section of docs/performance.md)
+#   4. its results checked: no measurement failed, and the Triton backend did not fall back to torch
+#      (results.json: every row's `failed`, and `triton_fallback`);
+#   5. the MoE model step:              nemo-is bench --model-step --device cuda --out $OUT/step
+#      run with NEMO_IS_STRICT_BACKEND=1, so a fallback to torch there is an error, and checked for failed variants.
+#
+# Each step's output goes to $OUT/<step>.log (OUT defaults to ./runs/gpu_check). A failing step does not stop the
+# others; the script exits 1 if any step failed, and lists them. PYTHON overrides the interpreter (default: python).
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/runs/gpu_check}"
+PYTHON="${PYTHON:-python}"
+SITE=/tmp/site
+mkdir -p "$OUT"
+export PYTHONPATH="$SITE:$PWD"
+unset TRITON_INTERPRET # the real compiler and GPU, not Triton's CPU interpreter
+
+failed=()
+
+step() { # step NAME COMMAND...: run COMMAND, its output into $OUT/NAME.log (and the terminal); record a failure
+    local name="$1"
+    shift
+    echo "=== $name: $*" | tee "$OUT/$name.log"
+    "$@" 2>&1 | tee -a "$OUT/$name.log"
+    local rc="${PIPESTATUS[0]}"
+    if [ "$rc" -ne 0 ]; then
+        echo "=== $name FAILED (exit $rc; log: $OUT/$name.log)" | tee -a "$OUT/$name.log"
+        failed+=("$name")
+    fi
+}
+
+install_wheels() {
+    local wheels=(.whl/*.whl)
+    if [ ! -e "${wheels[0]}" ]; then
+        echo "no wheels in .whl/ (expected the Python 3.12 wheels this check installs)"
+        return 1
+    fi
+    "$PYTHON" --version
+    "$PYTHON" -m pip install --no-index --no-deps --target "$SITE" "${wheels[@]}"
+}
+
+check_head_results() { # the head benchmark's results.json: no failed measurement, no Triton fallback
+    "$PYTHON" - "$OUT/head/results.json" <<'EOF'
+import json
+import sys
+
+results = json.load(open(sys.argv[1]))
+problems = [
+    f"{r['model']} {r['path']} {what}: {error}" for r in results["rows"] for what, error in (r.get("failed") or {}).items()
+]
+if results.get("triton_fallback") is not None:
+    problems.append(f"THE TRITON BACKEND FELL BACK TO TORCH: {results['triton_fallback']}")
+fused = [r for r in results["rows"] if r["path"].startswith("fused")]
+problems += [f"{r['model']} {r['path']} ran on backend {r['backend']!r}, not triton" for r in fused if r.get("backend") != "triton"]
+for line in problems:
+    print(line)
+sys.exit(1 if problems else 0)
+EOF
+}
+
+check_step_results() { # the model step's model_step.json: every variant ran (a strict-mode fallback would be listed)
+    "$PYTHON" - "$OUT/step/model_step.json" <<'EOF'
+import json
+import sys
+
+skipped = json.load(open(sys.argv[1]))["skipped"]
+for name, why in skipped.items():
+    print(f"{name}: {why}")
+sys.exit(1 if skipped else 0)
+EOF
+}
+
+step install install_wheels
+step cuda "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+step pytest_gpu "$PYTHON" -m pytest -q -m gpu tests
+step bench_head "$PYTHON" -m nemo_is_plugin.cli.main bench --device cuda --out "$OUT/head" --write-docs
+step bench_head_results check_head_results
+step bench_step env NEMO_IS_STRICT_BACKEND=1 "$PYTHON" -m nemo_is_plugin.cli.main bench --model-step --device cuda \
+    --out "$OUT/step"
+step bench_step_results check_step_results
+
+if [ "${#failed[@]}" -ne 0 ]; then
+    echo "gpu_check FAILED: ${failed[*]} (logs in $OUT)"
+    exit 1
+fi
+echo "gpu_check passed (logs in $OUT)"

@@ -1,0 +1,104 @@
+"""scripts/gpu_check.sh: valid bash, only flags ``nemo-is bench`` really has, and its control flow (run on CPU with a
+stand-in interpreter): every step runs even after one fails, the exit status is 1 and names the failed steps, each
+step logs into $OUT, a Triton fallback in the head benchmark's results fails its check loudly, and the model step runs
+with the strict-backend switch."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import typer
+
+from nemo_is_plugin.cli.bench import register
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+def _bench_flags() -> set[str]:
+    app = typer.Typer()
+
+    @app.callback()
+    def _root() -> None:  # keep "bench" a subcommand
+        pass
+
+    register(app)
+    group = typer.main.get_command(app)
+    command = group.commands["bench"]  # type: ignore[attr-defined]
+    return {opt for param in command.params for opt in param.opts}
+
+
+def test_script_is_valid_bash_and_uses_only_real_bench_flags():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    text = SCRIPT.read_text().replace("\\\n", " ")  # join continued lines
+    marker = "nemo_is_plugin.cli.main bench"
+    calls = [line.split(marker, 1)[1] for line in text.splitlines() if marker in line]
+    assert len(calls) == 2
+    used = {flag for call in calls for flag in re.findall(r"(--[a-z][a-z-]*)", call)}
+    assert used == {"--device", "--out", "--write-docs", "--model-step"}
+    assert used <= _bench_flags()
+
+
+STAND_IN = r"""#!/usr/bin/env bash
+# stands in for python: real python for the result checks (stdin scripts), canned outcomes for the rest
+echo "$* | strict=${NEMO_IS_STRICT_BACKEND:-unset}" >> "$CALLS"
+case "$1 $2" in
+  "- "*) exec "$REAL_PYTHON" "$@" ;;
+  "-m pytest") exit 1 ;;
+  "-m nemo_is_plugin.cli.main")
+    out=$(echo "$*" | sed -E 's/.*--out ([^ ]+).*/\1/'); mkdir -p "$out"
+    if [[ "$*" == *--model-step* ]]; then echo '{"skipped": {}}' > "$out/model_step.json"
+    else cp "$HEAD_RESULTS" "$out/results.json"; fi ;;
+esac
+exit 0
+"""
+
+
+def test_every_step_runs_failures_are_listed_and_a_triton_fallback_fails_loudly(tmp_path):
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    (root / ".whl").mkdir()
+    (root / ".whl" / "a-1-cp312-none-any.whl").write_text("")
+    shutil.copy(SCRIPT, root / "scripts" / "gpu_check.sh")
+    stand_in = tmp_path / "python"
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(0o755)
+    head = dict(
+        rows=[
+            dict(model="m", path="naive", backend=None, failed={}),
+            dict(model="m", path="fused_linear", backend="torch", failed={}),
+        ],
+        triton_fallback="_partials_kernel failed to compile: PTXASError: ptxas fatal",
+    )
+    (tmp_path / "head.json").write_text(json.dumps(head))
+    out = tmp_path / "out"
+    env = dict(
+        os.environ,
+        OUT=str(out),
+        PYTHON=str(stand_in),
+        REAL_PYTHON=sys.executable,
+        CALLS=str(tmp_path / "calls"),
+        HEAD_RESULTS=str(tmp_path / "head.json"),
+    )
+    done = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "gpu_check FAILED: pytest_gpu bench_head_results (logs in" in done.stdout
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert any("pip install --no-index --no-deps --target /tmp/site .whl/a-1-cp312-none-any.whl" in c for c in calls)
+    assert any(c.startswith("-m pytest -q -m gpu tests |") for c in calls)
+    assert any(f"bench --device cuda --out {out}/head --write-docs | strict=unset" in c for c in calls)
+    assert any(f"bench --model-step --device cuda --out {out}/step | strict=1" in c for c in calls)
+    for name in ("install", "cuda", "pytest_gpu", "bench_head", "bench_head_results", "bench_step"):
+        assert (out / f"{name}.log").exists(), name
+    check = (out / "bench_head_results.log").read_text()
+    assert "THE TRITON BACKEND FELL BACK TO TORCH: _partials_kernel failed to compile" in check
+    assert "m fused_linear ran on backend 'torch', not triton" in check
+    assert "bench_step_results FAILED" not in done.stdout
