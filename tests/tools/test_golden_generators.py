@@ -1,0 +1,204 @@
+"""The golden-suite generators' shared machinery (tools/golden/common.py), without any host checkout: the comparison
+flags what the suite tolerances forbid and passes what they allow, the writer round-trips the case format, a
+regeneration carries every entry but ``expected`` over, and the import helpers stub and locate modules as documented.
+
+The regeneration itself needs the hosts' checkouts (docs/testing.md, "Refreshing the golden suites")."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tools.golden import common, ctpo, nemo_rl, verl_rollout_corr
+
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden"
+
+
+def _case(suite: str, name: str) -> dict:
+    return common.load_case(GOLDEN / suite / f"{name}.pt")
+
+
+def test_default_golden_dir_is_the_committed_suites():
+    assert common.GOLDEN == GOLDEN
+    assert common.case_paths(GOLDEN / "ctpo")
+
+
+@pytest.mark.parametrize(
+    ("suite", "name", "tolerance"),
+    [
+        ("ctpo", "case_000", ctpo.tolerance),
+        ("ctpo", "case_042", ctpo.tolerance),  # an error case
+        ("nemo_rl", "case_000", nemo_rl.tolerance),
+        ("nemo_rl", "case_097", nemo_rl.tolerance),  # a rejected config
+        ("nemo_rl_compat", "case_000", nemo_rl.tolerance),
+        ("verl_rollout_corr", "case_008", verl_rollout_corr.tolerance),  # no IS weights (None)
+    ],
+)
+def test_an_identical_case_passes(suite, name, tolerance):
+    case = _case(suite, name)
+    assert common.diff_case(copy.deepcopy(case), case, tolerance) == []
+
+
+def test_a_loss_beyond_tolerance_is_flagged_and_one_within_passes():
+    case = _case("ctpo", "case_000")  # T = 256: rtol 1e-5, atol 1e-6
+    want = float(case["expected"]["pg_loss"])
+    for factor, flagged in ((1 + 1e-3, True), (1 + 1e-7, False)):
+        got = copy.deepcopy(case)
+        got["expected"]["pg_loss"] = torch.tensor(want * factor, dtype=torch.float32)
+        lines = common.diff_case(got, case, ctpo.tolerance)
+        assert bool(lines) is flagged, lines
+        if flagged:
+            assert lines[0].startswith("expected.pg_loss:")
+
+
+def test_one_gradient_entry_beyond_tolerance_is_counted():
+    case = _case("ctpo", "case_000")
+    got = copy.deepcopy(case)
+    grad = got["expected"]["grad_log_prob"]
+    i = int(grad.abs().flatten().argmax())
+    grad.view(-1)[i] += 1e-3
+    (line,) = common.diff_case(got, case, ctpo.tolerance)
+    assert line.startswith("expected.grad_log_prob: 1 entries beyond rtol 1e-05")
+
+
+def test_counts_are_exact_and_float_metrics_have_a_tolerance():
+    case = _case("ctpo", "case_000")
+    got = copy.deepcopy(case)
+    got["expected"]["metrics"]["pg_update/clip/high/count"] += 1.0
+    got["expected"]["metrics"]["actor/pg_clipfrac"] *= 1 + 1e-7
+    (line,) = common.diff_case(got, case, ctpo.tolerance)
+    assert line.startswith("expected.metrics.pg_update/clip/high/count:")
+
+
+def test_nemo_rl_tolerances_follow_the_readme():
+    case = _case("nemo_rl", "case_000")
+    metrics = case["expected"]["metrics"]
+    got = copy.deepcopy(case)
+    # KL-type metric: rtol 1e-3 allows 5e-4; a plain metric (rtol 1e-4) does not.
+    got["expected"]["metrics"]["gen_kl_error"] = metrics["gen_kl_error"] * (1 + 5e-4)
+    assert common.diff_case(got, case, nemo_rl.tolerance) == []
+    got["expected"]["metrics"]["approx_entropy"] = metrics["approx_entropy"] * (1 + 5e-4)
+    (line,) = common.diff_case(got, case, nemo_rl.tolerance)
+    assert line.startswith("expected.metrics.approx_entropy:")
+
+
+def test_a_missing_or_extra_metric_and_a_changed_input_are_flagged():
+    case = _case("verl_rollout_corr", "case_000")
+    got = copy.deepcopy(case)
+    name = next(iter(got["expected"]["metrics"]))
+    del got["expected"]["metrics"][name]
+    got["expected"]["metrics"]["rollout_corr/new_metric"] = 1.0
+    got["inputs"]["old_log_prob"][0, 0] += 1e-6  # inputs must match exactly
+    lines = common.diff_case(got, case, verl_rollout_corr.tolerance)
+    assert f"expected.metrics: missing key {name!r}" in lines
+    assert "expected.metrics: extra key 'rollout_corr/new_metric'" in lines
+    assert any(line.startswith("inputs.old_log_prob: 1 entries") for line in lines)
+
+
+def test_masks_compare_exactly_and_none_against_a_tensor_is_flagged():
+    case = _case("verl_rollout_corr", "case_008")
+    got = copy.deepcopy(case)
+    got["expected"]["modified_response_mask"][0, 0] = 1 - got["expected"]["modified_response_mask"][0, 0]
+    got["expected"]["rollout_is_weights"] = torch.ones_like(got["expected"]["modified_response_mask"])
+    lines = common.diff_case(got, case, verl_rollout_corr.tolerance)
+    assert any(line.startswith("expected.modified_response_mask: 1 entries beyond rtol 0") for line in lines)
+    assert any(line.startswith("expected.rollout_is_weights: got") for line in lines)
+
+
+def test_inf_and_nan_must_match_exactly():
+    tol = lambda path: (1.0, 1.0)  # noqa: E731  (generous, so only the non-finite rule can fail)
+    want = torch.tensor([float("inf"), float("nan"), 1.0])
+    assert common.diff_values(want.clone(), want, ("x",), tol) == []
+    assert common.diff_values(torch.tensor([1e30, float("nan"), 1.0]), want, ("x",), tol)
+    assert common.diff_values(torch.tensor([float("inf"), 0.0, 1.0]), want, ("x",), tol)
+    assert common.diff_values(float("-inf"), float("inf"), ("m",), tol)
+    assert common.diff_values(float("nan"), float("nan"), ("m",), tol) == []
+
+
+def test_the_writer_round_trips_the_case_format(tmp_path):
+    for suite, name in (("nemo_rl", "case_085"), ("ctpo", "case_042"), ("verl_rollout_corr", "case_008")):
+        case = _case(suite, name)
+        common.save_case(case, tmp_path / suite / f"{name}.pt")
+        back = torch.load(tmp_path / suite / f"{name}.pt", weights_only=True)
+        assert list(back) == list(case)
+        assert common.diff_values(back, case, (), lambda _: (0.0, 0.0)) == []
+
+
+def test_to_metrics_stores_floats():
+    metrics = common.to_metrics({"a": torch.tensor(0.5), "b": 3, "c": 1.25})
+    assert metrics == {"a": 0.5, "b": 3.0, "c": 1.25}
+    assert all(type(v) is float for v in metrics.values())
+
+
+def _suite_copy(tmp_path: Path, names: list[str]) -> Path:
+    directory = tmp_path / "committed"
+    for name in names:
+        common.save_case(_case("ctpo", name), directory / f"{name}.pt")
+    return directory
+
+
+def test_regenerating_carries_everything_but_expected_over(tmp_path):
+    committed = _suite_copy(tmp_path, ["case_000", "case_042"])
+    seen = []
+
+    def regenerate(case):  # a reference that doubles the loss and fails nothing
+        seen.append(torch.initial_seed())
+        if "error" in case["expected"]:
+            return case["expected"]
+        return {**case["expected"], "pg_loss": case["expected"]["pg_loss"] * 2}
+
+    assert common.regenerate_suite(committed, tmp_path / "out", regenerate) == 2
+    assert seen == [_case("ctpo", "case_000")["params"]["seed"], _case("ctpo", "case_042")["params"]["seed"]]
+    lines: list[str] = []
+    assert common.compare_dirs(tmp_path / "out", committed, ctpo.tolerance, lines.append) == 1
+    assert lines[0] == "case_000.pt: DIFFERS"
+    assert lines[1].startswith("    expected.pg_loss:")
+    assert lines[2] == "case_042.pt: ok (bitwise identical)"
+    assert lines[-1] == "1/2 cases agree within tolerance (1 bitwise identical)"
+
+
+def test_a_case_on_one_side_only_differs(tmp_path):
+    committed = _suite_copy(tmp_path, ["case_000", "case_001"])
+    regenerated = tmp_path / "regenerated"
+    common.save_case(_case("ctpo", "case_000"), regenerated / "case_000.pt")
+    lines: list[str] = []
+    assert common.compare_dirs(regenerated, committed, ctpo.tolerance, lines.append) == 1
+    assert "case_001.pt: only in the committed suite" in lines
+
+
+def test_stubs_stand_in_only_for_the_named_missing_packages(monkeypatch):
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    common.install_stubs(if_missing=["nemo_is_absent_pkg", "torch"])
+    import nemo_is_absent_pkg.sub as stub  # noqa: F401  (stubbed: not installed)
+
+    class Model(stub.PreTrainedModel):  # usable as a base class
+        pass
+
+    @stub.remote  # and as a bare decorator, which hands the function back
+    def f():
+        return 7
+
+    assert f() == 7
+    assert isinstance(Model(1, x=2), stub.PreTrainedModel)
+    import torch as real_torch  # installed: never stubbed by if_missing
+
+    assert hasattr(real_torch, "tensor") and real_torch.__file__
+    with pytest.raises(ModuleNotFoundError):
+        import nemo_is_other_absent_pkg  # noqa: F401  (not named)
+
+
+def test_use_checkout_imports_the_checkout_and_refuses_a_wrong_path(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    (tmp_path / "fake_host").mkdir()
+    (tmp_path / "fake_host" / "__init__.py").write_text(textwrap.dedent("VALUE = 3\n"))
+    module = common.use_checkout(tmp_path, "fake_host")
+    assert module.VALUE == 3 and Path(module.__file__).parent == tmp_path / "fake_host"
+    with pytest.raises(SystemExit, match="no 'other_host/' package there"):
+        common.use_checkout(tmp_path, "other_host")
