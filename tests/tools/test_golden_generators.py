@@ -202,3 +202,65 @@ def test_use_checkout_imports_the_checkout_and_refuses_a_wrong_path(tmp_path, mo
     assert module.VALUE == 3 and Path(module.__file__).parent == tmp_path / "fake_host"
     with pytest.raises(SystemExit, match="no 'other_host/' package there"):
         common.use_checkout(tmp_path, "other_host")
+
+
+def _fresh(tmp_path: Path, suite: str, redraw, count: int, seed: int) -> list[dict]:
+    """Fresh cases of a committed suite with a stand-in reference that records the inputs' sum (no checkout)."""
+
+    def regenerate(case):
+        return {"inputs_sum": sum(float(v.sum()) for v in case["inputs"].values() if isinstance(v, torch.Tensor))}
+
+    out = tmp_path / f"{suite}-{seed}"
+    written = common.fresh_suite(GOLDEN / suite, out, count, seed, redraw, regenerate)
+    return [common.load_case(p) for p in written]
+
+
+def test_fresh_cases_follow_the_suite_with_new_inputs_on_each_valid_config(tmp_path):
+    cases = _fresh(tmp_path, "ctpo", ctpo.redraw, 3, seed=7)
+    assert [p.name for p in common.case_paths(tmp_path / "ctpo-7")] == ["case_044.pt", "case_045.pt", "case_046.pt"]
+    for i, case in enumerate(cases):
+        template = _case("ctpo", f"case_{i:03d}")
+        assert case["params"]["config"] == template["params"]["config"]
+        assert case["params"]["seed"] == 7 + i and case["params"]["generator"] == {"fresh_from": f"case_{i:03d}"}
+        assert torch.equal(case["inputs"]["response_mask"], template["inputs"]["response_mask"])
+        for name in ("old_log_prob", "log_prob", "advantages"):
+            assert case["inputs"][name].shape == template["inputs"][name].shape
+            assert not torch.equal(case["inputs"][name], template["inputs"][name])
+        mask = case["inputs"]["response_mask"]
+        assert bool((case["inputs"]["old_log_prob"] < 0).all())
+        assert bool((case["inputs"]["advantages"][mask == 0] == 0).all())
+        assert case["description"].startswith(f"fresh inputs (seed {7 + i}) on case_{i:03d}'s")
+        assert set(case["expected"]) == {"inputs_sum"}
+
+
+def test_fresh_cases_are_a_function_of_the_seed(tmp_path):
+    first = _fresh(tmp_path / "a", "verl_rollout_corr", verl_rollout_corr.redraw, 2, seed=3)
+    again = _fresh(tmp_path / "b", "verl_rollout_corr", verl_rollout_corr.redraw, 2, seed=3)
+    other = _fresh(tmp_path / "c", "verl_rollout_corr", verl_rollout_corr.redraw, 2, seed=4)
+    exact = lambda _: (0.0, 0.0)  # noqa: E731
+    assert all(common.diff_values(a, b, (), exact) == [] for a, b in zip(first, again))
+    assert all(common.diff_values(a["inputs"], b["inputs"], (), exact) for a, b in zip(first, other))
+
+
+def test_fresh_nemo_rl_inputs_keep_column_0_the_masks_and_non_finite_values(tmp_path):
+    suite = "nemo_rl_compat"
+    templates = {p.stem: common.load_case(p) for p in common.case_paths(GOLDEN / suite)}
+    valid = [name for name, case in templates.items() if "error" not in case["expected"]]
+    cases = _fresh(tmp_path, suite, nemo_rl.redraw, len(valid), seed=11)
+    assert any(not torch.isfinite(t["inputs"]["generation_logprobs"]).all() for t in templates.values())
+    for name, case in zip(valid, cases):
+        new, old = case["inputs"], templates[name]["inputs"]
+        assert case["id"] != name and case["notes"] == []
+        for key in ("token_mask", "sample_mask", "input_ids"):
+            assert torch.equal(new[key], old[key])
+        for key in ("prev_logprobs", "generation_logprobs", "reference_policy_logprobs", "advantages"):
+            assert torch.equal(new[key][:, 0], old[key][:, 0])  # the junk column NeMo-RL slices off
+            special = ~torch.isfinite(old[key])
+            assert torch.equal(new[key][special], old[key][special])
+        if "curr_logprobs_unfiltered" in new:
+            assert bool((new["curr_logprobs_unfiltered"] <= new["next_token_logprobs"]).all())
+
+
+def test_fresh_refuses_check():
+    with pytest.raises(SystemExit):
+        common.parse_args("ctpo", ["--repo", "x", "--out", "y", "--fresh", "2", "--check"], None)

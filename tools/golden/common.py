@@ -1,12 +1,13 @@
 """What every golden-suite generator shares: importing a reference checkout, stubbing the modules it imports but the
 loss code never runs, writing case files, and comparing a regenerated suite with the committed one.
 
-A generator (``tools/golden/<suite>.py``) supplies two functions and hands them to :func:`main`:
+A generator (``tools/golden/<suite>.py``) supplies three functions and hands them to :func:`main`:
 
 - ``regenerate(case) -> expected``: run the reference on one case's stored config and inputs, return its ``expected``
   dict in the suite's format (tests/data/golden/<suite>/README.md);
 - ``tolerance(case, path) -> (rtol, atol)``: the suite README's tolerance for one entry of ``expected``
   (``path`` is the key path below ``expected``, e.g. ``("metrics", "kl")``); ``(0, 0)`` means exact.
+- ``redraw(case, generator, seed, name) -> case``: for ``--fresh``, new inputs on a committed case's config.
 
 Nothing here imports a reference: the generator does, after :func:`use_checkout` has put the checkout first on
 ``sys.path``, so the code at the suite's recorded commit is what runs (not a copy installed in the environment).
@@ -15,6 +16,7 @@ Nothing here imports a reference: the generator does, after :func:`use_checkout`
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.abc
 import importlib.machinery
 import math
@@ -31,6 +33,9 @@ GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "data" / "golden"
 
 Tolerance = tuple[float, float]
 Regenerate = Callable[[dict], dict]
+# (template case, generator, seed, template name) -> a new case (no ``expected`` yet): the template's config and
+# masks, its inputs redrawn from the generator, its description and seed saying so.
+Redraw = Callable[[dict, torch.Generator, int, str], dict]
 ToleranceFn = Callable[[dict, tuple[str, ...]], Tolerance]
 
 
@@ -256,14 +261,14 @@ def compare_dirs(regenerated: Path, committed: Path, tolerance: ToleranceFn, out
             out(f"{name}: only in {'the regenerated' if name in new else 'the committed'} suite")
             failed += 1
             continue
-        lines = diff_case(load_case(new[name]), load_case(old[name]), tolerance)
+        got, want = load_case(new[name]), load_case(old[name])
+        lines = diff_case(got, want, tolerance)
         if lines:
             failed += 1
             out(f"{name}: DIFFERS")
             for line in lines:
                 out(f"    {line}")
         else:
-            got, want = load_case(new[name]), load_case(old[name])
             exact = not diff_values(got, want, (), lambda _: (0.0, 0.0))
             identical += exact
             out(f"{name}: ok ({'bitwise identical' if exact else 'within tolerance'})")
@@ -290,7 +295,18 @@ def parse_args(suite: str, argv: Sequence[str] | None, doc: str | None) -> argpa
         action="store_true",
         help="then compare --out with --golden within the suite's tolerance; exit 1 on a difference",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--fresh",
+        type=int,
+        metavar="N",
+        help="instead of regenerating, write N new cases numbered after --golden's last one: each a valid case's "
+        "config and masks (in turn) with inputs drawn from --seed + i, and the reference's expected values",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="first seed of --fresh (default 0)")
+    args = parser.parse_args(argv)
+    if args.fresh is not None and (args.check or args.fresh < 1):
+        parser.error("--fresh takes a positive count and writes new cases: nothing to --check them against")
+    return args
 
 
 def regenerate_suite(golden: Path, out: Path, regenerate: Regenerate) -> int:
@@ -307,7 +323,44 @@ def regenerate_suite(golden: Path, out: Path, regenerate: Regenerate) -> int:
     return len(paths)
 
 
-def main(suite: str, regenerate: Regenerate, tolerance: ToleranceFn, args: argparse.Namespace) -> int:
+def fresh_suite(golden: Path, out: Path, count: int, seed: int, redraw: Redraw, regenerate: Regenerate) -> list[Path]:
+    """Write ``count`` new cases to ``out``, numbered after the last case of ``golden``: case i takes the config and
+    masks of the suite's valid (non-error) cases in turn, inputs redrawn from ``seed + i``, and the reference's
+    ``expected``. Returns the paths written."""
+    paths = case_paths(golden)
+    templates = [(p.stem, case) for p in paths if "error" not in (case := load_case(p))["expected"]]
+    if not templates:
+        raise SystemExit(f"no valid case in {golden} to take a config from")
+    written = []
+    for i in range(count):
+        name, template = templates[i % len(templates)]
+        case_seed = seed + i
+        case = redraw(copy.deepcopy(template), torch.Generator().manual_seed(case_seed), case_seed, name)
+        new_name = f"case_{len(paths) + i:03d}"
+        if "id" in case:
+            case["id"] = new_name
+        seed_everything(case_seed)
+        case["expected"] = regenerate(case)
+        save_case(case, out / f"{new_name}.pt")
+        written.append(out / f"{new_name}.pt")
+    return written
+
+
+def normal(shape: Sequence[int], generator: torch.Generator, std: float = 1.0) -> torch.Tensor:
+    """float32 N(0, std^2) draws (CPU: the suites' inputs are CPU tensors)."""
+    return torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * std
+
+
+def log_probs(shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
+    """Plausible token log-probs: -|N(0, 1)| - 0.01, strictly negative."""
+    return -normal(shape, generator).abs() - 0.01
+
+
+def main(suite: str, regenerate: Regenerate, tolerance: ToleranceFn, args: argparse.Namespace, redraw: Redraw) -> int:
+    if args.fresh is not None:
+        written = fresh_suite(args.golden, args.out, args.fresh, args.seed, redraw, regenerate)
+        print(f"{suite}: wrote {len(written)} new cases to {args.out} ({written[0].name} to {written[-1].name})")
+        return 0
     count = regenerate_suite(args.golden, args.out, regenerate)
     print(f"{suite}: wrote {count} cases to {args.out}")
     if not args.check:

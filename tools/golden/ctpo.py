@@ -76,6 +76,22 @@ def make_regenerate(repo: Path):
     return regenerate
 
 
+def redraw(case: dict, generator: torch.Generator, seed: int, template: str) -> dict:
+    """New inputs on a case's config and response mask: log-probs -|N(0,1)| with a N(0, 0.05^2) policy change,
+    one N(0,1) advantage per row (0 at masked tokens), token IS weights exp(N(0, 0.1^2)) where the case has weights."""
+    inputs, params = case["inputs"], case["params"]
+    mask = inputs["response_mask"]
+    old = common.log_probs(mask.shape, generator)
+    inputs["old_log_prob"] = old
+    inputs["log_prob"] = old + common.normal(mask.shape, generator, 0.05)
+    inputs["advantages"] = common.normal((mask.shape[0], 1), generator) * mask
+    if inputs["rollout_is_weights"] is not None:
+        inputs["rollout_is_weights"] = torch.exp(common.normal(mask.shape, generator, 0.1)) * mask
+    params["seed"], params["generator"] = seed, {"fresh_from": template}
+    case["description"] = f"fresh inputs (seed {seed}) on {template}'s config and mask: {case['description']}"
+    return case
+
+
 def tolerance(case: dict, path: tuple[str, ...]) -> common.Tolerance:
     """Suite README, "Tolerances": counts exact; loss and gradient rtol 1e-4 for T = 2048 (long float32 prefix sums)."""
     if path[:1] == ("metrics",):
@@ -85,7 +101,7 @@ def tolerance(case: dict, path: tuple[str, ...]) -> common.Tolerance:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = common.parse_args(SUITE, argv, __doc__)
-    return common.main(SUITE, make_regenerate(args.repo), tolerance, args)
+    return common.main(SUITE, make_regenerate(args.repo), tolerance, args, redraw)
 
 
 if __name__ == "__main__":

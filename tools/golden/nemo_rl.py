@@ -21,6 +21,7 @@ copied or changed. The suite records commit 7ea279abfbeb698b092856d0dab61e7cf39b
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,8 +60,6 @@ def import_reference(repo: Path) -> tuple[Any, Any, Any]:
 
 
 def _missing(package: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(package) is None
 
 
@@ -95,6 +94,37 @@ def make_regenerate(repo: Path):
     return regenerate
 
 
+def redraw(case: dict, generator: torch.Generator, seed: int, template: str) -> dict:
+    """New inputs on a case's config, masks, ids and global counts: previous log-probs -|N(0,1)|, generation /
+    reference / current ones those plus N(0, 0.1^2) / N(0, 0.2^2) / N(0, 0.1^2), one N(0,1) advantage per sample,
+    N(0,1) rewards, unfiltered log-probs below the current ones. Column 0 (junk NeMo-RL slices off) and non-finite
+    entries (a template's -inf) keep the template's values."""
+    inputs = case["inputs"]
+    batch, seq = inputs["token_mask"].shape
+    prev = common.log_probs((batch, seq), generator)
+    drawn = {
+        "prev_logprobs": prev,
+        "generation_logprobs": prev + common.normal((batch, seq), generator, 0.1),
+        "reference_policy_logprobs": prev + common.normal((batch, seq), generator, 0.2),
+        "advantages": common.normal((batch, 1), generator).expand(batch, seq),
+        "next_token_logprobs": prev[:, 1:] + common.normal((batch, seq - 1), generator, 0.1),
+    }
+    if "curr_logprobs_unfiltered" in inputs:
+        noise = common.normal((batch, seq - 1), generator, 0.05).abs()
+        drawn["curr_logprobs_unfiltered"] = drawn["next_token_logprobs"] - noise
+    if "rewards" in inputs:
+        drawn["rewards"] = common.normal((batch,), generator)
+    for name, values in drawn.items():
+        old = inputs[name]
+        values = values.clone()
+        if values.dim() == 2 and values.shape[1] == seq:
+            values[:, 0] = old[:, 0]
+        inputs[name] = torch.where(torch.isfinite(old), values, old).to(old.dtype)
+    case["notes"] = []  # a template's notes quote its own expected values
+    case["description"] = f"fresh inputs (seed {seed}) on {template}'s config and masks: {case['description']}"
+    return case
+
+
 def tolerance(case: dict, path: tuple[str, ...]) -> common.Tolerance:
     if path[:1] == ("metrics",):
         name = path[1]
@@ -107,7 +137,7 @@ def tolerance(case: dict, path: tuple[str, ...]) -> common.Tolerance:
 
 def main(argv: Sequence[str] | None = None, suite: str = SUITE, doc: str | None = __doc__) -> int:
     args = common.parse_args(suite, argv, doc)
-    return common.main(suite, make_regenerate(args.repo), tolerance, args)
+    return common.main(suite, make_regenerate(args.repo), tolerance, args, redraw)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from tools.golden import common
 
 SUITE = "verl_rollout_corr"
@@ -73,6 +75,18 @@ def make_regenerate(repo: Path):
     return regenerate
 
 
+def redraw(case: dict, generator: torch.Generator, seed: int, template: str) -> dict:
+    """New inputs on a case's call arguments and response mask: training log-probs -|N(0,1)|, rollout log-probs
+    those plus N(0, 0.05^2)."""
+    inputs, params = case["inputs"], case["params"]
+    old = common.log_probs(inputs["response_mask"].shape, generator)
+    inputs["old_log_prob"] = old
+    inputs["rollout_log_prob"] = old + common.normal(old.shape, generator, 0.05)
+    params["seed"], params["generator"] = seed, {"fresh_from": template}
+    case["description"] = f"fresh inputs (seed {seed}) on {template}'s arguments and mask: {case['description']}"
+    return case
+
+
 def tolerance(case: dict, path: tuple[str, ...]) -> common.Tolerance:
     """Suite README, "Tolerances": masks exact, weights rtol 1e-5 / atol 1e-7, metrics rtol 1e-5 / atol 1e-6."""
     if path[:1] == ("modified_response_mask",):
@@ -84,7 +98,7 @@ def tolerance(case: dict, path: tuple[str, ...]) -> common.Tolerance:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = common.parse_args(SUITE, argv, __doc__)
-    return common.main(SUITE, make_regenerate(args.repo), tolerance, args)
+    return common.main(SUITE, make_regenerate(args.repo), tolerance, args, redraw)
 
 
 if __name__ == "__main__":
