@@ -7,6 +7,7 @@ The regeneration itself needs the hosts' checkouts (docs/testing.md, "Refreshing
 from __future__ import annotations
 
 import copy
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -264,3 +265,45 @@ def test_fresh_nemo_rl_inputs_keep_column_0_the_masks_and_non_finite_values(tmp_
 def test_fresh_refuses_check():
     with pytest.raises(SystemExit):
         common.parse_args("ctpo", ["--repo", "x", "--out", "y", "--fresh", "2", "--check"], None)
+
+
+def test_every_committed_suite_has_a_generator_recording_its_commit():
+    from tools.golden import compare
+
+    suites = sorted(p.name for p in GOLDEN.iterdir() if p.is_dir())
+    assert sorted(compare.SUITES) == suites
+    for name, suite in compare.SUITES.items():
+        readme = (GOLDEN / name / "README.md").read_text()
+        assert suite.commit in readme and len(suite.commit) == 40
+        sources = {
+            c["source"]["commit"] for c in map(common.load_case, common.case_paths(GOLDEN / name)) if "source" in c
+        }
+        assert sources <= {suite.commit}
+
+
+def test_compare_command_passes_a_copy_and_fails_a_changed_one(tmp_path, capsys):
+    from tools.golden import compare
+
+    committed = _suite_copy(tmp_path, ["case_000", "case_001"])
+    assert compare.main(["--suite", "ctpo", str(committed), str(committed)]) == 0
+    changed = tmp_path / "changed"
+    case = _case("ctpo", "case_001")
+    case["expected"]["metrics"]["actor/ppo_kl"] += 1.0
+    common.save_case(_case("ctpo", "case_000"), changed / "case_000.pt")
+    common.save_case(case, changed / "case_001.pt")
+    assert compare.main(["--suite", "ctpo", str(committed), str(changed)]) == 1
+    assert "case_001.pt: DIFFERS" in capsys.readouterr().out
+
+
+def test_checkout_commit_reads_a_git_checkout_only(tmp_path):
+    repo = tmp_path / "host"
+    (repo / "pkg").mkdir(parents=True)
+    assert common.checkout_commit(repo) is None  # a plain source tree
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git[:3], "init", "-q"], check=True)
+    (repo / "pkg" / "__init__.py").write_text("")
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    head = subprocess.run([*git[:3], "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert common.checkout_commit(repo) == head
+    assert common.checkout_commit(repo / "pkg") is None  # a folder inside a checkout is not one

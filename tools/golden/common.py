@@ -1,10 +1,11 @@
 """What every golden-suite generator shares: importing a reference checkout, stubbing the modules it imports but the
 loss code never runs, writing case files, and comparing a regenerated suite with the committed one.
 
-A generator (``tools/golden/<suite>.py``) supplies three functions and hands them to :func:`main`:
+A generator (``tools/golden/<suite>.py``) declares a :class:`Suite` and hands it to :func:`run`, with three functions:
 
-- ``regenerate(case) -> expected``: run the reference on one case's stored config and inputs, return its ``expected``
-  dict in the suite's format (tests/data/golden/<suite>/README.md);
+- ``make_regenerate(repo) -> regenerate``: imports the reference from the checkout; ``regenerate(case) -> expected``
+  runs it on one case's stored config and inputs and returns ``expected`` in the suite's format
+  (tests/data/golden/<suite>/README.md);
 - ``tolerance(case, path) -> (rtol, atol)``: the suite README's tolerance for one entry of ``expected``
   (``path`` is the key path below ``expected``, e.g. ``("metrics", "kl")``); ``(0, 0)`` means exact.
 - ``redraw(case, generator, seed, name) -> case``: for ``--fresh``, new inputs on a committed case's config.
@@ -21,9 +22,11 @@ import importlib.abc
 import importlib.machinery
 import math
 import random
+import subprocess
 import sys
 import types
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -356,13 +359,45 @@ def log_probs(shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
     return -normal(shape, generator).abs() - 0.01
 
 
-def main(suite: str, regenerate: Regenerate, tolerance: ToleranceFn, args: argparse.Namespace, redraw: Redraw) -> int:
+@dataclass(frozen=True)
+class Suite:
+    """One golden suite's generator, as tools/golden/<name>.py declares it for :func:`run`."""
+
+    name: str  # its directory under tests/data/golden
+    repository: str  # the host, owner/name on GitHub
+    commit: str  # the host commit the committed suite records
+    make_regenerate: Callable[[Path], Regenerate]  # imports the reference from a checkout, returns ``regenerate``
+    tolerance: ToleranceFn
+    redraw: Redraw
+
+
+def checkout_commit(repo: Path) -> str | None:
+    """HEAD of the git checkout at ``repo``; None for a plain source tree (e.g. a ``git archive``)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    top, head = done.stdout.split()
+    return head if Path(top).resolve() == repo.resolve() else None  # not a checkout nested in another repository
+
+
+def run(suite: Suite, argv: Sequence[str] | None = None, doc: str | None = None) -> int:
+    """The command line of a generator (``python -m tools.golden.<name> --help``)."""
+    args = parse_args(suite.name, argv, doc)
+    head = checkout_commit(args.repo)
+    print(
+        f"{suite.name}: {suite.repository} from {args.repo} at {head or 'a commit git cannot tell (not a checkout)'}; "
+        f"the committed suite records {suite.commit}"
+    )
+    regenerate = suite.make_regenerate(args.repo)
     if args.fresh is not None:
-        written = fresh_suite(args.golden, args.out, args.fresh, args.seed, redraw, regenerate)
-        print(f"{suite}: wrote {len(written)} new cases to {args.out} ({written[0].name} to {written[-1].name})")
+        written = fresh_suite(args.golden, args.out, args.fresh, args.seed, suite.redraw, regenerate)
+        print(f"{suite.name}: wrote {len(written)} new cases to {args.out} ({written[0].name} to {written[-1].name})")
         return 0
     count = regenerate_suite(args.golden, args.out, regenerate)
-    print(f"{suite}: wrote {count} cases to {args.out}")
+    print(f"{suite.name}: wrote {count} cases to {args.out}")
     if not args.check:
         return 0
-    return 1 if compare_dirs(args.out, args.golden, tolerance) else 0
+    return 1 if compare_dirs(args.out, args.golden, suite.tolerance) else 0

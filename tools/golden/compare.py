@@ -14,23 +14,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tools.golden import common, ctpo, nemo_rl, verl_rollout_corr
+from tools.golden import common, ctpo, nemo_rl, nemo_rl_compat, verl_rollout_corr
 
-TOLERANCES: dict[str, common.ToleranceFn] = {
-    "nemo_rl": nemo_rl.tolerance,
-    "nemo_rl_compat": nemo_rl.tolerance,
-    "ctpo": ctpo.tolerance,
-    "verl_rollout_corr": verl_rollout_corr.tolerance,
-}
+SUITES = {suite.name: suite for suite in (nemo_rl.SUITE, nemo_rl_compat.SUITE, ctpo.SUITE, verl_rollout_corr.SUITE)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.golden.compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", required=True, choices=sorted(TOLERANCES), help="whose tolerances apply")
+    parser.add_argument("--suite", required=True, choices=sorted(SUITES), help="whose tolerances apply")
     parser.add_argument("old", type=Path, help="the reference copy (e.g. the committed suite)")
     parser.add_argument("new", type=Path, help="the copy under review (e.g. a regenerated suite)")
     args = parser.parse_args(argv)
-    return 1 if common.compare_dirs(args.new, args.old, TOLERANCES[args.suite]) else 0
+    return 1 if common.compare_dirs(args.new, args.old, SUITES[args.suite].tolerance) else 0
 
 
 if __name__ == "__main__":

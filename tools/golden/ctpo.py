@@ -30,8 +30,6 @@ import torch
 
 from tools.golden import common
 
-SUITE = "ctpo"
-COMMIT = "acc40211dbeaa8cb37c2347a8b7ad64192b635c4"
 LA_ONLY_METRICS = "pg_update/la_"  # prefix of the metrics only the p != 0 branch of the LA loss emits
 COUNT_METRICS = ("/count", "valid_token_count", "neg_adv_token_count")
 
@@ -99,9 +97,13 @@ def tolerance(case: dict, path: tuple[str, ...]) -> common.Tolerance:
     return (1e-4 if case["params"]["T"] >= 2048 else 1e-5), 1e-6
 
 
+SUITE = common.Suite(
+    "ctpo", "horizon-llm/CTPO", "acc40211dbeaa8cb37c2347a8b7ad64192b635c4", make_regenerate, tolerance, redraw
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = common.parse_args(SUITE, argv, __doc__)
-    return common.main(SUITE, make_regenerate(args.repo), tolerance, args, redraw)
+    return common.run(SUITE, argv, __doc__)
 
 
 if __name__ == "__main__":

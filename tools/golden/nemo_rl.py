@@ -31,9 +31,6 @@ import torch
 
 from tools.golden import common
 
-SUITE = "nemo_rl"
-COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
-
 # Imported at module level somewhere under nemo_rl.algorithms.loss, never called by ClippedPGLossFn.
 UNUSED_PACKAGES = "fastapi hydra mlflow prometheus_client pynvml swanlab tensorboard uvicorn wandb zmq".split()
 # Input tensors a case may hand in as differentiable leaves, in the order their gradients are stored.
@@ -135,9 +132,13 @@ def tolerance(case: dict, path: tuple[str, ...]) -> common.Tolerance:
     return 1e-4, 1e-6
 
 
-def main(argv: Sequence[str] | None = None, suite: str = SUITE, doc: str | None = __doc__) -> int:
-    args = common.parse_args(suite, argv, doc)
-    return common.main(suite, make_regenerate(args.repo), tolerance, args, redraw)
+SUITE = common.Suite(
+    "nemo_rl", "NVIDIA-NeMo/RL", "7ea279abfbeb698b092856d0dab61e7cf39bc909", make_regenerate, tolerance, redraw
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return common.run(SUITE, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,18 @@ requires grad, whose gradient is stored as ``expected["grad_curr_logprobs_unfilt
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Sequence
 
-from tools.golden import nemo_rl
+from tools.golden import common, nemo_rl
 
-SUITE = "nemo_rl_compat"
+SUITE = dataclasses.replace(nemo_rl.SUITE, name="nemo_rl_compat")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return common.run(SUITE, argv, __doc__)
+
 
 if __name__ == "__main__":
-    sys.exit(nemo_rl.main(suite=SUITE, doc=__doc__))
+    sys.exit(main())

@@ -28,8 +28,6 @@ import torch
 
 from tools.golden import common
 
-SUITE = "verl_rollout_corr"
-COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
 CALL_ARGUMENTS = (
     "rollout_is",
     "rollout_is_threshold",
@@ -96,9 +94,18 @@ def tolerance(case: dict, path: tuple[str, ...]) -> common.Tolerance:
     return 1e-5, 1e-6
 
 
+SUITE = common.Suite(
+    "verl_rollout_corr",
+    "volcengine/verl",
+    "b178a3cd56f58b2d502255daba591e92833930a7",
+    make_regenerate,
+    tolerance,
+    redraw,
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = common.parse_args(SUITE, argv, __doc__)
-    return common.main(SUITE, make_regenerate(args.repo), tolerance, args, redraw)
+    return common.run(SUITE, argv, __doc__)
 
 
 if __name__ == "__main__":
