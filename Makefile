@@ -7,7 +7,7 @@ LOCK := requirements/ci.lock
 TORCH := 2.13.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 
-.PHONY: setup lint test demo bench evidence lock clean
+.PHONY: setup lint test demo bench evidence lock clean golden golden-usage golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo
 
 # Every package at the exact version of $(LOCK), installed without resolution (--no-deps), then the project.
 $(STAMP): pyproject.toml $(LOCK)
@@ -41,6 +41,36 @@ bench: setup
 
 evidence: setup
 	$(VENV)/bin/nemo-is evidence
+
+# Regenerate a golden suite (tests/data/golden/<suite>) from a checkout of its host at the commit the suite's README
+# names, into $(GOLDEN_OUT)/<suite>, and compare it with the committed suite case by case within the README's
+# tolerances (exit 1 on a difference). docs/testing.md, "Refreshing the golden suites", says how to adopt a change.
+# `make golden NEMO_RL=... VERL=... CTPO=...` runs the targets whose checkout is given.
+GOLDEN_OUT ?= runs/golden
+GOLDEN_RUN = $(PY) -m tools.golden.$(1) --repo $(2) --out $(GOLDEN_OUT)/$(1) --check
+GOLDEN_TARGETS := $(if $(NEMO_RL),golden-nemo-rl golden-nemo-rl-compat) $(if $(VERL),golden-verl) $(if $(CTPO),golden-ctpo)
+
+golden: $(or $(strip $(GOLDEN_TARGETS)),golden-usage)
+
+golden-usage:
+	@echo "make golden: give at least one host checkout: NEMO_RL=<NVIDIA-NeMo/RL> VERL=<verl> CTPO=<horizon-llm/CTPO>"
+	@exit 2
+
+golden-nemo-rl: setup
+	$(if $(NEMO_RL),,$(error set NEMO_RL to a checkout of NVIDIA-NeMo/RL))
+	$(call GOLDEN_RUN,nemo_rl,$(NEMO_RL))
+
+golden-nemo-rl-compat: setup
+	$(if $(NEMO_RL),,$(error set NEMO_RL to a checkout of NVIDIA-NeMo/RL))
+	$(call GOLDEN_RUN,nemo_rl_compat,$(NEMO_RL))
+
+golden-verl: setup
+	$(if $(VERL),,$(error set VERL to a checkout of verl-project/verl))
+	$(call GOLDEN_RUN,verl_rollout_corr,$(VERL))
+
+golden-ctpo: setup
+	$(if $(CTPO),,$(error set CTPO to a checkout of horizon-llm/CTPO))
+	$(call GOLDEN_RUN,ctpo,$(CTPO))
 
 # Regenerate $(LOCK) after changing the dependencies in pyproject.toml: resolve the test environment in a scratch venv
 # and freeze it. verl is installed without its declared dependencies (they pin a CUDA torch and downgrade omegaconf),

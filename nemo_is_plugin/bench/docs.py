@@ -16,7 +16,7 @@ from nemo_is_plugin.bench.report import MIB, markdown_table, memory_fit, table_c
 METHOD = """\
 ## What is measured
 
-For every model shape (H, V from the models' `config.json`, research/performance.md section 6) and path:
+For every model shape (H, V: `hidden_size`, `vocab_size` of each model's Hugging Face `config.json`) and path:
 
 - **forward**: token log-probs under `no_grad` (the old-policy / reference pass);
 - **forward+backward**: log-probs -> `ClippedPGLoss` (GRPO clip, token-level ratio, token-level TIS, k3 KL) ->
@@ -66,7 +66,8 @@ CAVEATS = """\
   single pass both do 3 GEMMs; the single pass saves the [N, V] buffers' allocation and traffic, which is why it is
   faster here too. The two-pass schedule does 4 GEMMs, so on a CPU it can only be slower than the naive path, by up
   to the recompute GEMM; on a GPU the naive path's cost is the memory traffic of the [N, V] logits (~2x the GEMM time
-  at H=2048, research/performance.md section 7), which neither fused schedule has; that comparison needs a GPU run.
+  at H=2048: the unfused tail's bytes per GEMM FLOP scale as 1/H), which neither fused schedule has; that comparison
+  needs a GPU run.
 - At 256 tokens the gradient GEMMs have a short reduction dimension: the dW GEMM (`dz.T @ X`, K = tokens) writes a
   fresh V x H fp32 buffer (0.5-3.5 GiB) for 256 tokens of work, which is why even the bare matmul's forward+backward is
   above 3x. With more tokens per chunk (a real batch) the ratios move towards their GEMM counts. The two-pass rows

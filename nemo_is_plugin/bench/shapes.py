@@ -1,4 +1,4 @@
-"""Benchmark shapes (research/performance.md section 6, config.json values) and the run configuration.
+"""Benchmark shapes (hidden_size, vocab_size of each model's Hugging Face config.json) and the run configuration.
 
 On CPU the token counts are scaled to a 2-core machine: at H=2048, V=151936 one fp32 LM-head GEMM over 256 tokens is
 ~160 GFLOP (about 1.5 s there). On CUDA the default is the GPU targets' setting: bf16, 16,384 tokens = 8 x 2,048.

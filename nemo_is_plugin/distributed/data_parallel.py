@@ -1,7 +1,9 @@
 """Data parallelism: global normalisers and metric reduction across the ranks that hold different micro-batches.
 
-NeMo-RL's rules (research/nemo_rl.md): the loss divides local sums by GLOBAL counts, so losses and additive metrics
-simply add up across micro-batches and DP ranks; names ending in ``_min`` / ``_max`` are reduced with min / max.
+NeMo-RL's rules (NVIDIA-NeMo/RL at 7ea279abfbeb698b092856d0dab61e7cf39bc909: ``ClippedPGLossFn`` in
+``nemo_rl/algorithms/loss/loss_functions.py``, the metric reduction of ``megatron_policy_worker.py``): the loss divides
+local sums by GLOBAL counts, so losses and additive metrics simply add up across micro-batches and DP ranks; names
+with ``_min`` / ``_max`` are reduced with min / max.
 """
 
 from __future__ import annotations

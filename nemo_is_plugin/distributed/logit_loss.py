@@ -1,6 +1,7 @@
 """The LOGIT entry point: the loss from vocab- and context-parallel logits, without gathering vocab or sequence.
 
-Called the way NeMo-RL's Megatron worker calls a LOGIT loss (research/nemo_rl.md, section 4):
+Called the way NeMo-RL's Megatron worker calls a LOGIT loss (NVIDIA-NeMo/RL at 7ea279abfbeb698b092856d0dab61e7cf39bc909,
+``nemo_rl/models/megatron/train.py``):
 
     loss, metrics = loss_fn(logits, data, global_valid_seqs, global_valid_toks,
                             vocab_parallel_rank=..., vocab_parallel_group=..., context_parallel_group=...)

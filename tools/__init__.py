@@ -1,0 +1,1 @@
+"""Developer tools of the project (not part of the installed package)."""

@@ -1,0 +1,403 @@
+"""What every golden-suite generator shares: importing a reference checkout, stubbing the modules it imports but the
+loss code never runs, writing case files, and comparing a regenerated suite with the committed one.
+
+A generator (``tools/golden/<suite>.py``) declares a :class:`Suite` and hands it to :func:`run`, with three functions:
+
+- ``make_regenerate(repo) -> regenerate``: imports the reference from the checkout; ``regenerate(case) -> expected``
+  runs it on one case's stored config and inputs and returns ``expected`` in the suite's format
+  (tests/data/golden/<suite>/README.md);
+- ``tolerance(case, path) -> (rtol, atol)``: the suite README's tolerance for one entry of ``expected``
+  (``path`` is the key path below ``expected``, e.g. ``("metrics", "kl")``); ``(0, 0)`` means exact.
+- ``redraw(case, generator, seed, name) -> case``: for ``--fresh``, new inputs on a committed case's config.
+
+Nothing here imports a reference: the generator does, after :func:`use_checkout` has put the checkout first on
+``sys.path``, so the code at the suite's recorded commit is what runs (not a copy installed in the environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.abc
+import importlib.machinery
+import math
+import random
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "data" / "golden"
+
+Tolerance = tuple[float, float]
+Regenerate = Callable[[dict], dict]
+# (template case, generator, seed, template name) -> a new case (no ``expected`` yet): the template's config and
+# masks, its inputs redrawn from the generator, its description and seed saying so.
+Redraw = Callable[[dict, torch.Generator, int, str], dict]
+ToleranceFn = Callable[[dict, tuple[str, ...]], Tolerance]
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+
+class _StubAttribute(type):
+    """A class standing for any attribute of a stubbed module: usable as a base class, a decorator, a type hint, and
+    any attribute of it is another stub (``transformers.AutoConfig.from_pretrained``)."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        attribute = _stub_class(name)
+        setattr(cls, name, attribute)  # the same object on every access, as a real attribute would be
+        return attribute
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Used as a bare decorator (``@ray.remote``), hand the decorated object back unchanged.
+        if len(args) == 1 and not kwargs and (callable(args[0]) or isinstance(args[0], type)):
+            return args[0]
+        return super().__call__(*args, **kwargs)
+
+
+def _stub_class(name: str) -> _StubAttribute:
+    return _StubAttribute(name, (), {"__init__": lambda self, *args, **kwargs: None})
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        attribute = _stub_class(name)
+        setattr(self, name, attribute)
+        return attribute
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves the named top-level packages (and any submodule of them) to empty stub modules."""
+
+    def __init__(self, roots: Iterable[str]) -> None:
+        self.roots = frozenset(roots)
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname.split(".")[0] not in self.roots:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+def install_stubs(always: Iterable[str] = (), if_missing: Iterable[str] = ()) -> None:
+    """Stub modules the reference imports at module level but its loss code never calls.
+
+    ``always``: modules (or submodules such as ``torch.utils.tensorboard``) replaced even when installed, because the
+    installed version cannot be imported by the reference (an API it names no longer exists) or is irrelevant and slow.
+    ``if_missing``: top-level packages stubbed only when they are not installed (the finder is consulted last).
+    The stubs are this project's code; the reference's own code runs unchanged.
+    """
+    always = list(always)
+    top = {name for name in always if "." not in name}
+    for name in always:
+        if "." in name:  # a submodule of a real package: put the stub straight into sys.modules
+            module = _StubModule(name)
+            module.__path__ = []
+            sys.modules[name] = module
+    if top:
+        for name in list(sys.modules):
+            if name.split(".")[0] in top:
+                del sys.modules[name]
+        sys.meta_path.insert(0, _StubFinder(top))
+    if_missing = set(if_missing)
+    if if_missing:
+        sys.meta_path.append(_StubFinder(if_missing))
+
+
+def use_checkout(repo: Path, package: str) -> types.ModuleType:
+    """Import ``package`` from the checkout at ``repo`` (first on sys.path; any copy imported before is dropped) and
+    check that it really came from there."""
+    repo = repo.resolve()
+    if not (repo / package).is_dir():
+        raise SystemExit(f"--repo {repo}: no '{package}/' package there; pass a checkout of the reference repository")
+    for name in list(sys.modules):
+        if name == package or name.startswith(package + "."):
+            del sys.modules[name]
+    sys.path.insert(0, str(repo))
+    module = __import__(package)
+    origin = Path(module.__file__ or "").resolve()
+    if repo not in origin.parents:
+        raise SystemExit(f"'{package}' was imported from {origin}, not from the checkout {repo}")
+    return module
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every generator a reference could draw from, so that a regeneration is deterministic."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------------ case files
+
+
+def case_paths(directory: Path) -> list[Path]:
+    return sorted(directory.glob("case_*.pt"))
+
+
+def load_case(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def save_case(case: dict, path: Path) -> None:
+    """Write one case so that ``torch.load(path, weights_only=True)`` reads it back (plain containers, tensors,
+    Python scalars, strings and None only)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(case, path)
+
+
+def to_metrics(metrics: dict) -> dict[str, float]:
+    """A reference's metrics as ``{name: float}`` (0-d tensors and ints become floats, as the suites store them)."""
+    return {str(k): float(v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+
+
+def error_name(exc: BaseException) -> str:
+    return type(exc).__name__
+
+
+# --------------------------------------------------------------------------------------------- compare
+
+
+def _close(got: float, want: float, tol: Tolerance) -> bool:
+    if math.isnan(want) or math.isinf(want):
+        return (math.isnan(want) and math.isnan(got)) or got == want
+    rtol, atol = tol
+    return abs(got - want) <= atol + rtol * abs(want)
+
+
+def diff_values(
+    got: Any, want: Any, path: tuple[str, ...], tol_of: Callable[[tuple[str, ...]], Tolerance]
+) -> list[str]:
+    """Every difference between two case entries beyond tolerance, one line each (empty: they agree).
+
+    Dicts must have the same keys; tensors the same shape and dtype, values within tolerance with NaN/inf matching
+    exactly; numbers within tolerance; anything else (strings, None, bools) equal.
+    """
+    where = ".".join(path) or "<case>"
+    if isinstance(want, dict):
+        if not isinstance(got, dict):
+            return [f"{where}: got {type(got).__name__}, want dict"]
+        out = [f"{where}: missing key {k!r}" for k in want if k not in got]
+        out += [f"{where}: extra key {k!r}" for k in got if k not in want]
+        for k in want:
+            if k in got:
+                out += diff_values(got[k], want[k], (*path, str(k)), tol_of)
+        return out
+    if isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            return [f"{where}: got {got!r}, want {want!r}"]
+        return [line for i, (g, w) in enumerate(zip(got, want)) for line in diff_values(g, w, (*path, str(i)), tol_of)]
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return [f"{where}: got {type(got).__name__}, want tensor"]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return [f"{where}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"]
+        if want.dtype in (torch.bool, torch.int64, torch.int32) or not want.is_floating_point():
+            bad = int((got != want).sum())
+            return [f"{where}: {bad} entries differ (exact)"] if bad else []
+        rtol, atol = tol_of(path)
+        g, w = got.double(), want.double()
+        special = ~torch.isfinite(w)
+        special_ok = torch.equal(torch.isnan(g[special]), torch.isnan(w[special])) and bool(
+            (g[special & ~torch.isnan(w)] == w[special & ~torch.isnan(w)]).all()
+        )
+        finite = ~special
+        err = (g[finite] - w[finite]).abs()
+        bound = atol + rtol * w[finite].abs()
+        if special_ok and bool((err <= bound).all()):
+            return []
+        worst = float((err - bound).max()) if err.numel() else float("nan")
+        count = int((err > bound).sum())
+        return [f"{where}: {count} entries beyond rtol {rtol:g} atol {atol:g} (worst excess {worst:.3g})"]
+    if isinstance(want, bool) or want is None or isinstance(want, str):
+        return [] if got == want and type(got) is type(want) else [f"{where}: got {got!r}, want {want!r}"]
+    if isinstance(want, (int, float)):
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
+            return [f"{where}: got {got!r}, want {want!r}"]
+        tol = tol_of(path)
+        if _close(float(got), float(want), tol):
+            return []
+        return [f"{where}: got {got!r}, want {want!r} (rtol {tol[0]:g} atol {tol[1]:g})"]
+    return [] if got == want else [f"{where}: got {got!r}, want {want!r}"]
+
+
+def diff_case(got: dict, want: dict, tolerance: ToleranceFn) -> list[str]:
+    """Differences between a regenerated case and the committed one: ``expected`` within the suite's tolerance (keyed
+    by the path below ``expected``), everything else (ids, config, inputs, provenance) exactly."""
+    out = diff_values(
+        {k: v for k, v in got.items() if k != "expected"},
+        {k: v for k, v in want.items() if k != "expected"},
+        (),
+        lambda _: (0.0, 0.0),
+    )
+    if "expected" in want or "expected" in got:
+        out += diff_values(
+            got.get("expected"), want.get("expected"), ("expected",), lambda path: tolerance(want, path[1:])
+        )
+    return out
+
+
+def compare_dirs(regenerated: Path, committed: Path, tolerance: ToleranceFn, out: Callable[[str], None] = print) -> int:
+    """Print one line per case (``ok`` or its differences) and return the number of cases that differ; a case file
+    present on one side only counts as a difference."""
+    new = {p.name: p for p in case_paths(regenerated)}
+    old = {p.name: p for p in case_paths(committed)}
+    failed = identical = 0
+    for name in sorted(new.keys() | old.keys()):
+        if name not in new or name not in old:
+            out(f"{name}: only in {'the regenerated' if name in new else 'the committed'} suite")
+            failed += 1
+            continue
+        got, want = load_case(new[name]), load_case(old[name])
+        lines = diff_case(got, want, tolerance)
+        if lines:
+            failed += 1
+            out(f"{name}: DIFFERS")
+            for line in lines:
+                out(f"    {line}")
+        else:
+            exact = not diff_values(got, want, (), lambda _: (0.0, 0.0))
+            identical += exact
+            out(f"{name}: ok ({'bitwise identical' if exact else 'within tolerance'})")
+    total = len(new.keys() | old.keys())
+    out(f"{total - failed}/{total} cases agree within tolerance ({identical} bitwise identical)")
+    return failed
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def parse_args(suite: str, argv: Sequence[str] | None, doc: str | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m tools.golden.{suite}", description=(doc or "").split("\n\n")[0])
+    parser.add_argument("--repo", type=Path, required=True, help="checkout of the reference repository")
+    parser.add_argument("--out", type=Path, required=True, help="directory the regenerated case files are written to")
+    parser.add_argument(
+        "--golden",
+        type=Path,
+        default=GOLDEN / suite,
+        help="suite whose stored configs and inputs are re-run (default: the committed suite)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="then compare --out with --golden within the suite's tolerance; exit 1 on a difference",
+    )
+    parser.add_argument(
+        "--fresh",
+        type=int,
+        metavar="N",
+        help="instead of regenerating, write N new cases numbered after --golden's last one: each a valid case's "
+        "config and masks (in turn) with inputs drawn from --seed + i, and the reference's expected values",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="first seed of --fresh (default 0)")
+    args = parser.parse_args(argv)
+    if args.fresh is not None and (args.check or args.fresh < 1):
+        parser.error("--fresh takes a positive count and writes new cases: nothing to --check them against")
+    return args
+
+
+def regenerate_suite(golden: Path, out: Path, regenerate: Regenerate) -> int:
+    """Re-run the reference on every case of ``golden`` and write the cases with the new ``expected`` to ``out``;
+    every other entry is carried over unchanged. Returns the number of cases written."""
+    paths = case_paths(golden)
+    if not paths:
+        raise SystemExit(f"no case_*.pt files in {golden}")
+    for path in paths:
+        case = load_case(path)
+        seed = case.get("params", {}).get("seed", 0) if isinstance(case.get("params"), dict) else 0
+        seed_everything(int(seed or 0))
+        save_case({**case, "expected": regenerate(case)}, out / path.name)
+    return len(paths)
+
+
+def fresh_suite(golden: Path, out: Path, count: int, seed: int, redraw: Redraw, regenerate: Regenerate) -> list[Path]:
+    """Write ``count`` new cases to ``out``, numbered after the last case of ``golden``: case i takes the config and
+    masks of the suite's valid (non-error) cases in turn, inputs redrawn from ``seed + i``, and the reference's
+    ``expected``. Returns the paths written."""
+    paths = case_paths(golden)
+    templates = [(p.stem, case) for p in paths if "error" not in (case := load_case(p))["expected"]]
+    if not templates:
+        raise SystemExit(f"no valid case in {golden} to take a config from")
+    written = []
+    for i in range(count):
+        name, template = templates[i % len(templates)]
+        case_seed = seed + i
+        case = redraw(copy.deepcopy(template), torch.Generator().manual_seed(case_seed), case_seed, name)
+        new_name = f"case_{len(paths) + i:03d}"
+        if "id" in case:
+            case["id"] = new_name
+        seed_everything(case_seed)
+        case["expected"] = regenerate(case)
+        save_case(case, out / f"{new_name}.pt")
+        written.append(out / f"{new_name}.pt")
+    return written
+
+
+def normal(shape: Sequence[int], generator: torch.Generator, std: float = 1.0) -> torch.Tensor:
+    """float32 N(0, std^2) draws (CPU: the suites' inputs are CPU tensors)."""
+    return torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * std
+
+
+def log_probs(shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
+    """Plausible token log-probs: -|N(0, 1)| - 0.01, strictly negative."""
+    return -normal(shape, generator).abs() - 0.01
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One golden suite's generator, as tools/golden/<name>.py declares it for :func:`run`."""
+
+    name: str  # its directory under tests/data/golden
+    repository: str  # the host, owner/name on GitHub
+    commit: str  # the host commit the committed suite records
+    make_regenerate: Callable[[Path], Regenerate]  # imports the reference from a checkout, returns ``regenerate``
+    tolerance: ToleranceFn
+    redraw: Redraw
+
+
+def checkout_commit(repo: Path) -> str | None:
+    """HEAD of the git checkout at ``repo``; None for a plain source tree (e.g. a ``git archive``)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    top, head = done.stdout.split()
+    return head if Path(top).resolve() == repo.resolve() else None  # not a checkout nested in another repository
+
+
+def run(suite: Suite, argv: Sequence[str] | None = None, doc: str | None = None) -> int:
+    """The command line of a generator (``python -m tools.golden.<name> --help``)."""
+    args = parse_args(suite.name, argv, doc)
+    head = checkout_commit(args.repo)
+    print(
+        f"{suite.name}: {suite.repository} from {args.repo} at {head or 'a commit git cannot tell (not a checkout)'}; "
+        f"the committed suite records {suite.commit}"
+    )
+    regenerate = suite.make_regenerate(args.repo)
+    if args.fresh is not None:
+        written = fresh_suite(args.golden, args.out, args.fresh, args.seed, suite.redraw, regenerate)
+        print(f"{suite.name}: wrote {len(written)} new cases to {args.out} ({written[0].name} to {written[-1].name})")
+        return 0
+    count = regenerate_suite(args.golden, args.out, regenerate)
+    print(f"{suite.name}: wrote {count} cases to {args.out}")
+    if not args.check:
+        return 0
+    return 1 if compare_dirs(args.out, args.golden, suite.tolerance) else 0
