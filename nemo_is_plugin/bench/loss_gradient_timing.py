@@ -80,7 +80,7 @@ def time_config(bench: BenchDevice, p: HeadProblem, config: dict, chunk: int, ro
     if hasattr(tg, "chunk_terms"):  # checkouts whose g is autograd over the loss's own per-token terms
 
         def func_vjp(sl: slice, c_chunk: torch.Tensor) -> torch.Tensor:
-            _, pull = torch.func.vjp(lambda x: tg.chunk_terms(sl, x), c_chunk.to(tg.agg_weight.dtype))
+            pull = torch.func.vjp(lambda x: tg.chunk_terms(sl, x), c_chunk.to(tg.agg_weight.dtype))[1]
             return pull(tg.agg_weight[sl])[0]
 
         # the two compute the same g on the tokens that count (no NLL term in these configs)
