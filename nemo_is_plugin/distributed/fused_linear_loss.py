@@ -11,7 +11,7 @@ Two schedules, same loss, metrics and gradients:
 
       z = X_c W^T                     GEMM 1, in the compute dtype (bf16 on GPUs)
       pass 1: softmax partials of z / T, their TP merge -> c = log p(target), lse      (no host sync)
-      g = dL/dc                       closed form per token (separable.TokenLossGradient), [chunk] vectors
+      g = dL/dc                       per token (separable.TokenLossGradient: autograd on [chunk] vectors)
       pass 2: dz = g (onehot - p) / T  in z's buffer
       dX_c = dz W                     GEMM 2, into dX's rows
       dW  += dz^T X_c                 GEMM 3, accumulated in place (kernels.gemm.WeightGrad)

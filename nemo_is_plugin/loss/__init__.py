@@ -4,8 +4,8 @@
 chooses: ``ratios`` (policy ratio levels), ``surrogate`` (clipped surrogates), ``is_weights`` / ``truncation`` /
 ``rejection`` / ``correction`` (the IS correction), ``kl`` (the KL penalty), ``aggregation`` (token / sequence means),
 ``metrics`` / ``mismatch_metrics`` (the metrics), ``input_validation`` (the input checks); ``layout`` (TokenLayout:
-which sequence and position each token is) and ``masked`` underlie them. ``separable`` and ``derivatives`` give the
-loss's per-token gradient in closed form (the fused single pass). ``registry`` resolves loss names.
+which sequence and position each token is) and ``masked`` underlie them. ``separable`` gives the loss's per-token
+gradient chunk by chunk (the fused single pass). ``registry`` resolves loss names.
 """
 
 from nemo_is_plugin.loss.clipped_pg import ClippedPGLoss, LossInputs, build_loss_fn

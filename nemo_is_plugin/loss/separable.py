@@ -17,11 +17,14 @@ log-probs of the earlier tokens of t's sequence only. When the chunks visit ever
 carried from chunk to chunk gives the same value, so they take the single pass too. ``sequence`` and
 ``sequence_token`` ratios need the whole sequence first (two passes).
 
-``dL/dc_t`` itself is computed in closed form (:mod:`nemo_is_plugin.loss.derivatives`, which follows surrogate.py and
-kl.py op by op, autograd's conventions at every kink included; tests/loss/test_loss_derivatives.py checks it against
-autograd of the whole loss): a few dozen elementwise ops on the chunk's ``[n]`` vectors, no autograd graph and no host
-synchronisation per chunk. The batch constants are computed once per call; the IS correction among them is handed to
-the loss's metrics pass so that it is not computed twice.
+``dL/dc_t`` itself is autograd over the loss's own per-token functions (``ClippedPGLoss.surrogate`` /
+``clipped_surrogate`` and ``kl_tokens``, i.e. surrogate.py and kl.py) on a detached ``[n]`` leaf of the chunk's
+log-probs: one source of truth for every formula, and at a kink (a tie of min / max / clamp) the gradient is whatever
+subgradient autograd picks for the loss itself. It is a graph of a few dozen elementwise ops on ``[n]`` vectors, small
+next to the chunk's ``[n x V]`` GEMMs (``python -m nemo_is_plugin.bench.loss_gradient_timing`` measures both), built
+under ``torch.enable_grad`` so that the fused forward (which runs without grad mode) can use it; no host
+synchronisation. The batch constants are computed once per call; the IS correction among them is handed to the
+loss's metrics pass so that it is not computed twice.
 
 Shapes: the constants are flat ``[N]`` (the token tensors of the layout, flattened in memory order); a chunk is a
 slice of ``[0, N)``; chunks are visited in order.
@@ -35,23 +38,23 @@ import torch
 
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.loss.aggregation import aggregate
-from nemo_is_plugin.loss.clipped_pg import ClippedPGLoss, LossInputs, is_correction_kwargs, positive_sample_tokens
-from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
-from nemo_is_plugin.loss.derivatives import (
-    cispo_d,
-    exp_or_zero_d,
-    kl_penalty_d,
-    log_space_clip_d,
-    ratio_clip_d,
-    reinforce_d,
-    score_function_weight_d,
-    straight_through_log_ratio_d,
-    token_log_ratio_d,
+from nemo_is_plugin.loss.clipped_pg import (
+    ClippedPGLoss,
+    LossInputs,
+    is_correction_kwargs,
+    positive_sample_tokens,
+    ratio_anchor,
 )
+from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
 from nemo_is_plugin.loss.input_validation import required_input
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
-from nemo_is_plugin.loss.ratios import cumulative_anchor, token_log_ratio, unmasked_positions
+from nemo_is_plugin.loss.ratios import (
+    cumulative_anchor,
+    straight_through_log_ratio,
+    token_log_ratio,
+    unmasked_positions,
+)
 
 CAUSAL_LEVELS = ("cumulative", "cumulative_mean")
 
@@ -92,11 +95,12 @@ class TokenLossGradient:
     Build with :meth:`build`; every tensor field is a flat ``[N]`` constant (None when the term is off).
     ``correction`` is the batch's IS correction (reused by the loss's metrics pass).
 
-    The gradient is in closed form (:mod:`nemo_is_plugin.loss.derivatives`): a few dozen elementwise ops on ``[n]``
-    vectors per chunk, no autograd graph, no host synchronisation.
+    The gradient is autograd of :meth:`chunk_terms` (the loss's own per-token functions) weighted by ``a``, plus the
+    linear NLL term: no host synchronisation.
     """
 
     loss: ClippedPGLoss
+    layout: TokenLayout
     agg_weight: torch.Tensor
     prev: torch.Tensor
     generation: torch.Tensor
@@ -143,6 +147,7 @@ class TokenLossGradient:
                 nll_weight = pos / (count.to(dtype) + EPS)
         return cls(
             loss=loss,
+            layout=layout,
             agg_weight=flat(aggregation_weights(cfg, tm, sm, layout, inputs)),
             prev=flat(prev),
             generation=flat(f(inputs.generation_logprobs)),
@@ -158,63 +163,35 @@ class TokenLossGradient:
         )
 
     def __call__(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
-        cfg = self.loss.config
         a = self.agg_weight[sl]
-        c = c.detach().to(a.dtype)
-        adv = self.advantages[sl]
-        if cfg.disable_ppo_ratio:
-            d_sur = reinforce_d(c, adv, dual_clip=cfg.ratio_clip_c)
-        else:
-            # loss.ratio_anchor: tokens that do not count sit at ratio 1 (their gradient is dropped below anyway)
-            p = torch.where(self.valid[sl] != 0, self.prev[sl], c)
-            if self.prefix is None:
-                log_r = token_log_ratio_d(c, p, cfg.token_log_ratio_clamp, cfg.max_log_ratio)
-            else:
-                anchor = self.prefix.anchor(sl, c, p, self.token_mask[sl], self.positions[sl])
-                log_r = straight_through_log_ratio_d(anchor, c, cfg.max_log_ratio)
-            d_sur = self._clipped_surrogate_d(log_r, adv, self.positions[sl])
-        d_term = self.is_weight[sl] * d_sur
-        if self.reference is not None:
-            weight = (
-                exp_or_zero_d(c - self.generation[sl])
-                if cfg.use_on_policy_kl_approximation
-                else (score_function_weight_d(c))
-            )
-            d_kl = kl_penalty_d(
-                c,
-                self.reference[sl],
-                weight,
-                kl_type=cfg.reference_policy_kl_type,
-                input_clamp=cfg.kl_input_clamp_value,
-                output_clamp=cfg.kl_output_clamp_value,
-                straight_through_k2=cfg.reference_policy_kl_gradient == "k2",
-            )
-            d_term = d_term + cfg.effective_kl_penalty * d_kl
-        # the loss's where_mask: tokens with a = 0 add exactly 0, whatever inf/NaN their terms hold
-        grad = torch.where(a != 0, a * d_term, 0.0)
-        if self.nll_weight is not None:
-            grad = grad - cfg.positive_example_nll_weight * self.nll_weight[sl]
+        with torch.enable_grad():  # the fused forward runs without grad mode
+            leaf = c.detach().to(a.dtype).requires_grad_(True)
+            (grad,) = torch.autograd.grad(self.chunk_terms(sl, leaf), leaf, grad_outputs=a)
+        # the loss's where_mask: tokens with a = 0 add exactly 0, whatever inf/NaN their terms' derivatives hold
+        grad = torch.where(a != 0, grad, 0.0)
+        if self.nll_weight is not None:  # the NLL is linear in c: its weights are the derivative
+            grad = grad - self.loss.config.positive_example_nll_weight * self.nll_weight[sl]
         return grad
 
-    def _clipped_surrogate_d(self, log_r, adv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``ClippedPGLoss.clipped_surrogate``'s derivative."""
-        cfg = self.loss.config
-        if cfg.use_cispo:
-            return cispo_d(log_r, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max)
-        if cfg.uses_log_space_clip:
-            eps_low, eps_high = cfg.log_ratio_clip_bounds
-            return log_space_clip_d(
-                log_r,
-                adv,
-                positions,
-                eps_low=eps_low,
-                eps_high=eps_high,
-                eps_c=cfg.log_ratio_clip_c,
-                power=cfg.clip_position_power,
-            ).d
-        return ratio_clip_d(
-            log_r, adv, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max, dual_clip=cfg.ratio_clip_c
-        ).d
+    def chunk_terms(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
+        """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` of the chunk ``sl`` (``[n]``), with ``ClippedPGLoss.compute``'s own
+        functions: the loss is ``sum_t a_t x_t`` plus the NLL term."""
+        loss, tm, positions = self.loss, self.token_mask[sl], self.positions[sl]
+        adv = self.advantages[sl]
+        p = ratio_anchor(self.prev[sl], c, self.valid[sl])
+        if self.prefix is None:
+            sur = loss.surrogate(c, p, adv, tm, self.layout, positions)  # token level: the layout is not read
+        else:
+            with torch.no_grad():  # as ratios.policy_log_ratio: the anchor carries no gradient
+                anchor = self.prefix.anchor(sl, c, p, tm, positions)
+            log_r = straight_through_log_ratio(anchor, c, loss.config.max_log_ratio)
+            sur = loss.clipped_surrogate(log_r, c, adv, positions)
+        terms = self.is_weight[sl] * sur.loss
+        if self.reference is not None:
+            terms = terms + loss.config.effective_kl_penalty * loss.kl_tokens(
+                c, self.generation[sl], self.reference[sl]
+            )
+        return terms
 
 
 class PrefixCarry:

@@ -32,7 +32,6 @@ FUSED_FILES = (
     "softmax_partials.py",
     "triton_logprob.py",
     "separable.py",
-    "derivatives.py",
 )
 CONFIGS = {
     "token_tis_k3_nll": dict(
