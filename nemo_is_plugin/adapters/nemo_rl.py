@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import torch
 from pydantic import BaseModel
 
-from nemo_is_plugin.adapters.normalizers import loss_type_of, metric_normalizer, probe_metric_names
+from nemo_is_plugin.adapters.normalizers import loss_type_of
 from nemo_is_plugin.adapters.protocol import LossInputType, MetricNormalizer
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.groups import ParallelGroups
@@ -166,13 +166,10 @@ class NeMoRLLossFn:
         for name in NEMO_RL_CONFIG_ATTRIBUTES:
             setattr(self, name, getattr(self.config, name))
         self.reference_policy_kl_penalty = self.config.effective_kl_penalty
-        advertised = getattr(self.loss, "metric_normalizations", None)
-        if advertised is not None:  # the loss knows best; map its values onto the host's enum
-            self.metric_normalizations = {
-                k: MetricNormalizer(getattr(v, "value", v)) for k, v in dict(advertised).items()
-            }
-        else:
-            self.metric_normalizations = {n: metric_normalizer(n, self.config) for n in probe_metric_names(self.loss)}
+        # Each metric's denominator as the loss declares it, in the host's enum (same values).
+        self.metric_normalizations = {
+            name: MetricNormalizer(per.value) for name, per in self.loss.metric_denominators().items()
+        }
 
     # ------------------------------------------------------------------ pickling (Ray)
     def __getstate__(self) -> dict[str, Any]:
