@@ -437,11 +437,6 @@ def own_section(section: Mapping[str, Any], cls: type) -> dict[str, Any]:
     if factory is not cls:
         raise ConfigError(
             f"loss_fn.name={name!r} is registered to {factory!r}, not {cls.__name__}; build it with "
-            "nemo_is_plugin.registry.build_loss(section), or remove the name"
+            "nemo_is_plugin.build_loss_fn(section), or remove the name"
         )
     return rest
-
-
-def build_loss_fn(config: ClippedPGLossConfig | Mapping[str, Any]) -> ClippedPGLoss:
-    """Return the loss for a NeMo-RL ``loss_fn`` section (a mapping, ``name`` allowed) or a validated config."""
-    return ClippedPGLoss(config)

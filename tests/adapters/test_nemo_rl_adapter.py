@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.golden_utils import load_cases
 
-from nemo_is_plugin.adapters.nemo_rl import PARALLEL_STATE, NeMoRLLossFn, build_loss_fn
+from nemo_is_plugin.adapters.nemo_rl import PARALLEL_STATE, NeMoRLLossFn, build_nemo_rl_loss_fn
 from nemo_is_plugin.adapters.protocol import LossFunction, LossInputType, LossType, MetricNormalizer
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.groups import ParallelGroups
@@ -221,15 +221,15 @@ def test_missing_arguments_are_explained():
         NeMoRLLossFn({}, input_type="logit")(data={}, global_valid_seqs=1, global_valid_toks=1)
 
 
-def test_build_loss_fn_from_master_config_mapping_and_config(tmp_path):
+def test_build_nemo_rl_loss_fn_from_master_config_mapping_and_config(tmp_path):
     master = {"policy": {"x": 1}, "loss_fn": {"name": "nemo_is.clipped_pg", "ratio_clip_min": 0.1}}
-    assert build_loss_fn(master).config.ratio_clip_min == 0.1
-    assert build_loss_fn(master, ["loss_fn.ratio_clip_min=0.3"]).config.ratio_clip_min == 0.3
-    assert build_loss_fn(ClippedPGLossConfig(ratio_clip_max=0.4)).config.ratio_clip_max == 0.4
+    assert build_nemo_rl_loss_fn(master).config.ratio_clip_min == 0.1
+    assert build_nemo_rl_loss_fn(master, ["loss_fn.ratio_clip_min=0.3"]).config.ratio_clip_min == 0.3
+    assert build_nemo_rl_loss_fn(ClippedPGLossConfig(ratio_clip_max=0.4)).config.ratio_clip_max == 0.4
     with pytest.raises(ValueError, match="overrides apply to YAML"):
-        build_loss_fn(ClippedPGLossConfig(), ["loss_fn.ratio_clip_min=0.3"])
+        build_nemo_rl_loss_fn(ClippedPGLossConfig(), ["loss_fn.ratio_clip_min=0.3"])
     with pytest.raises(UnknownLossError, match="Registered losses"):
-        build_loss_fn({"loss_fn": {"name": "nemo_is.nope"}})
+        build_nemo_rl_loss_fn({"loss_fn": {"name": "nemo_is.nope"}})
 
 
 def test_token_sum_is_refused_for_nemo_rl_and_its_loss_is_never_rescaled():
