@@ -12,6 +12,7 @@ metrics divide by the count named in their definition (loss/metrics.py, loss/mis
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -181,6 +182,8 @@ def test_the_call_returns_the_traced_denominators():
     assert metrics.denominators == loss.metric_denominators()
     assert set(metrics) == set(metrics.denominators)
     assert not any(math.isnan(v) for v in metrics.values())
+    again = pickle.loads(pickle.dumps(metrics))  # metrics travel between Ray workers
+    assert again == metrics and again.denominators == metrics.denominators
 
 
 def test_renormalize_changes_denominators():
