@@ -299,24 +299,9 @@ class ClippedPGLoss:
         """Metric name -> the global count it is divided by, for this config, as each metric declares it where it is
         emitted: the loss traced on one-token meta tensors (shapes only: no data, no computation, no host sync). The
         names and their denominators depend on the config alone."""
-        meta = torch.device("meta")
-
-        def tokens() -> torch.Tensor:
-            return torch.empty(1, 1, device=meta)
-
-        inputs = LossInputs(
-            curr_logprobs=tokens(),
-            prev_logprobs=tokens(),
-            generation_logprobs=tokens(),
-            reference_logprobs=tokens(),
-            advantages=tokens(),
-            token_mask=tokens(),
-            sample_mask=torch.empty(1, device=meta),
-            global_valid_seqs=1.0,
-            global_valid_toks=1.0,
-            rewards=torch.empty(1, device=meta),
-        )
-        _, metrics = self.compute(inputs, TokenLayout.padded(1, 1, device=meta))
+        meta = torch.empty(1, 1, device="meta")  # one token of one sequence; every input may be the same tensor
+        inputs = LossInputs(meta, meta, meta, meta, meta, meta, meta[0], 1.0, 1.0, rewards=meta[0])
+        _, metrics = self.compute(inputs, TokenLayout.padded(1, 1, device=meta.device))
         return metrics.denominators
 
     def kl_tokens(self, c: torch.Tensor, g: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
