@@ -103,7 +103,7 @@ def test_cli_options_override_the_run_config(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- engine parity
 def test_rollout_decoder_matches_megatron_in_fp32_and_differs_in_low_precision():
-    from nemo_is_plugin.demo.parity import decoder_parity
+    from helpers.demo_parity import decoder_parity
 
     diff = decoder_parity(("fp32", "bf16", "fp8"))
     assert diff["fp32"] < 1e-4  # same function: the mismatch below is numerics only
@@ -111,7 +111,7 @@ def test_rollout_decoder_matches_megatron_in_fp32_and_differs_in_low_precision()
 
 
 def test_megatron_moe_tp2_sequence_parallel_matches_tp1():
-    from nemo_is_plugin.demo.parity import tp_parity
+    from helpers.demo_parity import tp_parity
 
     diff = tp_parity()
     assert diff["logprob"] < 1e-5

@@ -13,7 +13,7 @@ import pytest
 import torch
 from _nemo_rl_driver import Scenario, isclose, run_dp, run_local
 
-from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn, build_loss_fn
+from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn, build_nemo_rl_loss_fn
 from nemo_is_plugin.adapters.protocol import LossFunction, LossType
 from nemo_is_plugin.loss import ClippedPGLoss
 
@@ -69,8 +69,8 @@ def changed_recipe(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loss_fns(changed_recipe):
-    fns = {name: build_loss_fn(RECIPE, overrides) for name, overrides in VARIANTS.items()}
-    fns["seqmean"] = build_loss_fn(changed_recipe)
+    fns = {name: build_nemo_rl_loss_fn(RECIPE, overrides) for name, overrides in VARIANTS.items()}
+    fns["seqmean"] = build_nemo_rl_loss_fn(changed_recipe)
     return fns
 
 

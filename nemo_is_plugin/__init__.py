@@ -1,6 +1,7 @@
 """nemo-is-plugin: policy-gradient losses with independent, validated importance-sampling corrections.
 
-Public API: ``build_loss_fn(config)`` returns a loss called exactly like NeMo-RL's ClippedPGLossFn.
+Public API: ``build_loss_fn(loss_fn_section)`` builds the loss the section names (the registry's default,
+``nemo_is.clipped_pg``, is called exactly like NeMo-RL's ClippedPGLossFn).
 """
 
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError

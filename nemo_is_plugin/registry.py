@@ -3,27 +3,25 @@
 from nemo_is_plugin.loss.registry import (
     DEFAULT_LOSS_NAME,
     ENTRY_POINT_GROUP,
+    LOSSES,
     NAME_KEY,
     UnknownLossError,
-    build_loss,
+    build_loss_fn,
     check_loss_name,
     get_loss,
-    register_loss,
     registered_names,
     split_name,
-    unregister_loss,
 )
 
 __all__ = [
     "DEFAULT_LOSS_NAME",
     "ENTRY_POINT_GROUP",
+    "LOSSES",
     "NAME_KEY",
     "UnknownLossError",
-    "build_loss",
+    "build_loss_fn",
     "check_loss_name",
     "get_loss",
-    "register_loss",
     "registered_names",
     "split_name",
-    "unregister_loss",
 ]

@@ -71,13 +71,13 @@ def test_an_out_of_range_setting_is_refused_naming_the_key(tmp_path, line, key):
 def test_an_override_that_matches_nothing_is_refused(override, hint):
     refused(cli("validate", GEO_RS, "-o", override), hint)
     with pytest.raises(RecipeError, match=hint.replace("?", r"\?").replace(".", r"\.")):
-        nemo_rl.build_loss_fn(GEO_RS, [override])
+        nemo_rl.build_nemo_rl_loss_fn(GEO_RS, [override])
 
 
 def test_an_unregistered_loss_name_is_refused_everywhere(tmp_path):
     path = recipe(tmp_path, "loss_fn:\n  name: nemo_is.clipped\n")
     refused(cli("validate", path), "unknown loss 'nemo_is.clipped'", "Did you mean 'nemo_is.clipped_pg'?")
-    for build in (nemo_is_plugin.build_loss_fn, nemo_rl.build_loss_fn):
+    for build in (nemo_is_plugin.build_loss_fn, nemo_rl.build_nemo_rl_loss_fn):
         with pytest.raises(ConfigError, match="unknown loss 'nemo_is.clipped'"):
             build({"name": "nemo_is.clipped"})
 

@@ -17,7 +17,7 @@ from helpers.device_guard import DeviceLessTensorError, count_host_syncs, device
 from helpers.golden_calls import assert_same_outcome, case_format, golden_calls, load_suite, no_guard, suites
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.loss.metrics import MetricBook
+from nemo_is_plugin.loss.metrics import Denominator, MetricBook
 
 CALLS = golden_calls()
 
@@ -86,7 +86,7 @@ def test_guard_catches_the_kl_penalty_metric_bug(monkeypatch):
 
     def buggy(self, sur):
         real(self, sur)
-        self.add_sum("device_less", torch.zeros((), dtype=torch.float64))
+        self.add_sum("device_less", torch.zeros((), dtype=torch.float64), Denominator.NONE)
 
     call = next(c for c in CALLS if c.suite == "nemo_rl")
     call.run("cpu", None, device_guard)  # clean

@@ -1,4 +1,4 @@
-"""Loss registry: entry points of the ``nemo_is_plugin.losses`` group plus in-process registrations."""
+"""Loss registry: entry points of the ``nemo_is_plugin.losses`` group plus in-process registrations (``LOSSES``)."""
 
 from __future__ import annotations
 
@@ -6,24 +6,20 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
+from nemo_is_plugin import build_loss_fn
+from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.loss import ClippedPGLoss, registry
 from nemo_is_plugin.loss.registry import (
     DEFAULT_LOSS_NAME,
+    LOSSES,
     UnknownLossError,
-    build_loss,
+    check_loss_name,
     get_loss,
-    register_loss,
     registered_names,
     split_name,
-    unregister_loss,
 )
 
-
-@pytest.fixture
-def scratch_name():
-    name = "tests.scratch_loss"
-    yield name
-    unregister_loss(name)
+SCRATCH = "tests.scratch_loss"
 
 
 def test_pyproject_entry_point_resolves_the_clipped_pg_loss():
@@ -39,74 +35,46 @@ def test_unknown_name_lists_registered_names_and_suggests():
     assert "Registered losses: " in msg and "'nemo_is.clipped_pg'" in msg
     assert info.value.known == registered_names()
     assert isinstance(info.value, LookupError)
+    with pytest.raises(UnknownLossError):
+        check_loss_name("nemo_is.clipped_pq")
+    check_loss_name(DEFAULT_LOSS_NAME)
 
 
 def test_unknown_name_without_close_match_still_lists_names():
     with pytest.raises(UnknownLossError, match=r"unknown loss 'zzz'\. Registered losses: .*nemo_is\.clipped_pg"):
-        build_loss({"name": "zzz"})
+        build_loss_fn({"name": "zzz"})
 
 
-def test_register_decorator_and_direct(scratch_name):
-    @register_loss(scratch_name)
-    class Mine:
-        def __init__(self, config):
-            self.config = config
+def test_an_in_process_registration_is_found_and_built_with_kwargs(monkeypatch):
+    seen = {}
 
-    assert get_loss(scratch_name) is Mine
-    assert scratch_name in registered_names()
-    register_loss(scratch_name, Mine)  # the same object again: a no-op
-    with pytest.raises(ValueError, match="already registered"):
-        register_loss(scratch_name, dict)
-    register_loss(scratch_name, dict, override=True)
-    assert get_loss(scratch_name) is dict
-    unregister_loss(scratch_name)
-    assert scratch_name not in registered_names()
+    def factory(config, **kwargs):
+        seen.update(config=config, kwargs=kwargs)
+        return "mine"
+
+    monkeypatch.setitem(LOSSES, SCRATCH, factory)
+    assert get_loss(SCRATCH) is factory and SCRATCH in registered_names()
+    assert build_loss_fn({"name": SCRATCH, "a": 1}, tp_group=None) == "mine"
+    assert seen == {"config": {"a": 1}, "kwargs": {"tp_group": None}}
+    monkeypatch.delitem(LOSSES, SCRATCH)
+    assert SCRATCH not in registered_names()
 
 
-def test_register_rejects_bad_targets(scratch_name):
-    with pytest.raises(TypeError, match="callable or a 'module:attr'"):
-        register_loss(scratch_name, 42)
-    with pytest.raises(ValueError, match="non-empty string"):
-        register_loss("", dict)
-
-
-def test_lazy_string_target_is_imported_on_lookup(scratch_name):
-    register_loss(scratch_name, "nemo_is_plugin.loss:ClippedPGLoss")
-    assert get_loss(scratch_name) is ClippedPGLoss
-
-
-def test_in_process_registration_shadows_an_entry_point():
-    sentinel = lambda config: ("local", config)  # noqa: E731
-    register_loss(DEFAULT_LOSS_NAME, sentinel, override=True)
-    try:
-        assert build_loss({"ratio_clip_min": 0.1}) == ("local", {"ratio_clip_min": 0.1})
-    finally:
-        unregister_loss(DEFAULT_LOSS_NAME)
+def test_in_process_registration_shadows_an_entry_point(monkeypatch):
+    monkeypatch.setitem(LOSSES, DEFAULT_LOSS_NAME, lambda config: ("local", config))
+    assert build_loss_fn({"ratio_clip_min": 0.1}) == ("local", {"ratio_clip_min": 0.1})
+    monkeypatch.delitem(LOSSES, DEFAULT_LOSS_NAME)
     assert get_loss(DEFAULT_LOSS_NAME) is ClippedPGLoss  # the entry point is back
 
 
-def test_build_loss_from_a_loss_fn_section():
-    loss = build_loss({"name": "nemo_is.clipped_pg", "ratio_clip_min": 0.1, "token_level_loss": False})
+def test_build_loss_fn_from_a_section_or_a_validated_config():
+    loss = build_loss_fn({"name": "nemo_is.clipped_pg", "ratio_clip_min": 0.1, "token_level_loss": False})
     assert isinstance(loss, ClippedPGLoss)
     assert loss.config.ratio_clip_min == 0.1 and loss.config.effective_loss_aggregation == "seq-mean-token-mean"
-    assert isinstance(build_loss(None), ClippedPGLoss)  # no section: the default loss with defaults
-    assert build_loss({}).config.ratio_clip_min == 0.2
-
-
-def test_build_loss_prefers_from_config_and_forwards_kwargs(scratch_name):
-    seen = {}
-
-    class WithFactory:
-        @classmethod
-        def from_config(cls, config, **kwargs):
-            seen.update(config=config, kwargs=kwargs)
-            return cls()
-
-    register_loss(scratch_name, WithFactory)
-    assert isinstance(build_loss({"name": scratch_name, "a": 1}, tp_group=None), WithFactory)
-    assert seen == {"config": {"a": 1}, "kwargs": {"tp_group": None}}
-    # the name argument wins over the section's
-    assert isinstance(build_loss({"name": "nope"}, name=scratch_name), WithFactory)
+    assert isinstance(build_loss_fn(None), ClippedPGLoss)  # no section: the default loss with defaults
+    assert build_loss_fn({}).config.ratio_clip_min == 0.2
+    config = ClippedPGLossConfig(ratio_clip_max=0.4)
+    assert build_loss_fn(config).config is config
 
 
 def test_split_name():

@@ -46,11 +46,11 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import torch
 from pydantic import BaseModel
 
-from nemo_is_plugin.adapters.normalizers import loss_type_of, metric_normalizer, probe_metric_names
+from nemo_is_plugin.adapters.normalizers import loss_type_of
 from nemo_is_plugin.adapters.protocol import LossInputType, MetricNormalizer
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.groups import ParallelGroups
-from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME, build_loss
+from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME, build_loss_fn
 
 if TYPE_CHECKING:
     from nemo_is_plugin.distributed.cp_sharding import CPOrder
@@ -120,7 +120,8 @@ class NeMoRLLossFn:
         cp_order: LOGIT only: the CP order of the logits ("load_balanced", Megatron's, or "contiguous").
         host_divides_by_cp: LOGIT only: NeMo-RL's Megatron worker divides the loss by the CP size (its losses are
             replicated over CP); the LOGIT loss of a CP rank covers only its own tokens, so it is multiplied back.
-        logprob_chunk_size: LOGIT only: tokens per fp32 chunk of the log-prob kernel.
+        logprob_chunk_size: LOGIT only: tokens per chunk of the log-prob kernel; None = the kernels' byte budget for
+            the vocabulary shard (:func:`~nemo_is_plugin.kernels.chunking.default_chunk_size`), not a token count.
     """
 
     def __init__(
@@ -132,7 +133,7 @@ class NeMoRLLossFn:
         groups: GroupsSpec = None,
         cp_order: CPOrder = "load_balanced",
         host_divides_by_cp: bool = True,
-        logprob_chunk_size: int = 1024,
+        logprob_chunk_size: int | None = None,
     ):
         section = loss_section(cfg)
         self._section = {**section, "name": section.get("name") or DEFAULT_LOSS_NAME}
@@ -154,7 +155,7 @@ class NeMoRLLossFn:
         self._build()
 
     def _build(self) -> None:
-        self.loss = build_loss(self._section)
+        self.loss = build_loss_fn(self._section)
         self.config: ClippedPGLossConfig = self.loss.config
         self._logit_loss: LogitClippedPGLoss | None = None
         self._resolved_groups: ParallelGroups | None = None
@@ -166,13 +167,10 @@ class NeMoRLLossFn:
         for name in NEMO_RL_CONFIG_ATTRIBUTES:
             setattr(self, name, getattr(self.config, name))
         self.reference_policy_kl_penalty = self.config.effective_kl_penalty
-        advertised = getattr(self.loss, "metric_normalizations", None)
-        if advertised is not None:  # the loss knows best; map its values onto the host's enum
-            self.metric_normalizations = {
-                k: MetricNormalizer(getattr(v, "value", v)) for k, v in dict(advertised).items()
-            }
-        else:
-            self.metric_normalizations = {n: metric_normalizer(n, self.config) for n in probe_metric_names(self.loss)}
+        # Each metric's denominator as the loss declares it, in the host's enum (same values).
+        self.metric_normalizations = {
+            name: MetricNormalizer(per.value) for name, per in self.loss.metric_denominators().items()
+        }
 
     # ------------------------------------------------------------------ pickling (Ray)
     def __getstate__(self) -> dict[str, Any]:
@@ -236,7 +234,7 @@ class NeMoRLLossFn:
         )
 
 
-def build_loss_fn(
+def build_nemo_rl_loss_fn(
     config: str | os.PathLike[str] | Mapping[str, Any] | BaseModel,
     overrides: Sequence[str] = (),
     *,
@@ -245,7 +243,7 @@ def build_loss_fn(
     groups: GroupsSpec = None,
     use_fused_linear_logprobs: bool = False,
 ) -> NeMoRLLossFn:
-    """The NeMo-RL loss for a master config (path, mapping or OmegaConf), of which only ``section`` is read.
+    """The :class:`NeMoRLLossFn` for a master config (path, mapping or OmegaConf), of which only ``section`` is read.
 
     A bare ``loss_fn`` mapping, NeMo-RL's ``ClippedPGLossConfig`` or the plugin's ``ClippedPGLossConfig`` is accepted
     too. ``overrides`` are CLI-style dotted overrides of the whole config

@@ -74,8 +74,3 @@ class LossFunction(Protocol):
     def __call__(
         self, data: Any, global_valid_seqs: Any, global_valid_toks: Any, **kwargs: Any
     ) -> tuple[Any, dict[str, Any]]: ...
-
-
-def is_extremum(metric: str) -> bool:
-    """Metrics combined across micro-batches and ranks with min/max instead of a sum."""
-    return metric.endswith("_min") or metric.endswith("_max")

@@ -76,12 +76,12 @@ def _fail(console, as_json: bool, recipe: Path, message: str, head: str) -> None
 def _run(spec, batch) -> tuple[float, float, dict[str, float]]:
     """The loss the recipe names, once on the synthetic batch: (loss, |d loss / d logprobs|, finalized metrics)."""
     from nemo_is_plugin import finalize_metrics
-    from nemo_is_plugin.loss.registry import build_loss
+    from nemo_is_plugin.loss.registry import NAME_KEY, build_loss_fn
 
     logprobs, data = batch
     logprobs.requires_grad_(True)
     valid_toks = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
-    loss_fn = build_loss(spec.config.model_dump(exclude_unset=True), name=spec.name)
+    loss_fn = build_loss_fn({**spec.config.model_dump(exclude_unset=True), NAME_KEY: spec.name})
     loss, metrics = loss_fn(
         next_token_logprobs=logprobs,
         data=data,

@@ -12,7 +12,6 @@ Modules, one idea each:
 - ``loop``      the GRPO driver running the loss settings side by side.
 - ``records``   metrics.jsonl / metrics.csv / rollouts.jsonl writers.
 - ``plot``      comparison.png.
-- ``parity``    numerical checks: decoder vs Megatron (fp32), Megatron TP=2 + SP vs TP=1.
 
 Nothing here imports torch, megatron or ray at package import time.
 """

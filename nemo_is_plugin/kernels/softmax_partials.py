@@ -6,7 +6,7 @@ part and ``m = max z``:
 
     S = sum exp(z - m)              Q = sum exp(z - m)(z - m)   (entropy only)     t = z[target] or 0
 
-Two parts merge exactly (``merge_partials``): the shift identity ``exp(z - m') = exp(m - m') exp(z - m)`` rescales S,
+Two parts merge exactly: the shift identity ``exp(z - m') = exp(m - m') exp(z - m)`` rescales S,
 and ``Q' = exp(m - m') (Q + (m - m') S)``. After all parts are merged (the TP all-reduce does the same over ranks):
 
     lse = m + log S     log p(target) = t - lse     H = log S - Q / S
@@ -66,16 +66,6 @@ def rescale_partials(p: SoftmaxPartials, new_max: torch.Tensor) -> SoftmaxPartia
     return SoftmaxPartials(new_max, scale * p.sumexp, p.target, sum_zexp)
 
 
-def merge_partials(a: SoftmaxPartials, b: SoftmaxPartials) -> SoftmaxPartials:
-    """Online-softmax merge of two disjoint vocab blocks of the same tokens (targets add: one of them is 0)."""
-    m = torch.maximum(a.max, b.max)
-    a, b = rescale_partials(a, m), rescale_partials(b, m)
-    if (a.sum_zexp is None) != (b.sum_zexp is None):
-        raise ValueError("cannot merge partials with an entropy field into partials without one")
-    sum_zexp = None if a.sum_zexp is None or b.sum_zexp is None else a.sum_zexp + b.sum_zexp
-    return SoftmaxPartials(m, a.sumexp + b.sumexp, a.target + b.target, sum_zexp)
-
-
 def finalize_partials(p: SoftmaxPartials) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Global partials -> (log p(target) ``[n]``, lse ``[n]``, entropy ``[n]`` or None)."""
     log_s = p.sumexp.log()
@@ -89,7 +79,6 @@ __all__ = [
     "copy_partials_",
     "empty_partials",
     "finalize_partials",
-    "merge_partials",
     "partials_rows",
     "rescale_partials",
 ]

@@ -32,7 +32,13 @@ from nemo_is_plugin.loss.is_weights import exp_or_zero
 from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
-from nemo_is_plugin.loss.metrics import MetricBook, legacy_error_metrics
+from nemo_is_plugin.loss.metrics import (
+    Denominator,
+    MetricBook,
+    MetricValues,
+    aggregation_denominator,
+    legacy_error_metrics,
+)
 from nemo_is_plugin.loss.ratios import policy_log_ratio, unmasked_positions
 from nemo_is_plugin.loss.registry import NAME_KEY, get_loss, split_name
 from nemo_is_plugin.loss.surrogate import (
@@ -118,7 +124,7 @@ class ClippedPGLoss:
         *,
         layout: TokenLayout | None = None,
         **_: Any,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, MetricValues]:
         return self.compute(*self.prepare(next_token_logprobs, data, global_valid_seqs, global_valid_toks, layout))
 
     def prepare(
@@ -159,13 +165,13 @@ class ClippedPGLoss:
         *,
         is_correction: ISCorrection | None = None,
         extra_metric_sums: Mapping[str, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, MetricValues]:
         """The loss and metrics of aligned token tensors.
 
         ``is_correction``: the IS correction of these inputs when the caller computed it already (the fused single pass
         builds its gradient with it); else computed here. ``extra_metric_sums``: more 0-d additive metric shares (a
         caller's own, reduced over CP like the loss's) to report with the loss's metrics, in the same single host
-        synchronisation."""
+        synchronisation; their denominator is NONE (the caller rescales its own metrics)."""
         cfg = self.config
         c_in = inputs.curr_logprobs
         # Half-precision log-probs are upcast: the ratio / exp arithmetic needs fp32 (gradients flow back through it).
@@ -218,7 +224,8 @@ class ClippedPGLoss:
             c_kl = c if inputs.curr_logprobs_unfiltered is None else inputs.curr_logprobs_unfiltered.to(dtype)
             ref = as_f(required_input(inputs.reference_logprobs, "reference_policy_logprobs"))
             kl_loss = reduce(beta * self.kl_tokens(c_kl, g, ref))
-        book.add_sum("kl_penalty", kl_loss.detach().double() / beta if beta != 0 else kl_loss.detach())
+        loss_per = aggregation_denominator(agg)
+        book.add_sum("kl_penalty", kl_loss.detach().double() / beta if beta != 0 else kl_loss.detach(), loss_per)
 
         # 3. Policy ratio and surrogate. n_t (1-based position among unmasked tokens) serves the log-space clip and
         # the clip-rate-by-position metrics.
@@ -245,7 +252,7 @@ class ClippedPGLoss:
         loss = actor_loss + kl_loss + mu * nll
 
         # 7. Metrics.
-        book.add_sum("loss", loss.detach())
+        book.add_sum("loss", loss.detach(), loss_per)
         book.policy_ratio(sur)
         # NeMo-RL reports the truncated weights even when the correction is not applied to the loss.
         w_metric = corr.weights if cfg.use_importance_sampling_correction else corr.raw_weights
@@ -256,14 +263,14 @@ class ClippedPGLoss:
             sample_mask=sm,
             legacy_gspo=cfg.sequence_level_importance_ratios and cfg.is_correction_level is None,
         )
-        book.add_replicated_scalar("num_valid_samples", sm.sum().double())
+        book.add_replicated_scalar("num_valid_samples", sm.sum().double(), Denominator.NONE)
         # NeMo-RL's value, including its inf when exp(c - g) overflows; a certain token (c = 0)
         # contributes 0 rather than inf * 0 = NaN.
         cd = c.detach()
         ent_tok = torch.where(cd == 0, torch.zeros_like(cd), torch.exp(cd - g) * cd)
         ent = -where_mask(ent_tok, valid).sum() / (n_tok + EPS)
-        book.add_sum("approx_entropy", ent)
-        book.add_sum("positive_nll_loss", nll.detach())
+        book.add_sum("approx_entropy", ent, Denominator.TOKENS)
+        book.add_sum("positive_nll_loss", nll.detach(), Denominator.NONE)  # a mean over a local count
         book.rejection_rules(corr, sm)
         # What the tolerant input mode computed as given (see input_validation.py); the plugin's own mismatch metrics
         # skip tokens whose generation log-prob is not finite (NeMo-RL's names above keep NeMo-RL's inf / NaN).
@@ -283,10 +290,19 @@ class ClippedPGLoss:
         book.mismatch(p_is, g, tm * torch.isfinite(g).to(dtype), sm)
         book.clip_by_position(sur, positions)
         for name, value in (extra_metric_sums or {}).items():
-            book.add_sum(name, value)
+            book.add_sum(name, value, Denominator.NONE)
         metrics = book.finish()
         warn_input_anomalies(metrics)
         return loss, metrics
+
+    def metric_denominators(self) -> dict[str, Denominator]:
+        """Metric name -> the global count it is divided by, for this config, as each metric declares it where it is
+        emitted: the loss traced on one-token meta tensors (shapes only: no data, no computation, no host sync). The
+        names and their denominators depend on the config alone."""
+        meta = torch.empty(1, 1, device="meta")  # one token of one sequence; every input may be the same tensor
+        inputs = LossInputs(meta, meta, meta, meta, meta, meta, meta[0], 1.0, 1.0, rewards=meta[0])
+        _, metrics = self.compute(inputs, TokenLayout.padded(1, 1, device=meta.device))
+        return metrics.denominators
 
     def kl_tokens(self, c: torch.Tensor, g: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         """Per-token KL penalty to the reference policy (before aggregation and beta); token-wise in ``c``."""
@@ -406,11 +422,6 @@ def own_section(section: Mapping[str, Any], cls: type) -> dict[str, Any]:
     if factory is not cls:
         raise ConfigError(
             f"loss_fn.name={name!r} is registered to {factory!r}, not {cls.__name__}; build it with "
-            "nemo_is_plugin.registry.build_loss(section), or remove the name"
+            "nemo_is_plugin.build_loss_fn(section), or remove the name"
         )
     return rest
-
-
-def build_loss_fn(config: ClippedPGLossConfig | Mapping[str, Any]) -> ClippedPGLoss:
-    """Return the loss for a NeMo-RL ``loss_fn`` section (a mapping, ``name`` allowed) or a validated config."""
-    return ClippedPGLoss(config)

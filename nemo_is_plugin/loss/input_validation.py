@@ -304,11 +304,12 @@ def _check_values(checks: list[tuple[str, torch.Tensor, str]]) -> None:
 _WARNED: set[str] = set()
 
 
-def warn_once(key: str, message: str) -> None:
-    """A ``UserWarning`` the first time ``key`` comes up in this process (the loss runs once per micro-batch)."""
+def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn the first time ``key`` comes up in this process: the package's one once-per-process warning (the loss
+    and the log-prob kernels run once per micro-batch or chunk loop)."""
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, category, stacklevel=3)
 
 
 @torch.no_grad()

@@ -6,11 +6,18 @@ reduced with min / max. NeMo-RL's metrics are computed in the loss's dtype with 
 float64 division); the plugin's own metrics are accumulated in float64. Under context parallelism
 :meth:`MetricBook.finish` reduces the shares over the CP group in one collective, so each CP rank returns the
 full-sequence metrics.
+
+Each metric declares, where it is emitted, the global count it was divided by (:class:`Denominator`: the token count,
+the sequence count, or none for extrema, raw counts and local means). A host that calls the loss with placeholder
+counts (NeMo-RL's split API) or averages per-micro-batch metrics (verl) rescales each metric by that count; the
+returned :class:`MetricValues` carry the declarations next to the values.
 """
 
 from __future__ import annotations
 
+import enum
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -18,51 +25,86 @@ from nemo_is_plugin.loss.correction import ISCorrection
 from nemo_is_plugin.loss.kl import kl_estimate
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
-from nemo_is_plugin.loss.mismatch_metrics import POSITION_BUCKETS, bucket_names, mismatch_metric_sums
+from nemo_is_plugin.loss.mismatch_metrics import POSITION_BUCKETS, bucket_names, mismatch_metric_sums_by_count
 from nemo_is_plugin.loss.surrogate import SurrogateOut
 
 
+class Denominator(enum.Enum):
+    """The global count a metric was divided by; the values are NeMo-RL's ``MetricNormalizer`` values."""
+
+    TOKENS = "tokens"  # global_valid_toks
+    SEQUENCES = "sequences"  # global_valid_seqs
+    NONE = "none"  # none: extrema, raw counts, local means; never rescaled
+
+
+def aggregation_denominator(aggregation: str) -> Denominator:
+    """The count a loss aggregated with ``aggregation`` (``loss_aggregation``) is divided by."""
+    if aggregation == "token-sum":
+        return Denominator.NONE  # a plain sum
+    return Denominator.TOKENS if aggregation == "token-mean" else Denominator.SEQUENCES
+
+
+class MetricValues(dict[str, float]):
+    """The loss's metrics, name -> value, with ``denominators``: name -> the :class:`Denominator` it was divided by."""
+
+    def __init__(self, values: Mapping[str, float], denominators: Mapping[str, Denominator]):
+        super().__init__(values)
+        self.denominators = dict(denominators)
+
+
 class MetricBook:
-    """Collects metric tensors during one loss call and turns them into floats at the end (one host sync)."""
+    """Collects metric tensors during one loss call and turns them into floats at the end (one host sync).
+
+    Every metric is added with its :class:`Denominator`. A book of meta tensors (a shape-only trace of the loss, see
+    :meth:`~nemo_is_plugin.loss.clipped_pg.ClippedPGLoss.metric_denominators`) has names and denominators, no values.
+    """
 
     def __init__(self, layout: TokenLayout, valid: torch.Tensor, n_tok: torch.Tensor, n_seq: torch.Tensor):
         self.layout, self.valid, self.n_tok, self.n_seq = layout, valid, n_tok, n_seq
         self.sums: dict[str, torch.Tensor] = {}
         self.mins: dict[str, torch.Tensor] = {}
         self.maxs: dict[str, torch.Tensor] = {}
+        self.denominators: dict[str, Denominator] = {}
 
     # ------------------------------------------------------------------ primitives
-    def add_sum(self, name: str, value: torch.Tensor) -> None:
-        """A local additive share."""
+    def add_sum(self, name: str, value: torch.Tensor, per: Denominator) -> None:
+        """A local additive share of a value divided by the global count ``per``."""
         self.sums[name] = value.detach().double().reshape(())
+        self.denominators[name] = per
 
-    def add_replicated_scalar(self, name: str, value: torch.Tensor) -> None:
+    def add_replicated_scalar(self, name: str, value: torch.Tensor, per: Denominator) -> None:
         """A value every CP rank holds in full (e.g. computed from per-sequence sums)."""
-        self.add_sum(name, self.layout.replicated_share(value.detach().double()))
+        self.add_sum(name, self.layout.replicated_share(value.detach().double()), per)
 
     def token_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         m = self.valid if mask is None else mask
-        self.add_sum(name, where_mask(values.detach().double(), m).sum() / (self.n_tok.double() + EPS))
+        value = where_mask(values.detach().double(), m).sum() / (self.n_tok.double() + EPS)
+        self.add_sum(name, value, Denominator.TOKENS)
 
     def seq_mean(self, name: str, per_seq: torch.Tensor, sample_mask: torch.Tensor) -> None:
         value = where_mask(per_seq.double(), sample_mask).sum() / (self.n_seq.double() + EPS)
-        self.add_replicated_scalar(name, value)
+        self.add_replicated_scalar(name, value, Denominator.SEQUENCES)
 
     def legacy_token_mean(self, name: str, values: torch.Tensor) -> None:
         """NeMo-RL's ``masked_mean(v, mask, global_valid_toks)`` in the loss dtype (its exact value)."""
         v = values.detach().to(self.n_tok.dtype)
-        self.add_sum(name, where_mask(v, self.valid).sum() / (self.n_tok + EPS))
+        self.add_sum(name, where_mask(v, self.valid).sum() / (self.n_tok + EPS), Denominator.TOKENS)
 
     def legacy_seq_mean(self, name: str, per_seq: torch.Tensor, sample_mask: torch.Tensor) -> None:
         """NeMo-RL's ``masked_mean(v, sample_mask, global_valid_seqs)`` of a per-sequence value, in the loss dtype."""
         v = per_seq.detach().to(self.n_seq.dtype)
-        self.add_replicated_scalar(name, where_mask(v, sample_mask).sum() / (self.n_seq + EPS))
+        value = where_mask(v, sample_mask).sum() / (self.n_seq + EPS)
+        self.add_replicated_scalar(name, value, Denominator.SEQUENCES)
+
+    def extrema(self, name: str, values: torch.Tensor, valid: torch.Tensor) -> None:
+        """``<name>_min`` / ``<name>_max`` of ``values`` where ``valid`` (reduced with min / max, never rescaled)."""
+        v = values.detach().double()
+        self.mins[f"{name}_min"] = torch.where(valid, v, torch.full_like(v, float("inf"))).min()
+        self.maxs[f"{name}_max"] = torch.where(valid, v, torch.full_like(v, float("-inf"))).max()
+        self.denominators[f"{name}_min"] = self.denominators[f"{name}_max"] = Denominator.NONE
 
     def min_max(self, name: str, values: torch.Tensor) -> None:
-        v = values.detach()
-        ok = self.valid != 0
-        self.mins[f"{name}_min"] = torch.where(ok, v, torch.full_like(v, float("inf"))).min().double()
-        self.maxs[f"{name}_max"] = torch.where(ok, v, torch.full_like(v, float("-inf"))).max().double()
+        self.extrema(name, values, self.valid != 0)
 
     # ------------------------------------------------------------------ metric groups
     def policy_ratio(self, sur: SurrogateOut) -> None:
@@ -93,7 +135,7 @@ class MetricBook:
             seq_w = self.layout.seq_max(w_metric).to(self.n_seq.dtype)
             seq_w = torch.where(torch.isfinite(seq_w), seq_w, torch.zeros_like(seq_w))
             bugged = (seq_w.unsqueeze(1) * sample_mask.to(seq_w.dtype).unsqueeze(0)).sum() / (self.n_seq + EPS)
-            self.add_replicated_scalar("sampling_importance_ratio", bugged)
+            self.add_replicated_scalar("sampling_importance_ratio", bugged, Denominator.SEQUENCES)
         else:
             self.legacy_token_mean("sampling_importance_ratio", w_metric)
         # The corrected value: mean over sequences of each sequence's masked mean weight (its weight, for sequence
@@ -129,9 +171,7 @@ class MetricBook:
             if rule.seq_stat is None:
                 self.min_max(prefix, rule.token_stat)
             else:
-                v = rule.seq_stat.detach().double()
-                self.mins[f"{prefix}_min"] = torch.where(seq_valid, v, torch.full_like(v, float("inf"))).min()
-                self.maxs[f"{prefix}_max"] = torch.where(seq_valid, v, torch.full_like(v, float("-inf"))).max()
+                self.extrema(prefix, rule.seq_stat, seq_valid)
             self._rejected(prefix, ~rule.keep, sample_mask)
         self._rejected("is_rejection", ~corr.rules_keep, sample_mask)
 
@@ -141,10 +181,13 @@ class MetricBook:
         self.seq_mean(f"{prefix}_rejected_seq_fraction", rejected_seq.double(), sample_mask)
 
     def mismatch(self, prev, gen, token_mask, sample_mask) -> None:
-        for name, value in mismatch_metric_sums(
+        token_means, seq_means = mismatch_metric_sums_by_count(
             prev, gen, token_mask, sample_mask, self.layout, self.n_tok, self.n_seq
-        ).items():
-            self.add_sum(name, value)
+        )
+        for name, value in token_means.items():
+            self.add_sum(name, value, Denominator.TOKENS)
+        for name, value in seq_means.items():
+            self.add_sum(name, value, Denominator.SEQUENCES)
 
     def clip_by_position(self, sur: SurrogateOut, positions: torch.Tensor) -> None:
         clipped = (sur.clipped | sur.dual_clipped).double()
@@ -155,7 +198,7 @@ class MetricBook:
             self.token_mean(f"token_frac/pos_{name}", in_bucket)
 
     # ------------------------------------------------------------------ end
-    def finish(self) -> dict[str, float]:
+    def finish(self) -> MetricValues:
         names: list[str] = []
         parts: list[torch.Tensor] = []
         for table, reduce in (
@@ -167,8 +210,11 @@ class MetricBook:
                 names.extend(table)
                 parts.append(reduce(torch.stack(list(table.values()))))
         if not parts:
-            return {}
-        return dict(zip(names, torch.cat(parts).tolist()))  # the loss call's one host synchronisation
+            return MetricValues({}, {})
+        values = torch.cat(parts)
+        if values.device.type == "meta":  # a shape-only trace: no values to read
+            return MetricValues(dict.fromkeys(names, math.nan), self.denominators)
+        return MetricValues(dict(zip(names, values.tolist())), self.denominators)  # the call's one host sync
 
 
 @torch.no_grad()

@@ -38,7 +38,6 @@ def bucket_names() -> list[str]:
     return [f"{lo}_{hi}" if hi is not None else f"{lo}_inf" for lo, hi in zip(edges[:-1], edges[1:])]
 
 
-@torch.no_grad()
 def mismatch_metric_sums(
     prev: torch.Tensor,
     gen: torch.Tensor,
@@ -53,12 +52,29 @@ def mismatch_metric_sums(
     Args:
         prev, gen: Float[*T] training / rollout log-probs. token_mask: Float[*T]. sample_mask: Float[S].
     """
+    token_means, seq_means = mismatch_metric_sums_by_count(
+        prev, gen, token_mask, sample_mask, layout, global_valid_toks, global_valid_seqs
+    )
+    return {**token_means, **seq_means}
+
+
+@torch.no_grad()
+def mismatch_metric_sums_by_count(
+    prev: torch.Tensor,
+    gen: torch.Tensor,
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor,
+    layout: TokenLayout,
+    global_valid_toks: torch.Tensor | float,
+    global_valid_seqs: torch.Tensor | float,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """:func:`mismatch_metric_sums` split by the global count each is divided by: (token means, sequence means)."""
     p, g = prev.double(), gen.double()
     valid = token_mask.double() * layout.to_tokens(sample_mask.double())
     x = where_mask(p - g, valid)
     n_tok = torch.as_tensor(global_valid_toks, dtype=torch.float64, device=p.device) + EPS
     n_seq = torch.as_tensor(global_valid_seqs, dtype=torch.float64, device=p.device) + EPS
-    out = {
+    token_means = {
         "mismatch_kl_k1": where_mask(g - p, valid).sum() / n_tok,
         "mismatch_kl_k3": where_mask(torch.expm1(x) - x, valid).sum() / n_tok,
         "is_token_weight_sq_mean": where_mask(torch.exp(2 * x), valid).sum() / n_tok,
@@ -72,12 +88,14 @@ def mismatch_metric_sums(
     def per_seq(v: torch.Tensor) -> torch.Tensor:
         return layout.replicated_share(where_mask(v, seq_valid).sum()) / n_seq
 
-    out["training_log_ppl"] = per_seq(-mean_p)
-    out["rollout_log_ppl"] = per_seq(-mean_g)
-    out["log_ppl_diff"] = per_seq(mean_g - mean_p)
-    out["log_ppl_abs_diff"] = per_seq((mean_g - mean_p).abs())
-    out["is_seq_weight_sq_mean"] = per_seq(torch.exp(2 * seq_x))
-    return out
+    seq_means = {
+        "training_log_ppl": per_seq(-mean_p),
+        "rollout_log_ppl": per_seq(-mean_g),
+        "log_ppl_diff": per_seq(mean_g - mean_p),
+        "log_ppl_abs_diff": per_seq((mean_g - mean_p).abs()),
+        "is_seq_weight_sq_mean": per_seq(torch.exp(2 * seq_x)),
+    }
+    return token_means, seq_means
 
 
 def finalize_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

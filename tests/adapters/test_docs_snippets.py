@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_is_plugin.adapters.nemo_rl import build_loss_fn
+from nemo_is_plugin.adapters.nemo_rl import build_nemo_rl_loss_fn
 from nemo_is_plugin.adapters.recipes import load_loss_spec
 from nemo_is_plugin.loss import ClippedPGLoss
 
@@ -41,7 +41,7 @@ def test_nemo_rl_doc_one_line_build(tmp_path):
     text = _blocks("nemo_rl.md", "yaml")[0]
     path = tmp_path / "grpo.yaml"
     path.write_text(text)
-    fn = build_loss_fn(path, ["loss_fn.is_correction_level=sequence_mean"])
+    fn = build_nemo_rl_loss_fn(path, ["loss_fn.is_correction_level=sequence_mean"])
     assert fn.config.is_correction_level == "sequence_mean" and fn.config.truncated_importance_sampling_ratio == 2.0
 
 

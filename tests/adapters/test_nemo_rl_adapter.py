@@ -9,12 +9,12 @@ import pytest
 import torch
 from helpers.golden_utils import load_cases
 
-from nemo_is_plugin.adapters.nemo_rl import PARALLEL_STATE, NeMoRLLossFn, build_loss_fn
-from nemo_is_plugin.adapters.normalizers import metric_normalizer, probe_metric_names, renormalize
+from nemo_is_plugin.adapters.nemo_rl import PARALLEL_STATE, NeMoRLLossFn, build_nemo_rl_loss_fn
 from nemo_is_plugin.adapters.protocol import LossFunction, LossInputType, LossType, MetricNormalizer
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.groups import ParallelGroups
 from nemo_is_plugin.loss import ClippedPGLoss
+from nemo_is_plugin.loss.metrics import Denominator
 from nemo_is_plugin.loss.registry import UnknownLossError
 
 CASES = {c["id"]: c for c in load_cases("nemo_rl") if "error" not in c["expected"]}
@@ -103,7 +103,7 @@ def test_protocol_attributes():
 def test_metric_normalizations_cover_every_metric_and_follow_the_rules():
     fn = NeMoRLLossFn(SPLIT_CONFIGS["seq_mask_tis"])
     norms = fn.metric_normalizations
-    assert set(norms) == set(probe_metric_names(fn.loss))
+    assert set(norms) == set(fn.loss.metric_denominators())
     assert norms["is_oob_ratio"] == MetricNormalizer.SEQUENCES  # seq-mask-tis counts sequences
     assert norms["loss"] == norms["probs_ratio"] == MetricNormalizer.TOKENS
     assert all(v == MetricNormalizer.NONE for k, v in norms.items() if k.endswith(("_min", "_max")))
@@ -174,19 +174,6 @@ def test_split_api_rescale_equals_the_direct_call(name):
     assert any(v != 0 for k, v in direct.items() if fn.metric_normalizations[k] == MetricNormalizer.SEQUENCES)
 
 
-def test_renormalize_changes_denominators():
-    cfg = ClippedPGLossConfig(**SPLIT_CONFIGS["seq_mask_tis"])
-    out = renormalize(
-        {"probs_ratio": 2.0, "is_oob_ratio": 3.0, "num_valid_samples": 4.0, "loss_max": 5.0},
-        cfg,
-        tokens=(10.0, 5.0),
-        seqs=(4.0, 2.0),
-    )
-    assert out == {"probs_ratio": 4.0, "is_oob_ratio": 6.0, "num_valid_samples": 4.0, "loss_max": 5.0}
-    assert renormalize({"probs_ratio": 2.0}, cfg, tokens=(10.0, 0.0), seqs=(1, 1)) == {"probs_ratio": 0.0}
-    assert metric_normalizer("clip_frac/pos_1_16", cfg) == MetricNormalizer.TOKENS
-
-
 def test_logit_input_matches_log_softmax_reference():
     g = torch.Generator().manual_seed(3)
     b, s, v = 3, 6, 11
@@ -234,24 +221,23 @@ def test_missing_arguments_are_explained():
         NeMoRLLossFn({}, input_type="logit")(data={}, global_valid_seqs=1, global_valid_toks=1)
 
 
-def test_build_loss_fn_from_master_config_mapping_and_config(tmp_path):
+def test_build_nemo_rl_loss_fn_from_master_config_mapping_and_config(tmp_path):
     master = {"policy": {"x": 1}, "loss_fn": {"name": "nemo_is.clipped_pg", "ratio_clip_min": 0.1}}
-    assert build_loss_fn(master).config.ratio_clip_min == 0.1
-    assert build_loss_fn(master, ["loss_fn.ratio_clip_min=0.3"]).config.ratio_clip_min == 0.3
-    assert build_loss_fn(ClippedPGLossConfig(ratio_clip_max=0.4)).config.ratio_clip_max == 0.4
+    assert build_nemo_rl_loss_fn(master).config.ratio_clip_min == 0.1
+    assert build_nemo_rl_loss_fn(master, ["loss_fn.ratio_clip_min=0.3"]).config.ratio_clip_min == 0.3
+    assert build_nemo_rl_loss_fn(ClippedPGLossConfig(ratio_clip_max=0.4)).config.ratio_clip_max == 0.4
     with pytest.raises(ValueError, match="overrides apply to YAML"):
-        build_loss_fn(ClippedPGLossConfig(), ["loss_fn.ratio_clip_min=0.3"])
+        build_nemo_rl_loss_fn(ClippedPGLossConfig(), ["loss_fn.ratio_clip_min=0.3"])
     with pytest.raises(UnknownLossError, match="Registered losses"):
-        build_loss_fn({"loss_fn": {"name": "nemo_is.nope"}})
+        build_nemo_rl_loss_fn({"loss_fn": {"name": "nemo_is.nope"}})
 
 
 def test_token_sum_is_refused_for_nemo_rl_and_its_loss_is_never_rescaled():
     """NeMo-RL's LossType cannot say 'divided by no count': the adapter refuses token-sum instead of letting the split
     API divide a sum; the normaliser of a token-sum loss is NONE."""
-    from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
+    from nemo_is_plugin.config import ConfigError
 
     with pytest.raises(ConfigError, match="token-sum' divides by no count"):
         NeMoRLLossFn({"loss_aggregation": "token-sum"})
-    cfg = ClippedPGLossConfig(loss_aggregation="token-sum")
-    assert metric_normalizer("loss", cfg) == MetricNormalizer.NONE
-    assert metric_normalizer("is_rejection_token_k1_rejected_seq_fraction", cfg) == MetricNormalizer.SEQUENCES
+    denominators = ClippedPGLoss({"loss_aggregation": "token-sum"}).metric_denominators()
+    assert denominators["loss"] == denominators["kl_penalty"] == Denominator.NONE

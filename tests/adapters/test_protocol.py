@@ -35,7 +35,6 @@ def test_fallback_enums_mirror_nemo_rl_values():
     }
     assert {m.value for m in protocol.MetricNormalizer} == {"tokens", "sequences", "none"}
     assert protocol.LossInputType("logprob") is protocol.LossInputType.LOGPROB
-    assert protocol.is_extremum("probs_ratio_min") and not protocol.is_extremum("min_ratio")
 
 
 def test_host_enums_are_used_when_nemo_rl_is_importable(tmp_path: Path):

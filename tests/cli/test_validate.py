@@ -1,5 +1,5 @@
 """``nemo-is validate``: the verdict line (defaults said explicitly), --json, --show-effective, and one behaviour with
-the two build_loss_fn entry points for the same loss_fn section."""
+nemo_is_plugin.build_loss_fn and the NeMo-RL adapter's build_nemo_rl_loss_fn for the same loss_fn section."""
 
 from __future__ import annotations
 
@@ -128,9 +128,10 @@ def test_effective_settings(kwargs, key, expected):
 
 # ------------------------------------------------------------------ one behaviour for a loss_fn section everywhere
 def _three_ways(section: dict, tmp_path: Path) -> list[bool]:
-    """Whether nemo_is_plugin.build_loss_fn, the NeMo-RL adapter's build_loss_fn and `nemo-is validate` accept."""
+    """Whether nemo_is_plugin.build_loss_fn, the NeMo-RL adapter's build_nemo_rl_loss_fn and `nemo-is validate`
+    accept."""
     accepted = []
-    for build in (nemo_is_plugin.build_loss_fn, nemo_rl.build_loss_fn):
+    for build in (nemo_is_plugin.build_loss_fn, nemo_rl.build_nemo_rl_loss_fn):
         try:
             build(section)
             accepted.append(True)
@@ -161,12 +162,11 @@ def test_a_bad_section_is_refused_by_all_three(tmp_path, section):
     assert _three_ways(section, tmp_path) == [False, False, False]
 
 
-def test_a_name_registered_to_another_loss_is_refused_by_the_clipped_loss():
-    from nemo_is_plugin.loss.registry import register_loss, unregister_loss
+def test_a_name_registered_to_another_loss_builds_that_loss_and_the_clipped_loss_refuses_it(monkeypatch):
+    from nemo_is_plugin.loss import ClippedPGLoss
+    from nemo_is_plugin.loss.registry import LOSSES
 
-    register_loss("tests.other_loss", lambda config: config)
-    try:
-        with pytest.raises(ConfigError, match="registered to .* not ClippedPGLoss"):
-            nemo_is_plugin.build_loss_fn({"name": "tests.other_loss"})
-    finally:
-        unregister_loss("tests.other_loss")
+    monkeypatch.setitem(LOSSES, "tests.other_loss", lambda config: ("other", config))
+    assert nemo_is_plugin.build_loss_fn({"name": "tests.other_loss", "a": 1}) == ("other", {"a": 1})
+    with pytest.raises(ConfigError, match="registered to .* not ClippedPGLoss"):
+        ClippedPGLoss({"name": "tests.other_loss"})

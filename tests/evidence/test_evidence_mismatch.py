@@ -17,12 +17,20 @@ def test_fit_inverts_the_lognormal_prediction(mean, std, length):
 
 
 def test_seed_fit_parameters():
-    """The seed's 0.4 / 0.27 at 9k tokens means a per-token std of 0.65% and a shift of -1.23e-4 nats."""
-    dist = fit_sequence_weight(0.4, 0.27, 9000)
-    s2 = math.log1p((0.27 / 0.4) ** 2)
-    assert dist.spread == pytest.approx(math.sqrt(s2 / 9000), rel=1e-12)
-    assert dist.spread == pytest.approx(0.006459, abs=1e-6)
-    assert dist.shift == pytest.approx(-1.2267e-4, abs=1e-8)
+    """The seed's 0.4 / 0.27 at 9k tokens means a per-token std of 0.65% and a shift of -1.23e-4 nats.
+
+    Derived here from the lognormal W = exp(S), S = sum of L i.i.d. tokens ~ N(L mu, L sigma^2) by the CLT:
+    std(W) / E[W] = sqrt(exp(Var S) - 1) gives Var S = log(1 + (std / mean)^2), and E[W] = exp(E[S] + Var S / 2)
+    gives E[S] = log(mean) - Var S / 2; per token, sigma = sqrt(Var S / L) and mu = E[S] / L (Python floats: float64).
+    """
+    mean, std, length = 0.4, 0.27, 9000
+    var_s = math.log1p((std / mean) ** 2)
+    mean_s = math.log(mean) - var_s / 2
+    dist = fit_sequence_weight(mean, std, length)
+    assert dist.spread == pytest.approx(math.sqrt(var_s / length), rel=1e-12)
+    assert dist.shift == pytest.approx(mean_s / length, rel=1e-12)
+    assert dist.spread == pytest.approx(0.006459, abs=1e-6)  # the docstring's 0.65%
+    assert dist.shift == pytest.approx(-1.23e-4, abs=5e-7)  # and -1.23e-4 nats
 
 
 def test_unbiased_sampler_shift_is_minus_half_variance():

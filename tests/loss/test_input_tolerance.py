@@ -185,3 +185,12 @@ def test_non_finite_rewards_are_only_compared_with_zero_as_nemo_rl():
     assert got.item() == want.item()
     with pytest.raises(ValueError, match=r"data\['rewards'\] contains NaN or inf"):
         call(dict(cfg, strict_input_checks=True), x, dict(data, rewards=torch.tensor([float("nan"), 0.0, 1.0])))
+
+
+def test_warn_once_warns_once_per_key_with_its_category():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            validation.warn_once("k", "first", RuntimeWarning)
+        validation.warn_once("other", "second")
+    assert [(w.category, str(w.message)) for w in caught] == [(RuntimeWarning, "first"), (UserWarning, "second")]
