@@ -39,8 +39,9 @@ Normalisation follows verl's ``agg_loss``: with ``config.global_batch_info`` (``
 ``global_batch_size``) the loss is this micro-batch's sum / (global count / dp_size) (``token-sum``: the sum times
 dp_size); without it, local counts. Metrics are returned per micro-batch (verl averages them): prefixed
 ``actor/nemo_is/``, renormalised to this micro-batch's own counts, plus verl's ``actor/pg_clipfrac``,
-``actor/pg_clipfrac_lower`` and ``actor/ppo_kl``; when the plugin owns the correction, also verl's ``rollout_corr/``
-names for the same quantities (:mod:`~nemo_is_plugin.adapters.verl_metrics`).
+``actor/pg_clipfrac_lower`` and ``actor/ppo_kl`` (log pi - log pi_old clamped to +-20 before the mean, as verl); when
+the plugin owns the correction, also every ``rollout_corr/`` metric verl logs, with verl's definitions, over this
+micro-batch (:mod:`~nemo_is_plugin.adapters.verl_metrics`, which says where that scope differs from verl's batch).
 """
 
 from __future__ import annotations

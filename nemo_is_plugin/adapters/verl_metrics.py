@@ -94,12 +94,12 @@ def verl_statistics(prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, c
     p, g = prev.detach().double(), gen.detach().double()
     m = mask.to(torch.float64)
     out = off_policy_statistics(p, g, m)
-    layout = TokenLayout.padded(*m.shape, device=m.device)
+    layout = TokenLayout.padded(m.shape[0], m.shape[1], device=m.device)
     if config.use_importance_sampling_correction:
         # The plugin's weights at its level and truncation type: no rejection rule or veto (verl applies those to
         # the response mask, not to the weights its metrics describe), normalisation undone below.
         options = is_correction_kwargs(config)
-        options.update(veto_threshold=None, rules=())
+        options["veto_threshold"], options["rules"] = None, ()
         corr = compute_is_correction(p, g, m, m, layout, **options)
         factor = corr.batch_norm_factor if config.importance_sampling_batch_normalize else None
         truncated = corr.weights if factor is None else corr.weights * torch.where(factor > 0, factor, 1.0)
