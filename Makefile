@@ -7,7 +7,7 @@ LOCK := requirements/ci.lock
 TORCH := 2.13.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 
-.PHONY: setup lint test demo bench evidence lock clean golden golden-usage golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo
+.PHONY: setup lint test demo bench evidence lock clean golden golden-usage golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo setup-stacks test-stacks lock-stacks
 
 # Every package at the exact version of $(LOCK), installed without resolution (--no-deps), then the project.
 $(STAMP): pyproject.toml $(LOCK)
@@ -32,6 +32,7 @@ lint: setup
 
 test: setup lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests functional_tests
+	$(MAKE) test-stacks
 
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/nemo-is demo
@@ -90,5 +91,55 @@ lock:
 	mv $(LOCK).new $(LOCK)
 	rm -rf $(LOCK_VENV)
 
+# The hosts' current stacks (second tier of `make test`): NeMo-RL requires Python 3.13 with torch >= 2.11 and
+# megatron-core 0.20 (through Megatron-Bridge). This tier runs the groups a trainer's host exercises (golden, loss,
+# config, kernels, distributed, adapters, bad inputs, device guard) on Python 3.13, with the registry's torch (its
+# CUDA build, which runs on a CPU too) and the newest megatron-core the package's ranges resolve, pinned in
+# $(LOCK_STACKS). Its own venv and lock: nothing of the 3.11 environment above is shared. verl is not installed
+# there, so the tests that import it skip (functional_tests/test_verl_*.py are not selected).
+# TORCH_STACKS is the torch release tested; after changing it (or the dependencies), run `make lock-stacks`.
+PYTHON_STACKS ?= $(shell PYENV_VERSION=3.13.0 pyenv which python3.13 2>/dev/null || command -v python3.13)
+VENV_STACKS ?= .venv-313
+PY_STACKS := $(VENV_STACKS)/bin/python
+LOCK_STACKS := requirements/ci-py313.lock
+TORCH_STACKS := 2.13.0
+STAMP_STACKS := $(VENV_STACKS)/.installed-$(shell cat pyproject.toml $(LOCK_STACKS) | cksum | cut -d' ' -f1)
+STACKS_TESTS := tests/test_golden_nemo_rl.py tests/test_golden_nemo_rl_compat.py tests/test_golden_verl.py \
+	tests/test_golden_ctpo.py tests/test_nemo_rl_differential.py tests/test_cuda_golden.py \
+	tests/test_cuda_entry_points.py tests/loss tests/config tests/kernels tests/distributed tests/adapters \
+	tests/test_bad_inputs.py tests/test_device_guard.py
+
+# As `setup`: torch first with its own dependencies (the nvidia-* libraries at the lock's versions), then the lock
+# with --no-deps, then the project. The interpreter check stops a venv of another Python from passing as this tier.
+$(STAMP_STACKS): pyproject.toml $(LOCK_STACKS)
+	@test -n "$(PYTHON_STACKS)" || { echo "test-stacks needs Python 3.13: set PYTHON_STACKS=/path/to/python3.13"; exit 1; }
+	test -x $(PY_STACKS) || $(PYTHON_STACKS) -m venv $(VENV_STACKS)
+	$(PY_STACKS) -c 'import sys; v = sys.version_info[:2]; assert v == (3, 13), f"$(VENV_STACKS) runs Python {v}, not 3.13"'
+	$(PY_STACKS) -m pip install -q -c $(LOCK_STACKS) pip
+	$(PY_STACKS) -m pip install -q -c $(LOCK_STACKS) torch==$(TORCH_STACKS)
+	$(PY_STACKS) -m pip install -q --no-deps -r $(LOCK_STACKS)
+	$(PY_STACKS) -m pip install -q --no-deps --no-build-isolation -e .
+	rm -f $(VENV_STACKS)/.installed-*
+	touch $(STAMP_STACKS)
+
+setup-stacks: $(STAMP_STACKS)
+
+test-stacks: setup-stacks
+	OMP_NUM_THREADS=1 $(PY_STACKS) -m pytest -q $(STACKS_TESTS)
+
+# Regenerate $(LOCK_STACKS) as `lock` does, on Python 3.13: the registry's torch $(TORCH_STACKS), then the test extra
+# resolved around it (megatron-core: the newest release the `megatron` extra allows).
+LOCK_VENV_STACKS := .venv-lock-313
+lock-stacks:
+	rm -rf $(LOCK_VENV_STACKS)
+	$(PYTHON_STACKS) -m venv $(LOCK_VENV_STACKS)
+	$(LOCK_VENV_STACKS)/bin/python -m pip install -q --upgrade pip "setuptools>=77"
+	$(LOCK_VENV_STACKS)/bin/python -m pip install -q torch==$(TORCH_STACKS)
+	$(LOCK_VENV_STACKS)/bin/python -m pip install -q -e ".[test]"
+	{ sed -n '/^#/p' $(LOCK_STACKS); $(LOCK_VENV_STACKS)/bin/python -m pip freeze --all --exclude-editable; } \
+		> $(LOCK_STACKS).new
+	mv $(LOCK_STACKS).new $(LOCK_STACKS)
+	rm -rf $(LOCK_VENV_STACKS)
+
 clean:
-	rm -rf $(VENV) $(LOCK_VENV) runs .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LOCK_VENV) $(VENV_STACKS) $(LOCK_VENV_STACKS) runs .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -36,32 +36,52 @@ def test_ci_runs_make_test(tmp_path):
     assert (tmp_path / "calls").read_text().splitlines() == [f"{ROOT} test"]
 
 
-def test_make_test_sets_up_then_lints_then_runs_the_whole_suite(tmp_path):
+MAIN_CHECKS = ["ruff check .", "ruff format --check .", "mypy"]
+
+
+def _main_tier(commands: list[str], venv: Path) -> list[str]:
+    """The commands of `make test` up to the recursive `make test-stacks` (which a dry run also expands)."""
+    assert "make test-stacks" in commands, commands
+    return commands[: commands.index("make test-stacks")]
+
+
+def test_make_test_sets_up_then_lints_then_runs_the_whole_suite_then_the_stacks_tier(tmp_path):
     venv = tmp_path / "venv"
     commands = _dry_run("test", venv)
+    main = _main_tier(commands, venv)
     checks = [
-        f"{venv}/bin/ruff check .",
-        f"{venv}/bin/ruff format --check .",
-        f"{venv}/bin/mypy",
+        *(f"{venv}/bin/{c}" for c in MAIN_CHECKS),
         f"OMP_NUM_THREADS=1 {venv}/bin/python -m pytest -q tests functional_tests",
     ]
-    assert commands[-4:] == checks
-    setup = commands[:-4]
+    assert main[-4:] == checks
+    setup = main[:-4]
     assert setup[0] == f"test -x {venv}/bin/python || python3 -m venv {venv}"
     assert f"{venv}/bin/python -m pip install -q --no-deps -r requirements/ci.lock" in setup
     assert setup[-3] == f"{venv}/bin/python -m pip install -q --no-deps --no-build-isolation -e ."
     assert setup[-1].startswith(f"touch {venv}/.installed-")
+    stacks = commands[len(main) + 1 :]
+    assert stacks[-1].startswith("OMP_NUM_THREADS=1 .venv-313/bin/python -m pytest -q tests/")
+    assert ".venv-313/bin/python -m pip install -q --no-deps -r requirements/ci-py313.lock" in stacks
 
 
 def test_a_second_make_test_skips_the_setup(tmp_path):
     """Once the environment's stamp is newer than pyproject.toml and the lock, `make test` only checks and tests."""
     venv = tmp_path / "venv"
-    stamp = Path(_dry_run("test", venv)[-5].removeprefix("touch "))
+    stamp = Path(_main_tier(_dry_run("test", venv), venv)[-5].removeprefix("touch "))
     stamp.parent.mkdir(parents=True)
     stamp.touch()
-    assert _dry_run("test", venv) == [
-        f"{venv}/bin/ruff check .",
-        f"{venv}/bin/ruff format --check .",
-        f"{venv}/bin/mypy",
+    assert _main_tier(_dry_run("test", venv), venv) == [
+        *(f"{venv}/bin/{c}" for c in MAIN_CHECKS),
         f"OMP_NUM_THREADS=1 {venv}/bin/python -m pytest -q tests functional_tests",
     ]
+
+
+def test_the_stacks_tier_selects_the_host_groups_by_existing_paths(tmp_path):
+    """`make test-stacks` names its test groups explicitly (docs/testing.md): each path exists (a rename cannot drop a
+    group silently), and the golden, loss, config, kernel, distributed, adapter, bad-input and guard tests are in."""
+    pytest_line = _dry_run("test-stacks", tmp_path / "venv")[-1]
+    paths = pytest_line.split(" -m pytest -q ", 1)[1].split()
+    assert [p for p in paths if not ROOT.joinpath(p).exists()] == []
+    golden = sorted(str(p.relative_to(ROOT)) for p in ROOT.joinpath("tests").glob("test_golden_*.py"))
+    groups = ["tests/loss", "tests/config", "tests/kernels", "tests/distributed", "tests/adapters"]
+    assert set(golden + groups + ["tests/test_bad_inputs.py", "tests/test_device_guard.py"]) <= set(paths)

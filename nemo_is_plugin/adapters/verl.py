@@ -39,8 +39,9 @@ Normalisation follows verl's ``agg_loss``: with ``config.global_batch_info`` (``
 ``global_batch_size``) the loss is this micro-batch's sum / (global count / dp_size) (``token-sum``: the sum times
 dp_size); without it, local counts. Metrics are returned per micro-batch (verl averages them): prefixed
 ``actor/nemo_is/``, renormalised to this micro-batch's own counts, plus verl's ``actor/pg_clipfrac``,
-``actor/pg_clipfrac_lower`` and ``actor/ppo_kl``; when the plugin owns the correction, also verl's ``rollout_corr/``
-names for the same quantities (:mod:`~nemo_is_plugin.adapters.verl_metrics`).
+``actor/pg_clipfrac_lower`` and ``actor/ppo_kl`` (log pi - log pi_old clamped to +-20 before the mean, as verl); when
+the plugin owns the correction, also every ``rollout_corr/`` metric verl logs, with verl's definitions, over this
+micro-batch (:mod:`~nemo_is_plugin.adapters.verl_metrics`, which says where that scope differs from verl's batch).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from nemo_is_plugin.adapters.verl_config import (
     actor_keys,
     plugin_section_keys,
 )
-from nemo_is_plugin.adapters.verl_metrics import rollout_corr_metrics
+from nemo_is_plugin.adapters.verl_metrics import rollout_corr_metrics, verl_statistics
 from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
 
 VERL_LOSS_NAME = "nemo_is.clipped_pg"
@@ -291,13 +292,18 @@ class VerlPolicyLoss:
         )
 
         m = mask.to(log_prob.dtype)
-        # The local counts and verl's ppo_kl stay on the device until the loss's metrics are read (one host sync).
+        # The local counts, verl's ppo_kl and verl's rollout_corr/ statistics stay on the device until the loss's
+        # metrics are read (one host sync). ppo_kl: verl clamps log pi - log pi_old to +-20 before averaging.
         with torch.no_grad():
+            log_ratio = (log_prob - old_log_prob).clamp(-VERL_LOG_RATIO_CLAMP, VERL_LOG_RATIO_CLAMP)
             own = {
                 "local_toks": m.sum(),
                 "local_seqs": (m.sum(-1) > 0).sum(),
-                "ppo_kl": ((old_log_prob - log_prob) * m).sum() / (m.sum() + 1e-8),
+                "ppo_kl": (-log_ratio * m).sum() / (m.sum() + 1e-8),
             }
+            if owns:  # the IS weights divide pi_old, or the current policy in bypass mode (as the loss's)
+                prev = log_prob if plugin_cfg.bypasses_prev else old_log_prob
+                own.update(verl_statistics(prev, gen, mask, loss_fn.config))
         info_tok, info_seq = self._global_counts(config, loss_agg_mode)
         inputs = LossInputs(
             curr_logprobs=log_prob,
@@ -314,7 +320,8 @@ class VerlPolicyLoss:
         loss, metrics = loss_fn.compute(
             inputs, TokenLayout.padded(b, t, device=log_prob.device), extra_metric_sums=extra
         )
-        local_toks, local_seqs, ppo_kl = (metrics.pop(k) for k in extra)
+        read = {k[len(_OWN) :]: metrics.pop(k) for k in extra}
+        local_toks, local_seqs, ppo_kl = read.pop("local_toks"), read.pop("local_seqs"), read.pop("ppo_kl")
         n_tok = local_toks if info_tok is None else info_tok
         n_seq = local_seqs if info_seq is None else info_seq
         if loss_agg_mode == "token-sum":
@@ -343,6 +350,7 @@ class VerlPolicyLoss:
             out.update(
                 rollout_corr_metrics(local, loss_fn.config, rows=b, seqs_with_tokens=local_seqs, seq_count=local_seqs)
             )
+            out.update(read)  # verl's statistics the loss's metrics do not carry (verl_metrics.verl_statistics)
         return loss, out
 
     @staticmethod

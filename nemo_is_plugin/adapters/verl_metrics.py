@@ -1,28 +1,53 @@
-"""The plugin's metrics under verl's ``rollout_corr/`` names, where the two compute the same quantity.
+"""The plugin's metrics under verl's ``rollout_corr/`` names, with verl 0.9's definitions.
 
-verl's definitions (``verl/trainer/ppo/rollout_corr_helper.py``, verl 0.9.1): ``kl`` = token mean of log mu - log
-pi_old, ``k3_kl`` = token mean of e^x - 1 - x, ``training_log_ppl`` / ``rollout_log_ppl`` / ``log_ppl_diff`` /
-``log_ppl_abs_diff`` = means over *all* rows of per-row token means (an empty row counts 0),
-``chi2_token`` = E_tok[e^2x] - 1, ``chi2_seq`` = mean over all rows of e^{2 S} - 1 (an empty row counts e^0), and per
-rejection option
-``rollout_rs_<opt>_{mean, max, min, masked_fraction, seq_masked_fraction}`` (the seq fraction over rows with tokens)
-with the overall ``rollout_rs_masked_fraction`` / ``rollout_rs_seq_masked_fraction`` (over all rows).
+Two sources. :func:`rollout_corr_metrics` renames the loss's own metrics where the plugin computes the same quantity:
+``kl`` = token mean of log mu - log pi_old, ``k3_kl`` = token mean of e^x - 1 - x, ``training_log_ppl`` /
+``rollout_log_ppl`` / ``log_ppl_diff`` / ``log_ppl_abs_diff`` = means over *all* rows of per-row token means (an empty
+row counts 0), ``chi2_token`` = E_tok[e^2x] - 1, ``chi2_seq`` = mean over all rows of e^{2 S} - 1 (an empty row counts
+e^0), and per rejection option ``rollout_rs_<opt>_{mean, max, min, masked_fraction, seq_masked_fraction}`` (the seq
+fraction over rows with tokens) with the overall ``rollout_rs_masked_fraction`` / ``rollout_rs_seq_masked_fraction``
+(over all rows). verl clamps x to +-20 in chi2; the plugin does not (identical below e^20).
 
-Not aliased: verl clamps x to +-20 in chi2 (the plugin does not; identical below e^20), and verl's IS-weight metrics
-(``rollout_is_*``: their definitions changed between verl versions, and verl's batch-normalisation factor spans the
-whole batch, the plugin's one micro-batch).
+:func:`verl_statistics` computes the rest from the tensors of the call, as verl's
+``verl/trainer/ppo/rollout_corr_helper.py`` (verl 0.9.1) does: ``training_ppl``, ``rollout_ppl``, ``ppl_ratio``,
+``log_ppl_diff_max`` / ``_min`` (``compute_offpolicy_metrics``); the IS-weight statistics ``rollout_is_*``
+(``compute_is_metrics``: since verl's #6806 mean / std / ESS / extrema / ``seq_*`` of the *truncated* weights, the
+high / low fractions of the *raw* ones; ``rollout_is_oob_ratio`` with IcePop; ``rollout_is_batch_norm_factor`` with
+batch normalisation); and per rejection option the rest of ``compute_rs_metrics``
+(``rollout_rs_<opt>_{fraction_high, fraction_low, std, seq_mean, seq_std, seq_max, seq_min, seq_max_deviation,
+seq_fraction_high, seq_fraction_low}``). The weights are the plugin's (its level and truncation type, before batch
+normalisation and rejections, as verl's), within verl's safety bound [e^-20, e^20]; the bounds are
+``truncated_importance_sampling_ratio`` (none: no upper bound) and ``_ratio_min`` (default its reciprocal, as verl).
+Levels with one weight per sequence (``sequence``, ``sequence_mean``) take verl's ``sequence`` formulas, the others
+its ``token`` ones.
+
+Scope. verl computes these once per step on the whole batch, in the driver. The plugin computes them per
+micro-batch, and verl 0.9's ``ppo_loss`` averages a policy loss's metrics over micro-batches and DP ranks
+(``AggregationType.MEAN``, whatever the name). So: token means and row means are verl's batch value when the
+micro-batches hold equal token / row counts (row means: verl's fixed micro-batch size); the extrema (``_max``, ``_min``,
+``_max_deviation``), the standard deviations and the effective sample size are the average of the micro-batches'
+values, not the batch's value (the loss has no DP group to reduce over).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
+import torch
+
 from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.clipped_pg import is_correction_kwargs
+from nemo_is_plugin.loss.correction import compute_is_correction
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.rejection import evaluate_rule
 
 PREFIX = "rollout_corr/"
+VERL_SAFETY_BOUND = 20.0  # verl's SAFETY_BOUND: log-ratios are clamped to +-20 before exp in its metrics
 _SAME = {"kl": "mismatch_kl_k1", "k3_kl": "mismatch_kl_k3"}
 _PER_ROW = ("training_log_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff")
 _RULE = {"mean": "mean", "max": "max", "min": "min", "masked_fraction": "rejected_fraction"}
+_PER_ROW_LEVELS = ("sequence", "sequence_mean")
 
 
 def rollout_corr_metrics(
@@ -56,4 +81,187 @@ def rollout_corr_metrics(
     return out
 
 
-__all__ = ["PREFIX", "rollout_corr_metrics"]
+@torch.no_grad()
+def verl_statistics(prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, config: ClippedPGLossConfig):
+    """verl's ``rollout_corr/`` statistics that :func:`rollout_corr_metrics` cannot rename, over this micro-batch.
+
+    Args:
+        prev: Float[B, T] the log-probs the IS weights divide by (pi_old; the current policy in bypass mode).
+        gen: Float[B, T] the rollout log-probs log mu. mask: verl's response mask.
+
+    Returns 0-d float64 tensors under their ``rollout_corr/`` names (read with the loss's metrics: no host sync).
+    """
+    p, g = prev.detach().double(), gen.detach().double()
+    m = mask.to(torch.float64)
+    out = off_policy_statistics(p, g, m)
+    layout = TokenLayout.padded(m.shape[0], m.shape[1], device=m.device)
+    if config.use_importance_sampling_correction:
+        # The plugin's weights at its level and truncation type: no rejection rule or veto (verl applies those to
+        # the response mask, not to the weights its metrics describe), normalisation undone below.
+        options = is_correction_kwargs(config)
+        options["veto_threshold"], options["rules"] = None, ()
+        corr = compute_is_correction(p, g, m, m, layout, **options)
+        factor = corr.batch_norm_factor if config.importance_sampling_batch_normalize else None
+        truncated = corr.weights if factor is None else corr.weights * torch.where(factor > 0, factor, 1.0)
+        out.update(is_weight_statistics(corr.log_weights, truncated, m, config, factor))
+    for rule in config.rejection_rules:
+        option = rule.verl_option
+        if option is None:
+            continue
+        outcome = evaluate_rule(rule, p, g, m, layout)
+        upper = rule.max if rule.max is not None else math.inf
+        out.update(rejection_statistics(option, outcome.token_stat, outcome.seq_stat, m, rule.min, upper))
+    return {PREFIX + k: v for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# verl's statistics computed from the tensors (0-d float64, on the inputs' device, no host synchronisation)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _mean(v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """verl_F.masked_mean over every element: sum(v m) / (sum m + 1e-8)."""
+    return torch.where(m != 0, v * m, torch.zeros_like(v)).sum() / (m.sum() + 1e-8)
+
+
+def _row_mean(v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """verl_F.masked_mean(v, m, axis=-1): one value per row, 0 for an empty row."""
+    return torch.where(m != 0, v * m, torch.zeros_like(v)).sum(-1) / (m.sum(-1) + 1e-8)
+
+
+def _extrema(v: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, min) of ``v`` where ``keep``."""
+    inf = torch.full_like(v, math.inf)
+    return torch.where(keep, v, -inf).amax(), torch.where(keep, v, inf).amin()
+
+
+def _std(v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """torch's unbiased std of the kept values; 0 for fewer than two (verl's rule)."""
+    k = keep.to(v.dtype)
+    n = k.sum()
+    mean = (v * k).sum() / n.clamp_min(1)
+    var = (((v - mean) * k) ** 2).sum() / (n - 1).clamp_min(1)
+    return torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
+
+
+def _clamped_std(v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """verl's token std: sqrt(max(E[v^2] - E[v]^2, 0)) over the mask, 0 for fewer than two tokens."""
+    var = _mean(v.square(), m) - _mean(v, m).square()
+    return torch.where(m.sum() > 1, var.clamp_min(0.0).sqrt(), torch.zeros_like(var))
+
+
+def _fraction(flags: torch.Tensor) -> torch.Tensor:
+    return flags.to(torch.float64).mean()
+
+
+def off_policy_statistics(prev: torch.Tensor, gen: torch.Tensor, m: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``compute_offpolicy_metrics``'s perplexities: means over all rows (an empty row has mean log-prob 0)."""
+    mean_prev, mean_gen = _row_mean(prev, m), _row_mean(gen, m)
+    log_ppl_diff = mean_gen - mean_prev
+    diff_max, diff_min = log_ppl_diff.amax(), log_ppl_diff.amin()
+    return {
+        "training_ppl": torch.exp(-mean_prev).mean(),
+        "rollout_ppl": torch.exp(-mean_gen).mean(),
+        "ppl_ratio": torch.exp(log_ppl_diff).mean(),
+        "log_ppl_diff_max": diff_max,
+        "log_ppl_diff_min": diff_min,
+    }
+
+
+def is_weight_statistics(
+    log_w: torch.Tensor,
+    weights: torch.Tensor,
+    m: torch.Tensor,
+    config: ClippedPGLossConfig,
+    batch_norm_factor: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """``compute_is_metrics`` (+ the IcePop ``oob_ratio`` and the ``batch_norm_factor``) of the plugin's weights.
+
+    Args:
+        log_w: Float[B, T] the log weight of the plugin's level (a sequence level's value on every token of its row).
+        weights: Float[B, T] the truncated weights before batch normalisation and rejections.
+        m: Float[B, T] verl's response mask.
+        batch_norm_factor: the plugin's divisor (``importance_sampling_batch_normalize``), else None.
+    """
+    upper = config.truncated_importance_sampling_ratio or math.inf
+    low = config.truncated_importance_sampling_ratio_min
+    lower = low if low is not None else 1.0 / upper
+    valid = m != 0
+    raw = torch.exp(log_w.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
+    lo, hi = math.exp(-VERL_SAFETY_BOUND), math.exp(VERL_SAFETY_BOUND)
+    w = torch.where(weights > 0, weights.clamp(lo, hi), torch.zeros_like(weights))
+    out = {"rollout_is_mean": _mean(w, m)}
+    if config.effective_is_level in _PER_ROW_LEVELS:
+        row_log = log_w[:, 0]  # every row, an empty one with log weight 0, as verl's [B, 1] log-ratio sums
+        log_max, log_min = row_log.amax(), row_log.amin()
+        out["rollout_is_max"] = torch.exp(log_max.clamp(max=VERL_SAFETY_BOUND))
+        out["rollout_is_min"] = torch.exp(log_min)
+        out["rollout_is_ratio_fraction_high"] = _fraction(row_log > math.log(upper))
+        out["rollout_is_ratio_fraction_low"] = _fraction(row_log < (math.log(lower) if lower > 0 else -math.inf))
+    else:
+        out["rollout_is_max"], out["rollout_is_min"] = _extrema(w, valid)
+        out["rollout_is_ratio_fraction_high"] = _mean((raw > upper).to(w.dtype), m)
+        out["rollout_is_ratio_fraction_low"] = _mean((raw < lower).to(w.dtype), m)
+    w_c = w.clamp(0.0, upper)
+    out["rollout_is_std"] = _clamped_std(w_c, m)
+    out["rollout_is_eff_sample_size"] = 1.0 / _mean((w_c / (_mean(w_c, m) + 1e-8)).square(), m)
+    seq_w = _row_mean(w, m)
+    every_row = torch.ones_like(seq_w, dtype=torch.bool)
+    out["rollout_is_seq_mean"] = seq_w.mean()
+    out["rollout_is_seq_std"] = _std(seq_w, every_row)
+    out["rollout_is_seq_max"], out["rollout_is_seq_min"] = _extrema(seq_w, every_row)
+    out["rollout_is_seq_max_deviation"] = (seq_w - 1.0).abs().amax()
+    raw_seq = _row_mean(raw, m)
+    out["rollout_is_seq_fraction_high"] = _fraction(raw_seq > upper)
+    out["rollout_is_seq_fraction_low"] = _fraction(raw_seq < lower)
+    if config.truncated_importance_sampling_type == "icepop":
+        out["rollout_is_oob_ratio"] = _mean(((raw < lower) | (raw > upper)).to(w.dtype), m)
+    if batch_norm_factor is not None:
+        out["rollout_is_batch_norm_factor"] = torch.where(
+            batch_norm_factor > 1e-8, batch_norm_factor, torch.ones_like(batch_norm_factor)
+        )
+    return out
+
+
+def rejection_statistics(
+    option: str,
+    token_stat: torch.Tensor,
+    seq_stat: torch.Tensor | None,
+    m: torch.Tensor,
+    lower: float | None,
+    upper: float,
+) -> dict[str, torch.Tensor]:
+    """``compute_rs_metrics`` beyond mean / max / min for one option (verl's thresholds: k1's log-ratio band
+    ``[lower, upper]``, k2 / k3's ``upper``; ``lower`` None means no lower threshold, which verl logs as 0)."""
+    rows = m.sum(-1) > 0
+    seq_values = seq_stat if seq_stat is not None else _row_mean(token_stat, m)
+    clamp_min = lower if lower is not None else 0.0
+    prefix = f"rollout_rs_{option}_"
+    out = {}
+    if seq_stat is not None:  # verl's sequence-level options: fractions over the rows with tokens
+        out["fraction_high"] = _mean((seq_values > upper).to(m.dtype), rows.to(m.dtype))
+        low = _mean((seq_values < clamp_min).to(m.dtype), rows.to(m.dtype))
+    else:
+        out["fraction_high"] = _mean((token_stat > upper).to(m.dtype), m)
+        low = _mean((token_stat < clamp_min).to(m.dtype), m)
+    out["fraction_low"] = low if lower is not None else torch.zeros_like(low)
+    out["std"] = _clamped_std(token_stat.clamp(clamp_min, upper), m)
+    out["seq_mean"] = _mean(seq_values, rows.to(m.dtype))
+    out["seq_std"] = _std(seq_values, rows)
+    out["seq_max"], out["seq_min"] = _extrema(seq_values, rows)
+    out["seq_max_deviation"] = _extrema(seq_values.abs(), rows)[0]
+    out["seq_fraction_high"] = _mean((seq_values > upper).to(m.dtype), rows.to(m.dtype))
+    if lower is not None:
+        out["seq_fraction_low"] = _mean((seq_values < lower).to(m.dtype), rows.to(m.dtype))
+    return {prefix + k: v for k, v in out.items()}
+
+
+__all__ = [
+    "PREFIX",
+    "VERL_SAFETY_BOUND",
+    "is_weight_statistics",
+    "off_policy_statistics",
+    "rejection_statistics",
+    "rollout_corr_metrics",
+    "verl_statistics",
+]

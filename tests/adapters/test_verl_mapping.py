@@ -118,6 +118,17 @@ def test_loss_matches_a_float64_rederivation_of_verl_vanilla(agg, dp):
     assert 0 < metrics["actor/pg_clipfrac"] < 1
 
 
+def test_ppo_kl_clamps_each_log_ratio_at_20_like_verl():
+    """Hand-computed: log pi - log pi_old = +25, -0.5, -30 on the valid tokens (a masked one at +1.5 does not count).
+    verl clamps before averaging: ppo_kl = -(20 - 0.5 - 20) / 3 = 0.5 / 3 (unclamped it would be 5.5 / 3)."""
+    old = torch.tensor([[-40.0, -1.0, -35.0, -2.0]], dtype=torch.float64)
+    lp = torch.tensor([[-15.0, -1.5, -65.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, True, True, False]])
+    adv = torch.ones(1, 4, dtype=torch.float64)
+    _, metrics = VerlPolicyLoss({})(old, lp, adv, mask, "token-mean", ACTOR)
+    assert metrics["actor/ppo_kl"] == pytest.approx(0.5 / 3, rel=1e-8)  # verl divides by count + 1e-8
+
+
 def test_dp_without_global_counts_is_refused_like_verl():
     x = -torch.ones(2, 3)
     with pytest.raises(ValueError, match="batch_num_tokens is required when dp_size > 1"):

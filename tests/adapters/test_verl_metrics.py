@@ -1,0 +1,180 @@
+"""What a verl user's dashboards read, against verl 0.9 itself: every ``rollout_corr/`` metric verl's
+``compute_rollout_correction_and_rejection_mask`` logs and every ``actor/`` metric of verl's ``vanilla`` policy loss,
+from the plugin's verl adapter on the same inputs (ragged masks with an empty and a one-token row, log-ratios beyond
++-20). Skipped where verl does not import (the Python 3.13 tier has no verl)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+rollout_corr_helper = pytest.importorskip(
+    "verl.trainer.ppo.rollout_corr_helper", reason="verl is not importable (pip install 'nemo-is-plugin[verl]')"
+)
+from verl.trainer.ppo import core_algos  # noqa: E402
+from verl.workers.config.actor import ActorConfig  # noqa: E402
+
+from nemo_is_plugin.adapters.verl import VerlPolicyLoss  # noqa: E402
+from nemo_is_plugin.adapters.verl_config import rollout_correction_keys  # noqa: E402
+from nemo_is_plugin.adapters.verl_metrics import PREFIX  # noqa: E402
+
+B, T = 8, 9
+# verl's algorithm.rollout_correction settings; the plugin gets their mapping (verl_config.rollout_correction_keys)
+SETTINGS = {
+    "token_tis": {"rollout_is": "token", "rollout_is_threshold": 2.0},
+    "sequence_tis": {"rollout_is": "sequence", "rollout_is_threshold": 2.0},
+    "token_icepop": {"rollout_is": "token", "rollout_is_threshold": "0.5_2.0"},
+    "sequence_icepop_normalized": {
+        "rollout_is": "sequence",
+        "rollout_is_threshold": "0.5_5.0",
+        "rollout_is_batch_normalize": True,
+    },
+    "token_tis_normalized_four_rs": {
+        "rollout_is": "token",
+        "rollout_is_threshold": 2.0,
+        "rollout_is_batch_normalize": True,
+        "rollout_rs": "token_k1,seq_sum_k3,seq_mean_k2,seq_max_k3",
+        "rollout_rs_threshold": "0.6_1.5,2.0,0.1,1.0",
+    },
+    "rs_only": {"rollout_is": None, "rollout_rs": "seq_mean_k1,token_k2", "rollout_rs_threshold": "0.8_1.25,0.3"},
+}
+
+
+def _batch(beyond_20: bool) -> dict[str, torch.Tensor]:
+    """float64 log-probs; a ragged mask with a full, an empty and a one-token row; with ``beyond_20``, valid tokens
+    whose log pi_old - log mu and log pi - log pi_old lie beyond +-20 (verl's clamp)."""
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2 - 0.5
+    rollout = old - 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    log_prob = old + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[1] = True
+    mask[4] = False
+    mask[6] = False
+    mask[6, 0] = True
+    if beyond_20:
+        for (row, col), shift in {(0, 2): 25.0, (2, 1): -23.0, (7, 3): 21.0}.items():
+            rollout[row, col] = old[row, col] - shift
+            mask[row, col] = True
+        for (row, col), shift in {(3, 0): 24.0, (5, 2): -26.0}.items():
+            log_prob[row, col] = old[row, col] + shift
+            mask[row, col] = True
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    return {"old": old, "rollout": rollout, "log_prob": log_prob, "adv": adv, "mask": mask}
+
+
+def _actor(agg: str = "token-mean") -> ActorConfig:
+    cfg = ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        loss_agg_mode=agg,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+    )
+    cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
+    return cfg
+
+
+def _plugin(keys: dict, batch: dict, agg: str = "token-mean", rows: slice = slice(None)) -> dict[str, float]:
+    fn = VerlPolicyLoss(dict(keys))
+    with warnings.catch_warnings():  # the +-20 shifts make some log-probs positive: the loss's input warning
+        warnings.simplefilter("ignore", UserWarning)
+        _, metrics = fn(
+            old_log_prob=batch["old"][rows],
+            log_prob=batch["log_prob"][rows].clone().requires_grad_(True),
+            advantages=batch["adv"][rows],
+            response_mask=batch["mask"][rows],
+            loss_agg_mode=agg,
+            config=_actor(agg),
+            rollout_log_probs=batch["rollout"][rows],
+        )
+    return metrics
+
+
+def _verl(settings: dict, batch: dict, rows: slice = slice(None)) -> dict[str, float]:
+    _, _, metrics = rollout_corr_helper.compute_rollout_correction_and_rejection_mask(
+        batch["old"][rows], batch["rollout"][rows], batch["mask"][rows].double(), **settings
+    )
+    return metrics
+
+
+def _chi2_unclamped(batch: dict) -> dict[str, float]:
+    """The plugin's documented chi-square (verl clamps x at +-20 first): E_tok[e^2x] - 1, mean_rows e^2S - 1."""
+    x, m = batch["old"] - batch["rollout"], batch["mask"].double()
+    s = (x * m).sum(-1)
+    return {
+        "chi2_token": float((torch.exp(2 * x) * m).sum() / m.sum()) - 1,
+        "chi2_seq": float(torch.exp(2 * s).mean()) - 1,
+    }
+
+
+@pytest.mark.parametrize("beyond_20", [False, True], ids=["within_20", "beyond_20"])
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_every_rollout_corr_metric_is_verls(name, beyond_20):
+    """The adapter reports exactly verl's rollout_corr/ names, each at verl's value; the one documented difference is
+    chi-square with log-ratios beyond 20 (verl clamps them; the plugin's value is the unclamped formula)."""
+    settings, batch = SETTINGS[name], _batch(beyond_20)
+    want = _verl(settings, batch)
+    got = {k: v for k, v in _plugin(rollout_correction_keys(settings), batch).items() if k.startswith(PREFIX)}
+    assert sorted(got) == sorted(want)
+    unclamped = _chi2_unclamped(batch)
+    bad = {}
+    for key, value in want.items():
+        short = key[len(PREFIX) :]
+        if beyond_20 and short in unclamped:
+            assert not math.isclose(value, unclamped[short], rel_tol=1e-3)  # the clamp matters here
+            value = unclamped[short]
+        if not math.isclose(got[key], value, rel_tol=1e-6, abs_tol=1e-9):
+            bad[key] = (got[key], value)
+    assert not bad, bad
+    if settings["rollout_is"] is not None:  # the statistics the brief's verl user missed are among them
+        assert {f"{PREFIX}rollout_is_{s}" for s in ("mean", "std", "min", "max", "eff_sample_size")} <= set(got)
+    assert {f"{PREFIX}{s}" for s in ("training_ppl", "rollout_ppl", "ppl_ratio", "log_ppl_diff_max")} <= set(got)
+
+
+def test_inputs_reach_the_edges_they_are_meant_to():
+    """The ragged mask has an empty row and a one-token row, and the shifted log-ratios are valid tokens."""
+    batch = _batch(beyond_20=True)
+    counts = batch["mask"].sum(-1)
+    assert 0 in counts.tolist() and 1 in counts.tolist() and T in counts.tolist()
+    x = (batch["old"] - batch["rollout"])[batch["mask"]]
+    r = (batch["log_prob"] - batch["old"])[batch["mask"]]
+    assert x.max() > 20 and x.min() < -20 and r.max() > 20 and r.min() < -20
+
+
+@pytest.mark.parametrize("beyond_20", [False, True], ids=["within_20", "beyond_20"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("owned", [False, True], ids=["verl_settings", "plugin_owned"])
+def test_actor_metrics_are_verls_vanilla(agg, owned, beyond_20):
+    """actor/pg_clipfrac, actor/ppo_kl (log pi - log pi_old clamped to +-20 before the mean, as verl) and
+    actor/pg_clipfrac_lower: verl's vanilla loss's values, with or without the plugin owning the correction."""
+    batch = _batch(beyond_20)
+    _, want = core_algos.compute_policy_loss_vanilla(
+        old_log_prob=batch["old"],
+        log_prob=batch["log_prob"],
+        advantages=batch["adv"],
+        response_mask=batch["mask"],
+        loss_agg_mode=agg,
+        config=_actor(agg),
+    )
+    keys = rollout_correction_keys(SETTINGS["token_tis"]) if owned else {}
+    got = _plugin(keys, batch, agg)
+    actor = {k for k in got if k.startswith("actor/") and not k.startswith("actor/nemo_is/")}
+    assert actor == set(want)
+    for key, value in want.items():
+        assert math.isclose(got[key], value, rel_tol=1e-6, abs_tol=1e-9), (key, got[key], value)
+
+
+@pytest.mark.parametrize("metric", ["training_ppl", "rollout_ppl", "ppl_ratio", "training_log_ppl", "log_ppl_diff"])
+def test_row_means_average_to_the_batch_value_over_equal_micro_batches(metric):
+    """The documented scope: verl averages the policy loss's metrics over micro-batches; for a mean over rows, two
+    micro-batches of equal row counts average to verl's whole-batch value (one driver call)."""
+    batch, settings = _batch(beyond_20=True), SETTINGS["token_tis"]
+    keys = rollout_correction_keys(settings)
+    halves = [_plugin(keys, batch, rows=rows)[PREFIX + metric] for rows in (slice(0, B // 2), slice(B // 2, B))]
+    assert math.isclose(sum(halves) / 2, _verl(settings, batch)[PREFIX + metric], rel_tol=1e-7)
