@@ -112,7 +112,9 @@ def gmpo_surrogate(
     A < 0: from below; A = 0 tokens count log-ratio 0, as verl's sign(A) product gives). The sequence loss is
     -Abar_i exp(sum_t m d~_t / (n_i + 1e-8)), Abar_i the sequence's mean advantage. It is returned on every token of
     the sequence: aggregate it with ``seq-mean-token-mean`` (verl ignores ``loss_agg_mode`` and takes a plain mean
-    over sequences). Sums go through the layout, so CP shards get the full-sequence value.
+    over sequences). Sums go through the layout, so CP shards get the full-sequence value. The clip indicators are
+    verl's: d outside [-clip_low, clip_high] with A > 0 (``clipped_high``) / A < 0 (``clipped_low``), whether or not
+    the sign-aware clip moved it.
     """
     d = curr - anchor
     sign = torch.sign(advantages)

@@ -117,8 +117,12 @@ def cppo_mask(
     w = 1.0 - (1.0 - w_min) * (k - 1.0) / (n - 1.0).clamp_min(1.0)
     z = where_mask(w * divergence, m)
     w_in = where_mask(w, m)
-    s_prev = layout.prefix_sum(z) - z
-    w_prev = layout.prefix_sum(w_in) - w_in
+    # Exclusive prefix sums; exact zeros at each sequence's first token (inclusive - own value rounds to +-1 ulp on
+    # a packed layout, which would read as a budget already exhausted).
+    first = k == 1.0
+    zero = torch.zeros((), dtype=dtype, device=z.device)
+    s_prev = torch.where(first, zero, layout.prefix_sum(z) - z)
+    w_prev = torch.where(first, zero, layout.prefix_sum(w_in) - w_in)
     rate = sequence_quantile(divergence, token_mask, layout, BUDGET_QUANTILE).clamp(delta_b, 2.0 * delta_b)
     if delta_b == float("inf"):
         slack = torch.full_like(z, float("inf"))
