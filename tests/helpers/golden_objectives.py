@@ -34,9 +34,9 @@ def load_cases() -> list[dict]:
     return [torch.load(p, weights_only=True) for p in sorted(GOLDEN_DIR.glob("case_*.pt"))]
 
 
-def surrogate_for(case: dict, curr: torch.Tensor, layout: TokenLayout) -> SurrogateOut:
-    """The plugin's per-token surrogate for the case's verl loss mode."""
-    mode, cfg, inp = case["mode"], case["config"], case["inputs"]
+def surrogate_for(case: dict, curr: torch.Tensor, inp: dict, layout: TokenLayout) -> SurrogateOut:
+    """The plugin's per-token surrogate for the case's verl loss mode (``inp``: the case's inputs, on curr's device)."""
+    mode, cfg = case["mode"], case["config"]
     old, adv, mask = inp["old_log_prob"], inp["advantages"], inp["response_mask"]
     low, high = cfg["clip_ratio_low"], cfg["clip_ratio_high"]
     d = token_log_ratio(curr, old, VERL_LOG_RATIO_CLAMP)
@@ -62,24 +62,21 @@ def surrogate_for(case: dict, curr: torch.Tensor, layout: TokenLayout) -> Surrog
     raise ValueError(f"no plugin composition for verl loss_mode {mode!r}")
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((x.to(mask.dtype) * mask).sum() / mask.sum())
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x.to(mask.dtype) * mask).sum() / mask.sum()
 
 
-def verl_metrics(case: dict, out: SurrogateOut, curr: torch.Tensor) -> dict[str, float]:
-    """verl's metric names from the plugin's indicators (the modes that return none return {})."""
-    mode, inp = case["mode"], case["inputs"]
-    mask = inp["response_mask"]
+def verl_metrics(case: dict, out: SurrogateOut, curr: torch.Tensor, inputs: dict) -> dict[str, torch.Tensor]:
+    """verl's metric names from the plugin's indicators, as 0-d tensors (no host read); {} for the modes without."""
+    mode, mask = case["mode"], inputs["response_mask"]
     if mode == "gpg":
         return {}
-    ppo_kl = _masked_mean(-(curr.detach() - inp["old_log_prob"]), mask)
+    ppo_kl = _masked_mean(-(curr.detach() - inputs["old_log_prob"]), mask)
     if mode == "dro":
         return {"actor/ppo_kl": ppo_kl}
     if mode == "geo_mean":
         clipfrac, lower = out.clipped_high, out.clipped_low
-    elif mode in ("dppo_tv", "dppo_kl"):
-        clipfrac, lower = out.clipped, out.dual_clipped
-    elif mode == "vanilla":
+    elif mode in ("dppo_tv", "dppo_kl", "vanilla"):
         clipfrac, lower = out.clipped, out.dual_clipped
     else:  # gspo, cispo, sapo report no lower fraction; sapo no clip fraction
         clipfrac, lower = out.clipped, torch.zeros_like(out.clipped)
@@ -90,24 +87,36 @@ def verl_metrics(case: dict, out: SurrogateOut, curr: torch.Tensor) -> dict[str,
     }
 
 
-def plugin_loss(case: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """(loss, d loss / d log_prob, verl-named metrics) of the plugin's composition for one golden case."""
-    inp = case["inputs"]
-    mask = inp["response_mask"]
+def objective_loss(
+    case: dict, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, d loss / d log_prob, verl-named metrics as 0-d tensors) of the plugin's composition for one case, on
+    ``device``, the log-probs cast to ``dtype`` when given. No host read, every tensor on ``device``."""
+    logprob_keys = ("old_log_prob", "log_prob")
+    inputs = {
+        k: v.to(device=device, dtype=dtype if dtype is not None and k in logprob_keys else v.dtype)
+        for k, v in case["inputs"].items()
+    }
+    mask = inputs["response_mask"]
     B, T = mask.shape
-    layout = TokenLayout.padded(B, T)
-    curr = inp["log_prob"].clone().requires_grad_(True)
-    out = surrogate_for(case, curr, layout)
-    mode = FORCED_AGGREGATION.get(case["mode"], case["loss_agg_mode"])
+    layout = TokenLayout.padded(B, T, device=device)
+    curr = inputs["log_prob"].clone().requires_grad_(True)
+    out = surrogate_for(case, curr, inputs, layout)
     loss = aggregate(
         out.loss,
         mask,
-        torch.ones(B),
+        torch.ones(B, device=mask.device),
         layout,
-        mode=mode,
+        mode=FORCED_AGGREGATION.get(case["mode"], case["loss_agg_mode"]),
         global_valid_toks=mask.sum(),
         global_valid_seqs=(mask.sum(-1) > 0).sum().to(mask.dtype),
         norm=float(T),
     )
     (grad,) = torch.autograd.grad(loss, curr)
-    return loss.detach(), grad, verl_metrics(case, out, curr)
+    return loss.detach(), grad, verl_metrics(case, out, curr, inputs)
+
+
+def plugin_loss(case: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """:func:`objective_loss` on the CPU in the case's dtype, metrics as floats."""
+    loss, grad, metrics = objective_loss(case)
+    return loss, grad, {k: float(v) for k, v in metrics.items()}
