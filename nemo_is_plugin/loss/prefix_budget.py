@@ -18,8 +18,8 @@ the position-weighted per-token rule Z_k <= delta alone.
 
 The divergences and prefix sums are computed in at least float32 (float64 stays float64), whatever the input dtype:
 a bf16 prefix sum over a long response loses the budget to rounding (UniRL PR #58). The prefix sums go through the
-layout (exact across packed sequences and CP shards); the 0.9-quantile needs every token of a sequence, so a layout
-whose sequences are split across CP ranks is refused until the caller gathers them.
+layout (exact across packed sequences and CP shards); the 0.9-quantile needs every token of a sequence: under CP the
+caller passes it (computed from the sequence gathered across the group), else a split layout is refused.
 
 Masked tokens (padding, tool output) take no position and add nothing to the prefix sums; UniRL's sequences hold
 response tokens only, where the two agree.
@@ -94,6 +94,7 @@ def cppo_mask(
     delta: float,
     w_min: float,
     delta_b: float,
+    quantile: torch.Tensor | None = None,
 ) -> PrefixBudgetMask:
     """CPPO Binary-TV keep-mask (module formulas). UniRL's defaults: delta 0.2, w_min 0.8, delta_b 0.02.
 
@@ -101,6 +102,8 @@ def cppo_mask(
         curr, anchor, advantages, token_mask: Float[*T] token tensors of ``layout``.
         delta: per-token TV threshold. w_min: the last position's weight, in (0, 1]. delta_b: budget rate floor (the
             ceiling is 2 delta_b); inf disables the budget.
+        quantile: Float[S] each sequence's 0.9-quantile of D, when the caller has it (under CP: from the sequence
+            gathered across the group); None computes it here (whole sequences only, see ``sequence_quantile``).
     """
     if not 0.0 < w_min <= 1.0:
         raise ValueError(f"CPPO w_min must be in (0, 1]; got {w_min}")
@@ -123,7 +126,9 @@ def cppo_mask(
     zero = torch.zeros((), dtype=dtype, device=z.device)
     s_prev = torch.where(first, zero, layout.prefix_sum(z) - z)
     w_prev = torch.where(first, zero, layout.prefix_sum(w_in) - w_in)
-    rate = sequence_quantile(divergence, token_mask, layout, BUDGET_QUANTILE).clamp(delta_b, 2.0 * delta_b)
+    if quantile is None:
+        quantile = sequence_quantile(divergence, token_mask, layout, BUDGET_QUANTILE)
+    rate = quantile.to(dtype).clamp(delta_b, 2.0 * delta_b)
     if delta_b == float("inf"):
         slack = torch.full_like(z, float("inf"))
     else:
