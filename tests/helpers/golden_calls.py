@@ -10,7 +10,9 @@ format:
   checked against the golden pg_loss and gradient;
 - verl rollout correction (``params["rollout_is"]``): the plugin config tests/test_golden_verl.py maps the case's
   ``algorithm.rollout_correction`` settings to, through ``compute``; the golden values there are weights and masks,
-  which the CPU suite checks, so these calls are compared with the same call on CPU.
+  which the CPU suite checks, so these calls are compared with the same call on CPU;
+- verl loss modes (``mode`` + ``loss_agg_mode``; suite verl_loss_modes): the plugin's objective functions composed as
+  helpers/golden_objectives.py does (not yet a config call), checked against verl's loss, gradient and metrics.
 
 Cases whose expected result is an error are left out (they raise before any tensor exists). A case of an unknown
 format raises :class:`UnknownGoldenFormat`: a new suite must be taught here, not silently skipped.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from helpers.golden_ctpo import ctpo_config, ctpo_inputs, loss_rtol
+from helpers.golden_objectives import objective_loss
 from helpers.golden_utils import GOLDEN, load_named_cases, metric_close
 from helpers.golden_verl import loss_inputs, plugin_keys
 from nemo_is_plugin import build_loss_fn
@@ -112,6 +115,8 @@ def case_format(case: dict) -> str:
         return "ctpo"
     if "rollout_is" in params:
         return "verl_rollout_corr"
+    if "mode" in case and "loss_agg_mode" in case:
+        return "verl_loss_modes"
     raise UnknownGoldenFormat(
         f"golden case {case.get('id')!r} ({sorted(case)}) has no known format: teach helpers/golden_calls.py to map "
         "it to plugin calls"
@@ -127,6 +132,8 @@ def plugin_calls(suite: str, case: dict) -> list[PluginCall]:
         return [
             PluginCall(suite, case["id"], _compute_runner(ctpo_config(case["params"]), inputs), _ctpo_check(case), fmt)
         ]
+    if fmt == "verl_loss_modes":
+        return [PluginCall(suite, case["id"], _objective_runner(case), _objective_check(case), fmt)]
     # verl's call through the project's own mapping of algorithm.rollout_correction (weights, rejections, metrics)
     configs = {"mapping": plugin_keys(case["params"])}
     inputs, _ = loss_inputs(case)
@@ -199,6 +206,17 @@ def _compute_runner(config: dict, cpu_inputs: LossInputs) -> Runner:
     return run
 
 
+def _objective_runner(case: dict) -> Runner:
+    """verl's loss mode as the plugin's functions composed (helpers/golden_objectives.py): not a config call yet."""
+
+    def run(device, dtype, guard) -> Outcome:
+        with guard():
+            loss, grad, metrics = objective_loss(case, device, dtype)
+        return Outcome(loss, {"curr_logprobs": grad}, {k: float(v) for k, v in metrics.items()})
+
+    return run
+
+
 # ---------------------------------------------------------------------------------------------------- golden checks
 def _nemo_rl_check(case: dict) -> Callable[[Outcome], None]:
     def check(out: Outcome) -> None:
@@ -229,6 +247,20 @@ def _ctpo_check(case: dict) -> Callable[[Outcome], None]:
         torch.testing.assert_close(
             out.grads["curr_logprobs"].float(), want["grad_log_prob"].float(), rtol=rtol, atol=1e-6
         )
+
+    return check
+
+
+def _objective_check(case: dict) -> Callable[[Outcome], None]:
+    def check(out: Outcome) -> None:
+        want = case["expected"]
+        torch.testing.assert_close(out.loss.float(), want["loss"].float(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.grads["curr_logprobs"].float(), want["grad_log_prob"], rtol=1e-5, atol=1e-7)
+        assert out.metrics.keys() == want["metrics"].keys()
+        bad = {
+            k: (out.metrics[k], v) for k, v in want["metrics"].items() if abs(out.metrics[k] - v) > 1e-7 + 1e-5 * abs(v)
+        }
+        assert not bad, f"metric mismatches (got, want): {bad}"
 
     return check
 
