@@ -10,6 +10,10 @@ A generator (``tools/golden/<suite>.py``) declares a :class:`Suite` and hands it
   (``path`` is the key path below ``expected``, e.g. ``("metrics", "kl")``); ``(0, 0)`` means exact.
 - ``redraw(case, generator, seed, name) -> case``: for ``--fresh``, new inputs on a committed case's config.
 
+A case keeps the reference's outputs under ``expected`` (or, for a suite whose ``outputs`` is None, as top-level entries
+next to its inputs), and a suite's cases are ``case_*.pt`` files in its directory (or in the sub-directories its
+``parts`` name, each regenerated and compared on its own).
+
 Nothing here imports a reference: the generator does, after :func:`use_checkout` has put the checkout first on
 ``sys.path``, so the code at the suite's recorded commit is what runs (not a copy installed in the environment).
 """
@@ -237,25 +241,34 @@ def diff_values(
     return [] if got == want else [f"{where}: got {got!r}, want {want!r}"]
 
 
-def diff_case(got: dict, want: dict, tolerance: ToleranceFn) -> list[str]:
-    """Differences between a regenerated case and the committed one: ``expected`` within the suite's tolerance (keyed
-    by the path below ``expected``), everything else (ids, config, inputs, provenance) exactly."""
+def diff_case(got: dict, want: dict, tolerance: ToleranceFn, outputs: str | None = "expected") -> list[str]:
+    """Differences between a regenerated case and the committed one: the entry ``outputs`` (``expected``) within the
+    suite's tolerance (keyed by the path below it), everything else (ids, config, inputs, provenance) exactly. With
+    ``outputs`` None (outputs stored as top-level entries) every entry is compared with the tolerance of its path from
+    the case's top, which the suite's tolerance makes exact for the inputs."""
+    if outputs is None:
+        return diff_values(got, want, (), lambda path: tolerance(want, path))
     out = diff_values(
-        {k: v for k, v in got.items() if k != "expected"},
-        {k: v for k, v in want.items() if k != "expected"},
+        {k: v for k, v in got.items() if k != outputs},
+        {k: v for k, v in want.items() if k != outputs},
         (),
         lambda _: (0.0, 0.0),
     )
-    if "expected" in want or "expected" in got:
-        out += diff_values(
-            got.get("expected"), want.get("expected"), ("expected",), lambda path: tolerance(want, path[1:])
-        )
+    if outputs in want or outputs in got:
+        out += diff_values(got.get(outputs), want.get(outputs), (outputs,), lambda path: tolerance(want, path[1:]))
     return out
 
 
-def compare_dirs(regenerated: Path, committed: Path, tolerance: ToleranceFn, out: Callable[[str], None] = print) -> int:
+def compare_dirs(
+    regenerated: Path,
+    committed: Path,
+    tolerance: ToleranceFn,
+    out: Callable[[str], None] = print,
+    outputs: str | None = "expected",
+) -> int:
     """Print one line per case (``ok`` or its differences) and return the number of cases that differ; a case file
-    present on one side only counts as a difference."""
+    present on one side only counts as a difference. ``outputs``: where the cases keep the reference's outputs
+    (:func:`diff_case`)."""
     new = {p.name: p for p in case_paths(regenerated)}
     old = {p.name: p for p in case_paths(committed)}
     failed = identical = 0
@@ -265,7 +278,7 @@ def compare_dirs(regenerated: Path, committed: Path, tolerance: ToleranceFn, out
             failed += 1
             continue
         got, want = load_case(new[name]), load_case(old[name])
-        lines = diff_case(got, want, tolerance)
+        lines = diff_case(got, want, tolerance, outputs)
         if lines:
             failed += 1
             out(f"{name}: DIFFERS")
@@ -312,9 +325,21 @@ def parse_args(suite: str, argv: Sequence[str] | None, doc: str | None) -> argpa
     return args
 
 
-def regenerate_suite(golden: Path, out: Path, regenerate: Regenerate) -> int:
-    """Re-run the reference on every case of ``golden`` and write the cases with the new ``expected`` to ``out``;
-    every other entry is carried over unchanged. Returns the number of cases written."""
+def with_outputs(case: dict, outputs: dict, key: str | None) -> dict:
+    """``case`` with the reference's ``outputs`` stored under ``key`` (None: as top-level entries, replacing those of
+    the same names)."""
+    return {**case, key: outputs} if key is not None else {**case, **outputs}
+
+
+def is_error_case(case: dict, key: str | None = "expected") -> bool:
+    """Whether the reference raised on this case (its outputs are an ``error`` entry)."""
+    return "error" in (case[key] if key is not None else case)
+
+
+def regenerate_suite(golden: Path, out: Path, regenerate: Regenerate, outputs: str | None = "expected") -> int:
+    """Re-run the reference on every case of ``golden`` and write the cases with the new outputs (``expected``, or the
+    top-level entries ``regenerate`` returns when ``outputs`` is None) to ``out``; every other entry is carried over
+    unchanged. Returns the number of cases written."""
     paths = case_paths(golden)
     if not paths:
         raise SystemExit(f"no case_*.pt files in {golden}")
@@ -322,16 +347,24 @@ def regenerate_suite(golden: Path, out: Path, regenerate: Regenerate) -> int:
         case = load_case(path)
         seed = case.get("params", {}).get("seed", 0) if isinstance(case.get("params"), dict) else 0
         seed_everything(int(seed or 0))
-        save_case({**case, "expected": regenerate(case)}, out / path.name)
+        save_case(with_outputs(case, regenerate(case), outputs), out / path.name)
     return len(paths)
 
 
-def fresh_suite(golden: Path, out: Path, count: int, seed: int, redraw: Redraw, regenerate: Regenerate) -> list[Path]:
+def fresh_suite(
+    golden: Path,
+    out: Path,
+    count: int,
+    seed: int,
+    redraw: Redraw,
+    regenerate: Regenerate,
+    outputs: str | None = "expected",
+) -> list[Path]:
     """Write ``count`` new cases to ``out``, numbered after the last case of ``golden``: case i takes the config and
     masks of the suite's valid (non-error) cases in turn, inputs redrawn from ``seed + i``, and the reference's
     ``expected``. Returns the paths written."""
     paths = case_paths(golden)
-    templates = [(p.stem, case) for p in paths if "error" not in (case := load_case(p))["expected"]]
+    templates = [(p.stem, case) for p in paths if not is_error_case(case := load_case(p), outputs)]
     if not templates:
         raise SystemExit(f"no valid case in {golden} to take a config from")
     written = []
@@ -343,8 +376,7 @@ def fresh_suite(golden: Path, out: Path, count: int, seed: int, redraw: Redraw, 
         if "id" in case:
             case["id"] = new_name
         seed_everything(case_seed)
-        case["expected"] = regenerate(case)
-        save_case(case, out / f"{new_name}.pt")
+        save_case(with_outputs(case, regenerate(case), outputs), out / f"{new_name}.pt")
         written.append(out / f"{new_name}.pt")
     return written
 
@@ -369,6 +401,22 @@ class Suite:
     make_regenerate: Callable[[Path], Regenerate]  # imports the reference from a checkout, returns ``regenerate``
     tolerance: ToleranceFn
     redraw: Redraw
+    # where a case keeps the reference's outputs: an entry (``expected``), or None for top-level entries next to the
+    # inputs (the tolerance then sees paths from the case's top and must make the inputs exact)
+    outputs: str | None = "expected"
+    # sub-directories holding the cases, each regenerated and compared on its own ("": the suite directory itself)
+    parts: tuple[str, ...] = ("",)
+
+
+def compare_suite(suite: Suite, regenerated: Path, committed: Path, out: Callable[[str], None] = print) -> int:
+    """:func:`compare_dirs` on each of the suite's parts (a part's lines headed by its name); the number of cases that
+    differ in all of them."""
+    failed = 0
+    for part in suite.parts:
+        if part:
+            out(f"{suite.name}/{part}:")
+        failed += compare_dirs(regenerated / part, committed / part, suite.tolerance, out, suite.outputs)
+    return failed
 
 
 def checkout_commit(repo: Path) -> str | None:
@@ -392,12 +440,13 @@ def run(suite: Suite, argv: Sequence[str] | None = None, doc: str | None = None)
         f"the committed suite records {suite.commit}"
     )
     regenerate = suite.make_regenerate(args.repo)
-    if args.fresh is not None:
-        written = fresh_suite(args.golden, args.out, args.fresh, args.seed, suite.redraw, regenerate)
-        print(f"{suite.name}: wrote {len(written)} new cases to {args.out} ({written[0].name} to {written[-1].name})")
+    for part in suite.parts:
+        golden, out, name = args.golden / part, args.out / part, "/".join(filter(None, (suite.name, part)))
+        if args.fresh is not None:
+            written = fresh_suite(golden, out, args.fresh, args.seed, suite.redraw, regenerate, suite.outputs)
+            print(f"{name}: wrote {len(written)} new cases to {out} ({written[0].name} to {written[-1].name})")
+        else:
+            print(f"{name}: wrote {regenerate_suite(golden, out, regenerate, suite.outputs)} cases to {out}")
+    if args.fresh is not None or not args.check:
         return 0
-    count = regenerate_suite(args.golden, args.out, regenerate)
-    print(f"{suite.name}: wrote {count} cases to {args.out}")
-    if not args.check:
-        return 0
-    return 1 if compare_dirs(args.out, args.golden, suite.tolerance) else 0
+    return 1 if compare_suite(suite, args.out, args.golden) else 0
