@@ -43,15 +43,20 @@ TIS_OUTPUTS = ("pg_loss", "masks", "metrics")
 OLD_NOISE, REF_NOISE, POLICY_MISMATCH, TIS_MISMATCH = 0.15, 0.3, 0.4, 0.8
 
 
+def _module(name: str, **attributes: Any) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__dict__.update(attributes)
+    return module
+
+
 def _mpu() -> types.ModuleType:
     """megatron-core's mpu for one process: no context, tensor or data parallelism."""
-    mpu = types.ModuleType("megatron.core.mpu")
+    one_rank: dict[str, Any] = {"is_pipeline_last_stage": lambda *a, **k: True}
     for kind in ("context", "tensor_model", "data"):
-        setattr(mpu, f"get_{kind}_parallel_world_size", lambda *a, **k: 1)
-        setattr(mpu, f"get_{kind}_parallel_rank", lambda *a, **k: 0)
-        setattr(mpu, f"get_{kind}_parallel_group", lambda *a, **k: None)
-    mpu.is_pipeline_last_stage = lambda *a, **k: True
-    return mpu
+        one_rank[f"get_{kind}_parallel_world_size"] = lambda *a, **k: 1
+        one_rank[f"get_{kind}_parallel_rank"] = lambda *a, **k: 0
+        one_rank[f"get_{kind}_parallel_group"] = lambda *a, **k: None
+    return _module("megatron.core.mpu", **one_rank)
 
 
 def _identity_compile(fn: Any = None, **kwargs: Any) -> Any:
@@ -61,10 +66,9 @@ def _identity_compile(fn: Any = None, **kwargs: Any) -> Any:
 def import_loss(repo: Path) -> types.ModuleType:
     """slime's ``slime.backends.megatron_utils.loss`` from the checkout at ``repo``, with the stubs of the module
     docstring."""
-    megatron, core = types.ModuleType("megatron"), types.ModuleType("megatron.core")
-    core.mpu = _mpu()
-    megatron.core = core
-    sys.modules.update({"megatron": megatron, "megatron.core": core, "megatron.core.mpu": core.mpu})
+    mpu = _mpu()
+    core = _module("megatron.core", mpu=mpu)
+    sys.modules.update({"megatron": _module("megatron", core=core), "megatron.core": core, "megatron.core.mpu": mpu})
     common.use_checkout(repo, "slime")
     # The package without its __init__: its submodules are found in its directory of the checkout.
     package = types.ModuleType("slime.backends.megatron_utils")
