@@ -178,7 +178,8 @@ def error_name(exc: BaseException) -> str:
 # --------------------------------------------------------------------------------------------- compare
 
 
-def _close(got: float, want: float, tol: Tolerance) -> bool:
+def close(got: float, want: float, tol: Tolerance) -> bool:
+    """``|got - want| <= atol + rtol |want|`` for ``tol = (rtol, atol)``; NaN and +-inf must match exactly."""
     if math.isnan(want) or math.isinf(want):
         return (math.isnan(want) and math.isnan(got)) or got == want
     rtol, atol = tol
@@ -235,7 +236,7 @@ def diff_values(
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             return [f"{where}: got {got!r}, want {want!r}"]
         tol = tol_of(path)
-        if _close(float(got), float(want), tol):
+        if close(float(got), float(want), tol):
             return []
         return [f"{where}: got {got!r}, want {want!r} (rtol {tol[0]:g} atol {tol[1]:g})"]
     return [] if got == want else [f"{where}: got {got!r}, want {want!r}"]
