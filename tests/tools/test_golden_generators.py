@@ -1,6 +1,7 @@
-"""The golden-suite generators' shared machinery (tools/golden/common.py), without any host checkout: the comparison
-flags what the suite tolerances forbid and passes what they allow, the writer round-trips the case format, a
-regeneration carries every entry but ``expected`` over, and the import helpers stub and locate modules as documented.
+"""The golden-suite generators' shared machinery (tools/golden/common.py and checkout.py), without any host checkout:
+the comparison flags what the suite tolerances forbid and passes what they allow, the writer round-trips the case
+format, a regeneration carries every entry but ``expected`` over, and the import helpers stub and locate modules as
+documented.
 
 The regeneration itself needs the hosts' checkouts (docs/testing.md, "Refreshing the golden suites")."""
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.golden import common, ctpo, nemo_rl, slime, verl_rollout_corr
+from tools.golden import checkout, common, ctpo, nemo_rl, slime, verl_rollout_corr
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden"
 
@@ -175,7 +176,7 @@ def test_a_case_on_one_side_only_differs(tmp_path):
 def test_stubs_stand_in_only_for_the_named_missing_packages(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.setattr(sys, "modules", dict(sys.modules))
-    common.install_stubs(if_missing=["nemo_is_absent_pkg", "torch"])
+    checkout.install_stubs(if_missing=["nemo_is_absent_pkg", "torch"])
     import nemo_is_absent_pkg.sub as stub  # noqa: F401  (stubbed: not installed)
 
     class Model(stub.PreTrainedModel):  # usable as a base class
@@ -199,10 +200,10 @@ def test_use_checkout_imports_the_checkout_and_refuses_a_wrong_path(tmp_path, mo
     monkeypatch.setattr(sys, "modules", dict(sys.modules))
     (tmp_path / "fake_host").mkdir()
     (tmp_path / "fake_host" / "__init__.py").write_text(textwrap.dedent("VALUE = 3\n"))
-    module = common.use_checkout(tmp_path, "fake_host")
+    module = checkout.use_checkout(tmp_path, "fake_host")
     assert module.VALUE == 3 and Path(module.__file__).parent == tmp_path / "fake_host"
     with pytest.raises(SystemExit, match="no 'other_host/' package there"):
-        common.use_checkout(tmp_path, "other_host")
+        checkout.use_checkout(tmp_path, "other_host")
 
 
 def _fresh(tmp_path: Path, suite: str, redraw, count: int, seed: int) -> list[dict]:
@@ -300,15 +301,15 @@ def test_compare_command_passes_a_copy_and_fails_a_changed_one(tmp_path, capsys)
 def test_checkout_commit_reads_a_git_checkout_only(tmp_path):
     repo = tmp_path / "host"
     (repo / "pkg").mkdir(parents=True)
-    assert common.checkout_commit(repo) is None  # a plain source tree
+    assert checkout.checkout_commit(repo) is None  # a plain source tree
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git[:3], "init", "-q"], check=True)
     (repo / "pkg" / "__init__.py").write_text("")
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "x"], check=True)
     head = subprocess.run([*git[:3], "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    assert common.checkout_commit(repo) == head
-    assert common.checkout_commit(repo / "pkg") is None  # a folder inside a checkout is not one
+    assert checkout.checkout_commit(repo) == head
+    assert checkout.checkout_commit(repo / "pkg") is None  # a folder inside a checkout is not one
 
 
 # ---------------------------------------------------------------------------------------------------- slime

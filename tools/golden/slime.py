@@ -14,7 +14,7 @@ whose cases keep slime's outputs as top-level entries next to the stored call (s
 
 slime is not on the package registry: ``slime/backends/megatron_utils/loss.py`` is imported from the checkout with
 stubs for what a single CPU process does not need: megatron-core's ``mpu`` (one rank: no CP, TP or DP; numbers, not
-tools/golden/common.py's attribute stubs, since slime compares them), the package ``__init__`` of
+tools/golden/checkout.py's attribute stubs, since slime compares them), the package ``__init__`` of
 ``slime.backends.megatron_utils`` (Megatron patches and accelerator set-up; its ``loss`` and ``cp_utils`` submodules
 load from their files), and ``torch.compile`` (an identity while slime's modules import: the same math, eagerly).
 Nothing of slime is copied: its functions are called.
@@ -34,7 +34,7 @@ from unittest import mock
 
 import torch
 
-from tools.golden import common
+from tools.golden import checkout, common
 
 PARTS = ("policy", "tis")
 POLICY_OUTPUTS = ("loss", "metrics", "logits_grad")
@@ -69,7 +69,7 @@ def import_loss(repo: Path) -> types.ModuleType:
     mpu = _mpu()
     core = _module("megatron.core", mpu=mpu)
     sys.modules.update({"megatron": _module("megatron", core=core), "megatron.core": core, "megatron.core.mpu": mpu})
-    common.use_checkout(repo, "slime")
+    checkout.use_checkout(repo, "slime")
     # The package without its __init__: its submodules are found in its directory of the checkout.
     package = types.ModuleType("slime.backends.megatron_utils")
     package.__path__ = [str(repo.resolve() / "slime" / "backends" / "megatron_utils")]
