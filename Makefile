@@ -7,7 +7,7 @@ LOCK := requirements/ci.lock
 TORCH := 2.13.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 
-.PHONY: setup lint test demo bench evidence lock clean golden golden-usage golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo setup-stacks test-stacks lock-stacks
+.PHONY: setup lint test demo bench evidence lock clean golden golden-usage golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo setup-stacks test-stacks lock-stacks golden-slime
 
 # Every package at the exact version of $(LOCK), installed without resolution (--no-deps), then the project.
 $(STAMP): pyproject.toml $(LOCK)
@@ -46,15 +46,16 @@ evidence: setup
 # Regenerate a golden suite (tests/data/golden/<suite>) from a checkout of its host at the commit the suite's README
 # names, into $(GOLDEN_OUT)/<suite>, and compare it with the committed suite case by case within the README's
 # tolerances (exit 1 on a difference). docs/testing.md, "Refreshing the golden suites", says how to adopt a change.
-# `make golden NEMO_RL=... VERL=... CTPO=...` runs the targets whose checkout is given.
+# `make golden NEMO_RL=... VERL=... CTPO=... SLIME=...` runs the targets whose checkout is given.
 GOLDEN_OUT ?= runs/golden
 GOLDEN_RUN = $(PY) -m tools.golden.$(1) --repo $(2) --out $(GOLDEN_OUT)/$(1) --check
-GOLDEN_TARGETS := $(if $(NEMO_RL),golden-nemo-rl golden-nemo-rl-compat) $(if $(VERL),golden-verl) $(if $(CTPO),golden-ctpo)
+GOLDEN_TARGETS := $(if $(NEMO_RL),golden-nemo-rl golden-nemo-rl-compat) $(if $(VERL),golden-verl) $(if $(CTPO),golden-ctpo) \
+	$(if $(SLIME),golden-slime)
 
 golden: $(or $(strip $(GOLDEN_TARGETS)),golden-usage)
 
 golden-usage:
-	@echo "make golden: give at least one host checkout: NEMO_RL=<NVIDIA-NeMo/RL> VERL=<verl> CTPO=<horizon-llm/CTPO>"
+	@echo "make golden: give at least one host checkout: NEMO_RL=<NVIDIA-NeMo/RL> VERL=<verl> CTPO=<horizon-llm/CTPO> SLIME=<THUDM/slime>"
 	@exit 2
 
 golden-nemo-rl: setup
@@ -72,6 +73,10 @@ golden-verl: setup
 golden-ctpo: setup
 	$(if $(CTPO),,$(error set CTPO to a checkout of horizon-llm/CTPO))
 	$(call GOLDEN_RUN,ctpo,$(CTPO))
+
+golden-slime: setup
+	$(if $(SLIME),,$(error set SLIME to a checkout of THUDM/slime))
+	$(call GOLDEN_RUN,slime,$(SLIME))
 
 # Regenerate $(LOCK) after changing the dependencies in pyproject.toml: resolve the test environment in a scratch venv
 # and freeze it. verl is installed without its declared dependencies (they pin a CUDA torch and downgrade omegaconf),
