@@ -199,9 +199,20 @@ def compare_dirs(
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-def parse_args(suite: str, argv: Sequence[str] | None, doc: str | None) -> argparse.Namespace:
+def parse_args(suite: str, argv: Sequence[str] | None, doc: str | None, installed: bool = False) -> argparse.Namespace:
+    """The generator's options; ``installed``: the suite can also run the installed release (``--installed``) in place
+    of a checkout (``--repo``), one of the two required."""
     parser = argparse.ArgumentParser(prog=f"python -m tools.golden.{suite}", description=(doc or "").split("\n\n")[0])
-    parser.add_argument("--repo", type=Path, required=True, help="checkout of the reference repository")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--repo", type=Path, help="checkout of the reference repository")
+    if installed:
+        source.add_argument(
+            "--installed",
+            action="store_true",
+            help="import the reference from the installed package instead of a checkout (it must be the release the "
+            "suite records)",
+        )
+    parser.set_defaults(installed=False)
     parser.add_argument("--out", type=Path, required=True, help="directory the regenerated case files are written to")
     parser.add_argument(
         "--golden",
@@ -300,7 +311,9 @@ class Suite:
 
     name: str  # its directory under tests/data/golden
     repository: str  # the host, owner/name on GitHub
-    commit: str  # the host commit the committed suite records
+    # the host commit the committed suite records (40 hex digits), or for a suite written from a released package
+    # that names no commit, the release's tag (``v0.9.1``)
+    commit: str
     make_regenerate: Callable[[Path], Regenerate]  # imports the reference from a checkout, returns ``regenerate``
     tolerance: ToleranceFn
     redraw: Redraw
@@ -309,6 +322,9 @@ class Suite:
     outputs: str | None = "expected"
     # sub-directories holding the cases, each regenerated and compared on its own ("": the suite directory itself)
     parts: tuple[str, ...] = ("",)
+    # for a suite written from a released package: imports the installed package (``--installed``; it checks the
+    # version against ``commit``, then the release tag) and returns ``regenerate``; None: a checkout is needed
+    make_regenerate_installed: Callable[[], Regenerate] | None = None
 
 
 def compare_suite(suite: Suite, regenerated: Path, committed: Path, out: Callable[[str], None] = print) -> int:
@@ -324,13 +340,17 @@ def compare_suite(suite: Suite, regenerated: Path, committed: Path, out: Callabl
 
 def run(suite: Suite, argv: Sequence[str] | None = None, doc: str | None = None) -> int:
     """The command line of a generator (``python -m tools.golden.<name> --help``)."""
-    args = parse_args(suite.name, argv, doc)
-    head = checkout_commit(args.repo)
-    print(
-        f"{suite.name}: {suite.repository} from {args.repo} at {head or 'a commit git cannot tell (not a checkout)'}; "
-        f"the committed suite records {suite.commit}"
-    )
-    regenerate = suite.make_regenerate(args.repo)
+    args = parse_args(suite.name, argv, doc, installed=suite.make_regenerate_installed is not None)
+    if args.installed and suite.make_regenerate_installed is not None:
+        print(f"{suite.name}: {suite.repository} installed; the committed suite records {suite.commit}")
+        regenerate = suite.make_regenerate_installed()
+    else:
+        head = checkout_commit(args.repo)
+        print(
+            f"{suite.name}: {suite.repository} from {args.repo} at "
+            f"{head or 'a commit git cannot tell (not a checkout)'}; the committed suite records {suite.commit}"
+        )
+        regenerate = suite.make_regenerate(args.repo)
     for part in suite.parts:
         golden, out, name = args.golden / part, args.out / part, "/".join(filter(None, (suite.name, part)))
         if args.fresh is not None:
