@@ -11,12 +11,17 @@ A generator (``tools/golden/<suite>.py``) declares a :class:`Suite` and hands it
   (``path`` is the key path below ``expected``, e.g. ``("metrics", "kl")``); ``(0, 0)`` means exact.
 - ``redraw(case, generator, seed, name) -> case``: for ``--fresh``, new inputs on a committed case's config.
 
+A suite written from a released package rather than a checkout (verl_loss_modes: the installed verl 0.9.1) records the
+release tag as its ``commit`` and also declares ``make_regenerate_installed() -> regenerate``, which imports the
+installed package (``--installed`` in place of ``--repo``) after checking its version.
+
 A case keeps the reference's outputs under ``expected`` (or, for a suite whose ``outputs`` is None, as top-level entries
 next to its inputs), and a suite's cases are ``case_*.pt`` files in its directory (or in the sub-directories its
 ``parts`` name, each regenerated and compared on its own).
 
 Nothing here imports a reference: the generator does, after ``checkout.use_checkout`` has put the checkout first on
-``sys.path``, so the code at the suite's recorded commit is what runs (not a copy installed in the environment).
+``sys.path``, so the code at the suite's recorded commit is what runs (not a copy installed in the environment), or,
+with ``--installed``, from the installed release the suite records.
 """
 
 from __future__ import annotations
@@ -322,8 +327,9 @@ class Suite:
     outputs: str | None = "expected"
     # sub-directories holding the cases, each regenerated and compared on its own ("": the suite directory itself)
     parts: tuple[str, ...] = ("",)
-    # for a suite written from a released package: imports the installed package (``--installed``; it checks the
-    # version against ``commit``, then the release tag) and returns ``regenerate``; None: a checkout is needed
+    # for a suite written from a released package (``commit`` its release tag): imports the installed package for
+    # ``--installed``, refusing any other version than the recorded release, and returns ``regenerate``; None: the
+    # suite needs a checkout
     make_regenerate_installed: Callable[[], Regenerate] | None = None
 
 
