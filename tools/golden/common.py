@@ -11,12 +11,17 @@ A generator (``tools/golden/<suite>.py``) declares a :class:`Suite` and hands it
   (``path`` is the key path below ``expected``, e.g. ``("metrics", "kl")``); ``(0, 0)`` means exact.
 - ``redraw(case, generator, seed, name) -> case``: for ``--fresh``, new inputs on a committed case's config.
 
+A suite written from a released package rather than a checkout (verl_loss_modes: the installed verl 0.9.1) records the
+release tag as its ``commit`` and also declares ``make_regenerate_installed() -> regenerate``, which imports the
+installed package (``--installed`` in place of ``--repo``) after checking its version.
+
 A case keeps the reference's outputs under ``expected`` (or, for a suite whose ``outputs`` is None, as top-level entries
 next to its inputs), and a suite's cases are ``case_*.pt`` files in its directory (or in the sub-directories its
 ``parts`` name, each regenerated and compared on its own).
 
 Nothing here imports a reference: the generator does, after ``checkout.use_checkout`` has put the checkout first on
-``sys.path``, so the code at the suite's recorded commit is what runs (not a copy installed in the environment).
+``sys.path``, so the code at the suite's recorded commit is what runs (not a copy installed in the environment), or,
+with ``--installed``, from the installed release the suite records.
 """
 
 from __future__ import annotations
@@ -199,9 +204,20 @@ def compare_dirs(
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-def parse_args(suite: str, argv: Sequence[str] | None, doc: str | None) -> argparse.Namespace:
+def parse_args(suite: str, argv: Sequence[str] | None, doc: str | None, installed: bool = False) -> argparse.Namespace:
+    """The generator's options; ``installed``: the suite can also run the installed release (``--installed``) in place
+    of a checkout (``--repo``), one of the two required."""
     parser = argparse.ArgumentParser(prog=f"python -m tools.golden.{suite}", description=(doc or "").split("\n\n")[0])
-    parser.add_argument("--repo", type=Path, required=True, help="checkout of the reference repository")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--repo", type=Path, help="checkout of the reference repository")
+    if installed:
+        source.add_argument(
+            "--installed",
+            action="store_true",
+            help="import the reference from the installed package instead of a checkout (it must be the release the "
+            "suite records)",
+        )
+    parser.set_defaults(installed=False)
     parser.add_argument("--out", type=Path, required=True, help="directory the regenerated case files are written to")
     parser.add_argument(
         "--golden",
@@ -300,7 +316,9 @@ class Suite:
 
     name: str  # its directory under tests/data/golden
     repository: str  # the host, owner/name on GitHub
-    commit: str  # the host commit the committed suite records
+    # the host commit the committed suite records (40 hex digits), or for a suite written from a released package
+    # that names no commit, the release's tag (``v0.9.1``)
+    commit: str
     make_regenerate: Callable[[Path], Regenerate]  # imports the reference from a checkout, returns ``regenerate``
     tolerance: ToleranceFn
     redraw: Redraw
@@ -309,6 +327,10 @@ class Suite:
     outputs: str | None = "expected"
     # sub-directories holding the cases, each regenerated and compared on its own ("": the suite directory itself)
     parts: tuple[str, ...] = ("",)
+    # for a suite written from a released package (``commit`` its release tag): imports the installed package for
+    # ``--installed``, refusing any other version than the recorded release, and returns ``regenerate``; None: the
+    # suite needs a checkout
+    make_regenerate_installed: Callable[[], Regenerate] | None = None
 
 
 def compare_suite(suite: Suite, regenerated: Path, committed: Path, out: Callable[[str], None] = print) -> int:
@@ -324,13 +346,17 @@ def compare_suite(suite: Suite, regenerated: Path, committed: Path, out: Callabl
 
 def run(suite: Suite, argv: Sequence[str] | None = None, doc: str | None = None) -> int:
     """The command line of a generator (``python -m tools.golden.<name> --help``)."""
-    args = parse_args(suite.name, argv, doc)
-    head = checkout_commit(args.repo)
-    print(
-        f"{suite.name}: {suite.repository} from {args.repo} at {head or 'a commit git cannot tell (not a checkout)'}; "
-        f"the committed suite records {suite.commit}"
-    )
-    regenerate = suite.make_regenerate(args.repo)
+    args = parse_args(suite.name, argv, doc, installed=suite.make_regenerate_installed is not None)
+    if args.installed and suite.make_regenerate_installed is not None:
+        print(f"{suite.name}: {suite.repository} installed; the committed suite records {suite.commit}")
+        regenerate = suite.make_regenerate_installed()
+    else:
+        head = checkout_commit(args.repo)
+        print(
+            f"{suite.name}: {suite.repository} from {args.repo} at "
+            f"{head or 'a commit git cannot tell (not a checkout)'}; the committed suite records {suite.commit}"
+        )
+        regenerate = suite.make_regenerate(args.repo)
     for part in suite.parts:
         golden, out, name = args.golden / part, args.out / part, "/".join(filter(None, (suite.name, part)))
         if args.fresh is not None:

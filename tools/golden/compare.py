@@ -14,11 +14,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tools.golden import common, ctpo, nemo_rl, nemo_rl_compat, slime, verl_rollout_corr
+from tools.golden import common, ctpo, nemo_rl, nemo_rl_compat, slime, verl_loss_modes, verl_rollout_corr
 
 SUITES = {
     suite.name: suite
-    for suite in (nemo_rl.SUITE, nemo_rl_compat.SUITE, ctpo.SUITE, verl_rollout_corr.SUITE, slime.SUITE)
+    for suite in (
+        nemo_rl.SUITE,
+        nemo_rl_compat.SUITE,
+        ctpo.SUITE,
+        verl_rollout_corr.SUITE,
+        verl_loss_modes.SUITE,
+        slime.SUITE,
+    )
 }
 
 
