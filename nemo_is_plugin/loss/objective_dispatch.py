@@ -79,6 +79,12 @@ def objective_surrogate(
         trust = probability_difference_mask(curr.detach(), anchor, advantages, threshold=cfg.prob_diff_threshold)
         return ObjectiveOut(masked_ratio_surrogate(token_log_ratio(curr, anchor, clamp), advantages, trust))
     if objective == "cppo":
+        if not layout.holds_whole_sequences:  # the same answer on every rank, before any collective
+            raise ValueError(
+                "policy_objective='cppo' needs each sequence's 0.9-quantile of |p - q|, hence whole sequences; this "
+                "layout splits them across context-parallel ranks: run CPPO without context parallelism, or use "
+                "dppo_tv (the per-token Binary-TV mask)"
+            )
         budget = cppo_mask(
             curr.detach(),
             anchor,

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from nemo_is_plugin.distributed.context_parallel import cp_layout
 from nemo_is_plugin.distributed.cp_sharding import CP_ORDERS, shard_packed, shard_padded
+from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives import gmpo_surrogate
 from nemo_is_plugin.loss.prefix_budget import BUDGET_QUANTILE, cppo_mask, sequence_quantile
@@ -95,6 +96,14 @@ def check_cppo(rank: int, world: int) -> None:
                 assert "context-parallel" in str(e)
             else:
                 raise AssertionError("a CP shard without the gathered quantile must be refused")
+            # the loss config's CPPO refuses a CP shard, naming the objective and the fix
+            inputs = LossInputs(lc, la, la, None, lA, lm, torch.ones(lay.num_seqs, dtype=lc.dtype), 1.0, 1.0)
+            try:
+                ClippedPGLoss({"policy_objective": "cppo", "reference_policy_kl_penalty": 0.0}).compute(inputs, llay)
+            except ValueError as e:
+                assert "policy_objective='cppo'" in str(e) and "without context parallelism" in str(e)
+            else:
+                raise AssertionError("ClippedPGLoss with CPPO must refuse a CP shard")
 
 
 CHECKS = [("gmpo", check_gmpo), ("cppo", check_cppo)]
