@@ -94,10 +94,11 @@ def test_plugin_composition_equals_verl(mode, agg, seed):
         assert math.isclose(our_metrics[name], float(value), rel_tol=1e-5, abs_tol=1e-7), name
 
 
+@pytest.mark.parametrize("with_weights", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("agg", AGGREGATIONS)
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_verl_adapter_with_loss_mode_equals_verl(mode, agg, seed):
+def test_verl_adapter_with_loss_mode_equals_verl(mode, agg, seed, with_weights):
     """The registered plugin loss, told verl's mode by ``policy_loss.nemo_is.loss_mode`` and reading verl's own
     ActorConfig, against verl's ``get_policy_loss_fn(mode)`` on the same config."""
     from nemo_is_plugin.adapters.verl import VerlPolicyLoss
@@ -124,6 +125,9 @@ def test_verl_adapter_with_loss_mode_equals_verl(mode, agg, seed):
         loss_agg_mode=agg,
         config=cfg,
     )
+    if with_weights:  # verl's rollout IS weights (verl owns the correction): they multiply each mode's loss as verl's
+        g = torch.Generator().manual_seed(50 + seed)
+        args["rollout_is_weights"] = 0.5 + torch.rand(inputs["log_prob"].shape, generator=g)
     if mode == "cispo" and not agg.startswith("token"):
         with pytest.raises(VerlConfigError, match="CISPO is token-level"):
             VerlPolicyLoss()(log_prob=inputs["log_prob"], **args)
