@@ -115,13 +115,19 @@ def report_objective(book: MetricBook, out: ObjectiveOut, sample_mask: torch.Ten
     """The objective's own metrics beside the clip fractions every surrogate reports (``clip_fraction_high`` /
     ``_low``: tokens dropped with A > 0 / A <= 0). CPPO: ``cppo_budget_bound_fraction`` (valid tokens dropped by the
     budget alone, per token), ``cppo_budget_exhausted_seq_fraction`` (sequences whose budget ran out somewhere) and
-    ``cppo_budget_rate_mean`` (the mean budget rate b), both per sequence."""
+    ``cppo_budget_rate_mean`` (the mean budget rate b) and ``cppo_budget_exhausted_position_fraction`` (the fraction
+    of a sequence's tokens before its budget runs out, 1 where it never does), per sequence."""
     budget = out.budget
     if budget is None:
         return
+    exhausted = torch.isfinite(budget.first_exhausted)
     book.token_mean("cppo_budget_bound_fraction", budget.budget_bound.double())
-    book.seq_mean("cppo_budget_exhausted_seq_fraction", torch.isfinite(budget.first_exhausted).double(), sample_mask)
+    book.seq_mean("cppo_budget_exhausted_seq_fraction", exhausted.double(), sample_mask)
     book.seq_mean("cppo_budget_rate_mean", budget.rate.double(), sample_mask)
+    # where the budget runs out: the fraction of the sequence's tokens before it (1 when it never does)
+    n = book.layout.seq_sum((book.valid != 0).double()).clamp_min(1.0)
+    before = torch.where(exhausted, (budget.first_exhausted.double() - 1.0) / n, torch.ones_like(n))
+    book.seq_mean("cppo_budget_exhausted_position_fraction", before, sample_mask)
 
 
 __all__ = [

@@ -273,6 +273,12 @@ def test_cppo_reports_its_budget():
     assert 0 < exhausted  # the budget binds somewhere in this batch
     rate = (budget.rate * sm).sum().item() / sm.sum().item()
     assert metrics["cppo_budget_rate_mean"] == pytest.approx(rate, rel=1e-8)
+    n = valid.sum(-1).clamp_min(1)
+    first = budget.first_exhausted
+    before = torch.where(torch.isfinite(first), (first - 1) / n, torch.ones_like(n))
+    position = (before * sm).sum().item() / sm.sum().item()
+    assert metrics["cppo_budget_exhausted_position_fraction"] == pytest.approx(position, rel=1e-8)
+    assert 0 < position < 1
     assert "cppo_budget_rate_mean" not in _loss_and_grad({**OBJECTIVES["sapo"]}, inputs, layout)[2]
 
 
