@@ -26,7 +26,13 @@ from nemo_is_plugin.loss.objectives import (
     masked_ratio_surrogate,
     sapo_surrogate,
 )
-from nemo_is_plugin.loss.prefix_budget import PrefixBudgetMask, cppo_mask
+from nemo_is_plugin.loss.prefix_budget import (
+    BUDGET_QUANTILE,
+    PrefixBudgetMask,
+    cppo_divergence,
+    cppo_mask,
+    sequence_quantile,
+)
 from nemo_is_plugin.loss.ratios import token_log_ratio
 from nemo_is_plugin.loss.surrogate import SurrogateOut
 from nemo_is_plugin.loss.trust_masks import binary_kl_mask, binary_tv_mask, probability_difference_mask
@@ -79,12 +85,11 @@ def objective_surrogate(
         trust = probability_difference_mask(curr.detach(), anchor, advantages, threshold=cfg.prob_diff_threshold)
         return ObjectiveOut(masked_ratio_surrogate(token_log_ratio(curr, anchor, clamp), advantages, trust))
     if objective == "cppo":
-        if not layout.holds_whole_sequences:  # the same answer on every rank, before any collective
-            raise ValueError(
-                "policy_objective='cppo' needs each sequence's 0.9-quantile of |p - q|, hence whole sequences; this "
-                "layout splits them across context-parallel ranks: run CPPO without context parallelism, or use "
-                "dppo_tv (the per-token Binary-TV mask)"
-            )
+        quantile = None
+        if not layout.holds_whole_sequences:  # a CP shard: the quantile from the sequences gathered over the group
+            divergence, whole = layout.gather_sequences(cppo_divergence(curr.detach(), anchor))
+            mask, _ = layout.gather_sequences(token_mask)
+            quantile = sequence_quantile(divergence, mask, whole, BUDGET_QUANTILE)
         budget = cppo_mask(
             curr.detach(),
             anchor,
@@ -94,6 +99,7 @@ def objective_surrogate(
             delta=cfg.cppo_delta,
             w_min=cfg.cppo_w_min,
             delta_b=cfg.cppo_delta_b,
+            quantile=quantile,
         )
         sur = masked_ratio_surrogate(token_log_ratio(curr, anchor, clamp), advantages, budget.mask)
         return ObjectiveOut(sur, budget)
