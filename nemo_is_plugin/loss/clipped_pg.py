@@ -2,7 +2,8 @@
 
     loss = aggregate( w_t * surrogate(r_t, A_t) )  +  beta * aggregate( KL_t )  +  mu * NLL(positive samples)
 
-r_t: policy ratio at ``ratio_level`` (ratios.py), clipped in ratio or log space (surrogate.py);
+r_t: policy ratio at ``ratio_level`` (ratios.py), clipped in ratio or log space (surrogate.py), or instead of PPO's
+clip the ``policy_objective``'s trust mask / gate / sequence objective (objective_dispatch.py, docs/objectives.md);
 w_t: IS correction at ``is_correction_level`` with truncation / masking / rejection (correction.py);
 KL_t: k1/k2/k3 to the reference policy (kl.py), on NeMo-RL's unfiltered current log-probs when the batch holds
 ``curr_logprobs_unfiltered`` (top-k / top-p training); aggregate: token or sequence means over global counts

@@ -17,6 +17,10 @@ log-probs of the earlier tokens of t's sequence only. When the chunks visit ever
 carried from chunk to chunk gives the same value, so they take the single pass too. ``sequence`` and
 ``sequence_token`` ratios need the whole sequence first (two passes).
 
+The ``policy_objective`` surrogates whose per-token loss reads only its own token (DPPO's masks, prob_diff, SAPO,
+GPG, DRO: ``objective_dispatch``) are token-separable too; GMPO (a sequence mean) and CPPO (a prefix budget and a
+per-sequence quantile) are not, and take the two passes.
+
 ``dL/dc_t`` itself is autograd over the loss's own per-token functions (``ClippedPGLoss.surrogate`` /
 ``clipped_surrogate`` and ``kl_tokens``, i.e. surrogate.py and kl.py) on a detached ``[n]`` leaf of the chunk's
 log-probs: one source of truth for every formula, and at a kink (a tie of min / max / clamp) the gradient is whatever
