@@ -348,3 +348,14 @@ def test_default_objective_is_ppo_clip_and_dumps_reload():
     for cfg in OBJECTIVES.values():
         built = ClippedPGLossConfig(**cfg)
         assert ClippedPGLossConfig(**built.model_dump()) == built
+
+
+def test_effective_settings_spell_out_the_objective():
+    from nemo_is_plugin.config.effective import effective_settings
+
+    for name, cfg in OBJECTIVES.items():
+        said = effective_settings(ClippedPGLossConfig(**cfg))
+        assert said["ratio clip"].startswith(f"{name}:"), said["ratio clip"]
+    dppo = effective_settings(ClippedPGLossConfig(**OBJECTIVES["dppo_tv"]))["ratio clip"]
+    assert "0.08 (A > 0)" in dppo and "0.05 (A <= 0)" in dppo and "min(r, 1.3)" in dppo
+    assert effective_settings(ClippedPGLossConfig())["ratio clip"] == "ratio space [0.8, 1.2], no dual clip"
