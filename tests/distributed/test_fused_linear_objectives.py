@@ -14,38 +14,11 @@ import nemo_is_plugin.distributed.fused_linear as fused_linear_module
 import nemo_is_plugin.distributed.fused_linear_loss as fused_loss_module
 from nemo_is_plugin.bench.paths import naive_logprobs
 
+from ._fused_cases import LOCAL_OBJECTIVES as LOCAL
+from ._fused_cases import SEQUENCE_OBJECTIVES as SEQUENCE
 from ._fused_cases import assert_parity, forbid, fused, run
+from ._fused_cases import objective_config as config
 from ._fused_cases import pg_problem as problem
-
-IS_TIS = dict(
-    use_importance_sampling_correction=True,
-    is_correction_level="token",
-    truncated_importance_sampling_type="tis",
-    truncated_importance_sampling_ratio=1.05,
-)
-# thresholds small enough that every trust region drops tokens on this problem (test_trust_regions_bite)
-OBJECTIVES = {
-    "dppo_tv": dict(policy_objective="dppo_tv", dppo_delta_low=2e-5, dppo_delta_high=1e-5, dppo_ratio_cap=1.02),
-    "dppo_kl": dict(policy_objective="dppo_kl", dppo_delta_low=1e-9, dppo_delta_high=2e-9),
-    "prob_diff": dict(policy_objective="prob_diff", prob_diff_threshold=5e-4),
-    "sapo": dict(policy_objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05),
-    "gpg": dict(policy_objective="gpg"),
-    "dro": dict(policy_objective="dro", dro_beta=0.5),
-    "gmpo": dict(
-        policy_objective="gmpo",
-        gmpo_clip_low=0.01,
-        gmpo_clip_high=0.01,
-        loss_aggregation="seq-mean-token-mean",
-        **{**IS_TIS, "is_correction_level": "sequence_mean"},
-    ),
-    "cppo": dict(policy_objective="cppo", cppo_delta=1e-6, cppo_w_min=0.8, cppo_delta_b=2e-7),
-}
-LOCAL = ("dppo_tv", "dppo_kl", "prob_diff", "sapo", "gpg", "dro")
-SEQUENCE = ("gmpo", "cppo")
-
-
-def config(name: str) -> dict:
-    return {**IS_TIS, "reference_policy_kl_penalty": 0.05, **OBJECTIVES[name]}
 
 
 @pytest.mark.parametrize("single_pass", [None, True])
