@@ -57,6 +57,7 @@ from nemo_is_plugin.adapters.normalizers import renormalize
 from nemo_is_plugin.adapters.verl_config import (
     VERL_AGG_MODES,
     VERL_LOG_RATIO_CLAMP,
+    VerlConfigError,
     _get,
     actor_keys,
     plugin_section_keys,
@@ -121,7 +122,7 @@ def verl_config(
     user = dict(user)
     loss_mode = user.pop("loss_mode", "vanilla")
     if loss_mode != "vanilla" and "policy_objective" in user:
-        raise ValueError(
+        raise VerlConfigError(
             f"the plugin section sets both loss_mode={loss_mode!r} (verl's vocabulary) and policy_objective="
             f"{user['policy_objective']!r} (the plugin's): keep one"
         )
