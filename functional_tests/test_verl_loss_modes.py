@@ -92,3 +92,54 @@ def test_plugin_composition_equals_verl(mode, agg, seed):
     assert set(our_metrics) == set(metrics)
     for name, value in metrics.items():
         assert math.isclose(our_metrics[name], float(value), rel_tol=1e-5, abs_tol=1e-7), name
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_verl_adapter_with_loss_mode_equals_verl(mode, agg, seed, with_weights):
+    """The registered plugin loss, told verl's mode by ``policy_loss.nemo_is.loss_mode`` and reading verl's own
+    ActorConfig, against verl's ``get_policy_loss_fn(mode)`` on the same config."""
+    from nemo_is_plugin.adapters.verl import VerlPolicyLoss
+    from nemo_is_plugin.adapters.verl_config import VerlConfigError
+    from nemo_is_plugin.adapters.verl_hydra import PolicyLossConfig as PluginPolicyLossConfig
+    from nemo_is_plugin.adapters.verl_loss_modes import FORCED_AGGREGATION
+
+    agg = FORCED_AGGREGATION.get(mode, agg)  # verl forces it; the adapter refuses any other (tests/adapters)
+    fields = dict(MODES[mode])
+    policy = PluginPolicyLossConfig(dro_beta=fields.pop("dro_beta", None), nemo_is={"loss_mode": mode})
+    cfg = ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size_per_gpu=1,
+        policy_loss=policy,
+        **fields,
+    )
+    inputs = _batch(seed, empty_row=mode != "geo_mean")
+    args = dict(
+        old_log_prob=inputs["old_log_prob"],
+        advantages=inputs["advantages"],
+        response_mask=inputs["response_mask"],
+        loss_agg_mode=agg,
+        config=cfg,
+    )
+    if with_weights:  # verl's rollout IS weights (verl owns the correction): they multiply each mode's loss as verl's
+        g = torch.Generator().manual_seed(50 + seed)
+        args["rollout_is_weights"] = 0.5 + torch.rand(inputs["log_prob"].shape, generator=g)
+    if mode == "cispo" and not agg.startswith("token"):
+        with pytest.raises(VerlConfigError, match="CISPO is token-level"):
+            VerlPolicyLoss()(log_prob=inputs["log_prob"], **args)
+        return
+    results = []
+    for fn in (core_algos.get_policy_loss_fn(mode), VerlPolicyLoss()):
+        log_prob = inputs["log_prob"].clone().requires_grad_(True)
+        loss, metrics = fn(log_prob=log_prob, **args)
+        (grad,) = torch.autograd.grad(loss, log_prob)
+        results.append((loss.detach(), grad, metrics))
+    (theirs, their_grad, their_metrics), (ours, our_grad, our_metrics) = results
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(our_grad, their_grad, rtol=1e-5, atol=1e-7)
+    for name, value in their_metrics.items():
+        assert math.isclose(float(our_metrics[name]), float(value), rel_tol=1e-5, abs_tol=1e-7), name

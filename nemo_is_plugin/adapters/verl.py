@@ -57,10 +57,12 @@ from nemo_is_plugin.adapters.normalizers import renormalize
 from nemo_is_plugin.adapters.verl_config import (
     VERL_AGG_MODES,
     VERL_LOG_RATIO_CLAMP,
+    VerlConfigError,
     _get,
     actor_keys,
     plugin_section_keys,
 )
+from nemo_is_plugin.adapters.verl_loss_modes import PPO_CLIP_KEYS, VERL_CLIPFRAC_METRICS
 from nemo_is_plugin.adapters.verl_metrics import rollout_corr_metrics, verl_statistics
 from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
 
@@ -117,9 +119,19 @@ def verl_config(
     ``weights_only``: verl's weights multiply the loss (plugin IS off), so IS is switched on at token level with no
     truncation, which makes the plugin's weight exactly verl's.
     """
-    base = actor_keys(actor, loss_agg_mode)
+    user = dict(user)
+    loss_mode = user.pop("loss_mode", "vanilla")
+    if loss_mode != "vanilla" and "policy_objective" in user:
+        raise VerlConfigError(
+            f"the plugin section sets both loss_mode={loss_mode!r} (verl's vocabulary) and policy_objective="
+            f"{user['policy_objective']!r} (the plugin's): keep one"
+        )
+    base = actor_keys(actor, loss_agg_mode, loss_mode)
     if {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user) or user.get("use_cispo"):
-        base.pop("ratio_clip_c")
+        base.pop("ratio_clip_c", None)
+    if user.get("policy_objective", "ppo_clip") != "ppo_clip":  # the objective replaces verl's PPO clip
+        for key in PPO_CLIP_KEYS:
+            base.pop(key, None)
     if {"loss_aggregation", "token_level_loss"} & set(user):
         base.pop("loss_aggregation")
         base.pop("token_level_loss")
@@ -127,8 +139,9 @@ def verl_config(
     agg = merged.get("loss_aggregation") or ("token-mean" if merged.get("token_level_loss", True) else None)
     if agg == "seq-mean-token-sum-norm" and merged.get("loss_aggregation_norm") is None:
         merged["loss_aggregation_norm"] = float(_get(actor, "loss_scale_factor", horizon))
-    if weights_only:
-        merged.update(use_importance_sampling_correction=True, is_correction_level="token")
+    if weights_only:  # verl's geo_mean applies its weights per sequence, as their geometric mean
+        level = "sequence_mean" if merged.get("policy_objective") == "gmpo" else "token"
+        merged.update(use_importance_sampling_correction=True, is_correction_level=level)
     cfg = ClippedPGLossConfig(**merged)
     if cfg.effective_kl_penalty != 0:
         raise ValueError(
@@ -255,6 +268,9 @@ class VerlPolicyLoss:
             _get(actor, "clip_ratio_high"),
             _get(actor, "clip_ratio_c"),
             _get(actor, "loss_scale_factor"),
+            _get(actor, "tau_pos"),
+            _get(actor, "tau_neg"),
+            _get(_get(actor, "policy_loss"), "dro_beta"),
             _frozen(keys),
         )
         if key not in self._losses:
@@ -328,22 +344,25 @@ class VerlPolicyLoss:
             # verl's token-sum is the local sum times dp_size (DP averages gradients); the plugin's is the local sum
             loss = loss * int(dict(_get(config, "global_batch_info", {}) or {}).get("dp_size") or 1)
         local = renormalize(metrics, tokens=(n_tok, local_toks), seqs=(n_seq, local_seqs))
+        clipfrac, lower = VERL_CLIPFRAC_METRICS.get(
+            loss_fn.config.policy_objective, ("clip_fraction", "clip_fraction_dual")
+        )
         if self._tuple is None:
             self._tuple = _returns_tuple()
         if self._tuple:
             as_tensor = lambda v: torch.tensor(v, device=log_prob.device)  # noqa: E731
             return (
                 loss,
-                as_tensor(local.get("clip_fraction", 0.0)),
+                as_tensor(local.get(clipfrac, 0.0)),
                 as_tensor(ppo_kl),
-                as_tensor(local.get("clip_fraction_dual", 0.0)),
+                as_tensor(local.get(lower, 0.0)),
             )
         out = {f"{METRIC_PREFIX}{k}": v for k, v in local.items()}
         out.update(
             {
-                "actor/pg_clipfrac": local.get("clip_fraction", 0.0),
+                "actor/pg_clipfrac": local.get(clipfrac, 0.0),
                 "actor/ppo_kl": ppo_kl,
-                "actor/pg_clipfrac_lower": local.get("clip_fraction_dual", 0.0),
+                "actor/pg_clipfrac_lower": local.get(lower, 0.0),
             }
         )
         if owns:  # the plugin measured the true mismatch: verl's rollout_corr/ names where the quantity is the same

@@ -4,7 +4,8 @@ Three verl sources map onto :class:`~nemo_is_plugin.config.ClippedPGLossConfig` 
 
 - ``algorithm.rollout_correction`` (verl 0.9.1's ``RolloutCorrectionConfig``): :func:`rollout_correction_keys`;
 - its presets (the ``RolloutCorrectionConfig`` classmethods, with verl's keyword arguments): :func:`preset_settings`;
-- ``actor_rollout_ref.actor`` / ``.policy_loss`` (clip ratios, ``loss_agg_mode``, ...): :func:`actor_keys`.
+- ``actor_rollout_ref.actor`` / ``.policy_loss`` (clip ratios, ``loss_agg_mode``, ...): :func:`actor_keys`, for the
+  verl ``loss_mode`` the plugin section names (:mod:`~nemo_is_plugin.adapters.verl_loss_modes`).
 
 Every verl key is either mapped or refused with a :class:`VerlConfigError` that says why; keys verl itself ignores in
 the given setting (``rollout_is_batch_normalize`` without ``rollout_is``, ``loss_type`` outside bypass mode) are
@@ -19,6 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from nemo_is_plugin.adapters.verl_loss_modes import MODE_READS, check_loss_mode, loss_mode_keys
 from nemo_is_plugin.config import ConfigError, ConfigTypeError, verl_rejection_rule
 
 VERL_LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp in every ratio loss
@@ -300,12 +302,13 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _refuse_other_losses(actor: Any) -> None:
+def _refuse_other_losses(actor: Any, loss_mode: str = "vanilla") -> None:
     policy_loss = _get(actor, "policy_loss")
+    read = MODE_READS.get(loss_mode, ())
     for table, where in ((OTHER_LOSS_KEYS, policy_loss), (OTHER_ACTOR_KEYS, actor)):
         for key, (default, loss) in table.items():
             value = _get(where, key)
-            if value is not None and value != default:
+            if key not in read and value is not None and value != default:
                 raise VerlConfigError(
                     f"{key}={value} configures verl's {loss!r} loss, which the plugin's loss_mode "
                     f"replaces: unset it (default {default})"
@@ -326,23 +329,21 @@ def _changed(rc: Any) -> bool:
     return changed or bool(set(items) - set(dataclass_defaults))
 
 
-def actor_keys(actor: Any, loss_agg_mode: str) -> dict[str, Any]:
-    """verl's actor settings as plugin keys: the defaults under which the plugin's loss is verl's ``vanilla``
-    (``loss_scale_factor``, the divisor of ``seq-mean-token-sum-norm``, is added once the aggregation is known)."""
+def actor_keys(actor: Any, loss_agg_mode: str, loss_mode: str = "vanilla") -> dict[str, Any]:
+    """verl's actor settings as plugin keys: the defaults under which the plugin's loss is verl's ``loss_mode``
+    (``vanilla`` unless the plugin section names another: :mod:`~nemo_is_plugin.adapters.verl_loss_modes`;
+    ``loss_scale_factor``, the divisor of ``seq-mean-token-sum-norm``, is added once the aggregation is known)."""
     if loss_agg_mode not in VERL_AGG_MODES:
         raise VerlConfigError(f"loss_agg_mode={loss_agg_mode!r} is not one of verl's: {', '.join(VERL_AGG_MODES)}")
-    _refuse_other_losses(actor)
-    clip = _get(actor, "clip_ratio", 0.2)
+    check_loss_mode(loss_mode, loss_agg_mode)
+    _refuse_other_losses(actor, loss_mode)
     keys: dict[str, Any] = {
-        "ratio_clip_min": _get(actor, "clip_ratio_low", clip),
-        "ratio_clip_max": _get(actor, "clip_ratio_high", clip),
-        "ratio_clip_c": _get(actor, "clip_ratio_c", 3.0),
         "token_log_ratio_clamp": VERL_LOG_RATIO_CLAMP,
         "reference_policy_kl_penalty": 0.0,  # verl adds its KL loss (use_kl_loss / kl_loss_coef) itself
         "loss_aggregation": loss_agg_mode,
         "token_level_loss": loss_agg_mode in ("token-mean", "token-sum"),
     }
-    return keys
+    return {**keys, **loss_mode_keys(actor, loss_mode)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

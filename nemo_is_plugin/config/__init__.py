@@ -18,6 +18,7 @@ from nemo_is_plugin.config.errors import (
 from nemo_is_plugin.config.field_types import KLType, NumericRange
 from nemo_is_plugin.config.keys import (
     NUMERIC_RANGES,
+    OTHER_OBJECTIVES,
     REJECTION_TYPES,
     SEQUENCE_MASK_TYPES,
     TOKEN_AGGREGATIONS,
@@ -25,6 +26,7 @@ from nemo_is_plugin.config.keys import (
     KLGradient,
     LossAggregation,
     OldPolicyLogprobs,
+    PolicyObjective,
     RatioLevel,
     RejectionType,
     TruncationType,
@@ -48,7 +50,9 @@ from nemo_is_plugin.config.unknown_keys import (
 
 __all__ = [
     "NUMERIC_RANGES",
+    "OTHER_OBJECTIVES",
     "REJECTION_LOG_RATIO_CLAMP",
+    "PolicyObjective",
     "REJECTION_TYPES",
     "SEQUENCE_MASK_TYPES",
     "STRICT_KEYS_ENV",

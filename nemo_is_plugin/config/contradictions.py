@@ -10,7 +10,14 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-from nemo_is_plugin.config.keys import REJECTION_TYPES, SEQUENCE_MASK_TYPES, TOKEN_AGGREGATIONS
+from nemo_is_plugin.config.keys import (
+    OTHER_OBJECTIVES,
+    REJECTION_TYPES,
+    SEQUENCE_MASK_TYPES,
+    TOKEN_AGGREGATIONS,
+    TOKEN_RATIO_OBJECTIVES,
+    LossKeys,
+)
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
@@ -121,6 +128,7 @@ def contradictions(cfg: ClippedPGLossConfig) -> list[str]:
 
     out.extend(_rejection_contradictions(cfg))
     out.extend(_rule_contradictions(cfg))
+    out.extend(_objective_contradictions(cfg))
     needs_is = cfg.importance_sampling_batch_normalize or cfg.is_correction_level is not None
     rejects = tis in REJECTION_TYPES or bool(cfg.rejection_rules)
     if needs_is and not cfg.use_importance_sampling_correction and not rejects:
@@ -172,4 +180,94 @@ def _rule_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
         out.append(f"two rejection rules on {name}{shorthand}: merge their bounds into one rule")
     if cfg.bypasses_prev and cfg.force_on_policy_ratio:
         out.append("old_policy_logprobs='generation' and force_on_policy_ratio=true both choose pi_old; keep one")
+    return out
+
+
+# Each objective's own keys (docs/objectives.md); a key set away from its default for another objective is unread.
+OBJECTIVE_KEYS: dict[str, tuple[str, ...]] = {
+    "dppo_delta_low": ("dppo_tv", "dppo_kl"),
+    "dppo_delta_high": ("dppo_tv", "dppo_kl"),
+    "dppo_ratio_cap": ("dppo_tv", "dppo_kl"),
+    "prob_diff_threshold": ("prob_diff",),
+    "cppo_delta": ("cppo",),
+    "cppo_w_min": ("cppo",),
+    "cppo_delta_b": ("cppo",),
+    "sapo_tau_pos": ("sapo",),
+    "sapo_tau_neg": ("sapo",),
+    "gmpo_clip_low": ("gmpo",),
+    "gmpo_clip_high": ("gmpo",),
+    "dro_beta": ("dro",),
+}
+REQUIRED_OBJECTIVE_KEYS: dict[str, tuple[str, ...]] = {
+    "dppo_tv": ("dppo_delta_low", "dppo_delta_high"),
+    "dppo_kl": ("dppo_delta_low", "dppo_delta_high"),
+    "gmpo": ("gmpo_clip_low", "gmpo_clip_high"),
+    "dro": ("dro_beta",),
+}
+# PPO's clip keys, which every other objective replaces by its own trust region or gate.
+PPO_CLIP_KEYS = (
+    "ratio_clip_min",
+    "ratio_clip_max",
+    "ratio_clip_c",
+    "log_ratio_clip_low",
+    "log_ratio_clip_high",
+    "log_ratio_clip_c",
+    "clip_position_power",
+    "max_log_ratio",
+)
+# Switches that choose another ratio than the objective's own.
+RATIO_SWITCHES = ("use_cispo", "disable_ppo_ratio", "force_on_policy_ratio", "sequence_level_importance_ratios")
+
+
+def _objective_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
+    out = []
+    objective = cfg.policy_objective
+    defaults = LossKeys.model_fields
+    for key, readers in OBJECTIVE_KEYS.items():
+        if objective not in readers and getattr(cfg, key) != defaults[key].default:
+            out.append(f"{key} is read by policy_objective {' / '.join(readers)} only, not {objective!r}: unset it")
+    if objective not in OTHER_OBJECTIVES:
+        return out
+    for key in REQUIRED_OBJECTIVE_KEYS.get(objective, ()):
+        if getattr(cfg, key) is None:
+            out.append(f"policy_objective={objective!r} needs {key} (see docs/objectives.md)")
+    for key in PPO_CLIP_KEYS:
+        if getattr(cfg, key) != defaults[key].default:
+            out.append(
+                f"{key} configures PPO's ratio clip, which policy_objective={objective!r} replaces with its own trust "
+                f"region: unset {key} (or use policy_objective: ppo_clip)"
+            )
+    for key in RATIO_SWITCHES:
+        if getattr(cfg, key):
+            out.append(f"{key}=true chooses another policy ratio than policy_objective={objective!r}'s: set it false")
+    if cfg.ratio_level is not None and (objective not in TOKEN_RATIO_OBJECTIVES or cfg.ratio_level != "token"):
+        own = "its own per-sequence geometric mean" if objective == "gmpo" else "no policy ratio"
+        if objective in TOKEN_RATIO_OBJECTIVES:
+            own = "the token ratio (its mask or gate is per token probability)"
+        out.append(f"policy_objective={objective!r} uses {own}: unset ratio_level={cfg.ratio_level!r}")
+    if objective == "gmpo":
+        out.extend(_gmpo_contradictions(cfg))
+    return out
+
+
+def _gmpo_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
+    """GMPO's loss is one value per sequence: only a per-sequence mean and per-sequence IS weights keep it one."""
+    out = []
+    if cfg.effective_loss_aggregation != "seq-mean-token-mean":
+        out.append(
+            f"policy_objective='gmpo' is a per-sequence loss averaged over sequences; loss_aggregation="
+            f"{cfg.effective_loss_aggregation!r} would weight sequences by their length: set loss_aggregation: "
+            "seq-mean-token-mean"
+        )
+    if cfg.use_importance_sampling_correction and cfg.effective_is_level != "sequence_mean":
+        out.append(
+            f"policy_objective='gmpo' needs one IS weight per sequence, the geometric mean (as verl's geo_mean): "
+            f"set is_correction_level: sequence_mean (got {cfg.effective_is_level!r})"
+        )
+    token_rules = [rule.name for rule in cfg.rejection_rules if rule.aggregation == "token"]
+    if token_rules:
+        out.append(
+            "policy_objective='gmpo' rejects whole sequences only: a token rejection rule would scale the sequence's "
+            f"loss by its kept fraction; use a sequence rule instead of {', '.join(token_rules)}"
+        )
     return out

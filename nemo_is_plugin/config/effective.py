@@ -16,7 +16,33 @@ def _g(x: float | None) -> str:
     return "null" if x is None else f"{x:g}"
 
 
+def _objective(cfg: ClippedPGLossConfig) -> str:
+    """The trust region of a ``policy_objective`` other than ``ppo_clip`` (docs/objectives.md), in place of a clip."""
+    o = cfg.policy_objective
+    if o in ("dppo_tv", "dppo_kl"):
+        div = "p - q" if o == "dppo_tv" else "binary KL(q, p)"
+        return (
+            f"{o}: drop a token whose {div} exceeds {_g(cfg.dppo_delta_high)} (A > 0) / {_g(cfg.dppo_delta_low)} "
+            f"(A <= 0) in the advantage's direction; loss -A sg(min(r, {_g(cfg.dppo_ratio_cap)})) log pi"
+        )
+    return {
+        "prob_diff": f"prob_diff: drop a token with |p - q| > {_g(cfg.prob_diff_threshold)}; loss -A r",
+        "cppo": f"cppo: position-weighted |p - q| <= {_g(cfg.cppo_delta)} (w_min {_g(cfg.cppo_w_min)}) with a prefix "
+        f"budget (rate floor {_g(cfg.cppo_delta_b)}); loss -A r",
+        "sapo": f"sapo: soft gate sigmoid(tau (r - 1)) 4 / tau, tau {_g(cfg.sapo_tau_pos)} (A > 0) / "
+        f"{_g(cfg.sapo_tau_neg)} (A <= 0)",
+        "gmpo": f"gmpo: sequence geometric-mean ratio, token log-ratio clipped to [-{_g(cfg.gmpo_clip_low)}, "
+        f"{_g(cfg.gmpo_clip_high)}] on the advantage's side",
+        "gpg": "gpg: none (-A log pi)",
+        "dro": f"dro: none; -(A log pi - {_g(cfg.dro_beta)}/2 (log r)^2)",
+    }[o]
+
+
 def _ratio(cfg: ClippedPGLossConfig) -> str:
+    if cfg.policy_objective in ("gpg", "dro"):
+        return f"none: policy_objective={cfg.policy_objective!r} reads log pi itself"
+    if cfg.policy_objective == "gmpo":
+        return "per sequence: the geometric mean of the token ratios (policy_objective='gmpo')"
     if cfg.disable_ppo_ratio:
         return "none: REINFORCE surrogate -A * log pi (disable_ppo_ratio)"
     if cfg.force_on_policy_ratio:
@@ -33,6 +59,8 @@ def _ratio(cfg: ClippedPGLossConfig) -> str:
 
 
 def _clip(cfg: ClippedPGLossConfig) -> str:
+    if cfg.policy_objective != "ppo_clip":
+        return _objective(cfg)
     if cfg.disable_ppo_ratio:
         dual = f", dual clip c = {_g(cfg.ratio_clip_c)}" if cfg.ratio_clip_c is not None else ""
         return "none" + dual

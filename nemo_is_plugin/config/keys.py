@@ -25,6 +25,12 @@ LossAggregation = Literal[
     "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
 OldPolicyLogprobs = Literal["prev", "generation"]
+PolicyObjective = Literal["ppo_clip", "dppo_tv", "dppo_kl", "prob_diff", "cppo", "sapo", "gmpo", "gpg", "dro"]
+
+# Objectives whose per-token loss reads the token ratio r_t = exp(c_t - a_t) (a trust mask or a gate on it).
+TOKEN_RATIO_OBJECTIVES: tuple[str, ...] = ("dppo_tv", "dppo_kl", "prob_diff", "cppo", "sapo")
+# The objectives besides PPO's clip (docs/objectives.md): each replaces the ratio clip and its dual clip.
+OTHER_OBJECTIVES: tuple[str, ...] = get_args(PolicyObjective)[1:]
 
 # Aggregations without a per-sequence normalisation: NeMo-RL's token_level_loss=true.
 TOKEN_AGGREGATIONS: tuple[str, ...] = ("token-mean", "token-sum")
@@ -261,6 +267,130 @@ class LossKeys(BaseModel):
             fix="use the maximum response length",
         ),
     ] = Field(None, description="Constant divisor per sequence for seq-mean-token-sum-norm (e.g. max response length).")
+
+    # ---- the policy objective (docs/objectives.md); each key below is read by the objectives it names ----
+    policy_objective: PolicyObjective = Field(
+        "ppo_clip",
+        description="The per-token surrogate and its trust region: 'ppo_clip' (the ratio clip above; NeMo-RL's), "
+        "'dppo_tv' / 'dppo_kl' (DPPO binary TV / KL masks), 'prob_diff' (prime-rl's |p - q| mask), 'cppo' "
+        "(position-weighted TV mask with a prefix budget), 'sapo' (soft gate), 'gmpo' (geometric-mean sequence "
+        "ratio), 'gpg' (-A log pi), 'dro' (-(A log pi - beta/2 (log r)^2)). The anchor q is pi_old.",
+    )
+    dppo_delta_low: Annotated[
+        float | None,
+        NumericRange(
+            low=0.0,
+            low_open=True,
+            why="the DPPO threshold on the divergence of a token with A <= 0 (TV: q - p, KL: the binary KL); 0 or "
+            "less drops every token that moved at all",
+            fix="use e.g. 0.2 (verl's clip_ratio_low under loss_mode dppo_tv)",
+        ),
+    ] = Field(None, description="DPPO threshold for A <= 0 (dppo_tv / dppo_kl; required there).")
+    dppo_delta_high: Annotated[
+        float | None,
+        NumericRange(
+            low=0.0,
+            low_open=True,
+            why="the DPPO threshold on the divergence of a token with A > 0 (TV: p - q, KL: the binary KL); 0 or "
+            "less drops every token that moved at all",
+            fix="use e.g. 0.28 (verl's clip_ratio_high under loss_mode dppo_tv)",
+        ),
+    ] = Field(None, description="DPPO threshold for A > 0 (dppo_tv / dppo_kl; required there).")
+    dppo_ratio_cap: Annotated[
+        float,
+        NumericRange(
+            low=1.0,
+            why="DPPO's gradient weight is min(r, cap) on kept tokens; a cap below 1 also shrinks the weight of "
+            "unchanged tokens (r = 1), a learning-rate cut rather than a cap",
+            fix="use 20 (DPPO; verl's dict default) or 3 (verl's ActorConfig clip_ratio_c)",
+        ),
+    ] = Field(20.0, description="Cap C of DPPO's detached ratio weight min(r, C) (verl: clip_ratio_c).")
+    prob_diff_threshold: Annotated[
+        float,
+        NumericRange(
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            why="a token is kept while |p - q| <= threshold; probabilities differ by at most 1, so a threshold "
+            "above 1 keeps everything and one <= 0 drops every token that moved",
+            fix="use 0.1 (prime-rl's ipo_threshold)",
+        ),
+    ] = Field(0.1, description="prob_diff: keep a token while |p - q| <= this.")
+    cppo_delta: Annotated[
+        float,
+        NumericRange(
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            why="CPPO's per-token TV threshold on w_k |p - q| <= 1; 0 or less drops every token that moved",
+            fix="use 0.2 (UniRL)",
+        ),
+    ] = Field(0.2, description="CPPO per-token TV threshold delta.")
+    cppo_w_min: Annotated[
+        float,
+        NumericRange(
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            why="the last position's weight: weights fall linearly from 1 to w_min; 0 exempts the last token, "
+            "above 1 the weights grow",
+            fix="use 0.8 (UniRL), or 1 for uniform weights",
+        ),
+    ] = Field(0.8, description="CPPO weight of a sequence's last position (the first has 1).")
+    cppo_delta_b: Annotated[
+        float,
+        NumericRange(
+            low=0.0,
+            why="the floor of the per-sequence budget rate b = clamp(quantile_0.9(D), delta_b, 2 delta_b); "
+            "a negative rate exhausts the budget at the first token",
+            fix="use 0.02 (UniRL)",
+        ),
+    ] = Field(0.02, description="CPPO budget rate floor (the ceiling is twice it).")
+    sapo_tau_pos: Annotated[
+        float,
+        NumericRange(
+            low=0.0,
+            low_open=True,
+            why="the gate sigmoid(tau (r - 1)) 4 / tau divides by tau",
+            fix="use 1.0 (verl's tau_pos)",
+        ),
+    ] = Field(1.0, description="SAPO gate temperature for A > 0.")
+    sapo_tau_neg: Annotated[
+        float,
+        NumericRange(
+            low=0.0,
+            low_open=True,
+            why="the gate sigmoid(tau (r - 1)) 4 / tau divides by tau",
+            fix="use 1.05 (verl's tau_neg)",
+        ),
+    ] = Field(1.05, description="SAPO gate temperature for A <= 0.")
+    gmpo_clip_low: Annotated[
+        float | None,
+        NumericRange(
+            low=0.0,
+            low_open=True,
+            why="GMPO clips the token log-ratio of A < 0 tokens at -eps; eps <= 0 excludes log r = 0",
+            fix="use e.g. 0.4 (GMPO's (e^-0.4, e^0.4)) or verl's clip_ratio_low",
+        ),
+    ] = Field(None, description="GMPO lower log-ratio clip eps_low (gmpo; required there).")
+    gmpo_clip_high: Annotated[
+        float | None,
+        NumericRange(
+            low=0.0,
+            low_open=True,
+            why="GMPO clips the token log-ratio of A > 0 tokens at eps; eps <= 0 excludes log r = 0",
+            fix="use e.g. 0.4 (GMPO's (e^-0.4, e^0.4)) or verl's clip_ratio_high",
+        ),
+    ] = Field(None, description="GMPO upper log-ratio clip eps_high (gmpo; required there).")
+    dro_beta: Annotated[
+        float | None,
+        NumericRange(
+            low=0.0,
+            low_open=True,
+            why="DRO's penalty beta/2 (log r)^2 must pull the policy back to the anchor; beta <= 0 pushes it away",
+            fix="use a positive value (verl's policy_loss.dro_beta)",
+        ),
+    ] = Field(None, description="DRO quadratic-penalty weight beta (dro; required there).")
 
     # ---- rejection rules and the old policy (verl's rollout_rs / bypass_mode in the plugin's vocabulary) ----
     importance_sampling_rejection_rules: list[RejectionRule] = Field(

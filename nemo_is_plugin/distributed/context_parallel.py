@@ -16,6 +16,8 @@ gathering the sequence:
   loss summed over the CP group is the single-process loss.
 - ``reduce_metric_*``: metric partials over local tokens, reduced over the CP group so that every rank reports the
   full-sequence metric.
+- ``gather_sequences``: the one statistic that needs every token of a sequence at once (CPPO's per-sequence quantile):
+  an all-gather of the shards (no gradient).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nemo_is_plugin.distributed.collectives import all_reduce_max, all_reduce_min, all_reduce_sum
+from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_max, all_reduce_min, all_reduce_sum
 from nemo_is_plugin.distributed.cp_sharding import CPOrder, local_cu_seqlens, local_tokens, num_chunks
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank, group_size
 from nemo_is_plugin.loss.layout import TokenLayout, host_ints
@@ -88,6 +90,13 @@ class CPTokenLayout(TokenLayout):
 
     def replicated_share(self, t: torch.Tensor) -> torch.Tensor:
         return t / self.cp_size
+
+    @torch.no_grad()
+    def gather_sequences(self, x: torch.Tensor) -> tuple[torch.Tensor, TokenLayout]:
+        """Every rank's tokens (all ranks hold equally many: CP pads each sequence to a multiple of the chunk count),
+        with their sequence ids and global positions: whole sequences, in rank order (not position order)."""
+        gathered = [all_gather(t.reshape(-1), self.cp_group) for t in (x, self._flat_seq, self.position)]
+        return gathered[0], TokenLayout(gathered[1], gathered[2], self.num_seqs, in_order=False)
 
     def reduce_metric_sums(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(t, self.cp_group)

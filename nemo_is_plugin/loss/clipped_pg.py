@@ -2,7 +2,8 @@
 
     loss = aggregate( w_t * surrogate(r_t, A_t) )  +  beta * aggregate( KL_t )  +  mu * NLL(positive samples)
 
-r_t: policy ratio at ``ratio_level`` (ratios.py), clipped in ratio or log space (surrogate.py);
+r_t: policy ratio at ``ratio_level`` (ratios.py), clipped in ratio or log space (surrogate.py), or instead of PPO's
+clip the ``policy_objective``'s trust mask / gate / sequence objective (objective_dispatch.py, docs/objectives.md);
 w_t: IS correction at ``is_correction_level`` with truncation / masking / rejection (correction.py);
 KL_t: k1/k2/k3 to the reference policy (kl.py), on NeMo-RL's unfiltered current log-probs when the batch holds
 ``curr_logprobs_unfiltered`` (top-k / top-p training); aggregate: token or sequence means over global counts
@@ -39,6 +40,7 @@ from nemo_is_plugin.loss.metrics import (
     aggregation_denominator,
     legacy_error_metrics,
 )
+from nemo_is_plugin.loss.objective_dispatch import objective_surrogate, report_objective
 from nemo_is_plugin.loss.ratios import policy_log_ratio, unmasked_positions
 from nemo_is_plugin.loss.registry import NAME_KEY, get_loss, split_name
 from nemo_is_plugin.loss.surrogate import (
@@ -230,7 +232,12 @@ class ClippedPGLoss:
         # 3. Policy ratio and surrogate. n_t (1-based position among unmasked tokens) serves the log-space clip and
         # the clip-rate-by-position metrics.
         positions = unmasked_positions(tm, layout)
-        sur = self.surrogate(c, ratio_anchor(p, c, valid), adv, tm, layout, positions)
+        objective = None
+        if cfg.policy_objective == "ppo_clip":
+            sur = self.surrogate(c, ratio_anchor(p, c, valid), adv, tm, layout, positions)
+        else:  # a trust mask, gate or sequence objective instead of PPO's clip (objective_dispatch.py)
+            objective = objective_surrogate(cfg, c, ratio_anchor(p, c, valid), adv, tm, layout)
+            sur = objective.surrogate
 
         # 4. IS correction.
         trunc = cfg.truncated_importance_sampling_type
@@ -289,6 +296,8 @@ class ClippedPGLoss:
         book.token_mean("input_positive_logprob_fraction", positive)
         book.mismatch(p_is, g, tm * torch.isfinite(g).to(dtype), sm)
         book.clip_by_position(sur, positions)
+        if objective is not None:
+            report_objective(book, objective, sm)
         for name, value in (extra_metric_sums or {}).items():
             book.add_sum(name, value, Denominator.NONE)
         metrics = book.finish()
@@ -327,8 +336,11 @@ class ClippedPGLoss:
         layout: TokenLayout,
         positions: torch.Tensor,
     ) -> SurrogateOut:
-        """The per-token surrogate (:class:`~nemo_is_plugin.loss.surrogate.SurrogateOut`) of the configured ratio."""
+        """The per-token surrogate (:class:`~nemo_is_plugin.loss.surrogate.SurrogateOut`) of the configured ratio and
+        clip, or of the configured ``policy_objective``; ``p`` is the anchor (``ratio_anchor``)."""
         cfg = self.config
+        if cfg.policy_objective != "ppo_clip":
+            return objective_surrogate(cfg, c, p, adv, tm, layout).surrogate
         # NeMo-RL tests force_on_policy_ratio first: with disable_ppo_ratio as well, the ratio is still exp(c - sg c).
         if cfg.force_on_policy_ratio and not cfg.uses_log_space_clip:
             return on_policy_surrogate(c, adv, dual_clip=cfg.ratio_clip_c)

@@ -122,6 +122,11 @@ class TokenLayout:
             return s.unsqueeze(-1).expand(self.shape)
         return s[self.seq_index]
 
+    def gather_sequences(self, x: torch.Tensor) -> tuple[torch.Tensor, TokenLayout]:
+        """``x`` with every token of its sequences (flat), and the single-process layout of those tokens: for a
+        statistic that needs whole sequences (CPPO's quantile). Here, where sequences are whole: ``x`` itself."""
+        return x.reshape(-1), TokenLayout(self._flat_seq, self.position.reshape(-1), self.num_seqs, in_order=True)
+
     def replicated_share(self, x: torch.Tensor) -> torch.Tensor:
         """This process's share of a value that every CP rank holds in full (x / cp_size under CP; x here)."""
         return x

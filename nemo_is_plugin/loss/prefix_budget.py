@@ -84,6 +84,13 @@ def sequence_quantile(values: torch.Tensor, token_mask: torch.Tensor, layout: To
 
 
 @torch.no_grad()
+def cppo_divergence(curr: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """D = |p - q| in at least float32 (module docstring): what the mask thresholds and the quantile reads."""
+    dtype = torch.promote_types(curr.dtype, torch.float32)
+    return torch.abs(torch.exp(curr.to(dtype)) - torch.exp(anchor.to(dtype)))
+
+
+@torch.no_grad()
 def cppo_mask(
     curr: torch.Tensor,
     anchor: torch.Tensor,
@@ -109,11 +116,10 @@ def cppo_mask(
         raise ValueError(f"CPPO w_min must be in (0, 1]; got {w_min}")
     if not delta_b >= 0.0:
         raise ValueError(f"CPPO delta_b must be >= 0; got {delta_b}")
-    dtype = torch.promote_types(curr.dtype, torch.float32)
-    c, a = curr.to(dtype), anchor.to(dtype)
+    divergence = cppo_divergence(curr, anchor)
+    dtype = divergence.dtype
     ratio = torch.exp((curr - anchor).clamp(-20.0, 20.0))  # UniRL's ratio, in the input dtype
     toward_anchor = advantages * (ratio - 1.0) <= 0.0
-    divergence = torch.abs(torch.exp(c) - torch.exp(a))
     m = (token_mask != 0).to(dtype)
     k = unmasked_positions(token_mask, layout).to(dtype)
     n = layout.to_tokens(layout.seq_sum(m))
@@ -143,4 +149,4 @@ def cppo_mask(
     return PrefixBudgetMask(mask, ~keep & within_token, first, rate)
 
 
-__all__ = ["BUDGET_QUANTILE", "PrefixBudgetMask", "cppo_mask", "sequence_quantile"]
+__all__ = ["BUDGET_QUANTILE", "PrefixBudgetMask", "cppo_divergence", "cppo_mask", "sequence_quantile"]

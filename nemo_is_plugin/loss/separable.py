@@ -17,6 +17,10 @@ log-probs of the earlier tokens of t's sequence only. When the chunks visit ever
 carried from chunk to chunk gives the same value, so they take the single pass too. ``sequence`` and
 ``sequence_token`` ratios need the whole sequence first (two passes).
 
+The ``policy_objective`` surrogates whose per-token loss reads only its own token (DPPO's masks, prob_diff, SAPO,
+GPG, DRO: ``objective_dispatch``) are token-separable too; GMPO (a sequence mean) and CPPO (a prefix budget and a
+per-sequence quantile) are not, and take the two passes.
+
 ``dL/dc_t`` itself is autograd over the loss's own per-token functions (``ClippedPGLoss.surrogate`` /
 ``clipped_surrogate`` and ``kl_tokens``, i.e. surrogate.py and kl.py) on a detached ``[n]`` leaf of the chunk's
 log-probs: one source of truth for every formula, and at a kink (a tie of min / max / clamp) the gradient is whatever
@@ -49,6 +53,7 @@ from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
 from nemo_is_plugin.loss.input_validation import required_input
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
+from nemo_is_plugin.loss.objective_dispatch import SEQUENCE_OBJECTIVES
 from nemo_is_plugin.loss.ratios import (
     cumulative_anchor,
     straight_through_log_ratio,
@@ -65,7 +70,7 @@ def is_token_separable(config: ClippedPGLossConfig) -> bool:
     ``force_on_policy_ratio`` is excluded: it takes the old log-probs, hence the IS weights, from ``c`` itself; so is
     ``old_policy_logprobs='generation'`` (bypass), whose IS weights and rejections measure ``c`` against mu.
     """
-    if config.force_on_policy_ratio or config.bypasses_prev:
+    if config.force_on_policy_ratio or config.bypasses_prev or config.policy_objective in SEQUENCE_OBJECTIVES:
         return False
     return config.disable_ppo_ratio or config.effective_ratio_level == "token"
 
@@ -77,6 +82,8 @@ def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> str
         return "force_on_policy_ratio takes the old log-probs (and the IS weights) from the current ones"
     if config.bypasses_prev:
         return "old_policy_logprobs='generation' takes the IS weights and rejections from the current log-probs"
+    if config.policy_objective in SEQUENCE_OBJECTIVES:
+        return f"policy_objective={config.policy_objective!r} needs every log-prob of a sequence before any gradient"
     if is_token_separable(config):
         return None
     if level not in CAUSAL_LEVELS:

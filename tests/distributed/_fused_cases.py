@@ -132,3 +132,36 @@ def variant(**changes) -> dict:
 def aggregation(mode: str, **more) -> dict:
     # token_level_loss would contradict a sequence aggregation: leave it to follow loss_aggregation
     return variant(loss_aggregation=mode, token_level_loss=None, **more)
+
+
+# ---- policy objectives (test_fused_linear_objectives, test_fused_linear_tp)
+OBJECTIVE_IS = dict(
+    use_importance_sampling_correction=True,
+    is_correction_level="token",
+    truncated_importance_sampling_type="tis",
+    truncated_importance_sampling_ratio=1.05,
+)
+# thresholds small enough that every trust region drops tokens on this problem (test_trust_regions_bite)
+OBJECTIVE_CONFIGS = {
+    "dppo_tv": dict(policy_objective="dppo_tv", dppo_delta_low=2e-5, dppo_delta_high=1e-5, dppo_ratio_cap=1.02),
+    "dppo_kl": dict(policy_objective="dppo_kl", dppo_delta_low=1e-9, dppo_delta_high=2e-9),
+    "prob_diff": dict(policy_objective="prob_diff", prob_diff_threshold=5e-4),
+    "sapo": dict(policy_objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05),
+    "gpg": dict(policy_objective="gpg"),
+    "dro": dict(policy_objective="dro", dro_beta=0.5),
+    "gmpo": dict(
+        policy_objective="gmpo",
+        gmpo_clip_low=0.01,
+        gmpo_clip_high=0.01,
+        loss_aggregation="seq-mean-token-mean",
+        **{**OBJECTIVE_IS, "is_correction_level": "sequence_mean"},
+    ),
+    "cppo": dict(policy_objective="cppo", cppo_delta=1e-6, cppo_w_min=0.8, cppo_delta_b=2e-7),
+}
+LOCAL_OBJECTIVES = ("dppo_tv", "dppo_kl", "prob_diff", "sapo", "gpg", "dro")
+SEQUENCE_OBJECTIVES = ("gmpo", "cppo")
+
+
+def objective_config(name: str) -> dict:
+    """A policy objective (docs/objectives.md) with token TIS weights and the KL term, on ``pg_problem``."""
+    return {**OBJECTIVE_IS, "reference_policy_kl_penalty": 0.05, **OBJECTIVE_CONFIGS[name]}

@@ -133,6 +133,33 @@ LOSS_CONFIGS: dict[str, dict] = {
         "truncated_importance_sampling_ratio": 2.0,
         "importance_sampling_rejection_rules": [{"option": "seq_max_k2", "threshold": 0.1}],
     },
+    # policy objectives (docs/objectives.md) with IS weights and the KL term; thresholds that drop tokens here
+    "dppo_tv_is": {
+        "policy_objective": "dppo_tv",
+        "dppo_delta_low": 0.02,
+        "dppo_delta_high": 0.03,
+        "dppo_ratio_cap": 1.2,
+        **IS_ON,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.1,
+    },
+    "sapo_seq_mean": {
+        "policy_objective": "sapo",
+        "sapo_tau_pos": 1.0,
+        "sapo_tau_neg": 1.05,
+        "loss_aggregation": "seq-mean-token-mean",
+        **IS_ON,
+    },
+    "gmpo_seq_mean_is": {
+        "policy_objective": "gmpo",
+        "gmpo_clip_low": 0.1,
+        "gmpo_clip_high": 0.15,
+        "loss_aggregation": "seq-mean-token-mean",
+        **IS_ON,
+        "is_correction_level": "sequence_mean",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.05,
+    },
 }
 
 

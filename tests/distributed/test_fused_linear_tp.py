@@ -3,7 +3,7 @@ naive reference for every ratio level x IS level: loss, metrics, the full hidden
 rank's rows of the weight gradient (fp32: 1e-5 relative). Also sequence parallelism, entropy + temperature, bf16, and
 the fused hidden-state loss ``fused_linear_pg_loss`` for every ratio level x IS level (single pass for the token and
 cumulative ratios, two-pass for the sequence ones; each schedule proven by forbidding the other), with and without
-sequence parallelism.
+sequence parallelism; and the policy objectives DPPO-TV, SAPO (single pass), GMPO and CPPO (two-pass).
 
 Each rank rebuilds the same seeded problem, holds rows ``[r V/2, (r+1) V/2)`` of the LM head and passes the explicit
 group; the reference runs on the full head in the same process.
@@ -28,7 +28,18 @@ from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
 from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
 
-from ._fused_cases import IS_LEVELS, RATIO_LEVELS, assert_metrics_close, level_config, pg_problem, problem, rel_err, run
+from ._fused_cases import (
+    IS_LEVELS,
+    RATIO_LEVELS,
+    SEQUENCE_OBJECTIVES,
+    assert_metrics_close,
+    level_config,
+    objective_config,
+    pg_problem,
+    problem,
+    rel_err,
+    run,
+)
 
 WORLD = 2
 CHUNK = 5
@@ -199,6 +210,22 @@ def _pg_level_check(ratio_level: str, is_level: str):
     return check
 
 
+def _pg_objective_check(name: str):
+    """A policy objective through fused_linear_pg_loss under TP=2 equals the single-process naive path: the local
+    objectives in the single pass, GMPO / CPPO in the two-pass schedule (each proven by forbidding the other)."""
+
+    def check(rank: int, world: int) -> None:
+        _, tp_rank, tp_size = _tp()
+        p, cfg = pg_problem(vocab=38), objective_config(name)
+        ref_loss, ref_metrics, ref_dx, ref_dw = run(p, naive_logprobs, cfg)
+        single = name not in SEQUENCE_OBJECTIVES
+        with _forbidden_chunk_logits(fused_linear_module if single else fused_loss_module):
+            got = _pg_loss_tp(p, cfg, p.hidden, vocab_shard(p.weight, tp_rank, tp_size), single_pass=single or None)
+        _assert_pg_parity(got, ref_loss, ref_metrics, ref_dx, vocab_shard(ref_dw, tp_rank, tp_size))
+
+    return check
+
+
 def _sp_problem():
     """pg_problem's recipe with 4 sequences (dim 0 splits over 2 ranks); the last one is masked by sample_mask."""
     base = make_problem(4, 9, 16, 38, seed=3)
@@ -253,6 +280,7 @@ CHECKS = (
         ),
         ("pg_loss_sequence_parallel_two_pass[sequence-sequence]", _pg_sequence_parallel_check("sequence", "sequence")),
     ]
+    + [(f"pg_loss_objective[{name}]", _pg_objective_check(name)) for name in ("dppo_tv", "sapo", "gmpo", "cppo")]
 )
 
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from nemo_is_plugin.distributed.context_parallel import cp_layout
 from nemo_is_plugin.distributed.cp_sharding import CP_ORDERS, shard_packed, shard_padded
+from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives import gmpo_surrogate
 from nemo_is_plugin.loss.prefix_budget import BUDGET_QUANTILE, cppo_mask, sequence_quantile
@@ -97,7 +98,31 @@ def check_cppo(rank: int, world: int) -> None:
                 raise AssertionError("a CP shard without the gathered quantile must be refused")
 
 
-CHECKS = [("gmpo", check_gmpo), ("cppo", check_cppo)]
+def check_cppo_loss(rank: int, world: int) -> None:
+    """policy_objective='cppo' through ClippedPGLoss on a CP shard (the quantile from the gathered sequences): the
+    loss summed over the ranks, this rank's gradient and the metrics equal the single-process loss's."""
+    cfg = {"policy_objective": "cppo", "cppo_delta": 0.2, "cppo_w_min": 0.8, "cppo_delta_b": 0.02}
+    cfg["reference_policy_kl_penalty"] = 0.0
+    for order in CP_ORDERS:
+        for (c, a, A, m), lay, (lc, la, lA, lm), llay in _cases(rank, order):
+            counts = (float(lay.num_seqs), float(m.sum()))
+            sm = torch.ones(lay.num_seqs, dtype=c.dtype)
+            c = c.clone().requires_grad_(True)
+            want, want_metrics = ClippedPGLoss(cfg).compute(LossInputs(c, a, a, None, A, m, sm, *counts), lay)
+            want.backward()
+            lc = lc.clone().requires_grad_(True)
+            got, metrics = ClippedPGLoss(cfg).compute(LossInputs(lc, la, la, None, lA, lm, sm, *counts), llay)
+            got.backward()
+            total = got.detach().clone()
+            dist.all_reduce(total)
+            torch.testing.assert_close(total, want.detach(), rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(lc.grad, _local(c.grad, rank, order), rtol=1e-12, atol=1e-14)
+            for name in ("clip_fraction", "clip_fraction_high", "clip_fraction_low", "cppo_budget_bound_fraction"):
+                assert metrics[name] == pytest.approx(want_metrics[name], rel=1e-12, abs=1e-15), name
+            assert 0 < want_metrics["clip_fraction"] < 1
+
+
+CHECKS = [("gmpo", check_gmpo), ("cppo", check_cppo), ("cppo_loss", check_cppo_loss)]
 
 
 @pytest.mark.parametrize("name", [name for name, _ in CHECKS])
