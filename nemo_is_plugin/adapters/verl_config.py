@@ -20,8 +20,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from nemo_is_plugin.adapters.verl_fields import VerlConfigError, VerlConfigTypeError
+from nemo_is_plugin.adapters.verl_fields import verl_field as _get
 from nemo_is_plugin.adapters.verl_loss_modes import MODE_READS, check_loss_mode, loss_mode_keys
-from nemo_is_plugin.config import ConfigError, ConfigTypeError, verl_rejection_rule
+from nemo_is_plugin.config import verl_rejection_rule
 
 VERL_LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp in every ratio loss
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -44,14 +46,6 @@ ROLLOUT_CORRECTION_DEFAULTS = {
     "bypass_mode": False,
     "loss_type": "ppo_clip",
 }
-
-
-class VerlConfigError(ConfigError):
-    """A verl setting the plugin cannot honour; the message names the key and the fix."""
-
-
-class VerlConfigTypeError(VerlConfigError, ConfigTypeError):
-    """A verl setting of the wrong type (e.g. ``rollout_is_threshold: true``): also a ``TypeError``, as in verl."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -291,15 +285,6 @@ OTHER_LOSS_KEYS = {
     "dro_beta": (None, "dro"),
 }
 OTHER_ACTOR_KEYS = {"tau_pos": (1.0, "sapo"), "tau_neg": (1.05, "sapo")}
-
-
-def _get(config: Any, key: str, default: Any = None) -> Any:
-    """A field of verl's ActorConfig (dataclass with .get), an OmegaConf node or a dict; ``default`` when absent."""
-    if config is None:
-        return default
-    getter = getattr(config, "get", None)
-    value = getter(key, default) if callable(getter) else getattr(config, key, default)
-    return default if value is None else value
 
 
 def _refuse_other_losses(actor: Any, loss_mode: str = "vanilla") -> None:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_is_plugin.adapters.verl_fields import VerlConfigError, verl_field
+
 VERL_LOSS_MODES = ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "sapo", "geo_mean", "gpg", "dro")
 REFUSED_LOSS_MODES = {
     "clip_cov": "it treats a subset of tokens chosen per micro-batch differently (covariance around the micro-batch "
@@ -49,8 +51,6 @@ MODE_READS = {"sapo": ("tau_pos", "tau_neg"), "dro": ("dro_beta",)}
 
 def check_loss_mode(loss_mode: str, loss_agg_mode: str) -> None:
     """Refuse a mode the plugin does not compute, and an aggregation verl would override for it."""
-    from nemo_is_plugin.adapters.verl_config import VerlConfigError
-
     if loss_mode in REFUSED_LOSS_MODES:
         raise VerlConfigError(
             f"loss_mode={loss_mode!r} is refused: {REFUSED_LOSS_MODES[loss_mode]}; use one of "
@@ -73,12 +73,10 @@ def check_loss_mode(loss_mode: str, loss_agg_mode: str) -> None:
 
 def loss_mode_keys(actor: Any, loss_mode: str) -> dict[str, Any]:
     """The plugin keys of verl's ``loss_mode`` with the actor's settings (module table)."""
-    from nemo_is_plugin.adapters.verl_config import VerlConfigError, _get
-
-    clip = _get(actor, "clip_ratio", 0.2)
-    low, high = _get(actor, "clip_ratio_low", clip), _get(actor, "clip_ratio_high", clip)
+    clip = verl_field(actor, "clip_ratio", 0.2)
+    low, high = verl_field(actor, "clip_ratio_low", clip), verl_field(actor, "clip_ratio_high", clip)
     if loss_mode == "vanilla":
-        return {"ratio_clip_min": low, "ratio_clip_max": high, "ratio_clip_c": _get(actor, "clip_ratio_c", 3.0)}
+        return {"ratio_clip_min": low, "ratio_clip_max": high, "ratio_clip_c": verl_field(actor, "clip_ratio_c", 3.0)}
     if loss_mode == "gspo":
         return {
             "ratio_clip_min": low,
@@ -94,20 +92,20 @@ def loss_mode_keys(actor: Any, loss_mode: str) -> dict[str, Any]:
             "policy_objective": loss_mode,
             "dppo_delta_low": low,
             "dppo_delta_high": high,
-            "dppo_ratio_cap": _get(actor, "clip_ratio_c", VERL_DPPO_DEFAULT_CAP),
+            "dppo_ratio_cap": verl_field(actor, "clip_ratio_c", VERL_DPPO_DEFAULT_CAP),
         }
     if loss_mode == "sapo":
         return {
             "policy_objective": "sapo",
-            "sapo_tau_pos": _get(actor, "tau_pos", 1.0),
-            "sapo_tau_neg": _get(actor, "tau_neg", 1.05),
+            "sapo_tau_pos": verl_field(actor, "tau_pos", 1.0),
+            "sapo_tau_neg": verl_field(actor, "tau_neg", 1.05),
         }
     if loss_mode == "geo_mean":
         return {"policy_objective": "gmpo", "gmpo_clip_low": low, "gmpo_clip_high": high}
     if loss_mode == "gpg":
         return {"policy_objective": "gpg"}
     if loss_mode == "dro":
-        beta = _get(_get(actor, "policy_loss"), "dro_beta")
+        beta = verl_field(verl_field(actor, "policy_loss"), "dro_beta")
         if beta is None:
             raise VerlConfigError("verl's 'dro' loss needs actor_rollout_ref.actor.policy_loss.dro_beta (> 0)")
         return {"policy_objective": "dro", "dro_beta": beta}
