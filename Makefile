@@ -7,7 +7,8 @@ LOCK := requirements/ci.lock
 TORCH := 2.13.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 
-.PHONY: setup lint test demo bench evidence lock clean golden golden-usage golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo setup-stacks test-stacks lock-stacks
+.PHONY: setup lint test demo bench evidence lock clean golden golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo setup-stacks test-stacks lock-stacks golden-slime \
+	golden-verl-loss-modes
 
 # Every package at the exact version of $(LOCK), installed without resolution (--no-deps), then the project.
 $(STAMP): pyproject.toml $(LOCK)
@@ -46,16 +47,19 @@ evidence: setup
 # Regenerate a golden suite (tests/data/golden/<suite>) from a checkout of its host at the commit the suite's README
 # names, into $(GOLDEN_OUT)/<suite>, and compare it with the committed suite case by case within the README's
 # tolerances (exit 1 on a difference). docs/testing.md, "Refreshing the golden suites", says how to adopt a change.
-# `make golden NEMO_RL=... VERL=... CTPO=...` runs the targets whose checkout is given.
+# The verl loss-mode suite was written from the verl 0.9.1 release, which $(LOCK) installs: golden-verl-loss-modes
+# runs that installed package (or, given VERL_LOSS_MODES=<checkout>, that checkout; the tag v0.9.1 reproduces it).
+# `make golden NEMO_RL=... VERL=... CTPO=... SLIME=...` runs it and the targets whose checkout is given, and names the
+# checkouts not given (their suites are skipped).
 GOLDEN_OUT ?= runs/golden
 GOLDEN_RUN = $(PY) -m tools.golden.$(1) --repo $(2) --out $(GOLDEN_OUT)/$(1) --check
-GOLDEN_TARGETS := $(if $(NEMO_RL),golden-nemo-rl golden-nemo-rl-compat) $(if $(VERL),golden-verl) $(if $(CTPO),golden-ctpo)
+GOLDEN_TARGETS := golden-verl-loss-modes $(if $(NEMO_RL),golden-nemo-rl golden-nemo-rl-compat) $(if $(VERL),golden-verl) $(if $(CTPO),golden-ctpo) \
+	$(if $(SLIME),golden-slime)
+GOLDEN_CHECKOUTS_MISSING := $(if $(NEMO_RL),,NEMO_RL=<NVIDIA-NeMo/RL>) $(if $(VERL),,VERL=<verl>) \
+	$(if $(CTPO),,CTPO=<horizon-llm/CTPO>) $(if $(SLIME),,SLIME=<THUDM/slime>)
 
-golden: $(or $(strip $(GOLDEN_TARGETS)),golden-usage)
-
-golden-usage:
-	@echo "make golden: give at least one host checkout: NEMO_RL=<NVIDIA-NeMo/RL> VERL=<verl> CTPO=<horizon-llm/CTPO>"
-	@exit 2
+golden: $(GOLDEN_TARGETS)
+	$(if $(strip $(GOLDEN_CHECKOUTS_MISSING)),@echo "make golden: skipped the suites of the checkouts not given: $(strip $(GOLDEN_CHECKOUTS_MISSING))")
 
 golden-nemo-rl: setup
 	$(if $(NEMO_RL),,$(error set NEMO_RL to a checkout of NVIDIA-NeMo/RL))
@@ -72,6 +76,14 @@ golden-verl: setup
 golden-ctpo: setup
 	$(if $(CTPO),,$(error set CTPO to a checkout of horizon-llm/CTPO))
 	$(call GOLDEN_RUN,ctpo,$(CTPO))
+
+golden-slime: setup
+	$(if $(SLIME),,$(error set SLIME to a checkout of THUDM/slime))
+	$(call GOLDEN_RUN,slime,$(SLIME))
+
+golden-verl-loss-modes: setup
+	$(PY) -m tools.golden.verl_loss_modes $(if $(VERL_LOSS_MODES),--repo $(VERL_LOSS_MODES),--installed) \
+		--out $(GOLDEN_OUT)/verl_loss_modes --check
 
 # Regenerate $(LOCK) after changing the dependencies in pyproject.toml: resolve the test environment in a scratch venv
 # and freeze it. verl is installed without its declared dependencies (they pin a CUDA torch and downgrade omegaconf),

@@ -1,19 +1,24 @@
 """CUDA tier, golden suites: every golden case of every suite under tests/data/golden, its tensors moved to a CUDA
-device and called through ``build_loss_fn`` (NeMo-RL format) or ``ClippedPGLoss.compute`` (CTPO, verl), forward and
-backward. Marked ``gpu``: skipped without CUDA, run by ``make test`` on a machine with one. See docs/testing.md.
+device and called through ``build_loss_fn`` (NeMo-RL format), ``ClippedPGLoss.compute`` (CTPO, verl) or the slime
+adapter's entry points as slime calls them (slime/policy: the full loss; slime/tis: the TIS function), forward and
+backward (helpers/golden_calls.py). Marked ``gpu``: skipped without CUDA, run by ``make test`` on a machine with one.
+See docs/testing.md.
 
 Tolerances and why:
 
 - fp32 inputs: the golden values themselves, with the CPU suites' tolerances (loss and gradients rtol 1e-4 / atol 1e-6,
   metrics as the NeMo-RL golden README: rtol 1e-4, KL-type metrics 1e-3, extrema / exact counts 1e-6; CTPO rtol 1e-5,
-  1e-4 at T = 2048). verl's golden values are weights and masks, not a loss call's outputs: those calls are compared
-  with the same call on the CPU (loss / gradient rtol 1e-5, atol 1e-6; metrics rtol 1e-4, atol 1e-6).
-- bf16 log-prob inputs (current, prev, generation, reference log-probs cast to bf16; masks, advantages, counts as
-  stored): compared with the same bf16 inputs on the CPU, not with the fp32 golden values. The loss upcasts bf16
-  log-probs to fp32 before any arithmetic, so both devices run the same fp32 math on the same (exactly representable)
-  values and differ only by fp32 rounding (op order, exp / log implementations): loss rtol 1e-4 / atol 1e-6 and
-  metrics rtol 1e-4 / atol 1e-6 as for fp32. The gradient comes back in bf16 (the input's dtype), so one fp32 rounding
-  difference can move it by one bf16 step (2^-8 relative): gradients rtol 1e-2 (about two steps), atol 1e-6.
+  1e-4 at T = 2048; slime as its README: loss and metrics rtol 1e-5, logit gradients 1e-4, TIS outputs 1 ulp, masks
+  exact). verl's golden values are weights and masks, not a loss call's outputs: those calls are compared with the
+  same call on the CPU (loss / gradient rtol 1e-5, atol 1e-6; metrics rtol 1e-4, atol 1e-6).
+- bf16 log-prob inputs (current, prev, generation, reference log-probs cast to bf16; slime: the logits and the batch's
+  or TIS call's log-probs; masks, advantages, counts as stored): compared with the same bf16 inputs on the CPU, not
+  with the fp32 golden values. The loss upcasts bf16 log-probs to fp32 before any arithmetic, so both devices run the
+  same fp32 math on the same (exactly representable) values and differ only by fp32 rounding (op order, exp / log
+  implementations): loss rtol 1e-4 / atol 1e-6 and metrics rtol 1e-4 / atol 1e-6 as for fp32. The gradient comes back
+  in bf16 (the input's dtype), so one fp32 rounding difference can move it by one bf16 step (2^-8 relative):
+  gradients rtol 1e-2 (about two steps), atol 1e-6. (slime's TIS function keeps its weights in the log-probs' dtype:
+  a bf16 exp, the same on both devices unless their fp32 exp straddles a bf16 rounding boundary.)
   Against the fp32 golden values a bf16 run is off by the bf16 rounding of the inputs themselves (2^-9 relative per
   log-prob, compounding in sequence sums over thousands of tokens), which is a property of bf16, not of the device.
 """

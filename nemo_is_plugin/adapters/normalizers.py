@@ -29,15 +29,12 @@ def loss_type_of(config: ClippedPGLossConfig) -> Any:
     return LossType.TOKEN_LEVEL if agg == "token-mean" else LossType.SEQUENCE_LEVEL
 
 
-def renormalize(
-    metrics: MetricValues, config: ClippedPGLossConfig, *, tokens: tuple[float, float], seqs: tuple[float, float]
-) -> dict[str, float]:
+def renormalize(metrics: MetricValues, *, tokens: tuple[float, float], seqs: tuple[float, float]) -> dict[str, float]:
     """Change each metric's denominator from one count to another: ``tokens = (old, new)``, ``seqs = (old, new)``.
 
     E.g. from the global counts the loss divided by to this micro-batch's own counts, for hosts (verl) that average
     per-micro-batch metrics instead of summing them. A new count of 0 gives 0 (the metric's sum is 0 then too).
-    The denominators are those ``metrics`` carry; ``config`` (the loss's) is not needed for them any more and is
-    accepted for the verl adapter's existing call.
+    The denominators are those ``metrics`` carry (each metric declares its own where the loss emits it).
     """
     factor = {
         Denominator.TOKENS: tokens[0] / tokens[1] if tokens[1] else 0.0,

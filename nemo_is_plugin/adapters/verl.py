@@ -327,7 +327,7 @@ class VerlPolicyLoss:
         if loss_agg_mode == "token-sum":
             # verl's token-sum is the local sum times dp_size (DP averages gradients); the plugin's is the local sum
             loss = loss * int(dict(_get(config, "global_batch_info", {}) or {}).get("dp_size") or 1)
-        local = renormalize(metrics, loss_fn.config, tokens=(n_tok, local_toks), seqs=(n_seq, local_seqs))
+        local = renormalize(metrics, tokens=(n_tok, local_toks), seqs=(n_seq, local_seqs))
         if self._tuple is None:
             self._tuple = _returns_tuple()
         if self._tuple:

@@ -83,6 +83,14 @@ class VerlHost:
         self._core = import_host("verl.trainer.ppo.core_algos", INSTALL_HINT, "verl")
         self._helper = import_host("verl.trainer.ppo.rollout_corr_helper", INSTALL_HINT, "verl")
         cfg = load_yaml(config, overrides, section=f"{POLICY_LOSS}.{PLUGIN_SECTION}")
+        if all(OmegaConf.select(cfg, path, default=None) is None for path in (ACTOR, "algorithm")):
+            # nothing verl reads: comparing would test verl's defaults, not this file (a silent pass)
+            top = ", ".join(sorted(str(k) for k in cfg.keys())) or "(empty)"
+            raise VerlCompatConfigError(
+                f"{config} holds neither {ACTOR} nor algorithm.rollout_correction (top-level keys: {top}): not a verl "
+                "trainer config; pass verl's Hydra config (e.g. the run's .hydra/config.yaml)"
+                + ("; a bare loss_fn section is NeMo-RL's (--host nemo-rl)" if "loss_fn" in cfg else "")
+            )
         actor, policy_loss = _node(cfg, ACTOR), _node(cfg, POLICY_LOSS)
         loss_mode = policy_loss.pop("loss_mode", HOST_LOSS_MODE)
         if loss_mode not in (HOST_LOSS_MODE, VERL_LOSS_NAME):

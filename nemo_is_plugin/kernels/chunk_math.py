@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Iterator
 
 import torch
@@ -47,6 +46,7 @@ import torch
 from nemo_is_plugin.kernels import triton_logprob as tk
 from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, logits_grad_, softmax_grad_from_exp_
 from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials, copy_partials_
+from nemo_is_plugin.loss.input_validation import warn_once
 
 BACKENDS = ("auto", "torch", "triton")
 STRICT_BACKEND_ENV = "NEMO_IS_STRICT_BACKEND"  # "1": a fallback from Triton to torch under "auto" is an error
@@ -80,7 +80,8 @@ def _fall_back(reason: str) -> str:
             "the torch backend; fix the Triton install, or unset it to accept the (slower) torch backend"
         )
     _triton_failure = reason
-    _warn_once(f"the Triton log-prob kernels cannot run ({reason}); the torch backend runs from now on (slower)")
+    message = f"the Triton log-prob kernels cannot run ({reason}); the torch backend runs from now on (slower)"
+    warn_once(message, message, RuntimeWarning)
     return "torch"
 
 
@@ -133,15 +134,6 @@ def record_backends() -> Iterator[set[str]]:
 def _ran(backend: str) -> None:
     for record in _backend_records:
         record.add(backend)
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 class ChunkMath:

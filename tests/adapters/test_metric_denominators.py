@@ -192,8 +192,7 @@ def test_renormalize_changes_denominators():
         {"probs_ratio": Denominator.TOKENS, "is_oob_ratio": Denominator.SEQUENCES}
         | dict.fromkeys(("num_valid_samples", "loss_max"), Denominator.NONE),
     )
-    config = ClippedPGLoss({}).config
-    out = renormalize(metrics, config, tokens=(10.0, 5.0), seqs=(4.0, 2.0))
+    out = renormalize(metrics, tokens=(10.0, 5.0), seqs=(4.0, 2.0))
     assert out == {"probs_ratio": 4.0, "is_oob_ratio": 6.0, "num_valid_samples": 4.0, "loss_max": 5.0}
     one = MetricValues({"probs_ratio": 2.0}, {"probs_ratio": Denominator.TOKENS})
-    assert renormalize(one, config, tokens=(10.0, 0.0), seqs=(1, 1)) == {"probs_ratio": 0.0}
+    assert renormalize(one, tokens=(10.0, 0.0), seqs=(1, 1)) == {"probs_ratio": 0.0}

@@ -137,6 +137,9 @@ def test_configs_compat_cannot_compare_exit_2_with_the_reason(tmp_path):
     assert code == 2 and "loss_mode='gspo'" in output
     code, _, output = compat(tmp_path, verl_config(extra="    rollout_token_veto_threshold: 1.0e-4\n"))
     assert code == 2 and "rollout_token_veto_threshold" in output
+    # a file verl reads nothing from (here a NeMo-RL loss_fn section) would only compare verl's defaults
+    code, _, output = compat(tmp_path, "loss_fn:\n  ratio_level: cumulative\n")
+    assert code == 2 and "not a verl trainer config" in output and "--host nemo-rl" in output
 
 
 def test_without_verl_installed_one_line_names_what_to_install(tmp_path, monkeypatch):

@@ -13,32 +13,42 @@ format:
   which the CPU suite checks, so these calls are compared with the same call on CPU;
 - verl loss modes (``mode`` + ``loss_agg_mode``; suite verl_loss_modes): the plugin's objective functions composed as
   helpers/golden_objectives.py does (not yet a config call), checked against verl's loss, gradient and metrics.
+- slime (suite slime, parts ``policy/`` and ``tis/``; slime's outputs are top-level entries of the case): the full
+  loss ``SlimePolicyLoss`` through slime's ``loss_function`` (tests/adapters/slime_host.py; ``logits`` and the batch's
+  log-probs cast to the dtype), checked against slime's loss, logit gradient and metrics; the TIS function
+  ``SlimeISCorrection`` on the stored inputs, checked against slime's ``pg_loss``, masks and per-token metrics, as
+  tests/adapters/test_slime_golden.py does on the CPU.
 
-Cases whose expected result is an error are left out (they raise before any tensor exists). A case of an unknown
-format raises :class:`UnknownGoldenFormat`: a new suite must be taught here, not silently skipped.
+A suite is a directory holding ``case_*.pt`` files, at any depth (``slime/policy``). Cases whose expected result is an
+error are left out (they raise before any tensor exists). A case of an unknown format raises
+:class:`UnknownGoldenFormat`: a new suite must be taught here, not silently skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
+from adapters.slime_host import loss_function, namespace, tis_call
 
 from helpers.golden_ctpo import ctpo_config, ctpo_inputs, loss_rtol
 from helpers.golden_objectives import objective_loss
 from helpers.golden_utils import GOLDEN, load_named_cases, metric_close
 from helpers.golden_verl import loss_inputs, plugin_keys
 from nemo_is_plugin import build_loss_fn
+from nemo_is_plugin.adapters.slime import SlimeISCorrection, SlimePolicyLoss
 from nemo_is_plugin.loss import LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
+from tools.golden import common, nemo_rl
 
 # data keys that hold log-probs in a NeMo-RL call: cast to the dtype under test.
 NEMO_RL_LOGPROB_KEYS = ("prev_logprobs", "generation_logprobs", "reference_policy_logprobs", "curr_logprobs_unfiltered")
+# per-sample lists of log-probs in a slime batch or TIS call: cast to the dtype under test (as the logits).
+SLIME_LOGPROB_KEYS = ("log_probs", "rollout_log_probs", "ref_log_probs", "train_log_probs")
 
 
 class UnknownGoldenFormat(ValueError):
@@ -47,14 +57,22 @@ class UnknownGoldenFormat(ValueError):
 
 @dataclass
 class Outcome:
-    """A loss call's results: the loss, d loss / d each differentiable input (zeros when unused), the metrics."""
+    """A loss call's results: the loss, d loss / d each differentiable input (zeros when unused), the metrics, and any
+    further tensors the call returns (a slime TIS function's masks and per-token metrics; its ``loss`` is the
+    per-token ``pg_loss``)."""
 
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]
     metrics: dict[str, float]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def cpu(self) -> Outcome:
-        return Outcome(self.loss.detach().cpu(), {k: g.cpu() for k, g in self.grads.items()}, dict(self.metrics))
+        return Outcome(
+            self.loss.detach().cpu(),
+            {k: g.cpu() for k, g in self.grads.items()},
+            dict(self.metrics),
+            {k: t.detach().cpu() for k, t in self.tensors.items()},
+        )
 
 
 Runner = Callable[[torch.device | str, torch.dtype | None, Callable[[], ContextManager]], Outcome]
@@ -81,8 +99,8 @@ class PluginCall:
 
 
 def suites() -> list[str]:
-    """Every suite directory under tests/data/golden that holds cases."""
-    return sorted(d.name for d in GOLDEN.iterdir() if d.is_dir() and any(d.glob("case_*.pt")))
+    """Every directory under tests/data/golden, at any depth, that holds cases (``ctpo``, ``slime/policy``)."""
+    return sorted({p.parent.relative_to(GOLDEN).as_posix() for p in GOLDEN.rglob("case_*.pt")})
 
 
 @functools.cache
@@ -99,17 +117,22 @@ def golden_calls(suite_names: tuple[str, ...] | None = None) -> list[PluginCall]
 @functools.cache
 def _golden_calls(suite_names: tuple[str, ...]) -> tuple[PluginCall, ...]:
     return tuple(
-        call
-        for s in suite_names
-        for case in load_suite(s)
-        if "error" not in case["expected"]
-        for call in plugin_calls(s, case)
+        call for s in suite_names for case in load_suite(s) if not raises(case) for call in plugin_calls(s, case)
     )
+
+
+def raises(case: dict) -> bool:
+    """Whether the case's expected result is an error (slime's cases, outputs at the top, have none)."""
+    return "error" in case.get("expected", {})
 
 
 def case_format(case: dict) -> str:
     if "config" in case and "next_token_logprobs" in case.get("inputs", {}):
         return "nemo_rl"
+    if "logits" in case and "batch" in case:
+        return "slime_policy"
+    if "function" in case and "pg_loss" in case.get("inputs", {}):
+        return "slime_tis"
     params = case.get("params", {})
     if "loss_mode" in params:
         return "ctpo"
@@ -127,6 +150,10 @@ def plugin_calls(suite: str, case: dict) -> list[PluginCall]:
     fmt = case_format(case)
     if fmt == "nemo_rl":
         return [PluginCall(suite, case["id"], _nemo_rl_runner(case), _nemo_rl_check(case), fmt)]
+    if fmt == "slime_policy":
+        return [PluginCall(suite, case["id"], _slime_policy_runner(case), _slime_policy_check(case), fmt)]
+    if fmt == "slime_tis":
+        return [PluginCall(suite, case["id"], _slime_tis_runner(case), _slime_tis_check(case), fmt)]
     if fmt == "ctpo":
         inputs, _ = ctpo_inputs(case)
         return [
@@ -217,17 +244,66 @@ def _objective_runner(case: dict) -> Runner:
     return run
 
 
+def _slime_values(values: dict, device, dtype) -> dict:
+    """A slime batch / TIS call's entries on ``device``: tensors (and lists of them) moved, log-probs cast to
+    ``dtype``."""
+
+    def move(key: str, t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach().to(device=device, dtype=dtype if dtype is not None and key in SLIME_LOGPROB_KEYS else t.dtype)
+
+    return {k: [move(k, t) for t in v] if isinstance(v, list) else move(k, v) for k, v in values.items()}
+
+
+def _slime_policy_runner(case: dict) -> Runner:
+    """The adapter's full loss as slime calls it (``loss_function``, one rank), no plugin keys: slime's policy loss."""
+
+    def run(device, dtype, guard) -> Outcome:
+        batch = _slime_values(case["batch"], device, dtype)
+        x = case["logits"].detach().to(device=device, dtype=dtype or case["logits"].dtype).requires_grad_(True)
+        with guard():
+            scaled, _, metrics = loss_function(
+                SlimePolicyLoss(),
+                namespace(case["args"]),
+                batch,
+                x,
+                num_microbatches=case["num_microbatches"],
+                step_global_batch_size=case["step_global_batch_size"],
+            )
+            grads = _grads(scaled, {"logits": x})
+        return Outcome(scaled.detach(), grads, {k: float(v) for k, v in metrics.items()})
+
+    return run
+
+
+def _slime_tis_runner(case: dict) -> Runner:
+    """The adapter's TIS function on the stored call (IcePop's keys for ``icepop_function``): slime's TIS function.
+    Its per-token ``pg_loss`` is the outcome's loss; masks and per-token metrics are its tensors."""
+    keys = {"truncated_importance_sampling_type": "icepop"} if case["function"] == "icepop_function" else {}
+
+    def run(device, dtype, guard) -> Outcome:
+        inputs = _slime_values(case["inputs"], device, dtype)
+        with guard():
+            pg_loss, masks, metrics = tis_call(SlimeISCorrection(), namespace(case["args"], nemo_is=keys), inputs)
+        tensors = {**{f"masks/{i}": m for i, m in enumerate(masks)}, **{f"metrics/{k}": v for k, v in metrics.items()}}
+        return Outcome(pg_loss.detach(), {}, {}, tensors)
+
+    return run
+
+
 # ---------------------------------------------------------------------------------------------------- golden checks
 def _nemo_rl_check(case: dict) -> Callable[[Outcome], None]:
     def check(out: Outcome) -> None:
         want = case["expected"]
-        torch.testing.assert_close(out.loss.float(), want["loss"].float(), rtol=1e-4, atol=1e-6)
+        rtol, atol = nemo_rl.tolerance(case, ("loss",))  # the suites' tolerance of the loss and the gradients
+        torch.testing.assert_close(out.loss.float(), want["loss"].float(), rtol=rtol, atol=atol)
         for key, grad in out.grads.items():
             torch.testing.assert_close(
                 grad.float(),
                 want[f"grad_{key}"].float(),
-                rtol=1e-4,
-                atol=1e-6,
+                rtol=rtol,
+                atol=atol,
                 msg=lambda m, key=key: f"d loss / d {key}: {m}",
             )
         bad = {
@@ -265,6 +341,37 @@ def _objective_check(case: dict) -> Callable[[Outcome], None]:
     return check
 
 
+def _slime_policy_check(case: dict) -> Callable[[Outcome], None]:
+    """The suite README's tolerances: loss and metrics rtol 1e-5 / atol 1e-6, logit gradients rtol 1e-4 / atol 1e-6;
+    every slime metric under its name, the plugin's own under ``nemo_is/``."""
+
+    def check(out: Outcome) -> None:
+        torch.testing.assert_close(out.loss.float(), case["loss"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.grads["logits"].float(), case["logits_grad"], rtol=1e-4, atol=1e-6)
+        assert all(k.startswith("nemo_is/") for k in set(out.metrics) - set(case["metrics"])), set(out.metrics)
+        bad = {
+            k: (out.metrics.get(k), v)
+            for k, v in case["metrics"].items()
+            if k not in out.metrics or not common.close(out.metrics[k], v, (1e-5, 1e-6))
+        }
+        assert not bad, f"metric mismatches (got, want): {bad}"
+
+    return check
+
+
+def _slime_tis_check(case: dict) -> Callable[[Outcome], None]:
+    """The suite README's tolerances: ``pg_loss`` and the per-token metrics to 1 ulp, the masks exactly."""
+
+    def check(out: Outcome) -> None:
+        torch.testing.assert_close(out.loss, case["pg_loss"], rtol=1.2e-7, atol=0)
+        for i, want in enumerate(case["masks"]):
+            assert torch.equal(out.tensors[f"masks/{i}"], want), f"masks/{i}"
+        for name, want in case["metrics"].items():
+            torch.testing.assert_close(out.tensors[f"metrics/{name}"], want, rtol=1.2e-7, atol=0, msg=name)
+
+    return check
+
+
 # ---------------------------------------------------------------------------------------------------- comparisons
 def assert_same_outcome(
     got: Outcome,
@@ -289,16 +396,22 @@ def assert_same_outcome(
             equal_nan=True,
             msg=lambda m, key=key: f"d loss / d {key}: {m}",
         )
+    assert got.tensors.keys() == want.tensors.keys()
+    for key in want.tensors:
+        torch.testing.assert_close(
+            got.tensors[key],
+            want.tensors[key],
+            rtol=rtol,
+            atol=atol,
+            equal_nan=True,
+            msg=lambda m, key=key: f"{key}: {m}",
+        )
     assert got.metrics.keys() == want.metrics.keys(), set(got.metrics) ^ set(want.metrics)
     m_rtol = rtol if metric_rtol is None else metric_rtol
-    bad = {k: (got.metrics[k], v) for k, v in want.metrics.items() if not _float_close(got.metrics[k], v, m_rtol, atol)}
+    bad = {
+        k: (got.metrics[k], v) for k, v in want.metrics.items() if not common.close(got.metrics[k], v, (m_rtol, atol))
+    }
     assert not bad, f"metrics differ (got, want): {bad}"
-
-
-def _float_close(got: float, want: float, rtol: float, atol: float) -> bool:
-    if math.isnan(want) or math.isinf(want):
-        return got == want or (math.isnan(want) and math.isnan(got))
-    return abs(got - want) <= atol + rtol * abs(want)
 
 
 def no_guard() -> ContextManager:

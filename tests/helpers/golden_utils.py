@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
+
+from tools.golden import common, nemo_rl
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden"
 
@@ -28,19 +29,7 @@ def load_named_cases(suite: str) -> list[dict]:
     return cases
 
 
-# Metric tolerances of the NeMo-RL golden READMEs (tests/data/golden/nemo_rl*/README.md).
-NEMO_RL_LOOSE = frozenset({"gen_kl_error", "policy_kl_error", "js_divergence_error", "kl_penalty"})
-NEMO_RL_EXACT = frozenset({"is_oob_ratio", "num_valid_samples"})
-
-
 def metric_close(name: str, got: float, want: float) -> bool:
-    """A NeMo-RL metric within the README tolerance; +-inf and NaN must match exactly."""
-    if math.isinf(want) or math.isnan(want):
-        return got == want or (math.isnan(want) and math.isnan(got))
-    if name in NEMO_RL_EXACT or name.endswith("_min") or name.endswith("_max"):
-        rtol, atol = 1e-6, 0.0
-    elif name in NEMO_RL_LOOSE:
-        rtol, atol = 1e-3, 1e-6
-    else:
-        rtol, atol = 1e-4, 1e-6
-    return abs(got - want) <= atol + rtol * abs(want)
+    """A NeMo-RL metric within the golden READMEs' tolerance (tests/data/golden/nemo_rl*/README.md), the rule the
+    suites' generator applies (tools/golden/nemo_rl.py, ``metric_tolerance``); +-inf and NaN must match exactly."""
+    return common.close(got, want, nemo_rl.metric_tolerance(name))

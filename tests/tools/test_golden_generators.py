@@ -1,12 +1,14 @@
-"""The golden-suite generators' shared machinery (tools/golden/common.py), without any host checkout: the comparison
-flags what the suite tolerances forbid and passes what they allow, the writer round-trips the case format, a
-regeneration carries every entry but ``expected`` over, and the import helpers stub and locate modules as documented.
+"""The golden-suite generators' shared machinery (tools/golden/common.py and checkout.py), without any host checkout:
+the comparison flags what the suite tolerances forbid and passes what they allow, the writer round-trips the case
+format, a regeneration carries every entry but ``expected`` over, and the import helpers stub and locate modules as
+documented.
 
 The regeneration itself needs the hosts' checkouts (docs/testing.md, "Refreshing the golden suites")."""
 
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.golden import common, ctpo, nemo_rl, verl_rollout_corr
+from tools.golden import checkout, common, ctpo, nemo_rl, slime, verl_rollout_corr
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden"
 
@@ -175,7 +177,7 @@ def test_a_case_on_one_side_only_differs(tmp_path):
 def test_stubs_stand_in_only_for_the_named_missing_packages(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.setattr(sys, "modules", dict(sys.modules))
-    common.install_stubs(if_missing=["nemo_is_absent_pkg", "torch"])
+    checkout.install_stubs(if_missing=["nemo_is_absent_pkg", "torch"])
     import nemo_is_absent_pkg.sub as stub  # noqa: F401  (stubbed: not installed)
 
     class Model(stub.PreTrainedModel):  # usable as a base class
@@ -199,10 +201,10 @@ def test_use_checkout_imports_the_checkout_and_refuses_a_wrong_path(tmp_path, mo
     monkeypatch.setattr(sys, "modules", dict(sys.modules))
     (tmp_path / "fake_host").mkdir()
     (tmp_path / "fake_host" / "__init__.py").write_text(textwrap.dedent("VALUE = 3\n"))
-    module = common.use_checkout(tmp_path, "fake_host")
+    module = checkout.use_checkout(tmp_path, "fake_host")
     assert module.VALUE == 3 and Path(module.__file__).parent == tmp_path / "fake_host"
     with pytest.raises(SystemExit, match="no 'other_host/' package there"):
-        common.use_checkout(tmp_path, "other_host")
+        checkout.use_checkout(tmp_path, "other_host")
 
 
 def _fresh(tmp_path: Path, suite: str, redraw, count: int, seed: int) -> list[dict]:
@@ -274,11 +276,17 @@ def test_every_committed_suite_has_a_generator_recording_its_commit():
     assert sorted(compare.SUITES) == suites
     for name, suite in compare.SUITES.items():
         readme = (GOLDEN / name / "README.md").read_text()
-        assert suite.commit in readme and len(suite.commit) == 40
-        sources = {
-            c["source"]["commit"] for c in map(common.load_case, common.case_paths(GOLDEN / name)) if "source" in c
-        }
-        assert sources <= {suite.commit}
+        assert suite.commit in readme
+        if suite.make_regenerate_installed is None:  # made from a checkout: its commit
+            assert re.fullmatch(r"[0-9a-f]{40}", suite.commit), suite.commit
+        else:  # made from a released package that names no commit: the release tag
+            assert re.fullmatch(r"v\d+(\.\d+)+", suite.commit), suite.commit
+        for part in suite.parts:
+            cases = [common.load_case(p) for p in common.case_paths(GOLDEN / name / part)]
+            assert cases, f"{name}/{part}: no cases"
+            assert {c["source"]["commit"] for c in cases if "source" in c} <= {suite.commit}
+        parts = {p.name for p in (GOLDEN / name).iterdir() if p.is_dir()}
+        assert parts == set(suite.parts) - {""}, f"{name}: case directories {parts}, the generator's {suite.parts}"
 
 
 def test_compare_command_passes_a_copy_and_fails_a_changed_one(tmp_path, capsys):
@@ -298,12 +306,94 @@ def test_compare_command_passes_a_copy_and_fails_a_changed_one(tmp_path, capsys)
 def test_checkout_commit_reads_a_git_checkout_only(tmp_path):
     repo = tmp_path / "host"
     (repo / "pkg").mkdir(parents=True)
-    assert common.checkout_commit(repo) is None  # a plain source tree
+    assert checkout.checkout_commit(repo) is None  # a plain source tree
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git[:3], "init", "-q"], check=True)
     (repo / "pkg" / "__init__.py").write_text("")
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "x"], check=True)
     head = subprocess.run([*git[:3], "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    assert common.checkout_commit(repo) == head
-    assert common.checkout_commit(repo / "pkg") is None  # a folder inside a checkout is not one
+    assert checkout.checkout_commit(repo) == head
+    assert checkout.checkout_commit(repo / "pkg") is None  # a folder inside a checkout is not one
+
+
+# ---------------------------------------------------------------------------------------------------- slime
+# Its cases keep slime's outputs as top-level entries (Suite.outputs None) in two parts, policy/ and tis/.
+
+
+def test_slime_outputs_compare_within_the_readme_tolerance_and_the_stored_call_exactly():
+    policy, tis = _case("slime", "policy/case_000"), _case("slime", "tis/case_002")
+    assert common.diff_case(copy.deepcopy(policy), policy, slime.tolerance, None) == []
+    got = copy.deepcopy(policy)
+    got["loss"] = policy["loss"] * (1 + 1e-7)  # within rtol 1e-5
+    got["logits_grad"] = policy["logits_grad"] + 5e-7  # within atol 1e-6
+    assert common.diff_case(got, policy, slime.tolerance, None) == []
+    got["metrics"]["pg_loss"] *= 1 + 1e-3
+    got["batch"]["advantages"][0][0] += 1e-7  # a stored input: exact
+    got["args"]["eps_clip"] = 0.2 + 1e-9
+    lines = common.diff_case(got, policy, slime.tolerance, None)
+    assert [line.split(":")[0] for line in lines] == ["args.eps_clip", "batch.advantages.0", "metrics.pg_loss"]
+    got = copy.deepcopy(tis)
+    got["masks"] = [m.clone() for m in got["masks"]]  # slime returns the input list: the stored call holds it too
+    got["masks"][0][0] = 1 - got["masks"][0][0]  # masks exact
+    got["pg_loss"] = tis["pg_loss"] * (1 + 1e-6)  # beyond 1 ulp (rtol 1.2e-7)
+    lines = common.diff_case(got, tis, slime.tolerance, None)
+    assert [line.split(":")[0] for line in lines] == ["pg_loss", "masks.0"]
+
+
+def test_slime_regeneration_stores_outputs_next_to_the_inputs(tmp_path):
+    committed = tmp_path / "committed"
+    case = _case("slime", "tis/case_000")
+    common.save_case(case, committed / "case_000.pt")
+
+    def regenerate(case):  # a reference that doubles the loss
+        return {"pg_loss": case["pg_loss"] * 2, "masks": case["masks"], "metrics": case["metrics"]}
+
+    assert common.regenerate_suite(committed, tmp_path / "out", regenerate, outputs=None) == 1
+    back = common.load_case(tmp_path / "out" / "case_000.pt")
+    assert list(back) == list(case) and "expected" not in back
+    torch.testing.assert_close(back["pg_loss"], case["pg_loss"] * 2, rtol=0, atol=0)
+    assert common.diff_values(back["inputs"], case["inputs"], (), lambda _: (0.0, 0.0)) == []
+
+
+def test_compare_command_compares_each_part_of_slime(tmp_path, capsys):
+    from tools.golden import compare
+
+    copy_ = tmp_path / "copy"
+    for part in slime.PARTS:
+        for path in common.case_paths(GOLDEN / "slime" / part):
+            common.save_case(common.load_case(path), copy_ / part / path.name)
+    assert compare.main(["--suite", "slime", str(GOLDEN / "slime"), str(copy_)]) == 0
+    out = capsys.readouterr().out
+    assert "slime/policy:" in out and "slime/tis:" in out and "3/3 cases agree" in out
+    changed = common.load_case(copy_ / "tis" / "case_001.pt")
+    changed["metrics"]["tis"] = changed["metrics"]["tis"] * 1.01
+    common.save_case(changed, copy_ / "tis" / "case_001.pt")
+    assert compare.main(["--suite", "slime", str(GOLDEN / "slime"), str(copy_)]) == 1
+    assert "case_001.pt: DIFFERS\n    metrics.tis: " in capsys.readouterr().out
+
+
+def test_fresh_slime_cases_keep_the_args_lengths_and_masks(tmp_path):
+    def regenerate(case):  # a stand-in reference: the sum of the new log-probs
+        inputs = case["inputs"]["train_log_probs"] if "function" in case else case["batch"]["ref_log_probs"]
+        return {"inputs_sum": float(sum(t.sum() for t in inputs))}
+
+    for part, count in (("policy", 15), ("tis", 3)):
+        out = tmp_path / part
+        written = common.fresh_suite(GOLDEN / "slime" / part, out, count, 3, slime.redraw, regenerate, outputs=None)
+        assert [p.name for p in written][0] == f"case_{count:03d}.pt"
+        for i, path in enumerate(written):
+            case, template = common.load_case(path), _case("slime", f"{part}/case_{i:03d}")
+            assert case["args"] == template["args"] and case["id"] == path.stem and "inputs_sum" in case
+            new, old = (case["inputs"], template["inputs"]) if part == "tis" else (case["batch"], template["batch"])
+            for key in ("total_lengths", "response_lengths", "loss_masks", "rollout_mask_sums"):
+                assert common.diff_values(new.get(key), old.get(key), (), lambda _: (0.0, 0.0)) == [], key
+            changed = ("pg_loss", "train_log_probs") if part == "tis" else ("advantages", "ref_log_probs")
+            assert all(common.diff_values(new[key], old[key], (), lambda _: (0.0, 0.0)) for key in changed)
+            assert bool(new["log_probs" if part == "policy" else "train_log_probs"]) == bool(
+                old["log_probs" if part == "policy" else "train_log_probs"]
+            )  # the case without recomputed log-probs stays without
+            if part == "policy":
+                assert case["logits"].shape == template["logits"].shape
+                tokens = torch.cat(new["unconcat_tokens"])
+                assert bool((tokens >= 0).all() and (tokens < case["logits"].shape[-1]).all())

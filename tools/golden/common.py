@@ -1,5 +1,6 @@
-"""What every golden-suite generator shares: importing a reference checkout, stubbing the modules it imports but the
-loss code never runs, writing case files, and comparing a regenerated suite with the committed one.
+"""What every golden-suite generator shares: the command line, writing case files, regenerating a suite or drawing
+fresh cases, and comparing a regenerated suite with the committed one (importing the reference from a checkout:
+tools/golden/checkout.py).
 
 A generator (``tools/golden/<suite>.py``) declares a :class:`Suite` and hands it to :func:`run`, with three functions:
 
@@ -10,27 +11,33 @@ A generator (``tools/golden/<suite>.py``) declares a :class:`Suite` and hands it
   (``path`` is the key path below ``expected``, e.g. ``("metrics", "kl")``); ``(0, 0)`` means exact.
 - ``redraw(case, generator, seed, name) -> case``: for ``--fresh``, new inputs on a committed case's config.
 
-Nothing here imports a reference: the generator does, after :func:`use_checkout` has put the checkout first on
-``sys.path``, so the code at the suite's recorded commit is what runs (not a copy installed in the environment).
+A suite written from a released package rather than a checkout (verl_loss_modes: the installed verl 0.9.1) records the
+release tag as its ``commit`` and also declares ``make_regenerate_installed() -> regenerate``, which imports the
+installed package (``--installed`` in place of ``--repo``) after checking its version.
+
+A case keeps the reference's outputs under ``expected`` (or, for a suite whose ``outputs`` is None, as top-level entries
+next to its inputs), and a suite's cases are ``case_*.pt`` files in its directory (or in the sub-directories its
+``parts`` name, each regenerated and compared on its own).
+
+Nothing here imports a reference: the generator does, after ``checkout.use_checkout`` has put the checkout first on
+``sys.path``, so the code at the suite's recorded commit is what runs (not a copy installed in the environment), or,
+with ``--installed``, from the installed release the suite records.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import importlib.abc
-import importlib.machinery
 import math
 import random
-import subprocess
-import sys
-import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tools.golden.checkout import checkout_commit
 
 GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "data" / "golden"
 
@@ -40,102 +47,6 @@ Regenerate = Callable[[dict], dict]
 # masks, its inputs redrawn from the generator, its description and seed saying so.
 Redraw = Callable[[dict, torch.Generator, int, str], dict]
 ToleranceFn = Callable[[dict, tuple[str, ...]], Tolerance]
-
-
-# ---------------------------------------------------------------------------------------------- import
-
-
-class _StubAttribute(type):
-    """A class standing for any attribute of a stubbed module: usable as a base class, a decorator, a type hint, and
-    any attribute of it is another stub (``transformers.AutoConfig.from_pretrained``)."""
-
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        attribute = _stub_class(name)
-        setattr(cls, name, attribute)  # the same object on every access, as a real attribute would be
-        return attribute
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        # Used as a bare decorator (``@ray.remote``), hand the decorated object back unchanged.
-        if len(args) == 1 and not kwargs and (callable(args[0]) or isinstance(args[0], type)):
-            return args[0]
-        return super().__call__(*args, **kwargs)
-
-
-def _stub_class(name: str) -> _StubAttribute:
-    return _StubAttribute(name, (), {"__init__": lambda self, *args, **kwargs: None})
-
-
-class _StubModule(types.ModuleType):
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        attribute = _stub_class(name)
-        setattr(self, name, attribute)
-        return attribute
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves the named top-level packages (and any submodule of them) to empty stub modules."""
-
-    def __init__(self, roots: Iterable[str]) -> None:
-        self.roots = frozenset(roots)
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname.split(".")[0] not in self.roots:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = _StubModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        return None
-
-
-def install_stubs(always: Iterable[str] = (), if_missing: Iterable[str] = ()) -> None:
-    """Stub modules the reference imports at module level but its loss code never calls.
-
-    ``always``: modules (or submodules such as ``torch.utils.tensorboard``) replaced even when installed, because the
-    installed version cannot be imported by the reference (an API it names no longer exists) or is irrelevant and slow.
-    ``if_missing``: top-level packages stubbed only when they are not installed (the finder is consulted last).
-    The stubs are this project's code; the reference's own code runs unchanged.
-    """
-    always = list(always)
-    top = {name for name in always if "." not in name}
-    for name in always:
-        if "." in name:  # a submodule of a real package: put the stub straight into sys.modules
-            module = _StubModule(name)
-            module.__path__ = []
-            sys.modules[name] = module
-    if top:
-        for name in list(sys.modules):
-            if name.split(".")[0] in top:
-                del sys.modules[name]
-        sys.meta_path.insert(0, _StubFinder(top))
-    if_missing = set(if_missing)
-    if if_missing:
-        sys.meta_path.append(_StubFinder(if_missing))
-
-
-def use_checkout(repo: Path, package: str) -> types.ModuleType:
-    """Import ``package`` from the checkout at ``repo`` (first on sys.path; any copy imported before is dropped) and
-    check that it really came from there."""
-    repo = repo.resolve()
-    if not (repo / package).is_dir():
-        raise SystemExit(f"--repo {repo}: no '{package}/' package there; pass a checkout of the reference repository")
-    for name in list(sys.modules):
-        if name == package or name.startswith(package + "."):
-            del sys.modules[name]
-    sys.path.insert(0, str(repo))
-    module = __import__(package)
-    origin = Path(module.__file__ or "").resolve()
-    if repo not in origin.parents:
-        raise SystemExit(f"'{package}' was imported from {origin}, not from the checkout {repo}")
-    return module
 
 
 def seed_everything(seed: int) -> None:
@@ -174,7 +85,8 @@ def error_name(exc: BaseException) -> str:
 # --------------------------------------------------------------------------------------------- compare
 
 
-def _close(got: float, want: float, tol: Tolerance) -> bool:
+def close(got: float, want: float, tol: Tolerance) -> bool:
+    """``|got - want| <= atol + rtol |want|`` for ``tol = (rtol, atol)``; NaN and +-inf must match exactly."""
     if math.isnan(want) or math.isinf(want):
         return (math.isnan(want) and math.isnan(got)) or got == want
     rtol, atol = tol
@@ -231,31 +143,40 @@ def diff_values(
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             return [f"{where}: got {got!r}, want {want!r}"]
         tol = tol_of(path)
-        if _close(float(got), float(want), tol):
+        if close(float(got), float(want), tol):
             return []
         return [f"{where}: got {got!r}, want {want!r} (rtol {tol[0]:g} atol {tol[1]:g})"]
     return [] if got == want else [f"{where}: got {got!r}, want {want!r}"]
 
 
-def diff_case(got: dict, want: dict, tolerance: ToleranceFn) -> list[str]:
-    """Differences between a regenerated case and the committed one: ``expected`` within the suite's tolerance (keyed
-    by the path below ``expected``), everything else (ids, config, inputs, provenance) exactly."""
+def diff_case(got: dict, want: dict, tolerance: ToleranceFn, outputs: str | None = "expected") -> list[str]:
+    """Differences between a regenerated case and the committed one: the entry ``outputs`` (``expected``) within the
+    suite's tolerance (keyed by the path below it), everything else (ids, config, inputs, provenance) exactly. With
+    ``outputs`` None (outputs stored as top-level entries) every entry is compared with the tolerance of its path from
+    the case's top, which the suite's tolerance makes exact for the inputs."""
+    if outputs is None:
+        return diff_values(got, want, (), lambda path: tolerance(want, path))
     out = diff_values(
-        {k: v for k, v in got.items() if k != "expected"},
-        {k: v for k, v in want.items() if k != "expected"},
+        {k: v for k, v in got.items() if k != outputs},
+        {k: v for k, v in want.items() if k != outputs},
         (),
         lambda _: (0.0, 0.0),
     )
-    if "expected" in want or "expected" in got:
-        out += diff_values(
-            got.get("expected"), want.get("expected"), ("expected",), lambda path: tolerance(want, path[1:])
-        )
+    if outputs in want or outputs in got:
+        out += diff_values(got.get(outputs), want.get(outputs), (outputs,), lambda path: tolerance(want, path[1:]))
     return out
 
 
-def compare_dirs(regenerated: Path, committed: Path, tolerance: ToleranceFn, out: Callable[[str], None] = print) -> int:
+def compare_dirs(
+    regenerated: Path,
+    committed: Path,
+    tolerance: ToleranceFn,
+    out: Callable[[str], None] = print,
+    outputs: str | None = "expected",
+) -> int:
     """Print one line per case (``ok`` or its differences) and return the number of cases that differ; a case file
-    present on one side only counts as a difference."""
+    present on one side only counts as a difference. ``outputs``: where the cases keep the reference's outputs
+    (:func:`diff_case`)."""
     new = {p.name: p for p in case_paths(regenerated)}
     old = {p.name: p for p in case_paths(committed)}
     failed = identical = 0
@@ -265,7 +186,7 @@ def compare_dirs(regenerated: Path, committed: Path, tolerance: ToleranceFn, out
             failed += 1
             continue
         got, want = load_case(new[name]), load_case(old[name])
-        lines = diff_case(got, want, tolerance)
+        lines = diff_case(got, want, tolerance, outputs)
         if lines:
             failed += 1
             out(f"{name}: DIFFERS")
@@ -283,9 +204,20 @@ def compare_dirs(regenerated: Path, committed: Path, tolerance: ToleranceFn, out
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-def parse_args(suite: str, argv: Sequence[str] | None, doc: str | None) -> argparse.Namespace:
+def parse_args(suite: str, argv: Sequence[str] | None, doc: str | None, installed: bool = False) -> argparse.Namespace:
+    """The generator's options; ``installed``: the suite can also run the installed release (``--installed``) in place
+    of a checkout (``--repo``), one of the two required."""
     parser = argparse.ArgumentParser(prog=f"python -m tools.golden.{suite}", description=(doc or "").split("\n\n")[0])
-    parser.add_argument("--repo", type=Path, required=True, help="checkout of the reference repository")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--repo", type=Path, help="checkout of the reference repository")
+    if installed:
+        source.add_argument(
+            "--installed",
+            action="store_true",
+            help="import the reference from the installed package instead of a checkout (it must be the release the "
+            "suite records)",
+        )
+    parser.set_defaults(installed=False)
     parser.add_argument("--out", type=Path, required=True, help="directory the regenerated case files are written to")
     parser.add_argument(
         "--golden",
@@ -312,9 +244,21 @@ def parse_args(suite: str, argv: Sequence[str] | None, doc: str | None) -> argpa
     return args
 
 
-def regenerate_suite(golden: Path, out: Path, regenerate: Regenerate) -> int:
-    """Re-run the reference on every case of ``golden`` and write the cases with the new ``expected`` to ``out``;
-    every other entry is carried over unchanged. Returns the number of cases written."""
+def with_outputs(case: dict, outputs: dict, key: str | None) -> dict:
+    """``case`` with the reference's ``outputs`` stored under ``key`` (None: as top-level entries, replacing those of
+    the same names)."""
+    return {**case, key: outputs} if key is not None else {**case, **outputs}
+
+
+def is_error_case(case: dict, key: str | None = "expected") -> bool:
+    """Whether the reference raised on this case (its outputs are an ``error`` entry)."""
+    return "error" in (case[key] if key is not None else case)
+
+
+def regenerate_suite(golden: Path, out: Path, regenerate: Regenerate, outputs: str | None = "expected") -> int:
+    """Re-run the reference on every case of ``golden`` and write the cases with the new outputs (``expected``, or the
+    top-level entries ``regenerate`` returns when ``outputs`` is None) to ``out``; every other entry is carried over
+    unchanged. Returns the number of cases written."""
     paths = case_paths(golden)
     if not paths:
         raise SystemExit(f"no case_*.pt files in {golden}")
@@ -322,16 +266,24 @@ def regenerate_suite(golden: Path, out: Path, regenerate: Regenerate) -> int:
         case = load_case(path)
         seed = case.get("params", {}).get("seed", 0) if isinstance(case.get("params"), dict) else 0
         seed_everything(int(seed or 0))
-        save_case({**case, "expected": regenerate(case)}, out / path.name)
+        save_case(with_outputs(case, regenerate(case), outputs), out / path.name)
     return len(paths)
 
 
-def fresh_suite(golden: Path, out: Path, count: int, seed: int, redraw: Redraw, regenerate: Regenerate) -> list[Path]:
+def fresh_suite(
+    golden: Path,
+    out: Path,
+    count: int,
+    seed: int,
+    redraw: Redraw,
+    regenerate: Regenerate,
+    outputs: str | None = "expected",
+) -> list[Path]:
     """Write ``count`` new cases to ``out``, numbered after the last case of ``golden``: case i takes the config and
     masks of the suite's valid (non-error) cases in turn, inputs redrawn from ``seed + i``, and the reference's
     ``expected``. Returns the paths written."""
     paths = case_paths(golden)
-    templates = [(p.stem, case) for p in paths if "error" not in (case := load_case(p))["expected"]]
+    templates = [(p.stem, case) for p in paths if not is_error_case(case := load_case(p), outputs)]
     if not templates:
         raise SystemExit(f"no valid case in {golden} to take a config from")
     written = []
@@ -343,8 +295,7 @@ def fresh_suite(golden: Path, out: Path, count: int, seed: int, redraw: Redraw, 
         if "id" in case:
             case["id"] = new_name
         seed_everything(case_seed)
-        case["expected"] = regenerate(case)
-        save_case(case, out / f"{new_name}.pt")
+        save_case(with_outputs(case, regenerate(case), outputs), out / f"{new_name}.pt")
         written.append(out / f"{new_name}.pt")
     return written
 
@@ -365,39 +316,54 @@ class Suite:
 
     name: str  # its directory under tests/data/golden
     repository: str  # the host, owner/name on GitHub
-    commit: str  # the host commit the committed suite records
+    # the host commit the committed suite records (40 hex digits), or for a suite written from a released package
+    # that names no commit, the release's tag (``v0.9.1``)
+    commit: str
     make_regenerate: Callable[[Path], Regenerate]  # imports the reference from a checkout, returns ``regenerate``
     tolerance: ToleranceFn
     redraw: Redraw
+    # where a case keeps the reference's outputs: an entry (``expected``), or None for top-level entries next to the
+    # inputs (the tolerance then sees paths from the case's top and must make the inputs exact)
+    outputs: str | None = "expected"
+    # sub-directories holding the cases, each regenerated and compared on its own ("": the suite directory itself)
+    parts: tuple[str, ...] = ("",)
+    # for a suite written from a released package (``commit`` its release tag): imports the installed package for
+    # ``--installed``, refusing any other version than the recorded release, and returns ``regenerate``; None: the
+    # suite needs a checkout
+    make_regenerate_installed: Callable[[], Regenerate] | None = None
 
 
-def checkout_commit(repo: Path) -> str | None:
-    """HEAD of the git checkout at ``repo``; None for a plain source tree (e.g. a ``git archive``)."""
-    try:
-        done = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True, check=True
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    top, head = done.stdout.split()
-    return head if Path(top).resolve() == repo.resolve() else None  # not a checkout nested in another repository
+def compare_suite(suite: Suite, regenerated: Path, committed: Path, out: Callable[[str], None] = print) -> int:
+    """:func:`compare_dirs` on each of the suite's parts (a part's lines headed by its name); the number of cases that
+    differ in all of them."""
+    failed = 0
+    for part in suite.parts:
+        if part:
+            out(f"{suite.name}/{part}:")
+        failed += compare_dirs(regenerated / part, committed / part, suite.tolerance, out, suite.outputs)
+    return failed
 
 
 def run(suite: Suite, argv: Sequence[str] | None = None, doc: str | None = None) -> int:
     """The command line of a generator (``python -m tools.golden.<name> --help``)."""
-    args = parse_args(suite.name, argv, doc)
-    head = checkout_commit(args.repo)
-    print(
-        f"{suite.name}: {suite.repository} from {args.repo} at {head or 'a commit git cannot tell (not a checkout)'}; "
-        f"the committed suite records {suite.commit}"
-    )
-    regenerate = suite.make_regenerate(args.repo)
-    if args.fresh is not None:
-        written = fresh_suite(args.golden, args.out, args.fresh, args.seed, suite.redraw, regenerate)
-        print(f"{suite.name}: wrote {len(written)} new cases to {args.out} ({written[0].name} to {written[-1].name})")
+    args = parse_args(suite.name, argv, doc, installed=suite.make_regenerate_installed is not None)
+    if args.installed and suite.make_regenerate_installed is not None:
+        print(f"{suite.name}: {suite.repository} installed; the committed suite records {suite.commit}")
+        regenerate = suite.make_regenerate_installed()
+    else:
+        head = checkout_commit(args.repo)
+        print(
+            f"{suite.name}: {suite.repository} from {args.repo} at "
+            f"{head or 'a commit git cannot tell (not a checkout)'}; the committed suite records {suite.commit}"
+        )
+        regenerate = suite.make_regenerate(args.repo)
+    for part in suite.parts:
+        golden, out, name = args.golden / part, args.out / part, "/".join(filter(None, (suite.name, part)))
+        if args.fresh is not None:
+            written = fresh_suite(golden, out, args.fresh, args.seed, suite.redraw, regenerate, suite.outputs)
+            print(f"{name}: wrote {len(written)} new cases to {out} ({written[0].name} to {written[-1].name})")
+        else:
+            print(f"{name}: wrote {regenerate_suite(golden, out, regenerate, suite.outputs)} cases to {out}")
+    if args.fresh is not None or not args.check:
         return 0
-    count = regenerate_suite(args.golden, args.out, regenerate)
-    print(f"{suite.name}: wrote {count} cases to {args.out}")
-    if not args.check:
-        return 0
-    return 1 if compare_dirs(args.out, args.golden, suite.tolerance) else 0
+    return 1 if compare_suite(suite, args.out, args.golden) else 0

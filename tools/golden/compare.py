@@ -14,9 +14,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tools.golden import common, ctpo, nemo_rl, nemo_rl_compat, verl_rollout_corr
+from tools.golden import common, ctpo, nemo_rl, nemo_rl_compat, slime, verl_loss_modes, verl_rollout_corr
 
-SUITES = {suite.name: suite for suite in (nemo_rl.SUITE, nemo_rl_compat.SUITE, ctpo.SUITE, verl_rollout_corr.SUITE)}
+SUITES = {
+    suite.name: suite
+    for suite in (
+        nemo_rl.SUITE,
+        nemo_rl_compat.SUITE,
+        ctpo.SUITE,
+        verl_rollout_corr.SUITE,
+        verl_loss_modes.SUITE,
+        slime.SUITE,
+    )
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("old", type=Path, help="the reference copy (e.g. the committed suite)")
     parser.add_argument("new", type=Path, help="the copy under review (e.g. a regenerated suite)")
     args = parser.parse_args(argv)
-    return 1 if common.compare_dirs(args.new, args.old, SUITES[args.suite].tolerance) else 0
+    return 1 if common.compare_suite(SUITES[args.suite], args.new, args.old) else 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Cases with ``p0_workaround`` store ``clip_ratio_la_power = 1e-30`` in place of t
 branch emits are dropped from them, as the suite documents.
 
 The installed ``transformers`` cannot be imported by this verl fork (it names classes newer releases removed); the
-loss never uses it, so it is replaced by an empty stub (tools/golden/common.py, ``install_stubs``). verl itself runs
+loss never uses it, so it is replaced by an empty stub (tools/golden/checkout.py, ``install_stubs``). verl itself runs
 from the checkout, unchanged, not from any verl installed in the environment.
 """
 
@@ -28,15 +28,15 @@ from typing import Any
 
 import torch
 
-from tools.golden import common
+from tools.golden import checkout, common
 
 LA_ONLY_METRICS = "pg_update/la_"  # prefix of the metrics only the p != 0 branch of the LA loss emits
 COUNT_METRICS = ("/count", "valid_token_count", "neg_adv_token_count")
 
 
 def make_regenerate(repo: Path):
-    common.install_stubs(always=["transformers"])
-    common.use_checkout(repo, "verl")
+    checkout.install_stubs(always=["transformers"])
+    checkout.use_checkout(repo, "verl")
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
     from verl.workers.config import ActorConfig
 

@@ -15,7 +15,7 @@ input), or ``{error, message, stage}`` when the constructor (``init``) or the ca
 
 Importing ``loss_functions`` pulls in NeMo-RL's logger, worker and server modules. The packages those import but the
 loss never calls (experiment trackers, metrics exporters, web servers, ZeroMQ, NVML, Hydra, TensorBoard) are replaced
-by empty stubs when they are not installed (tools/golden/common.py, ``install_stubs``); nothing of NeMo-RL is stubbed,
+by empty stubs when they are not installed (tools/golden/checkout.py, ``install_stubs``); nothing of NeMo-RL is stubbed,
 copied or changed. The suite records commit 7ea279abfbeb698b092856d0dab61e7cf39bc909 of NVIDIA-NeMo/RL.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tools.golden import common
+from tools.golden import checkout, common
 
 # Imported at module level somewhere under nemo_rl.algorithms.loss, never called by ClippedPGLossFn.
 UNUSED_PACKAGES = "fastapi hydra mlflow prometheus_client pynvml swanlab tensorboard uvicorn wandb zmq".split()
@@ -44,8 +44,8 @@ TIGHT_METRICS = frozenset({"is_oob_ratio", "num_valid_samples"})
 def import_reference(repo: Path) -> tuple[Any, Any, Any]:
     """``(ClippedPGLossConfig, ClippedPGLossFn, BatchedDataDict)`` from the checkout at ``repo``."""
     stubs = ["torch.utils.tensorboard"] if _missing("tensorboard") else []
-    common.install_stubs(always=stubs, if_missing=UNUSED_PACKAGES)
-    common.use_checkout(repo, "nemo_rl")
+    checkout.install_stubs(always=stubs, if_missing=UNUSED_PACKAGES)
+    checkout.use_checkout(repo, "nemo_rl")
     # NeMo-RL is not an installed package (hence the ignores): use_checkout has put the checkout on sys.path.
     from nemo_rl.algorithms.loss.loss_functions import (  # type: ignore[import-not-found]
         ClippedPGLossConfig,
@@ -122,14 +122,19 @@ def redraw(case: dict, generator: torch.Generator, seed: int, template: str) -> 
     return case
 
 
-def tolerance(case: dict, path: tuple[str, ...]) -> common.Tolerance:
-    if path[:1] == ("metrics",):
-        name = path[1]
-        if name in TIGHT_METRICS or name.endswith("_min") or name.endswith("_max"):
-            return 1e-6, 0.0
-        if name in LOOSE_METRICS:
-            return 1e-3, 1e-6
+def metric_tolerance(name: str) -> common.Tolerance:
+    """The suite README's (rtol, atol) of the metric ``name``; the one rule of the NeMo-RL suites, which the tests
+    (tests/helpers/golden_utils.py) apply to the plugin's metrics too."""
+    if name in TIGHT_METRICS or name.endswith("_min") or name.endswith("_max"):
+        return 1e-6, 0.0
+    if name in LOOSE_METRICS:
+        return 1e-3, 1e-6
     return 1e-4, 1e-6
+
+
+def tolerance(case: dict, path: tuple[str, ...]) -> common.Tolerance:
+    """Metrics by name (:func:`metric_tolerance`); the loss and gradients rtol 1e-4, atol 1e-6."""
+    return metric_tolerance(path[1]) if path[:1] == ("metrics",) else (1e-4, 1e-6)
 
 
 SUITE = common.Suite(

@@ -1,196 +1,41 @@
-"""Golden cases of verl's policy losses (``actor_rollout_ref.actor.policy_loss.loss_mode``), written from the
-INSTALLED verl: each case calls ``verl.trainer.ppo.core_algos.get_policy_loss_fn(mode)`` on deterministic float32
-inputs and stores the inputs, the config fields the function reads, the loss, its gradient w.r.t. ``log_prob`` and
-the metrics verl returns.
+"""Regenerate the verl policy-loss golden suite (tests/data/golden/verl_loss_modes) from verl 0.9.1.
 
-    python -m tools.golden.verl_loss_modes --out tests/data/golden/verl_loss_modes
+    python -m tools.golden.verl_loss_modes --installed --out /tmp/verl_loss_modes [--check]
+    python -m tools.golden.verl_loss_modes --repo /path/to/verl --out /tmp/verl_loss_modes [--check]
 
-Inputs: ragged response masks (full rows, short rows, one interior zero), several lengths, advantages of both signs
-(per sequence, and per token in some cases), and current log-probs moved far enough from the old ones to cross every
-threshold (ratios beyond the clip range and the dual-clip / truncation cap, probability changes beyond the DPPO
-thresholds). The config is a real ``verl.workers.config.ActorConfig`` (gspo / sapo / cispo assert its type); the
-fields that matter are stored with each case. Files are ``torch.save`` of plain dicts and tensors, loadable with
-``torch.load(path, weights_only=True)``.
+The suite was written from the verl 0.9.1 release installed from the package registry, not from a checkout: the wheel
+names no commit, so the suite records the release tag, verl-project/verl v0.9.1 (suite README). ``--installed``
+imports the installed ``verl`` and refuses any version but 0.9.1; ``--repo`` imports a checkout instead (the tag v0.9.1
+reproduces the suite; another commit is compared with it, e.g. v0.9.0, whose ``compute_policy_loss_gspo`` always
+aggregates with ``seq-mean-token-mean`` where 0.9.1 honours ``loss_agg_mode``).
+
+Each committed case stores the loss mode, the aggregation, the config fields verl's policy losses read and the inputs.
+This builds a real ``verl.workers.config.ActorConfig`` holding those fields (gspo / sapo / cispo assert its type; it is
+checked to hold exactly the stored values), looks the loss up in verl's registry (``get_policy_loss_fn(mode)``, as
+verl's actor does) and calls it in float32 on CPU with ``log_prob`` a leaf that requires grad, writing
+``expected = {loss, grad_log_prob, metrics}``. Nothing is stubbed: verl 0.9.1 imports with the environment's packages.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-# (mode, loss_agg_mode, config overrides, advantage kind, shape (B, T), seed, description)
-CASES: list[tuple[str, str, dict, str, tuple[int, int], int, str]] = [
-    (
-        "vanilla",
-        "token-mean",
-        {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0},
-        "seq",
-        (4, 8),
-        1,
-        "PPO clip with dual clip, token mean",
-    ),
-    (
-        "vanilla",
-        "seq-mean-token-mean",
-        {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 2.0},
-        "token",
-        (3, 12),
-        2,
-        "PPO clip, per-token advantages, sequence mean",
-    ),
-    (
-        "gspo",
-        "seq-mean-token-mean",
-        {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4},
-        "seq",
-        (4, 8),
-        3,
-        "GSPO-token sequence ratio, GSPO's clip widths",
-    ),
-    (
-        "gspo",
-        "token-mean",
-        {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28},
-        "seq",
-        (3, 12),
-        4,
-        "GSPO-token sequence ratio, token mean",
-    ),
-    (
-        "cispo",
-        "token-mean",
-        {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28},
-        "seq",
-        (4, 8),
-        5,
-        "CISPO clipped detached weight",
-    ),
-    (
-        "cispo",
-        "seq-mean-token-sum",
-        {"clip_ratio_low": 1.0, "clip_ratio_high": 4.0},
-        "token",
-        (3, 12),
-        6,
-        "CISPO with MiniMax-style wide bounds, sequence sum",
-    ),
-    (
-        "dppo_tv",
-        "token-mean",
-        {"clip_ratio_low": 0.15, "clip_ratio_high": 0.2, "clip_ratio_c": 20.0},
-        "seq",
-        (4, 8),
-        7,
-        "DPPO Binary-TV, cap 20 (verl's dict-config default)",
-    ),
-    (
-        "dppo_tv",
-        "seq-mean-token-mean",
-        {"clip_ratio_low": 0.1, "clip_ratio_high": 0.1, "clip_ratio_c": 3.0},
-        "token",
-        (3, 12),
-        8,
-        "DPPO Binary-TV, cap 3 (the ActorConfig default clip_ratio_c), per-token advantages",
-    ),
-    (
-        "dppo_kl",
-        "token-mean",
-        {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05, "clip_ratio_c": 20.0},
-        "seq",
-        (4, 8),
-        9,
-        "DPPO Binary-KL, cap 20",
-    ),
-    (
-        "dppo_kl",
-        "seq-mean-token-sum-norm",
-        {"clip_ratio_low": 0.02, "clip_ratio_high": 0.08, "clip_ratio_c": 3.0},
-        "token",
-        (3, 12),
-        10,
-        "DPPO Binary-KL, asymmetric thresholds, sum-norm by the horizon",
-    ),
-    ("sapo", "seq-mean-token-mean", {"tau_pos": 1.0, "tau_neg": 1.05}, "seq", (4, 8), 11, "SAPO, default temperatures"),
-    (
-        "sapo",
-        "token-mean",
-        {"tau_pos": 2.0, "tau_neg": 3.0},
-        "token",
-        (3, 12),
-        12,
-        "SAPO, token-mean requested (verl forces seq-mean-token-mean)",
-    ),
-    (
-        "geo_mean",
-        "token-mean",
-        {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4},
-        "seq",
-        (4, 8),
-        13,
-        "GMPO, log-space clip 0.4 (loss_agg_mode ignored)",
-    ),
-    (
-        "geo_mean",
-        "token-mean",
-        {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3},
-        "token",
-        (3, 12),
-        14,
-        "GMPO, per-token advantages (zero advantages included)",
-    ),
-    ("gpg", "token-mean", {}, "seq", (4, 8), 15, "GPG, token mean"),
-    ("gpg", "seq-mean-token-sum", {}, "token", (3, 12), 16, "GPG, sequence sum"),
-    ("dro", "token-mean", {"dro_beta": 0.1}, "seq", (4, 8), 17, "DRO quadratic penalty"),
-]
+from tools.golden import checkout, common
 
-METRIC_PREFIX = "actor/"
+RELEASE = "0.9.1"
+# The ActorConfig fields that verl's checks need and the losses never read (one process, the original generator's).
+ACTOR_SETUP = {"strategy": "fsdp", "rollout_n": 1, "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 1}
+# --fresh inputs: old probabilities U(0.05, 0.95), log-prob steps N(0, 0.6^2) (beyond the clip ranges and thresholds).
+OLD_PROB_LOW, OLD_PROB_SPAN, STEP_STD = 0.05, 0.9, 0.6
 
 
-def _inputs(kind: str, shape: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
-    B, T = shape
-    g = torch.Generator().manual_seed(seed)
-    lengths = [T, T - 2, 3, 1, T - 1][:B]
-    mask = torch.zeros(B, T)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1.0
-    mask[0, 2] = 0.0  # an interior masked token (tool output)
-    old_prob = 0.05 + 0.9 * torch.rand(B, T, generator=g)
-    old = torch.log(old_prob)
-    step = 0.6 * torch.randn(B, T, generator=g)
-    step[0, 1], step[1, 0] = 1.5, -2.0  # ratios e^1.5 (beyond every cap but 20) and e^-2
-    old[1, 1], step[1, 1] = math.log(0.02), 3.4  # ratio e^3.4 = 30: beyond the DPPO cap 20, probability 0.02 -> 0.6
-    # Cannot exceed probability 1: the current log-prob stays <= log(0.999).
-    curr = torch.minimum(old + step, torch.full_like(old, -1e-3))
-    if kind == "seq":
-        adv = torch.tensor([1.0, -0.7, 0.4, -1.3, 0.9][:B]).unsqueeze(1).expand(B, T).clone()
-    else:
-        adv = torch.randn(B, T, generator=g)
-        adv[B - 1, 0] = 0.0
-    return {"old_log_prob": old, "log_prob": curr, "advantages": adv * mask, "response_mask": mask}
-
-
-def _actor_config(mode: str, overrides: dict):
-    from verl.workers.config import ActorConfig, PolicyLossConfig
-
-    fields = dict(overrides)
-    policy = PolicyLossConfig(loss_mode=mode, dro_beta=fields.pop("dro_beta", None))
-    fields.setdefault("clip_ratio", 0.2)
-    return ActorConfig(
-        strategy="fsdp",
-        rollout_n=1,
-        ppo_mini_batch_size=4,
-        ppo_micro_batch_size_per_gpu=1,
-        policy_loss=policy,
-        **fields,
-    )
-
-
-def _config_record(cfg) -> dict:
-    """The fields verl's policy losses read, as plain values."""
+def config_record(cfg: Any) -> dict:
+    """The fields of an ``ActorConfig`` that verl's policy losses read, as plain values (each case's ``config``)."""
     return {
         "clip_ratio": float(cfg.clip_ratio),
         "clip_ratio_low": float(cfg.clip_ratio_low),
@@ -203,78 +48,92 @@ def _config_record(cfg) -> dict:
     }
 
 
-def build_case(index: int) -> dict:
+def _regenerate_with_imported_verl() -> common.Regenerate:
+    """``regenerate`` calling the ``verl`` imported now (the checkout's or the installed one)."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.workers.config import ActorConfig, PolicyLossConfig
 
-    mode, agg, overrides, kind, shape, seed, description = CASES[index]
-    inputs = _inputs(kind, shape, seed)
-    cfg = _actor_config(mode, overrides)
-    log_prob = inputs["log_prob"].clone().requires_grad_(True)
-    loss, metrics = get_policy_loss_fn(mode)(
-        old_log_prob=inputs["old_log_prob"],
-        log_prob=log_prob,
-        advantages=inputs["advantages"],
-        response_mask=inputs["response_mask"],
-        loss_agg_mode=agg,
-        config=cfg,
-    )
-    (grad,) = torch.autograd.grad(loss, log_prob)
-    return {
-        "mode": mode,
-        "loss_agg_mode": agg,
-        "config": _config_record(cfg),
-        "inputs": inputs,
-        "expected": {
-            "loss": loss.detach(),
-            "grad_log_prob": grad,
-            "metrics": {k: float(v) for k, v in metrics.items()},
-        },
-        "params": {"seed": seed, "shape": list(shape), "advantages": kind, "dtype": "float32", "device": "cpu"},
-        "description": description,
-    }
+    def actor_config(case: dict) -> Any:
+        stored = case["config"]
+        fields = {k: v for k, v in stored.items() if k not in ("dro_beta", "global_batch_info")}
+        cfg = ActorConfig(
+            **ACTOR_SETUP,
+            policy_loss=PolicyLossConfig(loss_mode=case["mode"], dro_beta=stored["dro_beta"]),
+            global_batch_info=dict(stored["global_batch_info"]),
+            **fields,
+        )
+        if config_record(cfg) != stored:
+            raise SystemExit(f"{case['description']!r}: verl's ActorConfig holds {config_record(cfg)}, not {stored}")
+        return cfg
 
+    def regenerate(case: dict) -> dict:
+        inputs = case["inputs"]
+        log_prob = inputs["log_prob"].clone().requires_grad_(True)
+        loss, metrics = get_policy_loss_fn(case["mode"])(
+            old_log_prob=inputs["old_log_prob"],
+            log_prob=log_prob,
+            advantages=inputs["advantages"],
+            response_mask=inputs["response_mask"],
+            loss_agg_mode=case["loss_agg_mode"],
+            config=actor_config(case),
+        )
+        (grad,) = torch.autograd.grad(loss, log_prob)
+        return {"loss": loss.detach(), "grad_log_prob": grad, "metrics": common.to_metrics(metrics)}
 
-def _readme(verl_version: str, torch_version: str) -> str:
-    modes = sorted({c[0] for c in CASES})
-    return f"""# Golden vectors: verl policy losses (loss_mode)
-
-Written by `python -m tools.golden.verl_loss_modes --out tests/data/golden/verl_loss_modes` from the installed
-verl {verl_version} (torch {torch_version}, CPU, float32): `verl.trainer.ppo.core_algos.get_policy_loss_fn(mode)` for
-{", ".join(f"`{m}`" for m in modes)}, i.e. `compute_policy_loss_vanilla`, `_gspo`, `_cispo`, `_dppo_tv`, `_dppo_kl`,
-`_sapo`, `_geo_mean`, `_gpg`, `_dro` of `verl/trainer/ppo/core_algos.py`, with `agg_loss` for the aggregation.
-The config is a real `verl.workers.config.ActorConfig` (strategy fsdp, empty `global_batch_info`: one process).
-
-## File format
-`case_XXX.pt`, `torch.load(path, weights_only=True)`:
-- `mode`, `loss_agg_mode` (what was passed; sapo forces `seq-mean-token-mean`, geo_mean ignores it)
-- `config`: `clip_ratio`, `clip_ratio_low`, `clip_ratio_high`, `clip_ratio_c`, `tau_pos`, `tau_neg`, `dro_beta`,
-  `global_batch_info`
-- `inputs`: `old_log_prob`, `log_prob`, `advantages`, `response_mask` (float32 `[B, T]`; ragged rows, one interior
-  masked token, advantages zero on masked tokens)
-- `expected`: `loss` (0-d), `grad_log_prob` (`[B, T]`, d loss / d log_prob), `metrics` (dict str -> float, verl's
-  `actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower` where the mode returns them)
-- `params`: `seed`, `shape`, `advantages` (`seq`: one value per sequence, `token`: per token), dtype, device
-- `description`: one line
-
-Note: verl's DPPO losses read `config.get("clip_ratio_c", 20.0)`; an `ActorConfig` always has `clip_ratio_c`
-(default 3.0), so the 20 applies only to a plain dict config without the key. The cases set it explicitly.
-"""
+    return regenerate
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="output folder (created)")
-    args = parser.parse_args(argv)
+def make_regenerate(repo: Path) -> common.Regenerate:
+    checkout.use_checkout(repo, "verl")
+    return _regenerate_with_imported_verl()
+
+
+def make_regenerate_installed() -> common.Regenerate:
     import verl
 
-    torch.use_deterministic_algorithms(True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for i in range(len(CASES)):
-        torch.save(build_case(i), args.out / f"case_{i:03d}.pt")
-    (args.out / "README.md").write_text(_readme(verl.__version__, torch.__version__.split("+")[0]))
-    print(f"wrote {len(CASES)} cases to {args.out}", file=sys.stderr)
-    return 0
+    if verl.__version__ != RELEASE:
+        raise SystemExit(f"the installed verl is {verl.__version__}, the suite records {RELEASE}: pass --repo instead")
+    return _regenerate_with_imported_verl()
+
+
+def tolerance(case: dict, path: tuple[str, ...]) -> common.Tolerance:
+    """Suite README, "Tolerances": loss and metrics rtol 1e-5 / atol 1e-6, gradient rtol 1e-5 / atol 1e-7."""
+    return (1e-5, 1e-7) if path[:1] == ("grad_log_prob",) else (1e-5, 1e-6)
+
+
+def redraw(case: dict, generator: torch.Generator, seed: int, template: str) -> dict:
+    """New inputs on a case's mode, aggregation, config and response mask: old probabilities U(0.05, 0.95), current
+    log-probs the old ones plus N(0, 0.6^2) (kept below -1e-3, a probability below 1), advantages N(0, 1) per sequence
+    or per token as the template's ``params.advantages`` says, zero on masked tokens."""
+    inputs, params = case["inputs"], case["params"]
+    mask = inputs["response_mask"]
+    old = torch.log(OLD_PROB_LOW + OLD_PROB_SPAN * torch.rand(mask.shape, generator=generator))
+    inputs["old_log_prob"] = old
+    inputs["log_prob"] = (old + common.normal(mask.shape, generator, STEP_STD)).clamp(max=-1e-3)
+    if params["advantages"] == "seq":
+        advantages = common.normal((mask.shape[0], 1), generator).expand(mask.shape)
+    else:
+        advantages = common.normal(mask.shape, generator)
+    inputs["advantages"] = advantages * mask
+    params["seed"], params["generator"] = seed, {"fresh_from": template}
+    case["description"] = f"fresh inputs (seed {seed}) on {template}'s config and mask: {case['description']}"
+    return case
+
+
+SUITE = common.Suite(
+    "verl_loss_modes",
+    "verl-project/verl",
+    f"v{RELEASE}",
+    make_regenerate,
+    tolerance,
+    redraw,
+    make_regenerate_installed=make_regenerate_installed,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return common.run(SUITE, argv, __doc__)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -14,7 +14,7 @@ runs, and a preset whose current defaults no longer give those arguments is repo
 suite pins the call, the preset is how the case was chosen).
 
 The installed ``transformers`` cannot be imported by the checkout (it names classes newer releases removed); the
-code under test never uses it, so it is replaced by an empty stub (tools/golden/common.py, ``install_stubs``). verl
+code under test never uses it, so it is replaced by an empty stub (tools/golden/checkout.py, ``install_stubs``). verl
 runs from the checkout, unchanged, not from the verl installed in the environment.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tools.golden import common
+from tools.golden import checkout, common
 
 CALL_ARGUMENTS = (
     "rollout_is",
@@ -38,8 +38,8 @@ CALL_ARGUMENTS = (
 
 
 def make_regenerate(repo: Path):
-    common.install_stubs(always=["transformers"])
-    common.use_checkout(repo, "verl")
+    checkout.install_stubs(always=["transformers"])
+    checkout.use_checkout(repo, "verl")
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
