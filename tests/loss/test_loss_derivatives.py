@@ -309,3 +309,23 @@ def test_reinforce_dual_cap_tie_lies_in_the_subdifferential(cap):
     theta = got[valid] / full_slope
     assert ((theta >= -1e-14) & (theta <= 1 + 1e-14)).all(), theta
     assert (got[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("side", [1.0, -1.0])
+def test_kl_input_clamp_boundary_takes_the_unclamped_side(kl_type, side):
+    """At |logr| == input_clamp the clamp is not active, so the score-function weight stays live; the estimator's own
+    derivative must stay live with it (the unclamped side's gradient, a one-sided derivative). Left to clamp's tie
+    rule (1 up to torch 2.13, 0 from 2.15) the pathwise part dies while the weight's part does not: a gradient that
+    neither side of the boundary has."""
+    from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
+
+    clamp = 0.05
+    ref = torch.tensor([side * clamp], dtype=F64)  # c = 0: logr = ref - c sits on the bound exactly
+
+    def grad(input_clamp):
+        c = torch.zeros(1, dtype=F64, requires_grad=True)
+        kl = kl_penalty(c, ref, kl_type=kl_type, input_clamp=input_clamp, weights=score_function_weight(c))
+        return torch.autograd.grad(kl.sum(), c)[0]
+
+    torch.testing.assert_close(grad(clamp), grad(None), rtol=0, atol=0)
