@@ -12,11 +12,11 @@ Tokens are also placed *exactly* on the kinks where the kinked quantity is an af
 (the clipped and unclipped losses tie; with a clip of 0 it is the clip bound itself), the token clamp +-k, the cap
 max_log_ratio, the log-space bounds -eps_low n^p and eps_high n^p, the KL input clamp +-I, the REINFORCE dual cap and
 (where exp round-trips exactly) the ratio-space dual cap. Which subgradient autograd picks at such a tie of min / max /
-clamp is its own convention (and may change between torch releases), so no test here depends on it: a token's
-gradient must equal autograd of the whole loss where the loss is differentiable at that token (its one-sided
-derivatives agree), and at a kink lie between the one-sided derivatives (autograd of the whole loss at c -+ h, the
-token's subdifferential). The KL output clamp is exercised off its boundary only (its input is transcendental in c).
-Masked tokens hold extreme values.
+clamp is its own convention (and changes between torch releases: clamp's went from 1 to 0 in 2.15), so no test here
+depends on it: a token's gradient must lie between the one-sided derivatives (autograd of the whole loss at c -+ h,
+the token's subdifferential), and equal autograd of the whole loss where those agree (the loss is differentiable at
+that token, even if a tie sits there inside the program). The KL output clamp is exercised off its boundary only (its
+input is transcendental in c). Masked tokens hold extreme values.
 
 Example count: 300 by default (~20 s on one CPU thread), derandomized; ``NEMO_IS_PROPERTY_SCALE=<k>`` multiplies it.
 """
@@ -221,21 +221,22 @@ def _kink_tolerance(left, right):
 
 
 def assert_subgradient(got, loss, c, inputs, layout, valid):
-    """Where the one-sided derivatives of the whole loss agree (the loss is differentiable at that token) ``got``
-    equals autograd of the whole loss; where they differ (a kink) it lies between them, in the subdifferential.
-    Returns the kink tokens.
+    """``got`` lies between the one-sided derivatives of the whole loss (autograd at ``c -+ H``, the token's
+    subdifferential) on every valid token; where they agree (the loss is differentiable at that token) it also equals
+    autograd of the whole loss at ``c`` to rounding. Returns the kink tokens (one-sided derivatives that differ).
 
-    A tie inside the program can sit where the loss is differentiable: at the log-space clip's upper bound with
-    A < 0 the unclipped side wins on both sides of the bound, yet autograd's tie rules hand back 3/4 of the derivative
-    there (torch 2.13). Such a point counts as smooth: the single pass must give what the loss's own autograd gives."""
+    Both hold for any tie rule of min / max / clamp that picks a subgradient, and neither depends on which one.
+    A tie inside the program can sit where the loss is differentiable (the clip bound the unclipped branch wins on
+    both sides of): there the interval is a single point, so a tie rule that splits the branches (half the
+    derivative, torch 2.15's clamp inside torch.maximum) fails here, as it should."""
     left, right = _one_sided(loss, c, inputs, layout)
     tol = _kink_tolerance(left, right)
     kink = valid & ((right - left).abs() > tol)
     smooth = valid & ~kink
     torch.testing.assert_close(got[smooth], _autograd(loss, c, inputs, layout)[smooth], rtol=1e-12, atol=1e-15)
     lo, hi = torch.minimum(left, right) - tol, torch.maximum(left, right) + tol
-    outside = kink & ((got < lo) | (got > hi))
-    assert not outside.any(), (got[outside], left[outside], right[outside])
+    outside = valid & ((got < lo) | (got > hi))
+    assert not outside.any(), (got[outside], left[outside], right[outside], kink[outside])
     return kink
 
 
