@@ -32,7 +32,7 @@ class SurrogateOut:
     dual_clipped: torch.Tensor
 
 
-def _pessimistic(unclipped: torch.Tensor, clipped: torch.Tensor) -> torch.Tensor:
+def max_unclipped_on_tie(unclipped: torch.Tensor, clipped: torch.Tensor) -> torch.Tensor:
     """max(unclipped, clipped), a tie going to the unclipped branch by explicit selection.
 
     The two tie wherever the ratio is inside its clip range or on a bound. On a bound the unclipped derivative is one
@@ -62,7 +62,7 @@ def ratio_clip_surrogate(
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
     loss1, loss2 = -advantages * ratio, -advantages * clipped_ratio
-    loss, dual = _dual_clip(_pessimistic(loss1, loss2), advantages, dual_clip)
+    loss, dual = _dual_clip(max_unclipped_on_tie(loss1, loss2), advantages, dual_clip)
     r = ratio.detach()
     return SurrogateOut(
         loss,
@@ -92,7 +92,7 @@ def log_space_clip_surrogate(
     clipped_ratio = torch.exp(torch.minimum(torch.maximum(log_ratio, lo), hi))
     loss1, loss2 = -advantages * ratio, -advantages * clipped_ratio
     cap = None if eps_c is None else torch.exp(eps_c * scale)
-    loss, dual = _dual_clip(_pessimistic(loss1, loss2), advantages, cap)
+    loss, dual = _dual_clip(max_unclipped_on_tie(loss1, loss2), advantages, cap)
     lr = log_ratio.detach()
     return SurrogateOut(
         loss,

@@ -330,3 +330,21 @@ def test_kl_input_clamp_boundary_takes_the_unclamped_side(kl_type, side):
         return torch.autograd.grad(kl.sum(), c)[0]
 
     torch.testing.assert_close(grad(clamp), grad(None), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("advantage", "bound"), [(-1.5, 0.28), (2.0, -0.2)])
+def test_gmpo_clip_bound_on_the_side_it_does_not_clip_is_smooth(advantage, bound):
+    """GMPO clips d only on the side the advantage pushes, so d on the other bound (A < 0 at clip_high, A > 0 at
+    -clip_low) is a differentiable point: its gradient is the unclipped one, whatever torch's min / clamp tie rules
+    (torch.minimum's even split with clamp's 0 of torch 2.15 gave half of it)."""
+    from nemo_is_plugin.loss.objectives import gmpo_surrogate
+
+    layout = TokenLayout.padded(1, 1)
+    tm, adv = torch.ones(1, 1, dtype=F64), torch.tensor([[advantage]], dtype=F64)
+
+    def grad(clip_low, clip_high):
+        c = torch.tensor([[bound]], dtype=F64, requires_grad=True)  # anchor 0: d == bound exactly
+        out = gmpo_surrogate(c, torch.zeros_like(c), adv, tm, layout, clip_low=clip_low, clip_high=clip_high)
+        return torch.autograd.grad(out.loss.sum(), c)[0]
+
+    torch.testing.assert_close(grad(0.2, 0.28), grad(1.0, 1.0), rtol=0, atol=0)
