@@ -114,7 +114,7 @@ PYTHON_STACKS ?= $(shell PYENV_VERSION=3.13.0 pyenv which python3.13 2>/dev/null
 VENV_STACKS ?= .venv-313
 PY_STACKS := $(VENV_STACKS)/bin/python
 LOCK_STACKS := requirements/ci-py313.lock
-TORCH_STACKS := 2.13.0
+TORCH_STACKS := 2.15.0
 STAMP_STACKS := $(VENV_STACKS)/.installed-$(shell cat pyproject.toml $(LOCK_STACKS) | cksum | cut -d' ' -f1)
 STACKS_TESTS := tests/test_golden_nemo_rl.py tests/test_golden_nemo_rl_compat.py tests/test_golden_verl.py \
 	tests/test_golden_ctpo.py tests/test_nemo_rl_differential.py tests/test_cuda_golden.py \

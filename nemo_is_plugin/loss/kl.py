@@ -61,7 +61,9 @@ def kl_penalty(
     w = weights
     if input_clamp is not None:
         active = (logr < -input_clamp) | (logr > input_clamp)
-        logr = logr.clamp(-input_clamp, input_clamp)
+        # an explicit selection, not clamp's own tie rule (1 up to torch 2.13, 0 from 2.15): at |logr| == clamp the
+        # weight stays live, so the estimator must too, or the gradient mixes the two sides (no subgradient)
+        logr = torch.where(active, logr.clamp(-input_clamp, input_clamp), logr)
         if w is not None:
             w = torch.where(active, w.detach(), w)
     kl = kl_estimate(logr, kl_type)

@@ -27,7 +27,7 @@ import torch
 
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
-from nemo_is_plugin.loss.surrogate import SurrogateOut
+from nemo_is_plugin.loss.surrogate import SurrogateOut, max_unclipped_on_tie
 from nemo_is_plugin.loss.trust_masks import TrustMask
 
 
@@ -119,7 +119,8 @@ def gmpo_surrogate(
     d = curr - anchor
     sign = torch.sign(advantages)
     clamped = d.clamp(-clip_low, clip_high)
-    d_tilde = sign * torch.minimum(sign * d, sign * clamped)
+    # sign min(sign d, sign clamped), a tie (d inside or on its bounds) going to d: see max_unclipped_on_tie
+    d_tilde = -sign * max_unclipped_on_tie(-sign * d, -sign * clamped)
     mask = token_mask.to(d.dtype)
     count = layout.seq_sum(mask) + EPS
     seq_ratio = torch.exp(layout.seq_sum(where_mask(d_tilde, mask)) / count)

@@ -32,6 +32,16 @@ class SurrogateOut:
     dual_clipped: torch.Tensor
 
 
+def max_unclipped_on_tie(unclipped: torch.Tensor, clipped: torch.Tensor) -> torch.Tensor:
+    """max(unclipped, clipped), a tie going to the unclipped branch by explicit selection.
+
+    The two tie wherever the ratio is inside its clip range or on a bound. On a bound the unclipped derivative is one
+    of the loss's one-sided derivatives (its derivative where the bound is not a kink, e.g. the upper bound with
+    A < 0); ``torch.maximum`` splits a tie evenly and the clipped branch then brings clamp's own tie rule (gradient 1
+    up to torch 2.13, 0 from 2.15), which gave half the derivative at such a smooth point."""
+    return torch.where(clipped > unclipped, clipped, unclipped)
+
+
 def _dual_clip(loss: torch.Tensor, advantages: torch.Tensor, cap: torch.Tensor | float | None):
     if cap is None:
         return loss, torch.zeros_like(loss, dtype=torch.bool)
@@ -52,7 +62,7 @@ def ratio_clip_surrogate(
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
     loss1, loss2 = -advantages * ratio, -advantages * clipped_ratio
-    loss, dual = _dual_clip(torch.maximum(loss1, loss2), advantages, dual_clip)
+    loss, dual = _dual_clip(max_unclipped_on_tie(loss1, loss2), advantages, dual_clip)
     r = ratio.detach()
     return SurrogateOut(
         loss,
@@ -82,7 +92,7 @@ def log_space_clip_surrogate(
     clipped_ratio = torch.exp(torch.minimum(torch.maximum(log_ratio, lo), hi))
     loss1, loss2 = -advantages * ratio, -advantages * clipped_ratio
     cap = None if eps_c is None else torch.exp(eps_c * scale)
-    loss, dual = _dual_clip(torch.maximum(loss1, loss2), advantages, cap)
+    loss, dual = _dual_clip(max_unclipped_on_tie(loss1, loss2), advantages, cap)
     lr = log_ratio.detach()
     return SurrogateOut(
         loss,

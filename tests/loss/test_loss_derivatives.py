@@ -12,11 +12,11 @@ Tokens are also placed *exactly* on the kinks where the kinked quantity is an af
 (the clipped and unclipped losses tie; with a clip of 0 it is the clip bound itself), the token clamp +-k, the cap
 max_log_ratio, the log-space bounds -eps_low n^p and eps_high n^p, the KL input clamp +-I, the REINFORCE dual cap and
 (where exp round-trips exactly) the ratio-space dual cap. Which subgradient autograd picks at such a tie of min / max /
-clamp is its own convention (and may change between torch releases), so no test here depends on it: a token's
-gradient must equal autograd of the whole loss where the loss is differentiable at that token (its one-sided
-derivatives agree), and at a kink lie between the one-sided derivatives (autograd of the whole loss at c -+ h, the
-token's subdifferential). The KL output clamp is exercised off its boundary only (its input is transcendental in c).
-Masked tokens hold extreme values.
+clamp is its own convention (and changes between torch releases: clamp's went from 1 to 0 in 2.15), so no test here
+depends on it: a token's gradient must lie between the one-sided derivatives (autograd of the whole loss at c -+ h,
+the token's subdifferential), and equal autograd of the whole loss where those agree (the loss is differentiable at
+that token, even if a tie sits there inside the program). The KL output clamp is exercised off its boundary only (its
+input is transcendental in c). Masked tokens hold extreme values.
 
 Example count: 300 by default (~20 s on one CPU thread), derandomized; ``NEMO_IS_PROPERTY_SCALE=<k>`` multiplies it.
 """
@@ -221,21 +221,22 @@ def _kink_tolerance(left, right):
 
 
 def assert_subgradient(got, loss, c, inputs, layout, valid):
-    """Where the one-sided derivatives of the whole loss agree (the loss is differentiable at that token) ``got``
-    equals autograd of the whole loss; where they differ (a kink) it lies between them, in the subdifferential.
-    Returns the kink tokens.
+    """``got`` lies between the one-sided derivatives of the whole loss (autograd at ``c -+ H``, the token's
+    subdifferential) on every valid token; where they agree (the loss is differentiable at that token) it also equals
+    autograd of the whole loss at ``c`` to rounding. Returns the kink tokens (one-sided derivatives that differ).
 
-    A tie inside the program can sit where the loss is differentiable: at the log-space clip's upper bound with
-    A < 0 the unclipped side wins on both sides of the bound, yet autograd's tie rules hand back 3/4 of the derivative
-    there (torch 2.13). Such a point counts as smooth: the single pass must give what the loss's own autograd gives."""
+    Both hold for any tie rule of min / max / clamp that picks a subgradient, and neither depends on which one.
+    A tie inside the program can sit where the loss is differentiable (the clip bound the unclipped branch wins on
+    both sides of): there the interval is a single point, so a tie rule that splits the branches (half the
+    derivative, torch 2.15's clamp inside torch.maximum) fails here, as it should."""
     left, right = _one_sided(loss, c, inputs, layout)
     tol = _kink_tolerance(left, right)
     kink = valid & ((right - left).abs() > tol)
     smooth = valid & ~kink
     torch.testing.assert_close(got[smooth], _autograd(loss, c, inputs, layout)[smooth], rtol=1e-12, atol=1e-15)
     lo, hi = torch.minimum(left, right) - tol, torch.maximum(left, right) + tol
-    outside = kink & ((got < lo) | (got > hi))
-    assert not outside.any(), (got[outside], left[outside], right[outside])
+    outside = valid & ((got < lo) | (got > hi))
+    assert not outside.any(), (got[outside], left[outside], right[outside], kink[outside])
     return kink
 
 
@@ -309,3 +310,41 @@ def test_reinforce_dual_cap_tie_lies_in_the_subdifferential(cap):
     theta = got[valid] / full_slope
     assert ((theta >= -1e-14) & (theta <= 1 + 1e-14)).all(), theta
     assert (got[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("side", [1.0, -1.0])
+def test_kl_input_clamp_boundary_takes_the_unclamped_side(kl_type, side):
+    """At |logr| == input_clamp the clamp is not active, so the score-function weight stays live; the estimator's own
+    derivative must stay live with it (the unclamped side's gradient, a one-sided derivative). Left to clamp's tie
+    rule (1 up to torch 2.13, 0 from 2.15) the pathwise part dies while the weight's part does not: a gradient that
+    neither side of the boundary has."""
+    from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
+
+    clamp = 0.05
+    ref = torch.tensor([side * clamp], dtype=F64)  # c = 0: logr = ref - c sits on the bound exactly
+
+    def grad(input_clamp):
+        c = torch.zeros(1, dtype=F64, requires_grad=True)
+        kl = kl_penalty(c, ref, kl_type=kl_type, input_clamp=input_clamp, weights=score_function_weight(c))
+        return torch.autograd.grad(kl.sum(), c)[0]
+
+    torch.testing.assert_close(grad(clamp), grad(None), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("advantage", "bound"), [(-1.5, 0.28), (2.0, -0.2)])
+def test_gmpo_clip_bound_on_the_side_it_does_not_clip_is_smooth(advantage, bound):
+    """GMPO clips d only on the side the advantage pushes, so d on the other bound (A < 0 at clip_high, A > 0 at
+    -clip_low) is a differentiable point: its gradient is the unclipped one, whatever torch's min / clamp tie rules
+    (torch.minimum's even split with clamp's 0 of torch 2.15 gave half of it)."""
+    from nemo_is_plugin.loss.objectives import gmpo_surrogate
+
+    layout = TokenLayout.padded(1, 1)
+    tm, adv = torch.ones(1, 1, dtype=F64), torch.tensor([[advantage]], dtype=F64)
+
+    def grad(clip_low, clip_high):
+        c = torch.tensor([[bound]], dtype=F64, requires_grad=True)  # anchor 0: d == bound exactly
+        out = gmpo_surrogate(c, torch.zeros_like(c), adv, tm, layout, clip_low=clip_low, clip_high=clip_high)
+        return torch.autograd.grad(out.loss.sum(), c)[0]
+
+    torch.testing.assert_close(grad(0.2, 0.28), grad(1.0, 1.0), rtol=0, atol=0)
