@@ -18,22 +18,10 @@ bound at registration or, for the entry-point registration, the recipe named by 
 :class:`MissingPluginConfigError` instead of running vanilla PPO. verl adds its KL loss itself
 (``actor.use_kl_loss``), so ``reference_policy_kl_penalty`` must be 0 here.
 
-Rollout weights vs rollout log-probs. verl computes ``rollout_is_weights`` itself (``algorithm.rollout_correction``:
-token or sequence level, truncated, optionally batch-normalised) and passes only those; the plugin computes its
-weights from the rollout log-probs. By who owns the correction:
-
-- plugin IS off (``use_importance_sampling_correction: false``, no rejection, no veto): verl owns it. verl's weights
-  multiply the per-token loss, exactly as in verl's own losses (none given: weight 1).
-- plugin IS on (or a rejection / veto configured): the plugin owns it and needs log mu. It uses ``rollout_log_probs``
-  when the caller passes them; otherwise it recovers ``log mu = old_log_prob - log w`` from verl's weights, which is
-  exact only for *raw token ratios*: ``rollout_is: token``, ``rollout_is_threshold`` above any ratio (e.g. ``1e9``),
-  no batch normalisation, no RS (verl's ``+-20`` clamp of log w is never reached in practice). Weights that are 0 on a
-  valid token cannot be raw ratios and raise. Without either input the call raises.
-- bypass (``old_policy_logprobs: generation``, verl's ``bypass_mode: true``): verl passes ``old_log_prob`` = log mu
-  and no weights; the plugin's IS weights and rejections measure the current policy against it.
-
-The weights enter as ``generation_logprobs = old_log_prob - log w`` on valid tokens (masked tokens: ``old_log_prob``),
-and the loss runs on pre-aligned tensors through ``ClippedPGLoss.compute``.
+Rollout weights vs rollout log-probs. verl passes its own ``rollout_is_weights``, the plugin computes its weights
+from the rollout log-probs: who owns the correction, and how the weights or the bypass mode become the rollout
+log-probs, is :mod:`~nemo_is_plugin.adapters.verl_correction`. The loss runs on pre-aligned tensors through
+``ClippedPGLoss.compute``.
 
 Normalisation follows verl's ``agg_loss``: with ``config.global_batch_info`` (``dp_size``, ``batch_num_tokens``,
 ``global_batch_size``) the loss is this micro-batch's sum / (global count / dp_size) (``token-sum``: the sum times
@@ -62,9 +50,10 @@ from nemo_is_plugin.adapters.verl_config import (
     actor_keys,
     plugin_section_keys,
 )
+from nemo_is_plugin.adapters.verl_correction import generation_logprobs, owns_correction, rollout_logprobs
 from nemo_is_plugin.adapters.verl_loss_modes import PPO_CLIP_KEYS, VERL_CLIPFRAC_METRICS
 from nemo_is_plugin.adapters.verl_metrics import rollout_corr_metrics, verl_statistics
-from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
+from nemo_is_plugin.config import ClippedPGLossConfig
 
 VERL_LOSS_NAME = "nemo_is.clipped_pg"
 CONFIG_ENV = "NEMO_IS_LOSS_CONFIG"
@@ -151,27 +140,6 @@ def verl_config(
     if cfg.positive_example_nll_weight != 0:
         raise ValueError("positive_example_nll_weight needs per-sample rewards, which verl's policy loss does not get")
     return cfg
-
-
-def _owns_correction(cfg: ClippedPGLossConfig) -> bool:
-    """Whether the plugin's config needs log mu (its own IS weights, a rejection, a veto, or bypass mode)."""
-    return (
-        cfg.use_importance_sampling_correction
-        or cfg.truncated_importance_sampling_type in REJECTION_TYPES
-        or bool(cfg.rejection_rules)
-        or cfg.importance_sampling_veto_threshold is not None
-        or cfg.bypasses_prev
-    )
-
-
-def generation_logprobs(old: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``old - log w`` on valid tokens, ``old`` elsewhere: the rollout log-probs that make exp(old - gen) = w.
-
-    A weight of 0 (icepop / rejection in verl) becomes the smallest positive normal weight, ~1e-38 in float32.
-    """
-    w = weights.detach().to(old.dtype)
-    log_w = torch.log(w.clamp_min(torch.finfo(old.dtype).tiny))
-    return old.detach() - torch.where(mask, log_w, torch.zeros_like(log_w))
 
 
 def _returns_tuple() -> bool:
@@ -296,15 +264,22 @@ class VerlPolicyLoss:
         b, t = log_prob.shape
         keys = self.keys_for(config)
         plugin_cfg = self.resolve(config, loss_agg_mode, t, keys=keys).config
-        owns = _owns_correction(plugin_cfg)
+        owns = owns_correction(plugin_cfg)
         weights_only = not owns and rollout_is_weights is not None
         loss_fn = (
             self.resolve(config, loss_agg_mode, t, weights_only, keys)
             if weights_only
             else self.resolve(config, loss_agg_mode, t, keys=keys)
         )
-        gen = self._generation(
-            plugin_cfg, owns, weights_only, old_log_prob, mask, rollout_is_weights, rollout_log_probs
+        gen = rollout_logprobs(
+            plugin_cfg,
+            owns,
+            weights_only,
+            old_log_prob,
+            mask,
+            rollout_is_weights,
+            rollout_log_probs,
+            loss_name=VERL_LOSS_NAME,
         )
 
         m = mask.to(log_prob.dtype)
@@ -371,45 +346,6 @@ class VerlPolicyLoss:
             )
             out.update(read)  # verl's statistics the loss's metrics do not carry (verl_metrics.verl_statistics)
         return loss, out
-
-    @staticmethod
-    def _generation(
-        cfg: ClippedPGLossConfig,
-        owns: bool,
-        weights_only: bool,
-        old_log_prob: torch.Tensor,
-        mask: torch.Tensor,
-        rollout_is_weights: torch.Tensor | None,
-        rollout_log_probs: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The rollout log-probs log mu the loss sees (see the module docstring)."""
-        if rollout_log_probs is not None and owns:
-            return rollout_log_probs.detach().to(old_log_prob.dtype)
-        if cfg.bypasses_prev:
-            if rollout_is_weights is not None:
-                raise ValueError(
-                    "old_policy_logprobs='generation' (bypass) needs verl's bypass mode: set "
-                    "algorithm.rollout_correction.bypass_mode=true (verl then passes old_log_prob = the "
-                    "rollout log-probs and no rollout_is_weights)"
-                )
-            return old_log_prob.detach()
-        if owns and rollout_is_weights is not None:
-            if bool(((rollout_is_weights <= 0) & mask).any()):
-                raise ValueError(
-                    "the plugin's IS correction reads verl's rollout_is_weights as raw token ratios, but "
-                    "some valid tokens have weight 0: set algorithm.rollout_correction.rollout_is=token, "
-                    "a huge rollout_is_threshold (e.g. 1e9), no rollout_rs, or pass rollout_log_probs"
-                )
-            return generation_logprobs(old_log_prob, mask, rollout_is_weights)
-        if owns:
-            raise ValueError(
-                f"{VERL_LOSS_NAME}: the plugin's IS correction / rejection needs the rollout log-probs: "
-                "enable verl's token-level rollout_is with a huge threshold (raw ratios) or pass "
-                "rollout_log_probs; or set use_importance_sampling_correction: false to let verl correct"
-            )
-        if weights_only and rollout_is_weights is not None:  # weights_only means verl passed its weights
-            return generation_logprobs(old_log_prob, mask, rollout_is_weights)
-        return old_log_prob.detach()
 
     @staticmethod
     def _global_counts(config: Any, agg: str) -> tuple[float | None, float | None]:

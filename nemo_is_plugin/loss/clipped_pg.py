@@ -15,20 +15,16 @@ With every plugin field unset this reproduces NeMo-RL's ClippedPGLossFn (commit 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError, load_loss_config
 from nemo_is_plugin.loss.aggregation import aggregate
+from nemo_is_plugin.loss.aligned_inputs import TOKEN_KEYS as TOKEN_KEYS  # re-exported: distributed/ imports it here
+from nemo_is_plugin.loss.aligned_inputs import LossInputs, align_nemo_rl_inputs
 from nemo_is_plugin.loss.correction import ISCorrection, ISCorrectionOptions, compute_is_correction
-from nemo_is_plugin.loss.input_validation import (
-    input_anomalies,
-    required_input,
-    validate_loss_inputs,
-    warn_input_anomalies,
-)
+from nemo_is_plugin.loss.input_validation import input_anomalies, required_input, warn_input_anomalies
 from nemo_is_plugin.loss.is_weights import exp_or_zero
 from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
 from nemo_is_plugin.loss.layout import TokenLayout
@@ -51,57 +47,6 @@ from nemo_is_plugin.loss.surrogate import (
     ratio_clip_surrogate,
     reinforce_surrogate,
 )
-
-# NeMo-RL's data keys; [B, S] tensors are sliced [:, 1:] to align with next-token log-probs [B, S-1].
-TOKEN_KEYS = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
-
-
-@dataclass
-class LossInputs:
-    """Token tensors aligned with one TokenLayout (shape *T), plus per-sequence tensors [S] and global counts.
-
-    curr_logprobs requires grad; prev / generation / reference log-probs are treated as constants.
-    """
-
-    curr_logprobs: torch.Tensor
-    prev_logprobs: torch.Tensor | None
-    generation_logprobs: torch.Tensor
-    reference_logprobs: torch.Tensor | None
-    advantages: torch.Tensor
-    token_mask: torch.Tensor
-    sample_mask: torch.Tensor
-    global_valid_seqs: torch.Tensor | float
-    global_valid_toks: torch.Tensor | float
-    rewards: torch.Tensor | None = None
-    # NeMo-RL's current log-probs without top-k / top-p filtering (same shape as curr_logprobs, requires grad): the
-    # KL penalty and its weight use them when present.
-    curr_logprobs_unfiltered: torch.Tensor | None = None
-
-    @classmethod
-    def from_tokens(
-        cls,
-        curr_logprobs: torch.Tensor,
-        tokens: Mapping[str, torch.Tensor],
-        data: Mapping[str, torch.Tensor],
-        global_valid_seqs: torch.Tensor | float,
-        global_valid_toks: torch.Tensor | float,
-    ) -> LossInputs:
-        """Build from token tensors under NeMo-RL's keys (``tokens``, already aligned with ``curr_logprobs``, optionally
-        ``curr_logprobs_unfiltered``) and the per-sequence entries of ``data`` (``sample_mask``, optional
-        ``rewards``)."""
-        return cls(
-            curr_logprobs=curr_logprobs,
-            prev_logprobs=tokens.get("prev_logprobs"),
-            generation_logprobs=tokens["generation_logprobs"],
-            reference_logprobs=tokens.get("reference_policy_logprobs"),
-            advantages=tokens["advantages"],
-            token_mask=tokens["token_mask"],
-            sample_mask=data["sample_mask"],
-            global_valid_seqs=global_valid_seqs,
-            global_valid_toks=global_valid_toks,
-            rewards=data.get("rewards"),
-            curr_logprobs_unfiltered=tokens.get("curr_logprobs_unfiltered"),
-        )
 
 
 class ClippedPGLoss:
@@ -137,27 +82,11 @@ class ClippedPGLoss:
         global_valid_toks: torch.Tensor | float,
         layout: TokenLayout | None = None,
     ) -> tuple[LossInputs, TokenLayout]:
-        """Validate a NeMo-RL call's arguments and align them: ``[B, S]`` data -> ``[B, S-1]`` token tensors."""
-        cfg = self.config
-        validate_loss_inputs(
-            next_token_logprobs,
-            data,
-            global_valid_seqs,
-            global_valid_toks,
-            num_seqs=None if layout is None else layout.num_seqs,
-            needs_prev=not cfg.force_on_policy_ratio and not cfg.bypasses_prev,
-            needs_generation=True,
-            needs_reference=cfg.effective_kl_penalty != 0,
-            needs_rewards=cfg.positive_example_nll_weight > 0,
-            strict=cfg.strict_input_checks,
+        """Validate a NeMo-RL call's arguments and align them: ``[B, S]`` data -> ``[B, S-1]`` token tensors
+        (:func:`~nemo_is_plugin.loss.aligned_inputs.align_nemo_rl_inputs`)."""
+        return align_nemo_rl_inputs(
+            self.config, next_token_logprobs, data, global_valid_seqs, global_valid_toks, layout
         )
-        sliced = {k: data[k][:, 1:] for k in TOKEN_KEYS if k in data}
-        if "curr_logprobs_unfiltered" in data and cfg.effective_kl_penalty != 0:  # NeMo-RL reads it only then
-            sliced["curr_logprobs_unfiltered"] = data["curr_logprobs_unfiltered"]  # already [B, S-1]
-        curr = next_token_logprobs
-        if layout is None:
-            layout = TokenLayout.padded(curr.shape[0], curr.shape[1], device=curr.device)
-        return LossInputs.from_tokens(curr, sliced, data, global_valid_seqs, global_valid_toks), layout
 
     # ------------------------------------------------------------------ the loss on aligned token tensors
     def compute(

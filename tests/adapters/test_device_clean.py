@@ -127,7 +127,8 @@ def test_verl_policy_loss_is_device_clean(user, extra, validates, agg):
 
     (got, files), (want, _) = run_guarded_and_plain(run)
     assert_identical(got, want)
-    assert files == sorted(["nemo_is_plugin/loss/metrics.py"] + (["nemo_is_plugin/adapters/verl.py"] * validates))
+    validation = ["nemo_is_plugin/adapters/verl_correction.py"] * validates  # the check that no valid weight is 0
+    assert files == sorted(["nemo_is_plugin/loss/metrics.py"] + validation)
     assert got[1]["actor/ppo_kl"] == pytest.approx(float(((old - lp0) * mask).sum() / (mask.sum() + 1e-8)), rel=1e-6)
 
 

@@ -1,0 +1,95 @@
+"""The loss's inputs aligned with one TokenLayout (:class:`LossInputs`), and a NeMo-RL call's arguments validated and
+aligned into them (:func:`align_nemo_rl_inputs`: ``[B, S]`` data -> ``[B, S-1]`` token tensors)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.input_validation import validate_loss_inputs
+from nemo_is_plugin.loss.layout import TokenLayout
+
+# NeMo-RL's data keys; [B, S] tensors are sliced [:, 1:] to align with next-token log-probs [B, S-1].
+TOKEN_KEYS = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
+
+
+@dataclass
+class LossInputs:
+    """Token tensors aligned with one TokenLayout (shape *T), plus per-sequence tensors [S] and global counts.
+
+    curr_logprobs requires grad; prev / generation / reference log-probs are treated as constants.
+    """
+
+    curr_logprobs: torch.Tensor
+    prev_logprobs: torch.Tensor | None
+    generation_logprobs: torch.Tensor
+    reference_logprobs: torch.Tensor | None
+    advantages: torch.Tensor
+    token_mask: torch.Tensor
+    sample_mask: torch.Tensor
+    global_valid_seqs: torch.Tensor | float
+    global_valid_toks: torch.Tensor | float
+    rewards: torch.Tensor | None = None
+    # NeMo-RL's current log-probs without top-k / top-p filtering (same shape as curr_logprobs, requires grad): the
+    # KL penalty and its weight use them when present.
+    curr_logprobs_unfiltered: torch.Tensor | None = None
+
+    @classmethod
+    def from_tokens(
+        cls,
+        curr_logprobs: torch.Tensor,
+        tokens: Mapping[str, torch.Tensor],
+        data: Mapping[str, torch.Tensor],
+        global_valid_seqs: torch.Tensor | float,
+        global_valid_toks: torch.Tensor | float,
+    ) -> LossInputs:
+        """Build from token tensors under NeMo-RL's keys (``tokens``, already aligned with ``curr_logprobs``, optionally
+        ``curr_logprobs_unfiltered``) and the per-sequence entries of ``data`` (``sample_mask``, optional
+        ``rewards``)."""
+        return cls(
+            curr_logprobs=curr_logprobs,
+            prev_logprobs=tokens.get("prev_logprobs"),
+            generation_logprobs=tokens["generation_logprobs"],
+            reference_logprobs=tokens.get("reference_policy_logprobs"),
+            advantages=tokens["advantages"],
+            token_mask=tokens["token_mask"],
+            sample_mask=data["sample_mask"],
+            global_valid_seqs=global_valid_seqs,
+            global_valid_toks=global_valid_toks,
+            rewards=data.get("rewards"),
+            curr_logprobs_unfiltered=tokens.get("curr_logprobs_unfiltered"),
+        )
+
+
+def align_nemo_rl_inputs(
+    cfg: ClippedPGLossConfig,
+    next_token_logprobs: torch.Tensor,
+    data: Mapping[str, torch.Tensor],
+    global_valid_seqs: torch.Tensor | float,
+    global_valid_toks: torch.Tensor | float,
+    layout: TokenLayout | None = None,
+) -> tuple[LossInputs, TokenLayout]:
+    """Validate a NeMo-RL call's arguments for ``cfg`` and align them: ``[B, S]`` data -> ``[B, S-1]`` token tensors
+    (``layout`` None: the padded layout of ``next_token_logprobs``)."""
+    validate_loss_inputs(
+        next_token_logprobs,
+        data,
+        global_valid_seqs,
+        global_valid_toks,
+        num_seqs=None if layout is None else layout.num_seqs,
+        needs_prev=not cfg.force_on_policy_ratio and not cfg.bypasses_prev,
+        needs_generation=True,
+        needs_reference=cfg.effective_kl_penalty != 0,
+        needs_rewards=cfg.positive_example_nll_weight > 0,
+        strict=cfg.strict_input_checks,
+    )
+    sliced = {k: data[k][:, 1:] for k in TOKEN_KEYS if k in data}
+    if "curr_logprobs_unfiltered" in data and cfg.effective_kl_penalty != 0:  # NeMo-RL reads it only then
+        sliced["curr_logprobs_unfiltered"] = data["curr_logprobs_unfiltered"]  # already [B, S-1]
+    curr = next_token_logprobs
+    if layout is None:
+        layout = TokenLayout.padded(curr.shape[0], curr.shape[1], device=curr.device)
+    return LossInputs.from_tokens(curr, sliced, data, global_valid_seqs, global_valid_toks), layout
