@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 from nemo_is_plugin.adapters.verl_fields import VerlConfigError, VerlConfigTypeError
 from nemo_is_plugin.adapters.verl_fields import verl_field as _get
 from nemo_is_plugin.adapters.verl_loss_modes import MODE_READS, check_loss_mode, loss_mode_keys
-from nemo_is_plugin.config import verl_rejection_rule
+from nemo_is_plugin.config import LossAggregation, verl_rejection_rule
 
 VERL_LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp in every ratio loss
-VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# the plugin's aggregation names are verl's loss_agg_mode names: one vocabulary
+VERL_AGG_MODES: tuple[str, ...] = get_args(LossAggregation)
 ROLLOUT_CORRECTION_KEYS = (
     "rollout_is",
     "rollout_is_threshold",
