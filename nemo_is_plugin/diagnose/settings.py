@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.config import ClippedPGLossConfig, ISCorrectionLevel, TruncationType
 
-IS_LEVELS: tuple[str, ...] = ("token", "sequence", "sequence_mean", "cumulative")
-TRUNCATIONS: tuple[str, ...] = ("none", "tis", "icepop", "seq-mask-tis", "seq-mis", "geo-rs")
+# the config's own vocabularies (each key's choices live on its field), plus "none" for no truncation
+IS_LEVELS: tuple[str, ...] = get_args(ISCorrectionLevel)
+TRUNCATIONS: tuple[str, ...] = ("none", *get_args(TruncationType))
 DEFAULT_TRUNCATIONS: tuple[str, ...] = ("none", "tis", "icepop")
 
 # (low, high) bounds on the weight. Sources: TIS blog / NeMo-RL recipes (tis C=2), OpenRLHF / ProRLv2 (icepop
