@@ -2,16 +2,22 @@
 # The GPU checks in one command, on a CUDA machine, from the repository root (docs/testing.md, "One command on a GPU"):
 #
 #   1. install the Python 3.12 wheels carried in .whl/ into /tmp/site (no index, no dependency resolution);
-#   2. the `gpu` test tier:             python -m pytest -q -m gpu tests
-#   3. the LM-head benchmark:           nemo-is bench --device cuda --out $OUT/head --write-docs
+#   2. the LM-head benchmark, one process per model shape (a run stopped by its time limit loses one shape, not all):
+#                                       nemo-is bench --device cuda --model M --out $OUT/head/M
+#      then one table of all of them:   nemo-is bench --from-json $OUT/head/*/results.json --out $OUT/head --write-docs
 #      (writes the GPU section of docs/performance.md)
-#   4. its results checked: no measurement failed, and the Triton backend did not fall back to torch
+#   3. its results checked: no measurement failed, and the Triton backend did not fall back to torch
 #      (results.json: every row's `failed`, and `triton_fallback`);
-#   5. the MoE model step:              nemo-is bench --model-step --device cuda --out $OUT/step
-#      run with NEMO_IS_STRICT_BACKEND=1, so a fallback to torch there is an error, and checked for failed variants.
+#   4. the MoE model step:              nemo-is bench --model-step --device cuda --out $OUT/step
+#      run with NEMO_IS_STRICT_BACKEND=1, so a fallback to torch there is an error, and checked for failed variants;
+#   5. the `gpu` test tier:             python -m pytest -q -m gpu tests $PYTEST_ARGS
+#   6. the kernel and chunk-size sweep: python -m nemo_is_plugin.bench.kernel_sweep --out $OUT/sweep.json
 #
 # Each step's output goes to $OUT/<step>.log (OUT defaults to ./runs/gpu_check). A failing step does not stop the
-# others; the script exits 1 if any step failed, and lists them. PYTHON overrides the interpreter (default: python).
+# others; the script exits 1 if any step failed, and lists them. PYTHON overrides the interpreter (default: python);
+# PYTEST_ARGS adds pytest arguments (e.g. "-n 8" with pytest-xdist); TIMEOUT_BENCH (per model), TIMEOUT_STEP,
+# TIMEOUT_TESTS and TIMEOUT_SWEEP bound a step's seconds (unset or 0: no limit; a step stopped by one fails);
+# SKIP_SWEEP=1 leaves the sweep out.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -24,11 +30,16 @@ unset TRITON_INTERPRET # the real compiler and GPU, not Triton's CPU interpreter
 
 failed=()
 
-step() { # step NAME COMMAND...: run COMMAND, its output into $OUT/NAME.log (and the terminal); record a failure
-    local name="$1"
+step() { # step NAME [SECONDS] COMMAND...: run COMMAND (for at most SECONDS when a number > 0 is given), its output
+    # into $OUT/NAME.log (and the terminal); record a failure
+    local name="$1" limit=()
     shift
+    if [[ "${1:-}" =~ ^[0-9]+$ ]]; then
+        [ "$1" -gt 0 ] && limit=(timeout --kill-after=10 "$1")
+        shift
+    fi
     echo "=== $name: $*" | tee "$OUT/$name.log"
-    "$@" 2>&1 | tee -a "$OUT/$name.log"
+    "${limit[@]}" "$@" 2>&1 | tee -a "$OUT/$name.log"
     local rc="${PIPESTATUS[0]}"
     if [ "$rc" -ne 0 ]; then
         echo "=== $name FAILED (exit $rc; log: $OUT/$name.log)" | tee -a "$OUT/$name.log"
@@ -43,7 +54,19 @@ install_wheels() {
         return 1
     fi
     "$PYTHON" --version
-    "$PYTHON" -m pip install --no-index --no-deps --target "$SITE" "${wheels[@]}"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
+}
+
+bench_head_report() { # one table, plots and the docs' GPU section from the per-model results that exist
+    local parts=() model
+    for model in "${MODELS[@]}"; do
+        [ -e "$OUT/head/$model/results.json" ] && parts+=(--from-json "$OUT/head/$model/results.json")
+    done
+    if [ "${#parts[@]}" -eq 0 ]; then
+        echo "no model's head benchmark wrote results"
+        return 1
+    fi
+    "$PYTHON" -m nemo_is_plugin.cli.main bench "${parts[@]}" --out "$OUT/head" --write-docs
 }
 
 check_head_results() { # the head benchmark's results.json: no failed measurement, no Triton fallback
@@ -78,13 +101,25 @@ EOF
 }
 
 step install install_wheels
-step cuda "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
-step pytest_gpu "$PYTHON" -m pytest -q -m gpu tests
-step bench_head "$PYTHON" -m nemo_is_plugin.cli.main bench --device cuda --out "$OUT/head" --write-docs
+step cuda "$PYTHON" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; \
+print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+# the model shapes of `nemo-is bench`, from the one list of them (bench/shapes.py)
+mapfile -t MODELS < <("$PYTHON" -c "from nemo_is_plugin.bench.shapes import MODEL_SHAPES
+for s in MODEL_SHAPES: print(s.name)")
+for model in "${MODELS[@]}"; do
+    step "bench_head_$model" "${TIMEOUT_BENCH:-0}" "$PYTHON" -m nemo_is_plugin.cli.main bench --device cuda \
+        --model "$model" --out "$OUT/head/$model"
+done
+step bench_head bench_head_report
 step bench_head_results check_head_results
-step bench_step env NEMO_IS_STRICT_BACKEND=1 "$PYTHON" -m nemo_is_plugin.cli.main bench --model-step --device cuda \
-    --out "$OUT/step"
+step bench_step "${TIMEOUT_STEP:-0}" env NEMO_IS_STRICT_BACKEND=1 "$PYTHON" -m nemo_is_plugin.cli.main bench \
+    --model-step --device cuda --out "$OUT/step"
 step bench_step_results check_step_results
+# shellcheck disable=SC2086 # PYTEST_ARGS is a list of words
+step pytest_gpu "${TIMEOUT_TESTS:-0}" "$PYTHON" -m pytest -q -m gpu tests ${PYTEST_ARGS:-}
+if [ "${SKIP_SWEEP:-0}" != 1 ]; then
+    step sweep "${TIMEOUT_SWEEP:-0}" "$PYTHON" -m nemo_is_plugin.bench.kernel_sweep --out "$OUT/sweep.json"
+fi
 
 if [ "${#failed[@]}" -ne 0 ]; then
     echo "gpu_check FAILED: ${failed[*]} (logs in $OUT)"

@@ -58,7 +58,11 @@ def bench(
         help="Also write docs/performance.md: a CPU run regenerates the CPU page, a GPU run its GPU section.",
     ),
     docs_dir: Path = typer.Option(Path("docs"), help="Docs directory used by --write-docs."),
-    from_json: Path | None = typer.Option(None, help="Render an earlier run's results.json instead of measuring."),
+    from_json: list[Path] | None = typer.Option(
+        None,
+        help="Render an earlier run's results.json instead of measuring; given several times, the runs' rows "
+        "(one setting, different models) in one table.",
+    ),
 ) -> None:
     """Benchmark the log-prob + loss paths at MoE LM-head shapes; prints the table, writes JSON and plots."""
     from rich.console import Console
@@ -68,6 +72,11 @@ def bench(
     if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, 130))
     if model_step:
+        if from_json and len(from_json) > 1:
+            console.print(
+                "[red]error:[/red] --model-step renders one model_step.json (--from-json given more than once)"
+            )
+            raise typer.Exit(code=2)
         model_step_command(
             console,
             device=device,
@@ -81,7 +90,7 @@ def bench(
             out=out,
             write_docs=write_docs,
             docs_dir=docs_dir,
-            from_json=from_json,
+            from_json=from_json[0] if from_json else None,
         )
         return
     try:
@@ -99,13 +108,22 @@ def bench(
             device,
             dtype,
         )
-        if write_docs and from_json is None and cfg.is_cuda and quick:
+        if write_docs and not from_json and cfg.is_cuda and quick:
             raise ValueError("--write-docs refuses a --quick run: its tiny shapes are not meaningful (drop --quick)")
     except ValueError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(code=2) from exc
 
-    results = json.loads(from_json.read_text()) if from_json is not None else _run_with_progress(cfg, console)
+    if from_json:
+        from nemo_is_plugin.bench.merge import merge_results
+
+        try:
+            results = merge_results([json.loads(p.read_text()) for p in from_json])
+        except ValueError as exc:
+            console.print(f"[red]error:[/red] {escape(str(exc))}")
+            raise typer.Exit(code=2) from exc
+    else:
+        results = _run_with_progress(cfg, console)
     _report(results, console, out, write_docs, docs_dir)
 
 

@@ -1,7 +1,8 @@
 """scripts/gpu_check.sh: valid bash, only flags ``nemo-is bench`` really has, and its control flow (run on CPU with a
 stand-in interpreter): every step runs even after one fails, the exit status is 1 and names the failed steps, each
-step logs into $OUT, a Triton fallback in the head benchmark's results fails its check loudly, and the model step runs
-with the strict-backend switch."""
+step logs into $OUT, the head benchmark runs one process per model shape and renders one table from their results, a
+Triton fallback in those results fails its check loudly, the model step runs with the strict-backend switch, and a
+step stopped by its time limit fails."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import typer
 
+from nemo_is_plugin.bench.shapes import MODEL_SHAPES
 from nemo_is_plugin.cli.bench import register
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,9 +41,10 @@ def test_script_is_valid_bash_and_uses_only_real_bench_flags():
     text = SCRIPT.read_text().replace("\\\n", " ")  # join continued lines
     marker = "nemo_is_plugin.cli.main bench"
     calls = [line.split(marker, 1)[1] for line in text.splitlines() if marker in line]
-    assert len(calls) == 2
+    assert len(calls) == 3  # one model per process, the merged report, the model step
     used = {flag for call in calls for flag in re.findall(r"(--[a-z][a-z-]*)", call)}
-    assert used == {"--device", "--out", "--write-docs", "--model-step"}
+    used |= set(re.findall(r"parts\+=\((--[a-z][a-z-]*)", text))  # the report's flags, gathered per model
+    assert used == {"--device", "--model", "--out", "--from-json", "--write-docs", "--model-step"}
     assert used <= _bench_flags()
 
 
@@ -50,7 +53,9 @@ STAND_IN = r"""#!/usr/bin/env bash
 echo "$* | strict=${NEMO_IS_STRICT_BACKEND:-unset}" >> "$CALLS"
 case "$1 $2" in
   "- "*) exec "$REAL_PYTHON" "$@" ;;
+  "-c from nemo_is_plugin.bench.shapes"*) exec "$REAL_PYTHON" "$@" ;;
   "-m pytest") exit 1 ;;
+  "-m nemo_is_plugin.bench.kernel_sweep") sleep 30 ;;
   "-m nemo_is_plugin.cli.main")
     out=$(echo "$*" | sed -E 's/.*--out ([^ ]+).*/\1/'); mkdir -p "$out"
     if [[ "$*" == *--model-step* ]]; then echo '{"skipped": {}}' > "$out/model_step.json"
@@ -85,18 +90,26 @@ def test_every_step_runs_failures_are_listed_and_a_triton_fallback_fails_loudly(
         REAL_PYTHON=sys.executable,
         CALLS=str(tmp_path / "calls"),
         HEAD_RESULTS=str(tmp_path / "head.json"),
+        PYTHONPATH=str(REPO),
+        TIMEOUT_SWEEP="1",
     )
     done = subprocess.run(
         ["bash", str(root / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "gpu_check FAILED: pytest_gpu bench_head_results (logs in" in done.stdout
+    assert "gpu_check FAILED: bench_head_results pytest_gpu sweep (logs in" in done.stdout
+    assert "=== sweep FAILED (exit 124" in (out / "sweep.log").read_text()  # stopped by TIMEOUT_SWEEP
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert any("pip install --no-index --no-deps --target /tmp/site .whl/a-1-cp312-none-any.whl" in c for c in calls)
+    assert any(".whl/a-1-cp312-none-any.whl" in c and "--no-index --no-deps" in c for c in calls)
     assert any(c.startswith("-m pytest -q -m gpu tests |") for c in calls)
-    assert any(f"bench --device cuda --out {out}/head --write-docs | strict=unset" in c for c in calls)
+    models = [s.name for s in MODEL_SHAPES]
+    for model in models:
+        assert any(f"bench --device cuda --model {model} --out {out}/head/{model} | strict=unset" in c for c in calls)
+    parts = " ".join(f"--from-json {out}/head/{m}/results.json" for m in models)
+    assert any(f"bench {parts} --out {out}/head --write-docs | strict=unset" in c for c in calls)
     assert any(f"bench --model-step --device cuda --out {out}/step | strict=1" in c for c in calls)
-    for name in ("install", "cuda", "pytest_gpu", "bench_head", "bench_head_results", "bench_step"):
+    logs = ["install", "cuda", "pytest_gpu", "bench_head", "bench_head_results", "bench_step", "sweep"]
+    for name in logs + [f"bench_head_{m}" for m in models]:
         assert (out / f"{name}.log").exists(), name
     check = (out / "bench_head_results.log").read_text()
     assert "THE TRITON BACKEND FELL BACK TO TORCH: _partials_kernel failed to compile" in check
