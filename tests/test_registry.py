@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from importlib.metadata import EntryPoint
 
 import pytest
@@ -22,9 +23,23 @@ from nemo_is_plugin.loss.registry import (
 SCRATCH = "tests.scratch_loss"
 
 
-def test_pyproject_entry_point_resolves_the_clipped_pg_loss():
+def test_the_packages_own_loss_resolves_without_installed_metadata(monkeypatch):
     assert DEFAULT_LOSS_NAME in registered_names()
     assert get_loss("nemo_is.clipped_pg") is ClippedPGLoss
+    # imported from PYTHONPATH (a Ray worker, the GPU check): no installed entry point at all, the loss still resolves
+    monkeypatch.setattr(registry, "entry_points", lambda group: [])
+    assert registered_names() == [DEFAULT_LOSS_NAME]
+    assert isinstance(build_loss_fn({"name": DEFAULT_LOSS_NAME}), ClippedPGLoss)
+
+
+def test_an_installed_entry_point_is_listed_and_may_override_a_builtin_name(monkeypatch):
+    theirs = EntryPoint(DEFAULT_LOSS_NAME, "json:loads", registry.ENTRY_POINT_GROUP)
+    extra = EntryPoint("their.loss", "json:dumps", registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(
+        registry, "entry_points", lambda group: [theirs, extra] if group == registry.ENTRY_POINT_GROUP else []
+    )
+    assert registered_names() == [DEFAULT_LOSS_NAME, "their.loss"]
+    assert get_loss(DEFAULT_LOSS_NAME) is json.loads and get_loss("their.loss") is json.dumps
 
 
 def test_unknown_name_lists_registered_names_and_suggests():

@@ -1,10 +1,13 @@
 """Loss registry: a host resolves a loss by the name its config gives (``loss_fn: {name: nemo_is.clipped_pg, ...}``).
 
 A name is looked up in :data:`LOSSES` (in-process registrations: a user's own losses, tests), then in the
-``nemo_is_plugin.losses`` entry-point group, which ``pyproject.toml`` of this package and of any other installed
-package declares, e.g. ``"nemo_is.clipped_pg" = "nemo_is_plugin.loss:ClippedPGLoss"``; entry points are loaded on
-lookup, so listing names imports no loss module. A registered object is a *loss factory*: called with one loss config
-(the ``loss_fn`` section minus ``name``) and the builder's keyword arguments, it returns the loss.
+``nemo_is_plugin.losses`` entry-point group, which any installed package declares in its ``pyproject.toml``, e.g.
+``"my.loss" = "my_package.losses:MyLoss"``, then among this package's own losses (:data:`BUILTIN_LOSSES`). The
+package's own are not read from its installed metadata: a worker that imports the plugin from ``PYTHONPATH`` (the
+documented way into NeMo-RL's and verl's Ray workers, and the GPU check's) has none, and must still find them.
+Entry points are loaded on lookup, so listing names imports no loss module. A registered object is a *loss factory*:
+called with one loss config (the ``loss_fn`` section minus ``name``) and the builder's keyword arguments, it returns
+the loss.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ NAME_KEY = "name"  # the key of a loss_fn section that names the loss; stripped 
 
 LossFactory = Callable[..., Any]
 LOSSES: dict[str, LossFactory] = {}  # name -> factory, registered in this process; shadows an entry point's name
+# this package's losses, "module:attribute" as an entry point's value (an installed entry point of the same name wins)
+BUILTIN_LOSSES: dict[str, str] = {DEFAULT_LOSS_NAME: "nemo_is_plugin.loss:ClippedPGLoss"}
 
 
 class UnknownLossError(ConfigError, LookupError):
@@ -42,8 +47,10 @@ class UnknownLossError(ConfigError, LookupError):
 
 
 def _entry_points() -> dict[str, EntryPoint]:
+    """The package's own losses and every installed entry point of the group (which may override them by name)."""
+    builtin = {name: EntryPoint(name, value, ENTRY_POINT_GROUP) for name, value in BUILTIN_LOSSES.items()}
     # Re-read on every call: a package installed (or an editable install refreshed) after import is then visible.
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return builtin | {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def registered_names() -> list[str]:
