@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from helpers.golden_utils import case_ids, load_cases, metric_close
+from helpers.golden_utils import case_ids, finite_grad, load_cases, metric_close
 
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.config import ConfigValidationError
@@ -39,17 +39,6 @@ def _run(case, config=None):
     return loss, metrics, grads
 
 
-def _finite_grad(want: torch.Tensor) -> torch.Tensor:
-    """NeMo-RL's gradient with its NaN replaced by 0, the plugin's value there.
-
-    One case (014: on-policy KL approximation, -inf generation log-prob) has a NaN gradient in NeMo-RL: its KL weight
-    nan_to_num(exp(c - g)) is the constant 0 on that token, but the backward of exp(inf) multiplies the 0 gradient by
-    inf. The plugin gives that token gradient 0, the derivative of the forward value NeMo-RL computes; a NaN gradient
-    would poison the weights.
-    """
-    return torch.where(torch.isnan(want), torch.zeros_like(want), want)
-
-
 def test_suite_covers_every_kind():
     kinds = [c["description"].split()[0] for c in CASES]
     assert len(CASES) == 38 and {k: kinds.count(k) for k in KINDS} == {
@@ -68,7 +57,7 @@ def test_golden_case(case):
         loss, metrics, grads = _run(case)
     want = case["expected"]
     torch.testing.assert_close(loss.detach(), want["loss"].to(loss.dtype), rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(grads[0], _finite_grad(want["grad_next_token_logprobs"]), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grads[0], finite_grad(want["grad_next_token_logprobs"]), rtol=1e-4, atol=1e-6)
     if "grad_curr_logprobs_unfiltered" in want:
         torch.testing.assert_close(grads[1], want["grad_curr_logprobs_unfiltered"], rtol=1e-4, atol=1e-6)
     bad = {

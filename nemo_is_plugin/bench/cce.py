@@ -3,10 +3,12 @@
 CCE computes the per-token cross-entropy straight from hidden states and the classifier without writing logits to
 memory (tiled GEMM with an on-chip log-sum-exp; the backward recomputes the logits per block). With
 ``reduction="none"`` it returns the per-token NLL, i.e. minus the log-prob of the target, so its row feeds the same
-plugin loss as every other path (loss and dX errors are comparable). ``impl="cce_exact"``: no gradient filtering,
-fp32 accumulation, the variant whose gradients match the exact softmax (its default ``"cce"`` skips blocks whose
-softmax is below bf16 precision). Its kernels are Triton GPU kernels; the CPU fallback (``impl="torch_compile"``) is a
-compiled full-logits cross-entropy, not the algorithm, so the row is CUDA-only.
+plugin loss as every other path (loss and dX errors are comparable). ``impl="cce"`` with ``filter_eps=None``: no
+gradient filtering, the variant whose gradients match the exact softmax (its default ``filter_eps="high"`` skips
+blocks whose softmax is below bf16 precision). The released package (25.1.1) has no ``impl="cce_exact"`` (the first
+H100 run failed on it with NotImplementedError); ``filter_eps=None`` turns the filtering off in the releases that
+take the keyword. Its kernels are Triton GPU kernels; the CPU fallback (``impl="torch_compile"``) is a compiled
+full-logits cross-entropy, not the algorithm, so the row is CUDA-only.
 
 Install: ``pip install 'nemo-is-plugin[cce]'``. Imported only when the row runs.
 """
@@ -20,7 +22,8 @@ import torch
 
 from nemo_is_plugin.bench.paths import LogprobPath
 
-CCE_IMPL = "cce_exact"
+CCE_IMPL = "cce"
+CCE_FILTER_EPS = None  # no gradient filtering: exact softmax gradients
 
 
 def cce_unavailable_reason(device: torch.device) -> str | None:
@@ -43,14 +46,14 @@ def cce_logprobs(
     from cut_cross_entropy import linear_cross_entropy
 
     flat = hidden.reshape(-1, hidden.shape[-1])
-    nll = linear_cross_entropy(flat, weight, target.reshape(-1), reduction="none", impl=impl)
+    nll = linear_cross_entropy(flat, weight, target.reshape(-1), reduction="none", filter_eps=CCE_FILTER_EPS, impl=impl)
     return -nll.float().view(target.shape)
 
 
 def cce_path(device: torch.device) -> LogprobPath:
     return LogprobPath(
         "cce",
-        f"cut-cross-entropy linear_cross_entropy (impl={CCE_IMPL!r}) log-probs -> plugin loss",
+        f"cut-cross-entropy linear_cross_entropy (impl={CCE_IMPL!r}, filter_eps=None) log-probs -> plugin loss",
         cce_logprobs,
         unavailable=cce_unavailable_reason(device),
     )

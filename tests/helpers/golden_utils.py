@@ -33,3 +33,14 @@ def metric_close(name: str, got: float, want: float) -> bool:
     """A NeMo-RL metric within the golden READMEs' tolerance (tests/data/golden/nemo_rl*/README.md), the rule the
     suites' generator applies (tools/golden/nemo_rl.py, ``metric_tolerance``); +-inf and NaN must match exactly."""
     return common.close(got, want, nemo_rl.metric_tolerance(name))
+
+
+def finite_grad(want: torch.Tensor) -> torch.Tensor:
+    """NeMo-RL's gradient with its NaN replaced by 0, the plugin's value there.
+
+    One nemo_rl_compat case (014: on-policy KL approximation, -inf generation log-prob) has a NaN gradient in NeMo-RL:
+    its KL weight nan_to_num(exp(c - g)) is the constant 0 on that token, but the backward of exp(inf) multiplies the
+    0 gradient by inf. The plugin gives that token gradient 0, the derivative of the forward value NeMo-RL computes; a
+    NaN gradient would poison the weights. (Every other golden gradient is finite: this is the identity there.)
+    """
+    return torch.where(torch.isnan(want), torch.zeros_like(want), want)
