@@ -159,7 +159,7 @@ class VerlHost:
                 keys = {"loss_mode": self.loss_mode, **keys}
                 verl_config(keys, self._actor(self.loss_mode, None), self._plugin_agg, horizon=1, weights_only=False)
         except (ConfigError, ValueError, TypeError) as exc:
-            raise VerlCompatConfigError(f"{config}: {exc}") from exc
+            raise VerlCompatConfigError(str(exc)) from exc
         self.host_keys = {
             "policy_loss.loss_mode": self.loss_mode,
             **{f"actor.{k}": v for k, v in self._actor_keys.items()},
