@@ -4,7 +4,8 @@ Two comparisons make a report (:func:`run_compat`):
 
 1. **parity**: the plugin built from the part of the config the host knows against the host itself. Every output must
    agree, or differ in a way the plugin's documentation names as deliberate (the host's :meth:`Host.deliberate` says
-   which, and where it is documented). This is what the exit status reports.
+   which, and where it is documented). A setting the plugin runs differently from the host by design (the host's
+   :attr:`Host.deliberate_settings`) is a row of its own, ``documented``. This is what the exit status reports.
 2. **changes** (only when the config sets plugin keys): the plugin with every key against the host. Outputs that
    differ are not failures: they are *changed by* the plugin keys that change them when set alone (a key that is not
    valid alone is tried only with the others).
@@ -58,11 +59,14 @@ def run_call(call: Callable[[], tuple[Any, Any, torch.Tensor]]) -> Outcome:
 
 
 class Host(Protocol):
-    """A host trainer as ``nemo-is compat`` sees it (see :mod:`nemo_is_plugin.compat.hosts`)."""
+    """A host trainer as ``nemo-is compat`` sees it (:class:`~nemo_is_plugin.compat.nemo_rl_host.NeMoRLHost`,
+    :class:`~nemo_is_plugin.compat.verl_host.VerlHost`)."""
 
     name: str
     host_keys: dict[str, Any]
     plugin_keys: dict[str, Any]
+    # setting -> the documented reason the plugin runs it differently from the host (and how it is then compared)
+    deliberate_settings: dict[str, str]
 
     def run_host(self, batch: CompatBatch) -> Outcome: ...
 
@@ -231,7 +235,8 @@ def run_compat(
 ) -> CompatReport:
     """Parity on the host's part of the config, then (with plugin keys) what the plugin keys change."""
     tol = Tolerances() if tol is None else tol
-    parity = list(compare_all(host, batches, {}, tol).values())
+    settings = [Finding(f"setting {k}", DELIBERATE, notes=[v]) for k, v in host.deliberate_settings.items()]
+    parity = settings + list(compare_all(host, batches, {}, tol).values())
     changes: list[Finding] = []
     if host.plugin_keys:
         full = compare_all(host, batches, dict(host.plugin_keys), tol)

@@ -71,6 +71,7 @@ class NeMoRLHost:
         declared = _declared_keys(self._config_cls)
         self.host_keys = {k: v for k, v in section.items() if k in declared}
         self.plugin_keys = {k: v for k, v in section.items() if k not in declared}
+        self.deliberate_settings: dict[str, str] = {}  # every NeMo-RL setting runs as NeMo-RL runs it
         self._losses: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ building, as grpo.setup does
