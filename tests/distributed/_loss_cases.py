@@ -133,6 +133,21 @@ LOSS_CONFIGS: dict[str, dict] = {
         "truncated_importance_sampling_ratio": 2.0,
         "importance_sampling_rejection_rules": [{"option": "seq_max_k2", "threshold": 0.1}],
     },
+    # the probability-difference statistic |pi_prev - mu| under every aggregation, beside a k2 rule; bounds between the
+    # batches' values (token quantiles ~0.9, sequence values of the larger sequences), far from them in float32 terms
+    "prob_diff_rejection_rules": {
+        **IS_ON,
+        "is_correction_level": "sequence_mean",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.1,
+        "importance_sampling_rejection_rules": [
+            {"statistic": "prob_diff", "aggregation": "token", "max": 0.01},
+            {"statistic": "prob_diff", "aggregation": "sequence_sum", "max": 0.02},
+            {"statistic": "prob_diff", "aggregation": "sequence_mean", "max": 0.004},
+            {"statistic": "prob_diff", "aggregation": "sequence_max", "max": 0.01},
+            {"option": "seq_max_k2", "threshold": 0.02},
+        ],
+    },
     # policy objectives (docs/objectives.md) with IS weights and the KL term; thresholds that drop tokens here
     "dppo_tv_is": {
         "policy_objective": "dppo_tv",
