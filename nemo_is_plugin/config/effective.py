@@ -118,9 +118,16 @@ def _rejection(cfg: ClippedPGLossConfig) -> str:
             f"{cfg.importance_sampling_rejection} outside [{_g(cfg.importance_sampling_rejection_min)}, "
             f"{_g(cfg.importance_sampling_rejection_max)}] (on top of the truncation)"
         )
+    for rule in cfg.importance_sampling_rejection_rules:
+        parts.append(f"rule {rule.name}: keep while {_rule_band(rule.statistic, rule.min, rule.max)}")
     if cfg.importance_sampling_veto_threshold is not None:
         parts.append(f"veto a sequence with a token weight < {_g(cfg.importance_sampling_veto_threshold)}")
     return "; ".join(parts) or "none"
+
+
+def _rule_band(statistic: str, low: float | None, high: float | None) -> str:
+    what = "|pi_prev - mu|" if statistic == "prob_diff" else statistic
+    return (f"{_g(low)} <= " if low is not None else "") + what + (f" <= {_g(high)}" if high is not None else "")
 
 
 def _kl(cfg: ClippedPGLossConfig) -> str:

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 # pydantic-core comes with pydantic but is no declared dependency: it is imported where it is used.
 
-# Schulman's estimators of a KL: the values of reference_policy_kl_type and of a rejection rule's statistic.
+# Schulman's estimators of a KL: the values of reference_policy_kl_type and of verl's rejection statistics (a rejection
+# rule's statistic also takes prob_diff, config.rejection_rule.RejectionStatistic).
 KLType = Literal["k1", "k2", "k3"]
 
 # The error type of a boolean given for a number; it ends in "_type", so it counts as a type error (errors.py).

@@ -22,7 +22,8 @@ unmasked tokens):
 - log-space clip (CTPO), when log_ratio_clip_low/high are set:
     clipped ratio = exp(clamp(log r, -eps_low * t^power, eps_high * t^power)); dual clip c_t = exp(eps_c * t^power).
 - rejection rules (verl's rollout_rs): keep a token / sequence while min <= agg_t k(y_t) <= max, y = clamp(p - g, +-20),
-    k1 = -y, k2 = y^2 / 2, k3 = e^y - 1 - y, agg = per token | sequence sum | mean | max (RejectionRule).
+    k1 = -y, k2 = y^2 / 2, k3 = e^y - 1 - y, or prob_diff = |e^p - e^g| (unclamped), agg = per token | sequence sum |
+    mean | max (RejectionRule).
 """
 
 from __future__ import annotations

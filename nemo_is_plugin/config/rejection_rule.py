@@ -1,4 +1,5 @@
-"""Rejection rules: keep a token or a sequence only while a KL-type statistic of log(pi_prev / mu) stays in bounds.
+"""Rejection rules: keep a token or a sequence only while a divergence between pi_prev and mu stays in bounds: a
+KL-type statistic of log(pi_prev / mu), or the probability difference |pi_prev - mu| per token.
 
 One criterion per :class:`RejectionRule`; several at once must all pass. verl's ``rollout_rs`` options are accepted as
 aliases (:func:`verl_rejection_rule` parses them as verl does). Imports without torch.
@@ -14,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from nemo_is_plugin.config.errors import ConfigError, ConfigTypeError
 from nemo_is_plugin.config.field_types import KLType, Real
 
-RejectionStatistic = KLType  # the three KL estimators of log(pi_prev / mu)
+# The three KL estimators of log(pi_prev / mu), and the total-variation term |pi_prev - mu| of the sampled token
+# (prime-rl's probability-difference mask, here between pi_prev and mu). verl's rollout_rs has the three KL ones only.
+RejectionStatistic = Literal["k1", "k2", "k3", "prob_diff"]
 RejectionAggregation = Literal["token", "sequence_sum", "sequence_mean", "sequence_max"]
 # verl's rollout_rs option prefixes -> the plugin's aggregations. verl has no seq_max_k1 (the plugin has).
 VERL_RS_AGGREGATIONS = {
@@ -26,7 +29,7 @@ VERL_RS_AGGREGATIONS = {
 VERL_RS_OPTIONS: tuple[str, ...] = tuple(
     f"{prefix}_{stat}"
     for prefix in VERL_RS_AGGREGATIONS
-    for stat in get_args(RejectionStatistic)
+    for stat in get_args(KLType)
     if (prefix, stat) != ("seq_max", "k1")
 )
 REJECTION_LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi_old / mu) to +-20 before its rejection statistics
@@ -41,7 +44,11 @@ def verl_rejection_rule(option: str, threshold: Any) -> dict[str, Any]:
     """
     opt = str(option).strip()
     if opt not in VERL_RS_OPTIONS:
-        raise ConfigError(f"rollout_rs option {opt!r} is not one of verl's: {', '.join(VERL_RS_OPTIONS)}")
+        hint = " (prob_diff is the plugin's: write {statistic: prob_diff, aggregation: ..., max: ...})"
+        raise ConfigError(
+            f"rollout_rs option {opt!r} is not one of verl's: {', '.join(VERL_RS_OPTIONS)}"
+            + (hint if "prob_diff" in opt else "")
+        )
     prefix, stat = opt.rsplit("_", 1)
     if threshold is None:
         raise ConfigError(f"rollout_rs option {opt!r} needs a numeric rollout_rs_threshold, got None")
@@ -78,10 +85,12 @@ class RejectionRule(BaseModel):
     """Keep a token (aggregation ``token``) or a whole sequence only while ``min <= statistic <= max``.
 
     Statistics of y_t = clamp(p_t - g_t, +-log_ratio_clamp) = log(pi_prev / mu) per token, the three estimators of
-    KL(mu || pi_prev): k1 = -y, k2 = y^2 / 2, k3 = e^y - 1 - y; aggregated per token, or over the sequence's unmasked
-    tokens as a sum, a mean or a max (a sequence without tokens has statistic 0). k2 and k3 are >= 0, so only ``max``
-    bounds them. Aliases: verl's form ``{option: seq_mean_k1, threshold: "0.999_1.001"}``, and verl's aggregation names
-    ``seq_sum`` / ``seq_mean`` / ``seq_max``.
+    KL(mu || pi_prev): k1 = -y, k2 = y^2 / 2, k3 = e^y - 1 - y; or ``prob_diff`` = |e^p_t - e^g_t|, the probability
+    difference (a total-variation term) of the token, unclamped; aggregated per token, or over the sequence's unmasked
+    tokens as a sum, a mean or a max (a sequence without tokens has statistic 0). k2, k3 and prob_diff are >= 0, so
+    only ``max`` bounds them; prob_diff is <= 1, so its ``max`` lies in (0, 1]. Aliases: verl's form
+    ``{option: seq_mean_k1, threshold: "0.999_1.001"}``, and verl's aggregation names ``seq_sum`` / ``seq_mean`` /
+    ``seq_max``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -93,7 +102,8 @@ class RejectionRule(BaseModel):
     log_ratio_clamp: Real | None = Field(
         REJECTION_LOG_RATIO_CLAMP,
         gt=0,
-        description="Clamp of y_t to +-value before the statistic (verl: 20); null: no clamp, non-finite y_t count 0.",
+        description="Clamp of y_t to +-value before the statistic (verl: 20); null: no clamp, non-finite y_t count 0. "
+        "prob_diff reads no y_t: null for it.",
     )
 
     @model_validator(mode="before")
@@ -108,7 +118,17 @@ class RejectionRule(BaseModel):
             rest = {k: v for k, v in data.items() if k not in ("option", "threshold")}
             return {**verl_rejection_rule(data["option"], data.get("threshold")), **rest}
         if isinstance(data, dict) and data.get("aggregation") in VERL_RS_AGGREGATIONS:  # verl's seq_sum, ... names
-            return {**data, "aggregation": VERL_RS_AGGREGATIONS[data["aggregation"]]}
+            data = {**data, "aggregation": VERL_RS_AGGREGATIONS[data["aggregation"]]}
+        if isinstance(data, dict) and data.get("statistic") == "prob_diff":
+            # |e^p - e^g| reads the log-probs, not their clamped difference: no clamp applies, so the field is null
+            # (a dumped rule round-trips) and a clamp given for it is refused rather than ignored.
+            if data.get("log_ratio_clamp") is not None:
+                raise ConfigError(
+                    f"rejection rule {data.get('aggregation')}_prob_diff: log_ratio_clamp="
+                    f"{data['log_ratio_clamp']!r} does not apply (|pi_prev - mu| reads the probabilities, not the "
+                    "log-ratio); unset it"
+                )
+            data = {**data, "log_ratio_clamp": None}
         return data
 
     @model_validator(mode="after")
@@ -117,6 +137,11 @@ class RejectionRule(BaseModel):
         if self.statistic != "k1" and lo is not None:
             raise ConfigError(
                 f"rejection rule {self.name}: {self.statistic} is a divergence >= 0, only max bounds it; unset min"
+            )
+        if self.statistic == "prob_diff" and hi is not None and not 0 < hi <= 1:
+            raise ConfigError(
+                f"rejection rule {self.name}: max={hi} must be in (0, 1] (|pi_prev - mu| of a token lies in [0, 1]; "
+                "prime-rl's ipo_threshold is 0.1)"
             )
         if hi is None and (lo is None or self.statistic != "k1"):
             also = " and/or min" if self.statistic == "k1" else ""

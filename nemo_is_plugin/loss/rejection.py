@@ -1,14 +1,16 @@
-"""Rejection rules: keep a token or a sequence while a divergence statistic of log(pi_prev / mu) stays in bounds.
+"""Rejection rules: keep a token or a sequence while a divergence between pi_prev and mu stays in bounds.
 
 y_t = clamp(p_t - g_t, -c, c) (c = the rule's ``log_ratio_clamp``; none: non-finite values count 0), m = token mask.
 
-=========  ===============  ==========================================================================================
-statistic  per token        what it estimates
-=========  ===============  ==========================================================================================
-k1         -y_t             KL(mu || pi_prev), unbiased, signed (its sequence sum is -log of the sequence ratio)
-k2         y_t^2 / 2        the same KL, biased, >= 0
-k3         e^y_t - 1 - y_t  the same KL, unbiased, >= 0
-=========  ===============  ==========================================================================================
+=========  =================  ========================================================================================
+statistic  per token          what it measures
+=========  =================  ========================================================================================
+k1         -y_t               KL(mu || pi_prev), unbiased, signed (its sequence sum is -log of the sequence ratio)
+k2         y_t^2 / 2          the same KL, biased, >= 0
+k3         e^y_t - 1 - y_t    the same KL, unbiased, >= 0
+prob_diff  |e^p_t - e^g_t|    the probability difference of the sampled token, in [0, 1] (no clamp: see
+                              :func:`probability_difference`); prime-rl's probability-difference mask on the IS side
+=========  =================  ========================================================================================
 
 Aggregations: ``token`` (the statistic itself), ``sequence_sum`` = sum_t m_t k_t, ``sequence_mean`` =
 sum_t m_t k_t / (sum_t m_t + 1e-8), ``sequence_max`` = max over unmasked tokens (0 for a sequence without tokens), as
@@ -93,7 +95,31 @@ def token_statistic(statistic: str, y: torch.Tensor) -> torch.Tensor:
         return 0.5 * y * y
     if statistic == "k3":
         return torch.exp(y) - 1.0 - y
-    raise ValueError(f"unknown rejection statistic {statistic!r}; expected k1, k2 or k3")
+    raise ValueError(
+        f"unknown rejection statistic {statistic!r}; expected k1, k2 or k3 (prob_diff: rule_token_statistic)"
+    )
+
+
+@torch.no_grad()
+def probability_difference(prev: torch.Tensor, gen: torch.Tensor) -> torch.Tensor:
+    """D_t = |e^p_t - e^g_t| (Float[*T] -> Float[*T], at least float32: a bf16 probability has 8 bits, too coarse for
+    thresholds of a few hundredths near 1).
+
+    No log-ratio clamp: the clamp keeps k1 / k2 / k3 finite where p - g is huge or inf - inf, but D is a bounded
+    function of the two probabilities (each e^x in [0, 1] for a log-prob x <= 0), and a -inf log-prob (a token outside
+    the filtered sampling support) is probability 0, so D = the other probability, finite. A clamp on p - g would only
+    change D where it is exact.
+    """
+    dtype = torch.promote_types(prev.dtype, torch.float32)
+    return torch.abs(torch.exp(prev.to(dtype)) - torch.exp(gen.to(dtype)))
+
+
+@torch.no_grad()
+def rule_token_statistic(rule: RuleSpec, prev: torch.Tensor, gen: torch.Tensor) -> torch.Tensor:
+    """The rule's statistic per token: prob_diff from the log-probs, k1 / k2 / k3 from their clamped log-ratio."""
+    if rule.statistic == "prob_diff":
+        return probability_difference(prev, gen)
+    return token_statistic(rule.statistic, clamped_log_ratio(prev, gen, rule.log_ratio_clamp))
 
 
 @torch.no_grad()
@@ -110,7 +136,7 @@ def evaluate_rule(
     rule: RuleSpec, prev: torch.Tensor, gen: torch.Tensor, token_mask: torch.Tensor, layout: TokenLayout
 ) -> RuleOutcome:
     """Apply one rule. prev, gen, token_mask: Float[*T]; the sequence statistics count ``token_mask``'s tokens."""
-    stat = token_statistic(rule.statistic, clamped_log_ratio(prev, gen, rule.log_ratio_clamp))
+    stat = rule_token_statistic(rule, prev, gen)
     seq_stat = None
     if rule.aggregation == "token":
         value = stat
@@ -157,5 +183,7 @@ __all__ = [
     "clamped_log_ratio",
     "evaluate_rule",
     "evaluate_rules",
+    "probability_difference",
+    "rule_token_statistic",
     "token_statistic",
 ]

@@ -178,3 +178,28 @@ def test_row_means_average_to_the_batch_value_over_equal_micro_batches(metric):
     keys = rollout_correction_keys(settings)
     halves = [_plugin(keys, batch, rows=rows)[PREFIX + metric] for rows in (slice(0, B // 2), slice(B // 2, B))]
     assert math.isclose(sum(halves) / 2, _verl(settings, batch)[PREFIX + metric], rel_tol=1e-7)
+
+
+def test_a_rule_verl_has_no_option_for_reports_under_the_plugins_names_only():
+    """prob_diff (no rollout_rs option in verl) beside verl's own rules: its metrics are the plugin's
+    actor/nemo_is/is_rejection_token_prob_diff_*; verl's rules keep their rollout_corr/ names and values; the combined
+    rollout_rs_masked_fraction / _seq_masked_fraction are left out (verl's would not count the prob_diff rule)."""
+    settings, batch = SETTINGS["rs_only"], _batch(beyond_20=False)
+    keys = rollout_correction_keys(settings)
+    keys["importance_sampling_rejection_rules"] = [
+        *keys["importance_sampling_rejection_rules"],
+        {"statistic": "prob_diff", "aggregation": "token", "max": 0.15},
+    ]
+    metrics = _plugin(keys, batch)
+    combined = {f"{PREFIX}rollout_rs_masked_fraction", f"{PREFIX}rollout_rs_seq_masked_fraction"}
+    want = {k: v for k, v in _verl(settings, batch).items() if k not in combined}
+    got = {k: v for k, v in metrics.items() if k.startswith(PREFIX)}
+    assert sorted(got) == sorted(want)
+    assert all(math.isclose(got[k], v, rel_tol=1e-6, abs_tol=1e-9) for k, v in want.items())
+    ours = "actor/nemo_is/is_rejection_token_prob_diff_"
+    assert {ours + s for s in ("mean", "min", "max", "rejected_fraction", "rejected_seq_fraction")} <= set(metrics)
+    assert 0 < metrics[ours + "rejected_fraction"] < 1
+    # verl's two rules reject nothing on this batch (their rollout_rs_*_masked_fraction above are verl's 0), so the
+    # plugin's combined fraction is the prob_diff rule's, which verl's combined fraction would have missed
+    assert metrics["actor/nemo_is/is_rejection_rejected_fraction"] == metrics[ours + "rejected_fraction"]
+    assert {want[f"{PREFIX}rollout_rs_{o}_masked_fraction"] for o in ("seq_mean_k1", "token_k2")} == {0.0}

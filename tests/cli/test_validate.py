@@ -112,6 +112,17 @@ def test_show_effective_prints_every_resolved_choice_and_every_key():
         ({"importance_sampling_veto_threshold": 1e-4}, "IS rejection", "veto a sequence with a token weight < 0.0001"),
         (
             {
+                "importance_sampling_rejection_rules": [
+                    {"statistic": "prob_diff", "aggregation": "sequence_max", "max": 0.2},
+                    {"option": "token_k1", "threshold": "0.5_2"},
+                ]
+            },
+            "IS rejection",
+            "rule sequence_max_prob_diff: keep while |pi_prev - mu| <= 0.2; rule token_k1: keep while -0.693147 <= k1 "
+            "<= 0.693147",
+        ),
+        (
+            {
                 "use_importance_sampling_correction": True,
                 "truncated_importance_sampling_type": "icepop",
                 "truncated_importance_sampling_ratio": 5.0,

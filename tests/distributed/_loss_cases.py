@@ -133,6 +133,21 @@ LOSS_CONFIGS: dict[str, dict] = {
         "truncated_importance_sampling_ratio": 2.0,
         "importance_sampling_rejection_rules": [{"option": "seq_max_k2", "threshold": 0.1}],
     },
+    # the probability-difference statistic |pi_prev - mu| under every aggregation, beside a k2 rule; bounds between the
+    # batches' values (token quantiles ~0.9, sequence values of the larger sequences), far from them in float32 terms
+    "prob_diff_rejection_rules": {
+        **IS_ON,
+        "is_correction_level": "sequence_mean",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.1,
+        "importance_sampling_rejection_rules": [
+            {"statistic": "prob_diff", "aggregation": "token", "max": 0.01},
+            {"statistic": "prob_diff", "aggregation": "sequence_sum", "max": 0.02},
+            {"statistic": "prob_diff", "aggregation": "sequence_mean", "max": 0.004},
+            {"statistic": "prob_diff", "aggregation": "sequence_max", "max": 0.01},
+            {"option": "seq_max_k2", "threshold": 0.02},
+        ],
+    },
     # policy objectives (docs/objectives.md) with IS weights and the KL term; thresholds that drop tokens here
     "dppo_tv_is": {
         "policy_objective": "dppo_tv",
@@ -160,6 +175,29 @@ LOSS_CONFIGS: dict[str, dict] = {
         "truncated_importance_sampling_type": "tis",
         "truncated_importance_sampling_ratio": 1.05,
     },
+}
+
+# Every policy_objective (docs/objectives.md), with token TIS weights and the KL term; thresholds that drop tokens on
+# these batches (test_logit_loss checks that each trust region bites and that every objective is here).
+OBJECTIVE_IS = {**IS_ON, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 1.1}
+OBJECTIVE_LOSS_CONFIGS: dict[str, dict] = {
+    name: {**OBJECTIVE_IS, "policy_objective": name, **keys}
+    for name, keys in {
+        "ppo_clip": {"ratio_clip_min": 0.1, "ratio_clip_max": 0.1},
+        "dppo_tv": {"dppo_delta_low": 0.002, "dppo_delta_high": 0.002, "dppo_ratio_cap": 1.2},
+        "dppo_kl": {"dppo_delta_low": 1e-4, "dppo_delta_high": 1e-4},
+        "prob_diff": {"prob_diff_threshold": 0.002},
+        "cppo": {"cppo_delta": 0.002, "cppo_w_min": 0.8, "cppo_delta_b": 0.0005},
+        "sapo": {"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05, "loss_aggregation": "seq-mean-token-mean"},
+        "gmpo": {
+            "gmpo_clip_low": 0.1,
+            "gmpo_clip_high": 0.15,
+            "loss_aggregation": "seq-mean-token-mean",
+            "is_correction_level": "sequence_mean",
+        },
+        "gpg": {},
+        "dro": {"dro_beta": 0.5},
+    }.items()
 }
 
 

@@ -176,6 +176,13 @@ SEPARABLE_CONFIGS = {
             {"option": "seq_max_k2", "threshold": 0.006},
         ]
     ),
+    "prob_diff_rejection_rules": variant(
+        importance_sampling_rejection_rules=[
+            {"statistic": "prob_diff", "aggregation": "token", "max": 1e-3},
+            {"statistic": "prob_diff", "aggregation": "sequence_mean", "max": 2e-3},
+            {"option": "seq_mean_k3", "threshold": 0.002},
+        ]
+    ),
     "agg_legacy_token_level_loss_false": variant(token_level_loss=False, loss_aggregation=None),
     "cispo": variant(use_cispo=True),
     "disable_ppo_ratio": variant(disable_ppo_ratio=True),
@@ -229,12 +236,15 @@ def test_config_sweep_exercises_its_features():
             "token_log_ratio_clamp_and_max",
             "tis_plus_geo_rs_rejection",
             "verl_rejection_rules",
+            "prob_diff_rejection_rules",
         )
     }
     for name in ("icepop", "seq_mis", "geo_rs", "veto", "tis_plus_geo_rs_rejection", "verl_rejection_rules"):
         assert 0 < m[name]["is_rejected_fraction"] < 1, name
     for rule in ("token_k1", "sequence_mean_k3", "sequence_max_k2"):
         assert 0 < m["verl_rejection_rules"][f"is_rejection_{rule}_rejected_fraction"] < 1, rule
+    for rule in ("token_prob_diff", "sequence_mean_prob_diff"):
+        assert 0 < m["prob_diff_rejection_rules"][f"is_rejection_{rule}_rejected_fraction"] < 1, rule
     assert 0 < m["seq_mask_tis"]["is_oob_ratio"] < 1
     assert m["dual_clip"]["clip_fraction_dual"] > 0
     assert m["log_space_clip_position_power"]["clip_fraction"] > 0

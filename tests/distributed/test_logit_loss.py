@@ -12,6 +12,7 @@ from nemo_is_plugin.loss import ClippedPGLoss
 from ._loss_cases import (
     GRAD_RTOL,
     LOSS_CONFIGS,
+    OBJECTIVE_LOSS_CONFIGS,
     TOL,
     assert_metrics_close,
     assert_tensor_close,
@@ -127,6 +128,22 @@ def test_loss_configs_cover_every_level_truncation_and_aggregation():
     assert {r.aggregation for r in rules} == set(get_args(RejectionAggregation))
     assert {r.statistic for r in rules} == set(get_args(RejectionStatistic))
     assert {c.old_policy_logprobs for c in cfgs} == set(get_args(OldPolicyLogprobs))
+
+
+def test_objective_configs_cover_every_objective_and_their_trust_regions_bite():
+    """The PP check iterates OBJECTIVE_LOSS_CONFIGS: every policy_objective, and on its batch (seed 300) each trust
+    region drops some tokens but not all (so that the parallel equality tests the masks)."""
+    from typing import get_args
+
+    from nemo_is_plugin.config import ClippedPGLossConfig, PolicyObjective
+
+    assert list(OBJECTIVE_LOSS_CONFIGS) == list(get_args(PolicyObjective))
+    logits, data, _ = make_batch(300, dtype=torch.float64)
+    for name, cfg in OBJECTIVE_LOSS_CONFIGS.items():
+        assert ClippedPGLossConfig(**cfg).policy_objective == name
+        if name not in ("sapo", "gpg", "dro"):  # no trust region to bite
+            dropped = reference(cfg, logits, data)[1]["clip_fraction"]
+            assert 0 < dropped < 1, name
 
 
 def test_fp32_tolerance_sits_above_the_single_process_noise_floor():

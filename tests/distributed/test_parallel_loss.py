@@ -13,7 +13,8 @@ within ``_loss_cases.TOL`` / ``GRAD_RTOL`` (fp64 logits: 1e-10 relative; fp32: t
 loss itself, 2e-6 relative on loss and metrics and 5e-6 of max|g| on the gradient, see there). bf16 logits: loss and
 metrics as fp32 (all the arithmetic after the per-chunk upcast is fp32), the gradient within bf16 rounding (2^-7 of its
 largest entry). DP: the losses and metrics summed / min-maxed over DP ranks equal the single-process loss on the
-concatenated batch. PP: the first stage receives the last stage's metrics.
+concatenated batch. PP: the first stage receives the last stage's metrics; every policy objective
+(``_loss_cases.OBJECTIVE_LOSS_CONFIGS``) on the last stage of CP2 x PP2 equals the single-process float64 loss.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from nemo_is_plugin.distributed.collectives import all_reduce_sum
-from nemo_is_plugin.distributed.cp_sharding import shard_packed, shard_padded
+from nemo_is_plugin.distributed.cp_sharding import CP_ORDERS, shard_packed, shard_padded
 from nemo_is_plugin.distributed.data_parallel import all_reduce_metrics, global_valid_counts
 from nemo_is_plugin.distributed.groups import ParallelGroups
 from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
@@ -33,6 +34,7 @@ from nemo_is_plugin.loss import ClippedPGLoss
 
 from ._loss_cases import (
     LOSS_CONFIGS,
+    OBJECTIVE_LOSS_CONFIGS,
     TOL,
     assert_metrics_close,
     assert_tensor_close,
@@ -200,6 +202,29 @@ def check_pp_metrics_broadcast(rank: int, world: int) -> None:
     assert_metrics_close(got, want, context=f"pp last={groups.pp_is_last}", **TOL[torch.float32])
 
 
+def check_pp_last_stage_objectives(rank: int, world: int) -> None:
+    """CP2 x PP2, float64 logits: every policy objective computed on the last stage (padded and packed, both CP
+    orders) equals the single-process float64 loss (summed over CP), gradient and metrics; the first stage receives
+    the same metrics."""
+    groups = _init(1, 2, pp=2)
+    full, data, lengths = make_batch(300, dtype=torch.float64)
+    counts = global_valid_counts(data["token_mask"], data["sample_mask"], None)
+    failures = Failures()
+    for name, kind, order in itertools.product(OBJECTIVE_LOSS_CONFIGS, ("padded", "packed"), CP_ORDERS):
+        cfg, ctx = OBJECTIVE_LOSS_CONFIGS[name], f"pp2 cp2 {name} {kind} {order} last={groups.pp_is_last}"
+        want_loss, want_metrics, want_grad = reference(cfg, full, data, counts)
+        metrics = None
+        if groups.pp_is_last:
+            local, cu, grad_to_local = _local_logits(full, lengths, groups, kind, order, seed=5)
+            loss, metrics, grad = _run_parallel(cfg, local, data, counts, groups, order, cu)
+            total = all_reduce_sum(loss, groups.cp)
+            failures.check(ctx + " loss", assert_tensor_close, total, want_loss, torch.float64)
+            failures.check(ctx + " grad", assert_tensor_close, grad, grad_to_local(want_grad), torch.float64, True)
+        got = broadcast_metrics_from_last_stage(metrics, groups)
+        failures.check(ctx + " metrics", assert_metrics_close, got, want_metrics, context=ctx, **TOL[torch.float64])
+    failures.raise_if_any()
+
+
 def check_groups_from_parallel_state(rank: int, world: int) -> None:
     groups = _init(2, 2)
     ps = PS["ps"]
@@ -224,6 +249,7 @@ CHECKS = [
     ),
     ("dp_sums_to_the_global_batch", check_dp_sums_to_the_global_batch),
     ("pp_metrics_broadcast", check_pp_metrics_broadcast),
+    ("pp_last_stage_objectives", check_pp_last_stage_objectives),
 ]
 
 
