@@ -46,6 +46,19 @@ def test_dropped_fraction_grows_with_drift(sweep, name):
     assert frac[-1] > 0.1
 
 
+def test_binary_tv_drops_a_subset_of_what_ppo_clips(sweep):
+    """|p - q| = q |r - 1| <= |r - 1|: a token Binary-TV drops at 0.2 / 0.28 has r > 1.28 (A > 0) or r < 0.8 (A < 0),
+    outside PPO's 0.2 band on the side its advantage pushes, so PPO's clip is active on it as well."""
+    tv_cfg, ppo_cfg = obj.OBJECTIVE_CONFIGS["dppo_tv"], obj.OBJECTIVE_CONFIGS["ppo_clip"]
+    assert (
+        tv_cfg["dppo_delta_high"] >= ppo_cfg["ratio_clip_max"] and tv_cfg["dppo_delta_low"] >= ppo_cfg["ratio_clip_min"]
+    )
+    tv = np.array(sweep["objectives"]["dppo_tv"]["clip_fraction"])
+    ppo = np.array(sweep["objectives"]["ppo_clip"]["clip_fraction"])
+    assert np.all(tv <= ppo)
+    assert np.any(tv > 0.05)
+
+
 def test_every_objective_equals_the_untruncated_gradient_at_zero_drift(sweep):
     """At r = 1 no mask engages, SAPO's gate has slope 1, DRO's penalty has gradient 0, GPG's -A grad log pi is the
     policy gradient, and GMPO's seq-mean-token-mean equals the token mean (equal lengths, one advantage per sequence;
