@@ -10,12 +10,16 @@ import numpy as np
 from nemo_is_plugin.evidence.plots import plt, save_figure
 
 MASKING = ("ppo_clip", "dppo_tv", "dppo_kl", "prob_diff")
-TITLES = {
-    "ppo_clip": "PPO clip (eps 0.2): clip fraction",
-    "dppo_tv": "DPPO Binary-TV (0.2 / 0.28): masked fraction",
-    "dppo_kl": "DPPO Binary-KL (0.2 / 0.28): masked fraction",
-    "prob_diff": "prob_diff (|p - q| <= 0.1): masked fraction",
-}
+
+
+def _masking_title(name: str, config: dict) -> str:
+    """Panel title with the thresholds the experiment ran with (read from its result, not repeated here)."""
+    if name == "ppo_clip":
+        return f"PPO clip ({config['ratio_clip_min']:g} / {config['ratio_clip_max']:g}): clip fraction"
+    if name == "prob_diff":
+        return f"prob_diff (|p - q| <= {config['prob_diff_threshold']:g}): masked fraction"
+    kind = "TV" if name == "dppo_tv" else "KL"
+    return f"DPPO Binary-{kind} ({config['dppo_delta_low']:g} / {config['dppo_delta_high']:g}): masked fraction"
 
 
 def _drift_axis(ax, sweep: dict) -> np.ndarray:
@@ -37,7 +41,7 @@ def _masking_panel(ax, sweep: dict, name: str) -> None:
         ppo = np.array(sweep["objectives"]["ppo_clip"]["clip_fraction"])[keep]
         ax.plot(s, ppo, "--", color="grey", label="PPO clip fraction, same batches")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(TITLES[name], fontsize=9)
+    ax.set_title(_masking_title(name, sweep["configs"][name]), fontsize=9)
 
 
 def _cppo_length_panel(ax, cppo: dict) -> None:
@@ -64,11 +68,12 @@ def _cppo_limit_panel(ax, cppo: dict) -> None:
 def _sapo_panel(ax, sapo: dict) -> None:
     r = np.array(sapo["ratios"])
     w = sapo["weights"]
+    tau_pos, tau_neg = sapo["configs"]["sapo"]["sapo_tau_pos"], sapo["configs"]["sapo"]["sapo_tau_neg"]
     ax.plot(r, w["unclipped"]["pos"], color="grey", lw=1, label="unclipped: w = r")
     ax.plot(r, w["ppo_clip"]["pos"], "C1--", label="PPO clip, A > 0")
     ax.plot(r, w["ppo_clip"]["neg"], "C2--", label="PPO clip, A < 0")
-    ax.plot(r, w["sapo"]["pos"], "C1-", lw=2, label="SAPO gate, A > 0 (tau 1)")
-    ax.plot(r, w["sapo"]["neg"], "C2-", lw=2, label="SAPO gate, A < 0 (tau 1.05)")
+    ax.plot(r, w["sapo"]["pos"], "C1-", lw=2, label=f"SAPO gate, A > 0 (tau {tau_pos:g})")
+    ax.plot(r, w["sapo"]["neg"], "C2-", lw=2, label=f"SAPO gate, A < 0 (tau {tau_neg:g})")
     ax.plot([1.0], [1.0], "k*", ms=10)
     ax.set_xlabel("ratio r = pi / pi_old")
     ax.set_ylabel("gradient weight w: dL/dc = -A w / N")
