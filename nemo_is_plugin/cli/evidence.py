@@ -28,10 +28,13 @@ def register(app: typer.Typer) -> None:
         quick: bool = typer.Option(False, "--quick", help="Small Monte Carlo sizes (seconds; noisier numbers)."),
         seed: int = typer.Option(0, help="Seed of every random draw; the same seed reproduces the same files."),
         only: list[str] | None = typer.Option(
-            None, "--only", help="Run only this experiment (repeatable): is_collapse, ctpo_variance, kl_gradient_bias."
+            None,
+            "--only",
+            help="Run only this experiment (repeatable): is_collapse, ctpo_variance, kl_gradient_bias, objectives.",
         ),
     ) -> None:
-        """Reproduce the seeds' claims (IS collapse, CTPO variance, KL gradient bias) as figures and numbers."""
+        """Reproduce the seeds' claims (IS collapse, CTPO variance, KL gradient bias) and measure one property per
+        policy objective, as figures and numbers."""
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Table
@@ -109,4 +112,12 @@ def _print_headline(console, head: dict, table_cls) -> None:
             t.add_column(col, justify="right")
         for name, r in head["kl_gradient_bias"].items():
             t.add_row(name, f"{r['max_abs_z']:.1f}", f"{r['p_value']:.2g}", f"{r['exact_bias_norm']:.4f}")
+        console.print(t)
+    if "objectives" in head:
+        t = table_cls(title="Policy objectives on synthetic batches (logit drift s from pi_old)")
+        for col, justify in (("objective", "left"), ("measured property", "left"), ("value", "right")):
+            t.add_column(col, justify=justify)
+        for name, props in head["objectives"].items():
+            for i, (prop, value) in enumerate(props.items()):
+                t.add_row(name if i == 0 else "", prop, "not reached" if value is None else f"{value:.3g}")
         console.print(t)

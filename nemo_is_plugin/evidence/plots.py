@@ -27,7 +27,7 @@ LEVEL_STYLE = {"token": "-.", "sequence": "-", "sequence_mean": "--", "cumulativ
 WEIGHT_FLOOR = 1e-4
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
@@ -68,7 +68,7 @@ def plot_is_collapse(result: dict, path: Path, dist_name: str = "seed fit") -> P
         ax.set_ylabel("IS weight (token-pooled)")
     axes[0, 1].legend(fontsize=8, loc="lower left")
     fig.suptitle(f"IS-weight collapse with length, mismatch {desc}", fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_is_lr_scale(result: dict, path: Path) -> Path:
@@ -99,7 +99,7 @@ def plot_is_lr_scale(result: dict, path: Path) -> Path:
     fig.suptitle(
         "Effective learning-rate scale of each IS level (i.i.d. per-token Student-t mismatch, df=4)", fontsize=11
     )
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_ctpo_variance(result: dict, path: Path) -> Path:
@@ -173,7 +173,7 @@ def plot_ctpo_variance(result: dict, path: Path) -> Path:
     ax.set_ylabel("(MC mean - exact) / standard error, every component")
     ax.set_title("z-scores of the estimators' means", fontsize=10)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_kl_gradient_bias(result: dict, path: Path) -> Path:
@@ -217,4 +217,4 @@ def plot_kl_gradient_bias(result: dict, path: Path) -> Path:
         "(p: Hotelling test of E[grad] = grad KL)",
         fontsize=10,
     )
-    return _save(fig, path)
+    return save_figure(fig, path)

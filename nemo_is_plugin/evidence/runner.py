@@ -14,37 +14,51 @@ from pathlib import Path
 
 import torch
 
-EXPERIMENTS = ("is_collapse", "ctpo_variance", "kl_gradient_bias")
+EXPERIMENTS = ("is_collapse", "ctpo_variance", "kl_gradient_bias", "objectives")
 JSON_NAME = "evidence_numbers.json"
 FIGURES = {
     "is_collapse": ("evidence_is_collapse.png", "evidence_is_lr_scale.png"),
     "ctpo_variance": ("evidence_ctpo_variance.png",),
     "kl_gradient_bias": ("evidence_kl_gradient_bias.png",),
+    "objectives": ("evidence_objectives.png",),
 }
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """Monte Carlo sizes: sequences per (distribution, length); CTPO samples and horizon; KL samples."""
+    """Monte Carlo sizes: sequences per (distribution, length); CTPO samples and horizon; KL samples; the policy
+    objectives' batch (sequences, tokens) and the lengths of their GMPO / CPPO sweeps."""
 
     is_num_seqs: int = 256
     ctpo_num_samples: int = 400_000
     ctpo_horizon: int = 32
     kl_num_samples: int = 200_000
+    objective_num_seqs: int = 64
+    objective_length: int = 64
+    objective_lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
 
 
 FULL = Sizes()
-QUICK = Sizes(is_num_seqs=32, ctpo_num_samples=20_000, ctpo_horizon=16, kl_num_samples=20_000)
+QUICK = Sizes(
+    is_num_seqs=32,
+    ctpo_num_samples=20_000,
+    ctpo_horizon=16,
+    kl_num_samples=20_000,
+    objective_num_seqs=16,
+    objective_length=32,
+    objective_lengths=(16, 64, 256),
+)
 
 
 def step_count(only: Sequence[str] = EXPERIMENTS) -> int:
     """Number of progress messages :func:`run_evidence` emits (for a progress bar's total)."""
-    from nemo_is_plugin.evidence import ctpo_variance, is_collapse, kl_gradient_bias
+    from nemo_is_plugin.evidence import ctpo_variance, is_collapse, kl_gradient_bias, objective_experiment
 
     counts = {
         "is_collapse": len(is_collapse.default_distributions()) * len(is_collapse.LENGTHS),
         "ctpo_variance": len(ctpo_variance.CHI2_VALUES),
         "kl_gradient_bias": len(kl_gradient_bias.ALL_VARIANTS),
+        "objectives": objective_experiment.step_count(),
     }
     return sum(counts[name] + 1 for name in only)  # + 1: the plotting step of each experiment
 
@@ -61,7 +75,14 @@ def run_evidence(
 
     Returns the dict written to the JSON: ``meta``, one entry per experiment, ``headline`` and ``files``.
     """
-    from nemo_is_plugin.evidence import ctpo_variance, is_collapse, kl_gradient_bias, plots
+    from nemo_is_plugin.evidence import (
+        ctpo_variance,
+        is_collapse,
+        kl_gradient_bias,
+        objective_experiment,
+        objective_plots,
+        plots,
+    )
 
     names = tuple(only) if only else EXPERIMENTS
     unknown = [n for n in names if n not in EXPERIMENTS]
@@ -99,6 +120,17 @@ def run_evidence(
         say("plotting KL gradient bias")
         files.append(plots.plot_kl_gradient_bias(res, out_dir / FIGURES["kl_gradient_bias"][0]))
         results["kl_gradient_bias"] = res
+    if "objectives" in names:
+        res = objective_experiment.run_objectives(
+            num_seqs=sizes.objective_num_seqs,
+            length=sizes.objective_length,
+            lengths=sizes.objective_lengths,
+            seed=seed,
+            progress=say,
+        )
+        say("plotting policy objectives")
+        files.append(objective_plots.plot_objectives(res, out_dir / FIGURES["objectives"][0]))
+        results["objectives"] = res
     results["headline"] = headline(results)
     results["files"] = [str(f) for f in files]
     # allow_nan=False: the file must be strict JSON (a NaN would mean a bug upstream, so fail loudly).
@@ -149,4 +181,8 @@ def headline(results: dict) -> dict:
             v["name"]: {"max_abs_z": v["max_abs_z"], "p_value": v["p_value"], "exact_bias_norm": v["exact_bias_norm"]}
             for v in results["kl_gradient_bias"]["variants"]
         }
+    if "objectives" in results:
+        from nemo_is_plugin.evidence.objective_experiment import headline as objectives_headline
+
+        out["objectives"] = objectives_headline(results["objectives"])
     return out

@@ -37,7 +37,21 @@ def test_quick_run_writes_all_figures_and_json(app, tmp_path):
     assert head["kl_gradient_bias"]["k3"]["p_value"] < 1e-6
     assert head["kl_gradient_bias"]["k2"]["p_value"] > 1e-3
     assert head["is_collapse"]["shift2_sequence_mean_9k"] < 1e-50
-    assert "IS collapse" in res.output and "KL gradient" in res.output
+    assert head["objectives"]["sapo"]["gate weight at r=1 (A>0)"] == pytest.approx(1.0, abs=1e-8)
+    assert head["objectives"]["cppo"]["smallest delta_b with no budget-only drop, s=1"] <= 1.0
+    assert set(data["objectives"]) == {"drift_sweep", "sapo_gate", "gmpo_spread", "cppo_budget"}
+    assert "IS collapse" in res.output and "KL gradient" in res.output and "Policy objectives" in res.output
+
+
+def test_only_objectives_writes_its_figure_and_numbers(app, tmp_path):
+    res = CliRunner().invoke(app, ["evidence", "--quick", "--only", "objectives", "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*runner.FIGURES["objectives"], runner.JSON_NAME])
+    data = json.loads((tmp_path / runner.JSON_NAME).read_text())
+    assert set(data["headline"]) == {"objectives"}
+    sweep = data["objectives"]["drift_sweep"]
+    assert sweep["num_seqs"] == runner.QUICK.objective_num_seqs and sweep["length"] == runner.QUICK.objective_length
+    assert "dppo_tv" in res.output and "dropped fraction" in res.output
 
 
 def test_same_seed_same_numbers(tmp_path):

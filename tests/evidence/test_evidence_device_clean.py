@@ -13,6 +13,14 @@ from helpers.device_guard import assert_identical, run_guarded_and_plain
 from nemo_is_plugin.evidence.ctpo_variance import estimator_gradients, make_policy
 from nemo_is_plugin.evidence.is_collapse import IS_LEVELS, level_weights, summarise
 from nemo_is_plugin.evidence.kl_gradient_bias import ALL_VARIANTS, expected_gradient, make_problem, per_sample_penalty
+from nemo_is_plugin.evidence.objective_shapes import gradient_weights, per_token_disagreement, sequence_ratios
+from nemo_is_plugin.evidence.objectives import (
+    OBJECTIVE_CONFIGS,
+    drift_gradient,
+    drift_summary,
+    loss_gradient,
+    make_batch,
+)
 from nemo_is_plugin.evidence.stats import hotelling_test, mean_estimate, weight_summary
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.layout import TokenLayout
@@ -71,6 +79,30 @@ def test_ctpo_estimator_gradients():
     policy = make_policy(num_actions=5, horizon=6, seed=4)
     actions = torch.randint(0, 5, (7, 6), generator=torch.Generator().manual_seed(5))
     got, want = run_guarded_and_plain(lambda: (estimator_gradients(policy, actions), policy.per_action_term()))
+    assert_identical(got, want)
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVE_CONFIGS))
+def test_objective_loss_gradient(name):
+    batch = make_batch(num_seqs=3, length=10, num_actions=5, seed=7)
+    got, want = run_guarded_and_plain(lambda: loss_gradient(batch, 0.7, OBJECTIVE_CONFIGS[name]))
+    assert_identical(got, want)
+
+
+def test_objective_shapes():
+    batch = make_batch(num_seqs=3, length=10, num_actions=5, seed=8)
+    ratios = torch.tensor([0.5, 1.0, 1.7], dtype=torch.float64)
+
+    def run():
+        return (
+            drift_gradient(batch, 0.4),
+            drift_summary(batch, 0.4),
+            sequence_ratios(batch, 0.4, 0.4),
+            per_token_disagreement(batch, 1.0, 0.02),
+            gradient_weights(OBJECTIVE_CONFIGS["sapo"], ratios, -1.0),
+        )
+
+    got, want = run_guarded_and_plain(run)
     assert_identical(got, want)
 
 
