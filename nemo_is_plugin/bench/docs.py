@@ -88,7 +88,8 @@ CAVEATS = """\
 - **GPU**: these CPU numbers do not carry over to a GPU. A GPU run (`nemo-is bench --device cuda --write-docs`, bf16,
   16,384 tokens) writes its own section at the top of this page, with the GPU targets; a CPU regeneration keeps it.
   `scripts/gpu_check.sh` runs the GPU tests, that run and the model step in one command (logs under `$OUT`, default
-  `runs/gpu_check`), and fails if any step failed or the Triton backend fell back to torch (docs/testing.md).
+  `runs/gpu_check`), and fails if any step failed or the Triton backend fell back to torch (docs/testing.md). What
+  the GPU runs so far measured and found: [gpu_runs.md](gpu_runs.md).
 """
 
 

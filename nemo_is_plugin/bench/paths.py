@@ -59,7 +59,8 @@ class LogprobPath:
     has its own ``loss`` entry. ``times_forward=False``: the forward is another path's (not timed twice).
     ``own_loss``: the path computes a different loss (Liger), so no loss / dX error against the reference.
     ``unavailable``: why the path cannot run here (None: it can); ``fwdbwd_unavailable``: why only its
-    forward+backward cannot (its forward row still runs)."""
+    forward+backward cannot (its forward row still runs); ``fp32_check_unavailable``: why its gradient cannot be taken
+    in fp32 for the algorithm check against float64 (``loss_grad_err``; its bf16 errors are still reported)."""
 
     name: str
     description: str
@@ -69,6 +70,7 @@ class LogprobPath:
     own_loss: bool = False
     unavailable: str | None = None
     fwdbwd_unavailable: str | None = None
+    fp32_check_unavailable: str | None = None
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,10 @@ def bench_shape(
     dev: BenchDevice,
     paths: dict[str, LogprobPath],
     progress: Progress,
+    skipped: dict[str, str],
 ) -> list[dict]:
-    """Rows for one model shape: matmul, each path, the loss epilogue (see the module docstring).
+    """Rows for one model shape: matmul, each path, the loss epilogue (see the module docstring); what could not be
+    measured for a row is added to ``skipped`` with the reason.
 
     Every job first runs ``cfg.warmup`` times untracked and once memory-tracked (its loss and gradients are compared
     with the reference there); then ``repeats`` rounds time every job once each, and each job reports the
@@ -211,7 +213,7 @@ def bench_shape(
 
     progress(f"{shape.name}: float64 reference on a few tokens, loss epilogue")
     _add_errors(rows, problem, cfg, paths)
-    _add_loss_errors(rows, shape, vocab, cfg, dev, paths, loss_fn)
+    _add_loss_errors(rows, shape, vocab, cfg, dev, paths, loss_fn, skipped)
     rows.append(_epilogue_row(shape, vocab, problem, cfg, dev, loss_fn))
     return rows
 
@@ -258,6 +260,7 @@ def _add_loss_errors(
     dev: BenchDevice,
     paths: dict[str, LogprobPath],
     loss_fn,
+    skipped: dict[str, str],
 ) -> None:
     """``loss_grad_err``: max relative error of the benchmark loss's ``d loss / d hidden`` against the naive path in
     float64, on a ``ref_tokens``-token problem of the same shape in fp32 (this checks the algorithm, the full-size
@@ -282,6 +285,9 @@ def _add_loss_errors(
         path = paths.get(r["path"])
         if path is None or path.own_loss or r["fwdbwd_s"] is None:
             continue
+        if path.fp32_check_unavailable:
+            skipped[f"{r['path']} loss gradient vs float64 ({r['model']})"] = path.fp32_check_unavailable
+            continue
         try:
             r["loss_grad_err"] = max_rel_err(hidden_grad(path, torch.float32), ref)
         except Exception as exc:  # e.g. a bf16-only kernel: recorded in the row
@@ -303,7 +309,7 @@ def run_benchmark(cfg: BenchConfig, progress: Progress | None = None) -> dict:
             skipped[f"{name} forward+backward"] = path.fwdbwd_unavailable
     rows = []
     for shape in cfg.shapes:
-        rows += bench_shape(shape, cfg, dev, paths, progress)
+        rows += bench_shape(shape, cfg, dev, paths, progress, skipped)
         dev.release_cached()
     sweep = memory_sweep(cfg, dev, paths, progress)
     direct = direct_memory(cfg, dev, paths, progress)

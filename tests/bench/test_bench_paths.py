@@ -111,6 +111,27 @@ def test_a_failing_measurement_is_a_failed_row_with_its_error_and_the_run_goes_o
     assert results["config"]["quick"] is True
 
 
+def test_a_path_without_an_fp32_backward_skips_the_algorithm_check_with_its_reason(monkeypatch):
+    """CCE's backward takes bf16 / fp16 only (seen on an H100): its fp32 check against float64 is skipped with the
+    reason instead of failing, its timings and bf16 errors still reported; the other paths are checked as before."""
+
+    def paths_with_a_bf16_only_one(chunk_size=None, device=None):
+        paths = bench_paths(chunk_size, device)
+        why = "its backward takes bf16 / fp16 embeddings only"
+        return [dataclasses.replace(p, fp32_check_unavailable=why) if p.name == "fused_2pass" else p for p in paths]
+
+    monkeypatch.setattr(runner, "bench_paths", paths_with_a_bf16_only_one)
+    cfg = BenchConfig.quick(shapes=QUICK_SHAPES[:1], paths=("naive", "fused_2pass"), memory_tokens=(), repeats=1)
+    results = runner.run_benchmark(cfg)
+    rows = {r["path"]: r for r in results["rows"]}
+    assert results["skipped"] == {
+        "fused_2pass loss gradient vs float64 (tiny-a)": "its backward takes bf16 / fp16 embeddings only"
+    }
+    assert rows["fused_2pass"]["failed"] == {} and rows["fused_2pass"]["loss_grad_err"] is None
+    assert rows["fused_2pass"]["fwdbwd_s"] > 0 and rows["fused_2pass"]["dx_err"] < 1e-5
+    assert 0 <= rows["naive"]["loss_grad_err"] < 1e-5
+
+
 def test_a_cpu_run_records_its_setting_and_says_it_is_not_comparable_to_the_gpu_targets():
     from nemo_is_plugin.bench.report import comparability_note, run_targets
 
