@@ -55,7 +55,11 @@ class MetricValues(dict[str, float]):
 class MetricBook:
     """Collects metric tensors during one loss call and turns them into floats at the end (one host sync).
 
-    Every metric is added with its :class:`Denominator`. A book of meta tensors (a shape-only trace of the loss, see
+    Token means and extrema are deferred to :meth:`finish` and computed together, one ``[K, N]`` masked reduction per
+    mask (and dtype), instead of several small ops each: on a GPU the loss's epilogue on ``[N]`` vectors is bound by
+    kernel launches, not by arithmetic (docs/gpu_runs.md); the benchmark configuration's epilogue went from 716 to 472
+    kernel-launching ops (counted on CPU). Every metric is added with its :class:`Denominator`. A book of meta tensors
+    (a shape-only trace of the loss, see
     :meth:`~nemo_is_plugin.loss.clipped_pg.ClippedPGLoss.metric_denominators`) has names and denominators, no values.
     """
 
@@ -65,6 +69,11 @@ class MetricBook:
         self.mins: dict[str, torch.Tensor] = {}
         self.maxs: dict[str, torch.Tensor] = {}
         self.denominators: dict[str, Denominator] = {}
+        # deferred token means: (mask, legacy) -> [(name, values)]; their names hold their place in ``sums``
+        self._means: list[tuple[torch.Tensor, bool, list[tuple[str, torch.Tensor]]]] = []
+        # deferred extrema: mask -> [(name, values)]; their names hold their place in ``mins`` / ``maxs``
+        self._extrema: list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
+        self._valid_bool: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ primitives
     def add_sum(self, name: str, value: torch.Tensor, per: Denominator) -> None:
@@ -77,18 +86,37 @@ class MetricBook:
         self.add_sum(name, self.layout.replicated_share(value.detach().double()), per)
 
     def token_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        m = self.valid if mask is None else mask
-        value = where_mask(values.detach().double(), m).sum() / (self.n_tok.double() + EPS)
-        self.add_sum(name, value, Denominator.TOKENS)
+        """``sum(values * mask) / (N + eps)`` in float64 (``mask``: the valid tokens by default), at the end."""
+        self._defer_mean(name, values, self.valid if mask is None else mask, legacy=False)
 
     def seq_mean(self, name: str, per_seq: torch.Tensor, sample_mask: torch.Tensor) -> None:
         value = where_mask(per_seq.double(), sample_mask).sum() / (self.n_seq.double() + EPS)
         self.add_replicated_scalar(name, value, Denominator.SEQUENCES)
 
     def legacy_token_mean(self, name: str, values: torch.Tensor) -> None:
-        """NeMo-RL's ``masked_mean(v, mask, global_valid_toks)`` in the loss dtype (its exact value)."""
-        v = values.detach().to(self.n_tok.dtype)
-        self.add_sum(name, where_mask(v, self.valid).sum() / (self.n_tok + EPS), Denominator.TOKENS)
+        """NeMo-RL's ``masked_mean(v, mask, global_valid_toks)`` in the loss dtype (its exact value), computed at the
+        end."""
+        self._defer_mean(name, values, self.valid, legacy=True)
+
+    def _defer_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor, legacy: bool) -> None:
+        group = next((g for g in self._means if g[0] is mask and g[1] == legacy), None)
+        if group is None:
+            group = (mask, legacy, [])
+            self._means.append(group)
+        group[2].append((name, values.detach()))
+        self.sums[name] = values  # a placeholder keeping the metric's place; replaced by _compute_means
+        self.denominators[name] = Denominator.TOKENS
+
+    def _compute_means(self) -> None:
+        """Every deferred token mean: per (mask, dtype) group one stacked masked sum over the token dimension."""
+        for mask, legacy, items in self._means:
+            dtype = self.n_tok.dtype if legacy else torch.float64
+            stacked = torch.stack([v.to(dtype) for _, v in items])
+            count = self.n_tok if legacy else self.n_tok.double()
+            means = (where_mask(stacked, mask).flatten(1).sum(-1) / (count + EPS)).double()
+            for i, (name, _) in enumerate(items):
+                self.sums[name] = means[i]
+        self._means.clear()
 
     def legacy_seq_mean(self, name: str, per_seq: torch.Tensor, sample_mask: torch.Tensor) -> None:
         """NeMo-RL's ``masked_mean(v, sample_mask, global_valid_seqs)`` of a per-sequence value, in the loss dtype."""
@@ -97,14 +125,29 @@ class MetricBook:
         self.add_replicated_scalar(name, value, Denominator.SEQUENCES)
 
     def extrema(self, name: str, values: torch.Tensor, valid: torch.Tensor) -> None:
-        """``<name>_min`` / ``<name>_max`` of ``values`` where ``valid`` (reduced with min / max, never rescaled)."""
-        v = values.detach().double()
-        self.mins[f"{name}_min"] = torch.where(valid, v, torch.full_like(v, float("inf"))).min()
-        self.maxs[f"{name}_max"] = torch.where(valid, v, torch.full_like(v, float("-inf"))).max()
+        """``<name>_min`` / ``<name>_max`` of ``values`` where ``valid`` (reduced with min / max, never rescaled;
+        +inf / -inf where nothing is valid), computed at the end with the other extrema over the same ``valid``."""
+        group = next((g for g in self._extrema if g[0] is valid), None)
+        if group is None:
+            group = (valid, [])
+            self._extrema.append(group)
+        group[1].append((name, values.detach()))
+        self.mins[f"{name}_min"] = self.maxs[f"{name}_max"] = values  # placeholders keeping their places
         self.denominators[f"{name}_min"] = self.denominators[f"{name}_max"] = Denominator.NONE
 
     def min_max(self, name: str, values: torch.Tensor) -> None:
-        self.extrema(name, values, self.valid != 0)
+        if self._valid_bool is None:
+            self._valid_bool = self.valid != 0
+        self.extrema(name, values, self._valid_bool)
+
+    def _compute_extrema(self) -> None:
+        for valid, items in self._extrema:
+            stacked = torch.stack([v.double() for _, v in items])
+            lows = torch.where(valid, stacked, float("inf")).flatten(1).amin(-1)
+            highs = torch.where(valid, stacked, float("-inf")).flatten(1).amax(-1)
+            for i, (name, _) in enumerate(items):
+                self.mins[f"{name}_min"], self.maxs[f"{name}_max"] = lows[i], highs[i]
+        self._extrema.clear()
 
     # ------------------------------------------------------------------ metric groups
     def policy_ratio(self, sur: SurrogateOut) -> None:
@@ -199,6 +242,8 @@ class MetricBook:
 
     # ------------------------------------------------------------------ end
     def finish(self) -> MetricValues:
+        self._compute_means()
+        self._compute_extrema()
         names: list[str] = []
         parts: list[torch.Tensor] = []
         for table, reduce in (
