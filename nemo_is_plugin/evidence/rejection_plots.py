@@ -23,6 +23,7 @@ def _mismatch_axis(ax, sweep: dict) -> tuple[np.ndarray, np.ndarray]:
     ax.set_xscale("log")
     ax.set_xlabel("mismatch scale m")
     ax.axvline(sweep["reference_mismatch"], color="grey", lw=0.8, ls=":")
+    ax.set_xlim(m[keep].min() / 1.25, m[keep].max() * 1.25)  # the same axis on both panels
     return keep, m[keep]
 
 
