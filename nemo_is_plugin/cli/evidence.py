@@ -30,11 +30,12 @@ def register(app: typer.Typer) -> None:
         only: list[str] | None = typer.Option(
             None,
             "--only",
-            help="Run only this experiment (repeatable): is_collapse, ctpo_variance, kl_gradient_bias, objectives.",
+            help="Run only this experiment (repeatable): is_collapse, ctpo_variance, kl_gradient_bias, objectives, "
+            "rejection.",
         ),
     ) -> None:
         """Reproduce the seeds' claims (IS collapse, CTPO variance, KL gradient bias) and measure one property per
-        policy objective, as figures and numbers."""
+        policy objective and what each IS rejection rule rejects, as figures and numbers."""
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Table
@@ -120,4 +121,12 @@ def _print_headline(console, head: dict, table_cls) -> None:
         for name, props in head["objectives"].items():
             for i, (prop, value) in enumerate(props.items()):
                 t.add_row(name if i == 0 else "", prop, "not reached" if value is None else f"{value:.3g}")
+        console.print(t)
+    if "rejection" in head:
+        t = table_cls(title="IS rejection rules on synthetic batches (rollout mismatch m between pi_prev and mu)")
+        for col, justify in (("rule", "left"), ("measured property", "left"), ("value", "right")):
+            t.add_column(col, justify=justify)
+        for name, props in head["rejection"].items():
+            for i, (prop, value) in enumerate(props.items()):
+                t.add_row(name if i == 0 else "", prop, f"{value:.3g}")
         console.print(t)

@@ -9,6 +9,8 @@ One module per experiment, each returning a JSON-ready dict:
 - :mod:`.objectives`       one measured property per ``policy_objective`` on drifted synthetic batches
   (docs/evidence.md, 4); :mod:`.objective_shapes`: SAPO's gate, GMPO's spread, CPPO's budget;
   :mod:`.objective_experiment` runs both; :mod:`.objective_plots` draws them.
+- :mod:`.rejection`        what each IS rejection rule rejects as the rollout mismatch grows (docs/evidence.md, 5);
+  :mod:`.rejection_plots` draws it.
 
 Support: :mod:`.mismatch` (synthetic log-prob mismatch), :mod:`.stats` (Monte Carlo errors and tests),
 :mod:`.plots` (figures), :mod:`.runner` (runs everything, writes PNGs and ``evidence_numbers.json``).

@@ -14,20 +14,22 @@ from pathlib import Path
 
 import torch
 
-EXPERIMENTS = ("is_collapse", "ctpo_variance", "kl_gradient_bias", "objectives")
+EXPERIMENTS = ("is_collapse", "ctpo_variance", "kl_gradient_bias", "objectives", "rejection")
 JSON_NAME = "evidence_numbers.json"
 FIGURES = {
     "is_collapse": ("evidence_is_collapse.png", "evidence_is_lr_scale.png"),
     "ctpo_variance": ("evidence_ctpo_variance.png",),
     "kl_gradient_bias": ("evidence_kl_gradient_bias.png",),
     "objectives": ("evidence_objectives.png",),
+    "rejection": ("evidence_rejection.png",),
 }
 
 
 @dataclass(frozen=True)
 class Sizes:
     """Monte Carlo sizes: sequences per (distribution, length); CTPO samples and horizon; KL samples; the policy
-    objectives' batch (sequences, tokens) and the lengths of their GMPO / CPPO sweeps."""
+    objectives' batch (sequences, tokens) and the lengths of their GMPO / CPPO sweeps; the rejection rules' batch and
+    the lengths of their sequence panel."""
 
     is_num_seqs: int = 256
     ctpo_num_samples: int = 400_000
@@ -36,6 +38,9 @@ class Sizes:
     objective_num_seqs: int = 64
     objective_length: int = 64
     objective_lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    rejection_num_seqs: int = 128
+    rejection_length: int = 128
+    rejection_lengths: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
 
 
 FULL = Sizes()
@@ -47,18 +52,22 @@ QUICK = Sizes(
     objective_num_seqs=16,
     objective_length=32,
     objective_lengths=(16, 64, 256),
+    rejection_num_seqs=64,
+    rejection_length=64,
+    rejection_lengths=(8, 32, 128),
 )
 
 
 def step_count(only: Sequence[str] = EXPERIMENTS) -> int:
     """Number of progress messages :func:`run_evidence` emits (for a progress bar's total)."""
-    from nemo_is_plugin.evidence import ctpo_variance, is_collapse, kl_gradient_bias, objective_experiment
+    from nemo_is_plugin.evidence import ctpo_variance, is_collapse, kl_gradient_bias, objective_experiment, rejection
 
     counts = {
         "is_collapse": len(is_collapse.default_distributions()) * len(is_collapse.LENGTHS),
         "ctpo_variance": len(ctpo_variance.CHI2_VALUES),
         "kl_gradient_bias": len(kl_gradient_bias.ALL_VARIANTS),
         "objectives": objective_experiment.step_count(),
+        "rejection": rejection.step_count(),
     }
     return sum(counts[name] + 1 for name in only)  # + 1: the plotting step of each experiment
 
@@ -82,6 +91,8 @@ def run_evidence(
         objective_experiment,
         objective_plots,
         plots,
+        rejection,
+        rejection_plots,
     )
 
     names = tuple(only) if only else EXPERIMENTS
@@ -131,6 +142,17 @@ def run_evidence(
         say("plotting policy objectives")
         files.append(objective_plots.plot_objectives(res, out_dir / FIGURES["objectives"][0]))
         results["objectives"] = res
+    if "rejection" in names:
+        res = rejection.run_rejection(
+            num_seqs=sizes.rejection_num_seqs,
+            length=sizes.rejection_length,
+            lengths=sizes.rejection_lengths,
+            seed=seed,
+            progress=say,
+        )
+        say("plotting rejection rules")
+        files.append(rejection_plots.plot_rejection(res, out_dir / FIGURES["rejection"][0]))
+        results["rejection"] = res
     results["headline"] = headline(results)
     results["files"] = [str(f) for f in files]
     # allow_nan=False: the file must be strict JSON (a NaN would mean a bug upstream, so fail loudly).
@@ -185,4 +207,8 @@ def headline(results: dict) -> dict:
         from nemo_is_plugin.evidence.objective_experiment import headline as objectives_headline
 
         out["objectives"] = objectives_headline(results["objectives"])
+    if "rejection" in results:
+        from nemo_is_plugin.evidence.rejection import headline as rejection_headline
+
+        out["rejection"] = rejection_headline(results["rejection"])
     return out

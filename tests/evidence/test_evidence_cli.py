@@ -41,6 +41,7 @@ def test_quick_run_writes_all_figures_and_json(app, tmp_path):
     assert head["objectives"]["cppo"]["smallest delta_b with no budget-only drop, s=1"] <= 1.0
     assert set(data["objectives"]) == {"drift_sweep", "sapo_gate", "gmpo_spread", "cppo_budget"}
     assert "IS collapse" in res.output and "KL gradient" in res.output and "Policy objectives" in res.output
+    assert "IS rejection rules" in res.output
 
 
 def test_only_objectives_writes_its_figure_and_numbers(app, tmp_path):
@@ -52,6 +53,19 @@ def test_only_objectives_writes_its_figure_and_numbers(app, tmp_path):
     sweep = data["objectives"]["drift_sweep"]
     assert sweep["num_seqs"] == runner.QUICK.objective_num_seqs and sweep["length"] == runner.QUICK.objective_length
     assert "dppo_tv" in res.output and "dropped fraction" in res.output
+
+
+def test_only_rejection_writes_its_figure_and_numbers(app, tmp_path):
+    res = CliRunner().invoke(app, ["evidence", "--quick", "--only", "rejection", "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*runner.FIGURES["rejection"], runner.JSON_NAME])
+    assert (tmp_path / runner.FIGURES["rejection"][0]).read_bytes()[:8] == PNG_MAGIC
+    data = json.loads((tmp_path / runner.JSON_NAME).read_text())
+    assert set(data["headline"]) == {"rejection"}
+    sweep = data["rejection"]["mismatch_sweep"]
+    assert sweep["num_seqs"] == runner.QUICK.rejection_num_seqs and sweep["length"] == runner.QUICK.rejection_length
+    assert data["rejection"]["mismatch_sweep"]["statistics"]["prob_diff"]["rejected_fraction"][0] == 0.0
+    assert "token_prob_diff" in res.output and "matched threshold" in res.output
 
 
 def test_same_seed_same_numbers(tmp_path):

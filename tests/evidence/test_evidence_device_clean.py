@@ -21,6 +21,8 @@ from nemo_is_plugin.evidence.objectives import (
     loss_gradient,
     make_batch,
 )
+from nemo_is_plugin.evidence.rejection import make_batch as make_mismatch_batch
+from nemo_is_plugin.evidence.rejection import run_mismatch_sweep
 from nemo_is_plugin.evidence.stats import hotelling_test, mean_estimate, weight_summary
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.layout import TokenLayout
@@ -103,6 +105,12 @@ def test_objective_shapes():
         )
 
     got, want = run_guarded_and_plain(run)
+    assert_identical(got, want)
+
+
+def test_rejection_sweep():
+    batch = make_mismatch_batch(num_seqs=3, length=10, num_actions=5, seed=9)
+    got, want = run_guarded_and_plain(lambda: run_mismatch_sweep(batch, (0.0, 0.5, 2.0)))
     assert_identical(got, want)
 
 
