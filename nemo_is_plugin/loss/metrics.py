@@ -111,7 +111,7 @@ class MetricBook:
         """Every deferred token mean: per (mask, dtype) group one stacked masked sum over the token dimension."""
         for mask, legacy, items in self._means:
             dtype = self.n_tok.dtype if legacy else torch.float64
-            stacked = torch.stack([v.to(dtype) for _, v in items])
+            stacked = _stack_broadcast([v.to(dtype) for _, v in items], mask)
             count = self.n_tok if legacy else self.n_tok.double()
             means = (where_mask(stacked, mask).flatten(1).sum(-1) / (count + EPS)).double()
             for i, (name, _) in enumerate(items):
@@ -142,7 +142,7 @@ class MetricBook:
 
     def _compute_extrema(self) -> None:
         for valid, items in self._extrema:
-            stacked = torch.stack([v.double() for _, v in items])
+            stacked = _stack_broadcast([v.double() for _, v in items], valid)
             lows = torch.where(valid, stacked, float("inf")).flatten(1).amin(-1)
             highs = torch.where(valid, stacked, float("-inf")).flatten(1).amax(-1)
             for i, (name, _) in enumerate(items):
@@ -260,6 +260,13 @@ class MetricBook:
         if values.device.type == "meta":  # a shape-only trace: no values to read
             return MetricValues(dict.fromkeys(names, math.nan), self.denominators)
         return MetricValues(dict(zip(names, values.tolist())), self.denominators)  # the call's one host sync
+
+
+def _stack_broadcast(values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """``[K, *shape]``: the values broadcast with the mask to one shape (a layout may hand ``[1, N]`` next to ``[N]``),
+    as the per-metric ``where_mask(v, mask)`` broadcast each of them."""
+    shape = torch.broadcast_shapes(mask.shape, *(v.shape for v in values))
+    return torch.stack([v.expand(shape) for v in values])
 
 
 @torch.no_grad()

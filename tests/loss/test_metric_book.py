@@ -80,3 +80,20 @@ def test_one_reduction_per_mask_however_many_metrics():
         book.finish()
     assert seen.count["sum"] == 3  # three mean groups (no process group: the sums are not reduced further)
     assert seen.count["amin"] == 1 and seen.count["amax"] == 1 and seen.count["min"] == seen.count["max"] == 0
+
+
+def test_values_of_broadcastable_shapes_share_a_group():
+    """A packed layout hands some per-token values as [1, N] and others as [N]: each is read broadcast with the mask,
+    as the per-metric formula does."""
+    g = torch.Generator().manual_seed(1)
+    valid = (torch.rand(1, 9, generator=g) > 0.3).float()
+    a, b = torch.randn(1, 9, generator=g), torch.randn(9, generator=g)
+    book = _book(valid)
+    book.token_mean("a", a)
+    book.token_mean("b", b)
+    book.min_max("b", b)
+    out = book.finish()
+    n = float(valid.sum()) + EPS
+    assert out["a"] == float((a.double() * valid.double()).sum() / n)
+    assert out["b"] == float((b.double() * valid.double()).sum() / n)
+    assert out["b_max"] == float(b[valid[0] != 0].double().max())
