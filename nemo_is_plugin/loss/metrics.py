@@ -69,11 +69,12 @@ class MetricBook:
         self.mins: dict[str, torch.Tensor] = {}
         self.maxs: dict[str, torch.Tensor] = {}
         self.denominators: dict[str, Denominator] = {}
-        # deferred token means: (mask, legacy) -> [(name, values)]; their names hold their place in ``sums``
-        self._means: list[tuple[torch.Tensor, bool, list[tuple[str, torch.Tensor]]]] = []
-        # deferred extrema: mask -> [(name, values)]; their names hold their place in ``mins`` / ``maxs``
-        self._extrema: list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
-        self._valid_bool: torch.Tensor | None = None
+        # deferred reductions, grouped by the mask object (kept alive here, so its id is not reused) and, for means,
+        # the legacy dtype: (id(mask), legacy) or id(mask) -> (mask, [(name, values)]); the names hold their places in
+        # the tables
+        self._means: dict[tuple[int, bool], tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] = {}
+        self._extrema: dict[int, tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] = {}
+        self._valid_bool = valid != 0  # min_max's mask: one tensor, so its extrema share one group
 
     # ------------------------------------------------------------------ primitives
     def add_sum(self, name: str, value: torch.Tensor, per: Denominator) -> None:
@@ -99,17 +100,13 @@ class MetricBook:
         self._defer_mean(name, values, self.valid, legacy=True)
 
     def _defer_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor, legacy: bool) -> None:
-        group = next((g for g in self._means if g[0] is mask and g[1] == legacy), None)
-        if group is None:
-            group = (mask, legacy, [])
-            self._means.append(group)
-        group[2].append((name, values.detach()))
+        self._means.setdefault((id(mask), legacy), (mask, []))[1].append((name, values.detach()))
         self.sums[name] = values  # a placeholder keeping the metric's place; replaced by _compute_means
         self.denominators[name] = Denominator.TOKENS
 
     def _compute_means(self) -> None:
         """Every deferred token mean: per (mask, dtype) group one stacked masked sum over the token dimension."""
-        for mask, legacy, items in self._means:
+        for (_, legacy), (mask, items) in self._means.items():
             dtype = self.n_tok.dtype if legacy else torch.float64
             stacked = _stack_broadcast([v.to(dtype) for _, v in items], mask)
             count = self.n_tok if legacy else self.n_tok.double()
@@ -127,21 +124,15 @@ class MetricBook:
     def extrema(self, name: str, values: torch.Tensor, valid: torch.Tensor) -> None:
         """``<name>_min`` / ``<name>_max`` of ``values`` where ``valid`` (reduced with min / max, never rescaled;
         +inf / -inf where nothing is valid), computed at the end with the other extrema over the same ``valid``."""
-        group = next((g for g in self._extrema if g[0] is valid), None)
-        if group is None:
-            group = (valid, [])
-            self._extrema.append(group)
-        group[1].append((name, values.detach()))
+        self._extrema.setdefault(id(valid), (valid, []))[1].append((name, values.detach()))
         self.mins[f"{name}_min"] = self.maxs[f"{name}_max"] = values  # placeholders keeping their places
         self.denominators[f"{name}_min"] = self.denominators[f"{name}_max"] = Denominator.NONE
 
     def min_max(self, name: str, values: torch.Tensor) -> None:
-        if self._valid_bool is None:
-            self._valid_bool = self.valid != 0
         self.extrema(name, values, self._valid_bool)
 
     def _compute_extrema(self) -> None:
-        for valid, items in self._extrema:
+        for valid, items in self._extrema.values():
             stacked = _stack_broadcast([v.double() for _, v in items], valid)
             lows = torch.where(valid, stacked, float("inf")).flatten(1).amin(-1)
             highs = torch.where(valid, stacked, float("-inf")).flatten(1).amax(-1)
