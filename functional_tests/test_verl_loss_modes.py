@@ -47,20 +47,25 @@ def _batch(seed: int, empty_row: bool) -> dict[str, torch.Tensor]:
     return {"old_log_prob": old, "log_prob": curr, "advantages": adv * mask, "response_mask": mask}
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("agg", AGGREGATIONS)
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_plugin_composition_equals_verl(mode, agg, seed):
+def _actor(mode: str, policy_loss) -> ActorConfig:
+    """verl's ActorConfig with ``MODES[mode]``'s settings; ``policy_loss(dro_beta)`` builds its policy-loss section
+    (verl's own, or the plugin's with the mode under ``nemo_is``)."""
     fields = dict(MODES[mode])
-    policy = PolicyLossConfig(loss_mode=mode, dro_beta=fields.pop("dro_beta", None))
-    cfg = ActorConfig(
+    return ActorConfig(
         strategy="fsdp",
         rollout_n=1,
         ppo_mini_batch_size=4,
         ppo_micro_batch_size_per_gpu=1,
-        policy_loss=policy,
+        policy_loss=policy_loss(fields.pop("dro_beta", None)),
         **fields,
     )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_plugin_composition_equals_verl(mode, agg, seed):
+    cfg = _actor(mode, lambda dro_beta: PolicyLossConfig(loss_mode=mode, dro_beta=dro_beta))
     # verl's geo_mean averages over every row, the plugin over rows with tokens (docs/objectives.md): no empty row.
     inputs = _batch(seed, empty_row=mode != "geo_mean")
     log_prob = inputs["log_prob"].clone().requires_grad_(True)
@@ -107,16 +112,7 @@ def test_verl_adapter_with_loss_mode_equals_verl(mode, agg, seed, with_weights):
     from nemo_is_plugin.adapters.verl_loss_modes import FORCED_AGGREGATION
 
     agg = FORCED_AGGREGATION.get(mode, agg)  # verl forces it; the adapter refuses any other (tests/adapters)
-    fields = dict(MODES[mode])
-    policy = PluginPolicyLossConfig(dro_beta=fields.pop("dro_beta", None), nemo_is={"loss_mode": mode})
-    cfg = ActorConfig(
-        strategy="fsdp",
-        rollout_n=1,
-        ppo_mini_batch_size=4,
-        ppo_micro_batch_size_per_gpu=1,
-        policy_loss=policy,
-        **fields,
-    )
+    cfg = _actor(mode, lambda dro_beta: PluginPolicyLossConfig(dro_beta=dro_beta, nemo_is={"loss_mode": mode}))
     inputs = _batch(seed, empty_row=mode != "geo_mean")
     args = dict(
         old_log_prob=inputs["old_log_prob"],

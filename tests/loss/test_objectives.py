@@ -15,6 +15,7 @@ import torch
 from helpers.device_guard import device_guard
 from helpers.golden_objectives import load_cases, plugin_loss
 
+from nemo_is_plugin.adapters.verl_loss_modes import VERL_LOSS_MODES
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives import (
     divergence_pg_surrogate,
@@ -302,17 +303,7 @@ def test_reproduces_verl_loss_gradient_and_metrics(case):
 
 
 def test_golden_cases_cover_every_mode_and_cross_the_thresholds():
-    assert {c["mode"] for c in CASES} == {
-        "vanilla",
-        "gspo",
-        "cispo",
-        "dppo_tv",
-        "dppo_kl",
-        "sapo",
-        "geo_mean",
-        "gpg",
-        "dro",
-    }
+    assert {c["mode"] for c in CASES} == set(VERL_LOSS_MODES)  # the list itself: tests/adapters/test_verl_loss_modes.py
     clipfracs = [c["expected"]["metrics"].get("actor/pg_clipfrac", 0.0) for c in CASES if c["mode"].startswith("dppo")]
     lowers = [
         c["expected"]["metrics"].get("actor/pg_clipfrac_lower", 0.0) for c in CASES if c["mode"].startswith("dppo")
