@@ -172,7 +172,11 @@ def _items(config: Any) -> dict[str, Any]:
 
 def parse_is_threshold(spec: Any) -> tuple[float, float | None]:
     """verl's ``rollout_is_threshold``: a number (TIS upper bound) or ``"lo_hi"`` (IcePop band) -> (upper, lower)."""
-    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+    if isinstance(spec, bool):  # verl's own check (rollout_corr_helper._parse_rollout_is_threshold) says the same
+        raise VerlConfigTypeError(
+            f"rollout_is_threshold must be a number or a 'lower_upper' string, not a boolean: {spec}"
+        )
+    if not isinstance(spec, (int, float, str)):
         raise VerlConfigTypeError(f"rollout_is_threshold must be a number or a 'lower_upper' string, got {spec!r}")
     text = str(spec).strip()
     lo_text, hi_text = text.split("_", 1) if "_" in text else (None, text)
