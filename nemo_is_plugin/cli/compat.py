@@ -57,8 +57,8 @@ def compat(
         _refuse(str(exc))
     except DumpError as exc:
         _refuse(f"--rollouts: {exc}")
-    except (ConfigError, ValueError) as exc:
-        _refuse(f"cannot compare {config}: {exc}")
+    except (ConfigError, ValueError) as exc:  # the config's path once: most messages start with it
+        _refuse(f"cannot compare: {exc}" if str(config) in str(exc) else f"cannot compare {config}: {exc}")
     with warnings.catch_warnings():  # the batches' edge inputs are deliberate: the plugin's input warnings are noise
         warnings.simplefilter("ignore")
         report = run_compat(target, compared, str(config), strict=strict)
