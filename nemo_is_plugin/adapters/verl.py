@@ -50,6 +50,7 @@ from nemo_is_plugin.adapters.verl_config import (
     VerlConfigError,
     _get,
     actor_keys,
+    loss_scale_factor,
     plugin_section_keys,
 )
 from nemo_is_plugin.adapters.verl_correction import generation_logprobs, owns_correction, rollout_logprobs
@@ -150,14 +151,6 @@ def verl_config(
     if cfg.positive_example_nll_weight != 0:
         raise ValueError("positive_example_nll_weight needs per-sample rewards, which verl's policy loss does not get")
     return cfg
-
-
-def loss_scale_factor(actor: Any) -> Any:
-    """``seq-mean-token-sum-norm``'s divisor where verl 0.9's losses read it: ``global_batch_info["loss_scale_factor"]``
-    (verl's ``ppo_loss`` copies ``actor.loss_scale_factor`` there), else ``actor.loss_scale_factor`` (a config whose
-    ``global_batch_info`` has no such key: a direct call, an older verl); None means the response length."""
-    info = dict(_get(actor, "global_batch_info", {}) or {})
-    return info["loss_scale_factor"] if "loss_scale_factor" in info else _get(actor, "loss_scale_factor")
 
 
 def _returns_tuple() -> bool:
