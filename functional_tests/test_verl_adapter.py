@@ -224,10 +224,24 @@ def test_verl_plugin_entry_point_registers_on_import_verl(tmp_path: Path):
 
 
 def test_docs_verl_recipe_configures_the_loss():
-    fn = register_verl_loss("nemo_is.tests.docs", ROOT / "configs" / "examples" / "verl_ctpo_seqmean.yaml")
+    fn = register_verl_loss(
+        "nemo_is.tests.docs",
+        ROOT / "configs" / "examples" / "verl_ctpo_seqmean.yaml",
+        section="actor_rollout_ref.actor.policy_loss.nemo_is",  # the plugin section of the verl Hydra example
+    )
     try:
         assert fn.user_keys["is_correction_level"] == "sequence_mean"
         cfg = fn.resolve(_actor("token-mean"), "token-mean", T).config
         assert cfg.ratio_clip_c is None and cfg.uses_log_space_clip  # CTPO's log-space clip replaces verl's dual clip
     finally:
         core_algos.POLICY_LOSS_REGISTRY.pop("nemo_is.tests.docs", None)
+
+
+def test_docs_verl_recipe_through_the_environment(monkeypatch):
+    """docs/verl.md: NEMO_IS_LOSS_CONFIG=<the example> with NEMO_IS_LOSS_SECTION=<its plugin section>."""
+    from nemo_is_plugin.adapters.verl import SECTION_ENV, VerlPolicyLoss
+
+    monkeypatch.setenv(CONFIG_ENV, str(ROOT / "configs" / "examples" / "verl_ctpo_seqmean.yaml"))
+    monkeypatch.setenv(SECTION_ENV, "actor_rollout_ref.actor.policy_loss.nemo_is")
+    keys = VerlPolicyLoss().user_keys
+    assert keys["ratio_level"] == "cumulative" and keys["truncated_importance_sampling_ratio"] == 5.0

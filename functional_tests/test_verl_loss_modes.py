@@ -66,7 +66,8 @@ def _actor(mode: str, policy_loss) -> ActorConfig:
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_plugin_composition_equals_verl(mode, agg, seed):
     cfg = _actor(mode, lambda dro_beta: PolicyLossConfig(loss_mode=mode, dro_beta=dro_beta))
-    # verl's geo_mean averages over every row, the plugin over rows with tokens (docs/objectives.md): no empty row.
+    # verl's geo_mean averages over every row; this composition divides by the rows with tokens (the adapter divides
+    # as verl does when no global count is given: the next test): no empty row here.
     inputs = _batch(seed, empty_row=mode != "geo_mean")
     log_prob = inputs["log_prob"].clone().requires_grad_(True)
     loss, metrics = core_algos.get_policy_loss_fn(mode)(
@@ -113,7 +114,7 @@ def test_verl_adapter_with_loss_mode_equals_verl(mode, agg, seed, with_weights):
 
     agg = FORCED_AGGREGATION.get(mode, agg)  # verl forces it; the adapter refuses any other (tests/adapters)
     cfg = _actor(mode, lambda dro_beta: PluginPolicyLossConfig(dro_beta=dro_beta, nemo_is={"loss_mode": mode}))
-    inputs = _batch(seed, empty_row=mode != "geo_mean")
+    inputs = _batch(seed, empty_row=True)  # no global_batch_info: geo_mean divides by every row, as verl's
     args = dict(
         old_log_prob=inputs["old_log_prob"],
         advantages=inputs["advantages"],
@@ -139,3 +140,47 @@ def test_verl_adapter_with_loss_mode_equals_verl(mode, agg, seed, with_weights):
     torch.testing.assert_close(our_grad, their_grad, rtol=1e-5, atol=1e-7)
     for name, value in their_metrics.items():
         assert math.isclose(float(our_metrics[name]), float(value), rel_tol=1e-5, abs_tol=1e-7), name
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_verl_metrics_at_a_log_ratio_beyond_20(mode):
+    """log pi - log pi_old = -30 on every token: verl's vanilla, cispo, dppo_* and sapo clamp it to -20 in ppo_kl,
+    gspo, geo_mean and dro do not, gpg returns no metric; the plugin returns the same names and values per mode."""
+    from nemo_is_plugin.adapters.verl import VerlPolicyLoss
+    from nemo_is_plugin.adapters.verl_hydra import PolicyLossConfig as PluginPolicyLossConfig
+
+    agg = "token-mean" if mode == "cispo" else "seq-mean-token-mean"
+    old = torch.full((3, 5), -1.0)
+    mask = torch.ones(3, 5)
+    mask[2] = 0.0  # an empty row too
+    args = dict(old_log_prob=old, advantages=torch.ones(3, 5) * mask, response_mask=mask, loss_agg_mode=agg)
+    theirs = core_algos.get_policy_loss_fn(mode)(
+        log_prob=old - 30.0, config=_actor(mode, lambda b: PolicyLossConfig(loss_mode=mode, dro_beta=b)), **args
+    )
+    plugin_cfg = _actor(mode, lambda b: PluginPolicyLossConfig(dro_beta=b, nemo_is={"loss_mode": mode}))
+    ours = VerlPolicyLoss()(log_prob=old - 30.0, config=plugin_cfg, **args)
+    verl_named = {k: float(v) for k, v in ours[1].items() if k.startswith("actor/") and "/nemo_is/" not in k}
+    assert verl_named.keys() == theirs[1].keys()
+    for name, value in theirs[1].items():
+        assert math.isclose(verl_named[name], float(value), rel_tol=1e-6, abs_tol=1e-7), name
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-12)
+
+
+def test_boolean_rollout_is_threshold_is_a_type_error_not_a_boolean_as_verls():
+    """verl's tests/trainer/ppo/test_rollout_corr.py expects TypeError matching "not a boolean"; so does the mapping."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    from nemo_is_plugin.adapters.verl_config import rollout_correction_keys
+
+    zeros = torch.zeros(1, 2)
+    with pytest.raises(TypeError, match="not a boolean"):
+        compute_rollout_correction_and_rejection_mask(
+            old_log_prob=zeros,
+            rollout_log_prob=zeros,
+            response_mask=torch.ones(1, 2),
+            rollout_is="token",
+            rollout_is_threshold=True,
+            rollout_rs=None,
+        )
+    with pytest.raises(TypeError, match="not a boolean"):
+        rollout_correction_keys({"rollout_is": "token", "rollout_is_threshold": True})

@@ -122,7 +122,7 @@ def test_diagnose_output_path_that_is_a_directory_writes_nothing(tmp_path):
     from nemo_is_plugin.diagnose import synthetic_records, write_dump
 
     dump = write_dump(synthetic_records(8, min_len=4, max_len=20, seed=0), tmp_path / "d" / "rollouts.jsonl")
-    refused(cli("diagnose", dump, "--write-config", tmp_path), "is a directory; give a file path")
+    refused(cli("diagnose", dump, "--write-config", tmp_path), "--write-config", "is a folder; give a file path")
     assert not (tmp_path / "d" / "diagnose").exists()
 
 
@@ -133,7 +133,8 @@ def test_diagnose_plot_directory_that_is_a_file_writes_nothing(tmp_path):
     (tmp_path / "plots").write_text("not a directory")
     refused(
         cli("diagnose", dump, "--out", tmp_path / "plots", "--json", tmp_path / "r.json"),
-        "is a file; give a directory for the plots",
+        "--out",
+        "is a file; give a folder",
     )
     assert not (tmp_path / "r.json").exists()
 

@@ -50,7 +50,8 @@ from nemo_is_plugin.adapters.normalizers import loss_type_of
 from nemo_is_plugin.adapters.protocol import LossInputType, MetricNormalizer
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.groups import ParallelGroups
-from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME, build_loss_fn
+from nemo_is_plugin.loss import registry
+from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME
 
 if TYPE_CHECKING:
     from nemo_is_plugin.distributed.cp_sharding import CPOrder
@@ -155,7 +156,9 @@ class NeMoRLLossFn:
         self._build()
 
     def _build(self) -> None:
-        self.loss = build_loss_fn(self._section)
+        # the registry's loss for the section's name (not imported by name: this module's builder is
+        # build_nemo_rl_loss_fn, whose loss NeMo-RL's workers can call)
+        self.loss = registry.build_loss_fn(self._section)
         self.config: ClippedPGLossConfig = self.loss.config
         self._logit_loss: LogitClippedPGLoss | None = None
         self._resolved_groups: ParallelGroups | None = None

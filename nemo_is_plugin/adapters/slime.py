@@ -28,8 +28,8 @@ Configuration: slime's flags are mapped or refused by :mod:`~nemo_is_plugin.adap
 come from ``args.nemo_is`` (slime's ``--custom-config-path`` YAML) and / or ``$NEMO_IS_CONFIG``; both are read and
 validated at the first call and cached per setting. With no plugin keys (``nemo_is: {}``) the full loss is slime's
 ``policy_loss_function`` and the TIS function slime's ``vanilla_tis_function`` (``icepop_function`` with
-``truncated_importance_sampling_type: icepop``). The process groups are megatron-core's (slime's ``mpu``), looked up
-in the worker at the first call.
+``truncated_importance_sampling_type: icepop``). The process groups are megatron-core's (slime's ``mpu``), read in the
+worker at every call, so that a process that rebuilds them (tests, notebooks, restarts) gets the new ones.
 
 Masks under rejection: slime rebuilds its reducer with the returned masks (same denominators), so rejected tokens
 leave the numerators. The TIS function zeroes this rank's rejected positions in the masks it returns (positions held
@@ -117,15 +117,14 @@ class _SlimeEntry:
         if not (groups == PARALLEL_STATE or isinstance(groups, ParallelGroups)):
             raise ValueError(f"groups must be {PARALLEL_STATE!r} or a ParallelGroups, got {groups!r}")
         self._source, self._groups_spec = config, groups
-        self._resolved: ParallelGroups | None = None
         self._configs: dict[tuple, Any] = {}
 
     def groups(self) -> ParallelGroups:
+        """The explicit groups, else megatron-core's ``parallel_state`` (slime's ``mpu``) as it is now: read at every
+        call (a few attribute reads and group sizes), never kept, since a process may destroy and rebuild them."""
         if isinstance(self._groups_spec, ParallelGroups):
             return self._groups_spec
-        if self._resolved is None:  # slime's mpu is megatron-core's parallel_state, initialised in the worker
-            self._resolved = ParallelGroups.from_parallel_state()
-        return self._resolved
+        return ParallelGroups.from_parallel_state()
 
     def user_keys(self, args: Any) -> dict[str, Any]:
         if isinstance(self._source, ClippedPGLossConfig):

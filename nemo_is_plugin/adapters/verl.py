@@ -25,11 +25,13 @@ log-probs, is :mod:`~nemo_is_plugin.adapters.verl_correction`. The loss runs on 
 
 Normalisation follows verl's ``agg_loss``: with ``config.global_batch_info`` (``dp_size``, ``batch_num_tokens``,
 ``global_batch_size``) the loss is this micro-batch's sum / (global count / dp_size) (``token-sum``: the sum times
-dp_size); without it, local counts. Metrics are returned per micro-batch (verl averages them): prefixed
-``actor/nemo_is/``, renormalised to this micro-batch's own counts, plus verl's ``actor/pg_clipfrac``,
-``actor/pg_clipfrac_lower`` and ``actor/ppo_kl`` (log pi - log pi_old clamped to +-20 before the mean, as verl); when
-the plugin owns the correction, also every ``rollout_corr/`` metric verl logs, with verl's definitions, over this
-micro-batch (:mod:`~nemo_is_plugin.adapters.verl_metrics`, which says where that scope differs from verl's batch).
+dp_size); without it, local counts: the rows with tokens, or every row for GMPO, as verl's ``geo_mean``. Metrics
+are returned per micro-batch (verl averages them): prefixed ``actor/nemo_is/``, renormalised to this micro-batch's
+own counts, plus the ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and ``actor/ppo_kl`` that verl's loss of the
+same mode returns, as it defines them (:data:`~nemo_is_plugin.adapters.verl_loss_modes.VERL_MODE_METRICS`: which of
+them, and whether ``ppo_kl`` clamps the log-ratio to +-20); when the plugin owns the correction, also every
+``rollout_corr/`` metric verl logs, with verl's definitions, over this micro-batch
+(:mod:`~nemo_is_plugin.adapters.verl_metrics`, which says where that scope differs from verl's batch).
 """
 
 from __future__ import annotations
@@ -48,10 +50,18 @@ from nemo_is_plugin.adapters.verl_config import (
     VerlConfigError,
     _get,
     actor_keys,
+    loss_scale_factor,
     plugin_section_keys,
 )
 from nemo_is_plugin.adapters.verl_correction import generation_logprobs, owns_correction, rollout_logprobs
-from nemo_is_plugin.adapters.verl_loss_modes import PPO_CLIP_KEYS, VERL_CLIPFRAC_METRICS
+from nemo_is_plugin.adapters.verl_loss_modes import (
+    PPO_CLIP_KEYS,
+    VERL_ALL_ROWS_OBJECTIVES,
+    VERL_CLIPFRAC_METRICS,
+    VERL_METRIC_NAMES,
+    VERL_MODE_METRICS,
+    verl_loss_mode_of,
+)
 from nemo_is_plugin.adapters.verl_metrics import rollout_corr_metrics, verl_statistics
 from nemo_is_plugin.config import ClippedPGLossConfig
 
@@ -127,7 +137,8 @@ def verl_config(
     merged = {**base, **user}
     agg = merged.get("loss_aggregation") or ("token-mean" if merged.get("token_level_loss", True) else None)
     if agg == "seq-mean-token-sum-norm" and merged.get("loss_aggregation_norm") is None:
-        merged["loss_aggregation_norm"] = float(_get(actor, "loss_scale_factor", horizon))
+        factor = loss_scale_factor(actor)
+        merged["loss_aggregation_norm"] = float(horizon if factor is None else factor)
     if weights_only:  # verl's geo_mean applies its weights per sequence, as their geometric mean
         level = "sequence_mean" if merged.get("policy_objective") == "gmpo" else "token"
         merged.update(use_importance_sampling_correction=True, is_correction_level=level)
@@ -225,7 +236,7 @@ class VerlPolicyLoss:
         keys = self.keys_for(actor) if keys is None else keys
         # The response length matters only as seq-mean-token-sum-norm's default divisor; keep it out of the key
         # otherwise, so that variable-length micro-batches share one loss.
-        if loss_agg_mode != "seq-mean-token-sum-norm" or _get(actor, "loss_scale_factor") is not None:
+        if loss_agg_mode != "seq-mean-token-sum-norm" or loss_scale_factor(actor) is not None:
             horizon = 0
         key = (
             loss_agg_mode,
@@ -235,7 +246,7 @@ class VerlPolicyLoss:
             _get(actor, "clip_ratio_low"),
             _get(actor, "clip_ratio_high"),
             _get(actor, "clip_ratio_c"),
-            _get(actor, "loss_scale_factor"),
+            loss_scale_factor(actor),
             _get(actor, "tau_pos"),
             _get(actor, "tau_neg"),
             _get(_get(actor, "policy_loss"), "dro_beta"),
@@ -283,10 +294,14 @@ class VerlPolicyLoss:
         )
 
         m = mask.to(log_prob.dtype)
+        # verl's own metrics of the mode this config computes (vanilla's for a config no verl mode computes)
+        verl_names, clamped_kl = VERL_MODE_METRICS[verl_loss_mode_of(loss_fn.config) or "vanilla"]
         # The local counts, verl's ppo_kl and verl's rollout_corr/ statistics stay on the device until the loss's
-        # metrics are read (one host sync). ppo_kl: verl clamps log pi - log pi_old to +-20 before averaging.
+        # metrics are read (one host sync). ppo_kl: some verl modes clamp log pi - log pi_old to +-20 first.
         with torch.no_grad():
-            log_ratio = (log_prob - old_log_prob).clamp(-VERL_LOG_RATIO_CLAMP, VERL_LOG_RATIO_CLAMP)
+            log_ratio = log_prob - old_log_prob
+            if clamped_kl:
+                log_ratio = log_ratio.clamp(-VERL_LOG_RATIO_CLAMP, VERL_LOG_RATIO_CLAMP)
             own = {
                 "local_toks": m.sum(),
                 "local_seqs": (m.sum(-1) > 0).sum(),
@@ -295,7 +310,9 @@ class VerlPolicyLoss:
             if owns:  # the IS weights divide pi_old, or the current policy in bypass mode (as the loss's)
                 prev = log_prob if plugin_cfg.bypasses_prev else old_log_prob
                 own.update(verl_statistics(prev, gen, mask, loss_fn.config))
-        info_tok, info_seq = self._global_counts(config, loss_agg_mode)
+        # verl's geo_mean: a plain mean over the micro-batch's rows, empty ones included, when no global count is given
+        all_rows = b if loss_fn.config.policy_objective in VERL_ALL_ROWS_OBJECTIVES else None
+        info_tok, info_seq = self._global_counts(config, loss_agg_mode, all_rows)
         inputs = LossInputs(
             curr_logprobs=log_prob,
             prev_logprobs=old_log_prob,
@@ -333,13 +350,8 @@ class VerlPolicyLoss:
                 as_tensor(local.get(lower, 0.0)),
             )
         out = {f"{METRIC_PREFIX}{k}": v for k, v in local.items()}
-        out.update(
-            {
-                "actor/pg_clipfrac": local.get(clipfrac, 0.0),
-                "actor/ppo_kl": ppo_kl,
-                "actor/pg_clipfrac_lower": local.get(lower, 0.0),
-            }
-        )
+        verl_values = dict(zip(VERL_METRIC_NAMES, (local.get(clipfrac, 0.0), ppo_kl, local.get(lower, 0.0))))
+        out.update({name: verl_values[name] for name in verl_names})
         if owns:  # the plugin measured the true mismatch: verl's rollout_corr/ names where the quantity is the same
             out.update(
                 rollout_corr_metrics(local, loss_fn.config, rows=b, seqs_with_tokens=local_seqs, seq_count=local_seqs)
@@ -348,18 +360,19 @@ class VerlPolicyLoss:
         return loss, out
 
     @staticmethod
-    def _global_counts(config: Any, agg: str) -> tuple[float | None, float | None]:
+    def _global_counts(config: Any, agg: str, all_rows: int | None = None) -> tuple[float | None, float | None]:
         """verl's ``agg_loss`` divisors (tokens, sequences): ``global / dp_size`` from ``global_batch_info``, else None
-        (the local counts)."""
+        (the local counts); without ``global_batch_size`` the sequence divisor is ``all_rows`` when given (verl's
+        ``geo_mean``, which reads no ``global_batch_info`` and so needs none at any DP size)."""
         info = dict(_get(config, "global_batch_info", {}) or {})
         dp = int(info.get("dp_size") or 1)
         toks, seqs = info.get("batch_num_tokens"), info.get("global_batch_size")
         if dp > 1 and toks is None and agg == "token-mean":
             raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
-        if dp > 1 and seqs is None and agg not in ("token-mean", "token-sum"):
+        if dp > 1 and seqs is None and all_rows is None and agg not in ("token-mean", "token-sum"):
             raise ValueError("global_batch_size is required when dp_size > 1")
         n_tok = float(toks) / dp if toks is not None else None
-        n_seq = float(seqs) / dp if seqs is not None else None
+        n_seq = float(seqs) / dp if seqs is not None else None if all_rows is None else float(all_rows)
         return n_tok, n_seq
 
 

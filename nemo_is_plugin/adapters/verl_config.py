@@ -172,7 +172,11 @@ def _items(config: Any) -> dict[str, Any]:
 
 def parse_is_threshold(spec: Any) -> tuple[float, float | None]:
     """verl's ``rollout_is_threshold``: a number (TIS upper bound) or ``"lo_hi"`` (IcePop band) -> (upper, lower)."""
-    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+    if isinstance(spec, bool):  # verl's own check (rollout_corr_helper._parse_rollout_is_threshold) says the same
+        raise VerlConfigTypeError(
+            f"rollout_is_threshold must be a number or a 'lower_upper' string, not a boolean: {spec}"
+        )
+    if not isinstance(spec, (int, float, str)):
         raise VerlConfigTypeError(f"rollout_is_threshold must be a number or a 'lower_upper' string, got {spec!r}")
     text = str(spec).strip()
     lo_text, hi_text = text.split("_", 1) if "_" in text else (None, text)
@@ -315,6 +319,14 @@ def _changed(rc: Any) -> bool:
     return changed or bool(set(items) - set(dataclass_defaults))
 
 
+def loss_scale_factor(actor: Any) -> Any:
+    """``seq-mean-token-sum-norm``'s divisor where verl 0.9's losses read it: ``global_batch_info["loss_scale_factor"]``
+    (verl's ``ppo_loss`` copies ``actor.loss_scale_factor`` there), else ``actor.loss_scale_factor`` (a config whose
+    ``global_batch_info`` has no such key: a direct call, an older verl); None means the response length."""
+    info = dict(_get(actor, "global_batch_info", {}) or {})
+    return info["loss_scale_factor"] if "loss_scale_factor" in info else _get(actor, "loss_scale_factor")
+
+
 def actor_keys(actor: Any, loss_agg_mode: str, loss_mode: str = "vanilla") -> dict[str, Any]:
     """verl's actor settings as plugin keys: the defaults under which the plugin's loss is verl's ``loss_mode``
     (``vanilla`` unless the plugin section names another: :mod:`~nemo_is_plugin.adapters.verl_loss_modes`;
@@ -362,6 +374,7 @@ __all__ = [
     "VerlConfigError",
     "VerlConfigTypeError",
     "actor_keys",
+    "loss_scale_factor",
     "parse_is_threshold",
     "plugin_section_keys",
     "preset_keys",

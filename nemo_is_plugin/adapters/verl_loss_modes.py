@@ -115,6 +115,40 @@ def loss_mode_keys(actor: Any, loss_mode: str) -> dict[str, Any]:
 # verl's pg_clipfrac / pg_clipfrac_lower in the plugin's metric names, where a mode defines them differently from
 # vanilla's (clip_fraction / clip_fraction_dual): geo_mean counts its clip by advantage sign.
 VERL_CLIPFRAC_METRICS = {"gmpo": ("clip_fraction_high", "clip_fraction_low")}
+VERL_METRIC_NAMES = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+# What each of verl 0.9.1's losses returns besides the loss (core_algos.py): its actor/ metric names, and whether its
+# ppo_kl = mean(log pi_old - log pi) clamps each token's log-ratio to +-20 first. vanilla, cispo, dppo_* and sapo clamp
+# (the ratio they exponentiate is clamped); gspo, geo_mean and dro average the raw log-ratio; gpg returns no metric.
+VERL_MODE_METRICS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "vanilla": (VERL_METRIC_NAMES, True),
+    "cispo": (VERL_METRIC_NAMES, True),
+    "dppo_tv": (VERL_METRIC_NAMES, True),
+    "dppo_kl": (VERL_METRIC_NAMES, True),
+    "sapo": (VERL_METRIC_NAMES, True),
+    "gspo": (VERL_METRIC_NAMES, False),
+    "geo_mean": (VERL_METRIC_NAMES, False),
+    "dro": (("actor/ppo_kl",), False),
+    "gpg": ((), False),
+}
+# verl's geo_mean ends with torch.mean over the micro-batch's rows (empty rows included) and reads no
+# global_batch_info; every other mode divides by the rows with tokens (agg_loss) when no global count is given.
+VERL_ALL_ROWS_OBJECTIVES = ("gmpo",)
+
+
+def verl_loss_mode_of(config: Any) -> str | None:
+    """The verl ``loss_mode`` a resolved plugin config computes (the module table read backwards), whether it was named
+    by ``loss_mode`` or spelled in the plugin's keys; None for a config no verl mode computes (e.g. a cumulative ratio),
+    whose verl metrics then follow ``vanilla``."""
+    objective = config.policy_objective
+    if objective == "gmpo":
+        return "geo_mean"
+    if objective in ("dppo_tv", "dppo_kl", "sapo", "gpg", "dro"):
+        return str(objective)
+    if objective != "ppo_clip":
+        return None
+    if config.use_cispo:
+        return "cispo"
+    return {"token": "vanilla", "sequence_token": "gspo"}.get(config.effective_ratio_level)
 
 
 __all__ = [
@@ -124,8 +158,12 @@ __all__ = [
     "REFUSED_LOSS_MODES",
     "VERL_CLIPFRAC_METRICS",
     "VERL_DPPO_DEFAULT_CAP",
+    "VERL_ALL_ROWS_OBJECTIVES",
     "VERL_GSPO_MAX_LOG_RATIO",
     "VERL_LOSS_MODES",
+    "VERL_METRIC_NAMES",
+    "VERL_MODE_METRICS",
     "check_loss_mode",
     "loss_mode_keys",
+    "verl_loss_mode_of",
 ]

@@ -68,6 +68,16 @@ def bench(
     from rich.console import Console
     from rich.markup import escape
 
+    from nemo_is_plugin.cli.paths import check_paths
+
+    check_paths(
+        "bench",
+        [
+            (out, "--out", "output_dir"),
+            (docs_dir if write_docs else None, "--docs-dir", "output_dir"),
+            *((p, "--from-json", "input_file") for p in from_json or ()),
+        ],
+    )
     console = Console()
     if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, 130))

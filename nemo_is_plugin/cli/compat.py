@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
-_EXIT_DIFFERS, _EXIT_CANNOT_COMPARE = 1, 2
+from nemo_is_plugin.cli.paths import check_paths, refuse
+
+_EXIT_DIFFERS = 1  # cannot compare: 2 (nemo_is_plugin.cli.paths.refuse)
 
 
 def compat(
@@ -44,6 +47,7 @@ def compat(
     console = Console(width=max(Console().width, 140))  # the table's notes stay readable in a log file
     if host not in HOSTS:
         _refuse(f"--host {host!r}: one of {', '.join(HOSTS)}")
+    check_paths("compat", [(config, "CONFIG", "input_file"), (json_out, "--json", "output_file")])
     try:
         compared = synthetic_batches(batches, seed)
         if rollouts is not None:
@@ -53,8 +57,8 @@ def compat(
         _refuse(str(exc))
     except DumpError as exc:
         _refuse(f"--rollouts: {exc}")
-    except (ConfigError, ValueError) as exc:
-        _refuse(f"cannot compare {config}: {exc}")
+    except (ConfigError, ValueError) as exc:  # the config's path once: most messages start with it
+        _refuse(f"cannot compare: {exc}" if str(config) in str(exc) else f"cannot compare {config}: {exc}")
     with warnings.catch_warnings():  # the batches' edge inputs are deliberate: the plugin's input warnings are noise
         warnings.simplefilter("ignore")
         report = run_compat(target, compared, str(config), strict=strict)
@@ -66,9 +70,8 @@ def compat(
         raise typer.Exit(code=_EXIT_DIFFERS)
 
 
-def _refuse(message: str) -> None:
-    typer.echo(f"nemo-is compat: {message}", err=True)
-    raise typer.Exit(code=_EXIT_CANNOT_COMPARE)
+def _refuse(message: str) -> NoReturn:
+    refuse("compat", message)
 
 
 def register(app: typer.Typer) -> None:

@@ -82,6 +82,12 @@ def register(app: typer.Typer) -> None:
         """End-to-end GRPO with IS-corrected losses side by side; writes metrics, rollouts and a comparison plot."""
         from rich.console import Console
 
+        from nemo_is_plugin.cli.paths import check_paths, refuse
+
+        # before Ray starts: --plot-only reads an earlier run's folder, a run writes one
+        check_paths("demo", [(output_dir, "--output-dir", "input_dir" if plot_only else "output_dir")])
+        if plot_only and not (Path(output_dir) / "metrics.jsonl").is_file():
+            refuse("demo", f"--plot-only: {output_dir} holds no metrics.jsonl; give the --output-dir of a demo run")
         console = Console()
         if plot_only:
             from nemo_is_plugin.demo.plot import plot_comparison

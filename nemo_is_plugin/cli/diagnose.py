@@ -68,16 +68,20 @@ def register(app: typer.Typer) -> None:
 
         from rich.console import Console
 
+        from nemo_is_plugin.cli.paths import check_paths
         from nemo_is_plugin.diagnose import DumpError, diagnose
         from nemo_is_plugin.diagnose.recommend import Criteria
 
         console = Console()
+        check_paths(  # a bad output path is refused before anything is written
+            "diagnose",
+            [
+                (json_out, "--json", "output_file"),
+                (write_config, "--write-config", "output_file"),
+                (None if no_plots else out, "--out", "output_dir"),
+            ],
+        )
         try:
-            for target in (json_out, write_config):  # refuse a bad output path before anything is written
-                if target is not None and target.is_dir():
-                    raise ValueError(f"{target} is a directory; give a file path")
-            if out is not None and out.exists() and not out.is_dir() and not no_plots:
-                raise ValueError(f"--out {out} is a file; give a directory for the plots")
             bounds: dict[str, tuple[float | None, float]] = {
                 "tis": (None, tis_high),
                 "icepop": _band(icepop, "--icepop"),

@@ -40,6 +40,7 @@ def register(app: typer.Typer) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Table
 
+        from nemo_is_plugin.cli.paths import check_paths
         from nemo_is_plugin.evidence.runner import EXPERIMENTS, JSON_NAME, run_evidence, step_count
 
         console = Console()
@@ -48,6 +49,7 @@ def register(app: typer.Typer) -> None:
         if unknown:
             console.print(f"[red]unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}[/red]")
             raise typer.Exit(_EXIT_BAD_INPUT)
+        check_paths("evidence", [(output_dir, "--output-dir", "output_dir")])
 
         columns = (
             TextColumn("{task.description}"),

@@ -1,17 +1,21 @@
 """``nemo-is validate``: load a recipe, validate it, and run the loss once on a synthetic batch.
 
-Exit status 2 for every bad input (unreadable or invalid recipe, an override that matches nothing, a bad option), with
-the message on the terminal (or as JSON with ``--json``); nothing is written anywhere.
+Exit status 2 for every bad input (unreadable or invalid recipe, an override that matches nothing, a key no setting
+reads unless ``--allow-unknown-keys``, a bad option), with the message on the terminal (or as JSON with ``--json``);
+nothing is written anywhere. A checking command fails on a misspelled key; the loss itself only warns at run time,
+because NeMo-RL's own config accepts extra keys.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
+from rich.markup import escape
 
 _EXIT_BAD_INPUT = 2
 
@@ -34,13 +38,18 @@ def validate(
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON object (verdict, settings, loss, metrics) only."
     ),
+    allow_unknown_keys: bool = typer.Option(
+        False,
+        "--allow-unknown-keys",
+        help="Accept keys no loss setting reads (listed, then ignored, as NeMo-RL ignores them) instead of failing.",
+    ),
 ) -> None:
     """Validate RECIPE and print its loss and metrics on a synthetic batch with a rollout/training mismatch."""
     from rich.console import Console
 
     from nemo_is_plugin.adapters.recipes import load_loss_spec
     from nemo_is_plugin.cli.synthetic_batch import synthetic_batch
-    from nemo_is_plugin.config import ConfigError
+    from nemo_is_plugin.config import ConfigError, UnknownConfigKeyWarning
 
     console = Console()
     try:
@@ -48,14 +57,47 @@ def validate(
     except ValueError as exc:
         _fail(console, as_json, recipe, _option_names(str(exc)), "invalid option:")
     try:
-        spec = load_loss_spec(recipe, overrides=override or (), section=section)
+        with warnings.catch_warnings():  # unknown keys are this command's verdict below, not a Python warning
+            warnings.simplefilter("ignore", UnknownConfigKeyWarning)
+            spec = load_loss_spec(recipe, overrides=override or (), section=section)
     except (ConfigError, ValueError) as exc:
-        _fail(console, as_json, recipe, str(exc), f"invalid recipe {recipe}:")
-    loss, grad_norm, metrics = _run(spec, batch)
+        message = str(exc)  # the recipe's path once: most messages start with it
+        _fail(
+            console,
+            as_json,
+            recipe,
+            message,
+            "invalid recipe:" if str(recipe) in message else f"invalid recipe {recipe}:",
+        )
+    unknown = _unknown_keys(spec, section)
+    if unknown is not None and not allow_unknown_keys:
+        _fail(
+            console,
+            as_json,
+            recipe,
+            f"{unknown}; NeMo-RL's loss would ignore them (--allow-unknown-keys accepts them)",
+            f"invalid recipe {recipe}:",
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownConfigKeyWarning)
+        loss, grad_norm, metrics = _run(spec, batch)
     if as_json:
-        print(json.dumps(_json_report(recipe, section, spec, loss, grad_norm, metrics), indent=1, allow_nan=False))
+        report = _json_report(recipe, section, spec, loss, grad_norm, metrics)
+        print(json.dumps({**report, "ignored_keys": unknown}, indent=1, allow_nan=False))
         return
+    if unknown is not None:
+        console.print(f"[yellow]ignored[/yellow] {escape(unknown)}", highlight=False, soft_wrap=True)
     _print_report(console, recipe, section, spec, loss, grad_norm, metrics, show_effective)
+
+
+def _unknown_keys(spec, section: str) -> str | None:
+    """``unknown <section> key(s): 'x' (did you mean 'y'?)`` for the keys of the section no setting reads, or None."""
+    from nemo_is_plugin.config import ClippedPGLossConfig
+    from nemo_is_plugin.config.unknown_keys import unknown_keys_message
+
+    known = set(ClippedPGLossConfig.model_fields)
+    unknown = [k for k in spec.given if k not in known]
+    return unknown_keys_message(unknown, known, section) if unknown else None
 
 
 def _option_names(message: str) -> str:
@@ -65,11 +107,11 @@ def _option_names(message: str) -> str:
     return message
 
 
-def _fail(console, as_json: bool, recipe: Path, message: str, head: str) -> None:
+def _fail(console, as_json: bool, recipe: Path, message: str, head: str) -> NoReturn:
     if as_json:
         print(json.dumps({"valid": False, "recipe": str(recipe), "error": message}, indent=1))
-    else:
-        console.print(f"[red]{head}[/red] {message}", highlight=False)
+    else:  # escaped: pydantic's "[type=..., input_value=...]" is the bad value, not a markup tag
+        console.print(f"[red]{escape(head)}[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=_EXIT_BAD_INPUT)
 
 
@@ -128,14 +170,14 @@ def _print_report(console, recipe, section, spec, loss, grad_norm, metrics, show
     from nemo_is_plugin.config.effective import effective_settings
 
     changed = spec.config.model_dump(exclude_defaults=True)
-    head = f"[green]valid[/green] {recipe} (loss {spec.name})"
+    head = f"[green]valid[/green] {escape(str(recipe))} (loss {spec.name})"
     note = _defaults_note(spec, section)
     if note is not None:
         console.print(f"{head}: {note}", highlight=False)
     elif not changed:
         console.print(f"{head}: every key it sets equals its default", highlight=False)
     else:
-        console.print(f"{head}: " + ", ".join(f"{k}={v}" for k, v in changed.items()), highlight=False)
+        console.print(f"{head}: " + escape(", ".join(f"{k}={v}" for k, v in changed.items())), highlight=False)
     if show_effective:
         table = Table(title="effective settings", title_justify="left")
         table.add_column("choice")

@@ -98,7 +98,8 @@ class Tolerances:
 
 @dataclass
 class Finding:
-    """One output over every batch: its worst status, the largest differences and the batch they came from."""
+    """One output over every batch: its worst status, the largest differences and the batch they came from, with the
+    host's and the plugin's values there (the gradient's: the norms of its finite entries)."""
 
     output: str
     status: str
@@ -106,24 +107,29 @@ class Finding:
     rel_diff: float = 0.0
     batch: str = ""
     notes: list[str] = field(default_factory=list)
+    host_value: float | None = None
+    plugin_value: float | None = None
 
     def merge(self, other: Finding) -> None:
         if _RANK[other.status] > _RANK[self.status]:
             self.status = other.status
         if not other.abs_diff <= self.abs_diff:  # nan compares false: a nan difference is kept
             self.abs_diff, self.rel_diff, self.batch = other.abs_diff, other.rel_diff, other.batch
+            self.host_value, self.plugin_value = other.host_value, other.plugin_value
         self.notes += [n for n in other.notes if n not in self.notes]
 
 
 def _scalar(output: str, host: float, plugin: float, rtol: float, atol: float, batch: str) -> Finding:
     if (math.isnan(host) and math.isnan(plugin)) or (math.isinf(host) and host == plugin):
-        return Finding(output, AGREES, batch=batch)
+        return Finding(output, AGREES, batch=batch, host_value=host, plugin_value=plugin)
     if not (math.isfinite(host) and math.isfinite(plugin)):
-        return Finding(output, DIFFERS, math.inf, math.inf, batch, [f"plugin {plugin} vs host {host}"])
+        notes = [f"plugin {plugin} vs host {host}"]
+        return Finding(output, DIFFERS, math.inf, math.inf, batch, notes, host_value=host, plugin_value=plugin)
     diff = abs(plugin - host)
     rel = diff / abs(host) if host != 0 else (0.0 if diff == 0 else math.inf)
     ok = diff <= atol + rtol * abs(host)  # False for any nan
-    return Finding(output, AGREES if ok else DIFFERS, diff if not math.isnan(diff) else math.inf, rel, batch)
+    status, diff = (AGREES if ok else DIFFERS), (diff if not math.isnan(diff) else math.inf)
+    return Finding(output, status, diff, rel, batch, host_value=host, plugin_value=plugin)
 
 
 def _gradient(host: torch.Tensor, plugin: torch.Tensor, tol: Tolerances, note: str | None, batch: str) -> Finding:
@@ -134,6 +140,7 @@ def _gradient(host: torch.Tensor, plugin: torch.Tensor, tol: Tolerances, note: s
     scale = float(host[both].abs().max()) if bool(both.any()) else 0.0
     diff = float((host - plugin)[both].abs().max()) if bool(both.any()) else 0.0
     found = Finding("gradient", AGREES, diff, diff / scale if scale else 0.0, batch)
+    found.host_value, found.plugin_value = float(host[both].norm()), float(plugin[both].norm())
     if diff > tol.grad_atol + tol.grad_rtol * scale:
         found.status = DIFFERS
     elif not same_nonfinite:

@@ -20,7 +20,8 @@ import torch
 
 from nemo_is_plugin.compat.batches import CompatBatch
 from nemo_is_plugin.compat.compare import Outcome, run_call
-from nemo_is_plugin.config import ConfigError, UnknownConfigKeyWarning
+from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError, UnknownConfigKeyWarning
+from nemo_is_plugin.config.unknown_keys import unknown_keys_message
 
 HOST_MODULE = "nemo_rl.algorithms.loss.loss_functions"
 INSTALL_HINT = (
@@ -28,6 +29,17 @@ INSTALL_HINT = (
     "(nemo-is-plugin installed into that environment), or install NeMo-RL (https://github.com/NVIDIA-NeMo/RL)"
 )
 _DOCS = "docs/nemo_rl.md, 'Where the plugin deliberately differs'"
+# NeMo-RL's algorithms by their master-config section, and the loss each one's setup builds (nemo_rl/algorithms/*.py,
+# commit 7ea279ab): the plugin replaces ClippedPGLossFn, which grpo.py and ppo.py build; the others have other losses.
+CLIPPED_PG_ALGORITHMS = ("grpo", "ppo")
+OTHER_ALGORITHM_LOSSES = {
+    "distillation": "DistillationLossFn (or CrossTokenizerDistillationLossFn)",
+    "dpo": "DPOLossFn",
+    "sft": "NLLLossFn",
+    "rm": "PreferenceLossFn",
+}
+# loss_fn keys of DistillationLossConfig (a bare loss_fn section names no algorithm)
+DISTILLATION_LOSS_KEYS = ("kl_type", "mixed_kl_weight", "zero_outside_topk")
 
 
 class HostUnavailableError(RuntimeError):
@@ -48,6 +60,24 @@ def _declared_keys(config_cls: type) -> set[str]:
     return set(get_type_hints(config_cls))  # the TypedDict of older NeMo-RL
 
 
+def _refuse_other_losses(master: Any) -> None:
+    """A recipe of a NeMo-RL algorithm whose loss is not ClippedPGLossFn has nothing the plugin replaces: say so,
+    rather than call its loss_fn keys unknown (or its missing loss_fn section)."""
+    if any(name in master for name in CLIPPED_PG_ALGORITHMS):
+        return
+    algorithm = next((name for name in OTHER_ALGORITHM_LOSSES if name in master), None)
+    section = master.get("loss_fn", master) or {}  # a bare file is the section itself
+    theirs = [k for k in section if k in DISTILLATION_LOSS_KEYS]
+    if algorithm is None and not theirs:
+        return
+    what = f"a NeMo-RL {algorithm} recipe" if algorithm else "a NeMo-RL distillation loss_fn section"
+    keys = f" (loss_fn keys {', '.join(theirs)})" if theirs else ""
+    raise ConfigError(
+        f"{what}{keys}: its loss is NeMo-RL's {OTHER_ALGORITHM_LOSSES[algorithm or 'distillation']}, not "
+        "ClippedPGLossFn, the loss the plugin replaces (GRPO and PPO recipes): there is nothing to compare"
+    )
+
+
 class NeMoRLHost:
     """The installed NeMo-RL's ``ClippedPGLossFn`` and the plugin's, built from one master config."""
 
@@ -59,15 +89,21 @@ class NeMoRLHost:
         module = import_host(HOST_MODULE, INSTALL_HINT, "NeMo-RL")
         self._loss_cls = module.ClippedPGLossFn
         self._config_cls = module.ClippedPGLossConfig
-        with warnings.catch_warnings():  # a key neither loss reads is most likely a typo: compat refuses it
-            warnings.simplefilter("error", UnknownConfigKeyWarning)
-            try:
-                load_loss_spec(config, overrides)  # the section validates as the plugin's config (RecipeError if not)
-            except UnknownConfigKeyWarning as exc:
-                message = f"{exc}".replace("; they are ignored", ": compat refuses keys neither loss reads;")
-                raise ConfigError(message) from None
-        section = loss_section(load_yaml(config, overrides))
+        master = load_yaml(config, overrides)
+        _refuse_other_losses(master)
+        section = loss_section(master)
         section.pop("name", None)
+        with warnings.catch_warnings():  # reported below: a key neither loss reads is most likely a typo
+            warnings.simplefilter("ignore", UnknownConfigKeyWarning)
+            spec = load_loss_spec(
+                config, overrides
+            )  # the section validates as the plugin's config (RecipeError if not)
+        unknown = [k for k in spec.given if k not in ClippedPGLossConfig.model_fields]
+        if unknown:
+            raise ConfigError(
+                unknown_keys_message(unknown, set(ClippedPGLossConfig.model_fields))
+                + ": neither NeMo-RL's ClippedPGLossFn nor the plugin reads them, so compat refuses them"
+            )
         declared = _declared_keys(self._config_cls)
         self.host_keys = {k: v for k, v in section.items() if k in declared}
         self.plugin_keys = {k: v for k, v in section.items() if k not in declared}

@@ -28,24 +28,39 @@ def verdict(report: CompatReport) -> str:
     return f"AGREES: the plugin reproduces {report.host} on every output it reports{extra}{changed}"
 
 
-def _table(title: str, findings: list[Finding]) -> Any:
+def _values(f: Finding) -> str:
+    """``host -> plugin`` at the finding's worst batch; the gradient's values are the norms of its finite entries."""
+    if f.host_value is None or f.plugin_value is None:
+        return ""
+    norm = "|g|: " if f.output == "gradient" else ""
+    return f"{norm}{f.host_value:.4g} -> {f.plugin_value:.4g}"
+
+
+def _table(title: str, findings: list[Finding], values: bool = False) -> Any:
+    """The findings as a table; ``values``: the host's and the plugin's value at the worst batch instead of the
+    relative difference."""
     from rich.table import Table
     from rich.text import Text
 
     table = Table(title=title, title_justify="left")
     table.add_column("output", overflow="fold", min_width=20)
     table.add_column("status")
+    if values:
+        table.add_column("host -> plugin", justify="right")
     table.add_column("max |diff|", justify="right")
-    table.add_column("max rel", justify="right")
-    table.add_column("worst batch", overflow="fold")
+    if not values:
+        table.add_column("max rel", justify="right")
+    table.add_column("worst batch", overflow="fold", max_width=16 if values else None)
     table.add_column("why / note", overflow="fold", ratio=1)
     for f in findings:
         plain = f.status in (AGREES, PLUGIN_ONLY)
+        both = [_values(f)] if values else []
         table.add_row(
             Text(f.output),
             Text(f.status, style=_STYLE[f.status]),
+            *both,
             _number(f.abs_diff),
-            _number(f.rel_diff),
+            *([] if values else [_number(f.rel_diff)]),
             Text("" if plain and not f.abs_diff else f.batch),
             Text("; ".join(f.notes)),
         )
@@ -68,7 +83,8 @@ def print_report(console: Any, report: CompatReport) -> None:
         console.print(f"{len(extra)} metrics only the plugin reports (not compared): {names}", highlight=False)
     if report.plugin_keys:
         if report.changes:
-            console.print(_table("with the plugin keys: outputs they change (not failures)", report.changes))
+            title = "with the plugin keys: outputs they change (not failures), host and plugin at the worst batch"
+            console.print(_table(title, report.changes, values=True))
         else:
             console.print("with the plugin keys: no output the host reports changes", highlight=False)
         if report.unchanged:

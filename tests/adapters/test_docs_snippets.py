@@ -18,6 +18,8 @@ DOCS = ROOT / "docs"
 EXAMPLES = ROOT / "configs" / "examples"
 # doc page -> the example recipe its YAML snippet is taken from (None: the snippet is the recipe)
 PAGES = {"nemo_rl.md": "nemo_rl_grpo_tis.yaml", "verl.md": "verl_ctpo_seqmean.yaml", "custom_megatron.md": None}
+# where the plugin's keys sit in a page's snippet and example (verl's: the plugin section of verl's Hydra config)
+SECTIONS = {"verl.md": "actor_rollout_ref.actor.policy_loss.nemo_is"}
 
 
 def _blocks(page: str, lang: str) -> list[str]:
@@ -31,10 +33,16 @@ def test_doc_yaml_snippet_loads_and_matches_its_example(page, tmp_path):
     for i, text in enumerate(blocks):
         path = tmp_path / f"snippet_{i}.yaml"
         path.write_text(text)
-        spec = load_loss_spec(path)
+        section = SECTIONS.get(page, "loss_fn")
+        spec = load_loss_spec(path, section=section)
         assert spec.name == "nemo_is.clipped_pg"
         if PAGES[page] is not None:
-            assert spec.config == load_loss_spec(EXAMPLES / PAGES[page]).config, f"{page} drifted from its example"
+            example = load_loss_spec(EXAMPLES / PAGES[page], section=section)
+            assert spec.config == example.config, f"{page} drifted from its example"
+    if page == "verl.md":  # the whole snippet is the example, verl's settings included
+        from omegaconf import OmegaConf
+
+        assert OmegaConf.create(blocks[0]) == OmegaConf.load(EXAMPLES / PAGES[page])
 
 
 def test_nemo_rl_doc_one_line_build(tmp_path):

@@ -241,3 +241,14 @@ def test_token_sum_is_refused_for_nemo_rl_and_its_loss_is_never_rescaled():
         NeMoRLLossFn({"loss_aggregation": "token-sum"})
     denominators = ClippedPGLoss({"loss_aggregation": "token-sum"}).metric_denominators()
     assert denominators["loss"] == denominators["kl_penalty"] == Denominator.NONE
+
+
+def test_the_module_offers_only_the_adapters_builder():
+    """Code written for the earlier adapter imported ``nemo_is_plugin.adapters.nemo_rl.build_loss_fn``; that name was
+    the registry's builder, whose core loss NeMo-RL's workers cannot call. Only the adapter's own builder is here."""
+    from nemo_is_plugin.adapters import nemo_rl
+
+    assert not hasattr(nemo_rl, "build_loss_fn")
+    with pytest.raises(ImportError):
+        exec("from nemo_is_plugin.adapters.nemo_rl import build_loss_fn")  # noqa: S102
+    assert isinstance(build_nemo_rl_loss_fn({"loss_fn": {}}), NeMoRLLossFn)

@@ -78,9 +78,10 @@ def _summed(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _check_cp(case, rank, **overrides) -> None:
-    cp_entry = SlimePolicyLoss(groups=ParallelGroups(cp=GROUP["all"]))
-    want_loss, want_metrics, want_grad = _run(case, SlimePolicyLoss(), case["logits"], **overrides)
+def _check_cp(case, rank, cp_entry=None, **overrides) -> None:
+    cp_entry = SlimePolicyLoss(groups=ParallelGroups(cp=GROUP["all"])) if cp_entry is None else cp_entry
+    single = SlimePolicyLoss(groups=ParallelGroups())  # the reference: no groups, whatever parallel_state holds
+    want_loss, want_metrics, want_grad = _run(case, single, case["logits"], **overrides)
     local = shard_logits(case["logits"], case["batch"]["total_lengths"], rank, WORLD)
     loss, metrics, grad = _run(case, cp_entry, local, rank=rank, cp=WORLD, **overrides)
     total = _summed(loss)
@@ -153,11 +154,44 @@ def check_tp(rank, world):
             torch.testing.assert_close(metrics[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
+def check_rebuilt_parallel_state(rank, world):
+    """The entries slime loads (groups from megatron-core's parallel_state) in a process that destroys and rebuilds its
+    groups, CP 2 -> CP 1 (DP 2) -> CP 2: every call uses the groups of that moment (a group kept from the first call
+    would shard a CP-1 batch in two and refuse it)."""
+    from megatron.core import parallel_state as ps
+
+    from adapters.slime_host import local_positions
+
+    tis_entry, loss_entry = SlimeISCorrection(), SlimePolicyLoss()  # what slime loads: groups="parallel_state"
+    case = TIS[0]
+    inputs, args = case["inputs"], namespace(case["args"], nemo_is=TIS_KEYS["sequence"])
+    want_tis = tis_call(SlimeISCorrection(groups=ParallelGroups()), args, inputs)[0].split(inputs["response_lengths"])
+    policy = POLICY["vanilla_tis"]
+    try:
+        for cp in (2, 1, 2):
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            ps.initialize_model_parallel(context_parallel_size=cp)
+            here = rank if cp > 1 else 0
+            got = tis_call(tis_entry, args, inputs, rank=here, cp=cp)[0]
+            pos = [local_positions(t, r, here, cp) for t, r in zip(inputs["total_lengths"], inputs["response_lengths"])]
+            torch.testing.assert_close(got, torch.cat([x[p] for x, p in zip(want_tis, pos)]), rtol=1e-6, atol=1e-7)
+            if cp > 1:  # the CP ranks' losses add up to the single-process loss
+                _check_cp(policy, rank, cp_entry=loss_entry, nemo_is=PLUGIN_KEYS["sequence_is"])
+            else:  # DP 2, no CP: each rank's loss is the single-process loss
+                want = _run(policy, SlimePolicyLoss(groups=ParallelGroups()), policy["logits"])
+                got_loss = _run(policy, loss_entry, policy["logits"])
+                torch.testing.assert_close(got_loss[0], want[0], rtol=1e-6, atol=1e-7)
+    finally:
+        ps.destroy_model_parallel()
+
+
 CHECKS = [
     ("cp_golden", check_cp_golden),
     ("cp_plugin_keys", check_cp_plugin_keys),
     ("cp_tis", check_cp_tis),
     ("tp", check_tp),
+    ("rebuilt_parallel_state", check_rebuilt_parallel_state),
 ]
 
 

@@ -101,13 +101,20 @@ def test_rollout_rs_lists_follow_verls_rules():
         ({"rollout_is": "geometric"}, "must be 'token', 'sequence' or null"),
         ({"loss_type": "ppo"}, "must be 'ppo_clip' or 'reinforce'"),
         ({"rollout_is": "token", "rollout_is_threshold": "2_1"}, "lower <= upper"),
-        ({"rollout_is": "token", "rollout_is_threshold": True}, "must be a number"),
+        ({"rollout_is": "token", "rollout_is_threshold": True}, "must be a number.*not a boolean"),
+        ({"rollout_is": "token", "rollout_is_threshold": [2.0]}, r"must be a number.*got \[2\.0\]"),
         ({"rollout_rs": "token_k4", "rollout_rs_threshold": 1.0}, "not one of verl's"),
     ],
 )
 def test_rollout_correction_refusals_say_why(rc, match):
     with pytest.raises(ValueError, match=match):
         rollout_correction_keys(rc)
+
+
+def test_a_boolean_threshold_is_a_type_error_that_says_not_a_boolean():
+    """verl's own test (tests/trainer/ppo/test_rollout_corr.py) expects TypeError matching "not a boolean"."""
+    with pytest.raises(TypeError, match="not a boolean"):
+        rollout_correction_keys({"rollout_is": "token", "rollout_is_threshold": False})
 
 
 @pytest.mark.parametrize(

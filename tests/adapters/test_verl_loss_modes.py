@@ -136,3 +136,78 @@ def test_refusals(section, actor, agg, match):
 def test_actor_keys_default_mode_is_vanilla():
     assert actor_keys(ACTOR, "token-mean") == actor_keys(ACTOR, "token-mean", "vanilla")
     assert actor_keys(ACTOR, "token-mean")["ratio_clip_c"] == 3.0
+
+
+# verl 0.9.1 (core_algos.py): vanilla, cispo, dppo_* and sapo clamp the token log-ratio to +-20 in ppo_kl; gspo,
+# geo_mean and dro average the raw log-ratio; gpg returns no metric at all, dro only ppo_kl.
+PPO_KL_AT_MINUS_30 = {
+    "vanilla": 20.0,
+    "cispo": 20.0,
+    "dppo_tv": 20.0,
+    "dppo_kl": 20.0,
+    "sapo": 20.0,
+    "gspo": 30.0,
+    "geo_mean": 30.0,
+    "dro": 30.0,
+    "gpg": None,
+}
+VERL_NAMES = {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+
+
+def _direct_call(mode: str, log_prob, old, adv, mask, info: dict | None = None, **actor):
+    """A direct call with verl's keyword arguments, the mode in the plugin section, as verl's own tests call a loss."""
+    agg = "token-mean" if mode == "cispo" else FORCED_AGGREGATION.get(mode, "seq-mean-token-mean")
+    dro_beta = 0.1 if mode == "dro" else None
+    cfg = {**ACTOR, "policy_loss": {"dro_beta": dro_beta, "nemo_is": {"loss_mode": mode}}, **actor}
+    cfg["global_batch_info"] = dict(info or {})
+    return VerlPolicyLoss()(
+        old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask, loss_agg_mode=agg, config=cfg
+    )
+
+
+@pytest.mark.parametrize("mode", sorted(PPO_KL_AT_MINUS_30))
+def test_ppo_kl_and_metric_names_follow_each_verl_mode_beyond_20(mode):
+    old = torch.full((2, 4), -1.0, dtype=torch.float64)
+    mask = torch.ones(2, 4, dtype=torch.float64)
+    _, metrics = _direct_call(mode, old - 30.0, old, torch.ones_like(old), mask)
+    verl_named = {k for k in metrics if k.startswith("actor/") and "/nemo_is/" not in k}
+    expected = PPO_KL_AT_MINUS_30[mode]
+    if expected is None:
+        assert verl_named == set()
+        return
+    assert verl_named == ({"actor/ppo_kl"} if mode == "dro" else VERL_NAMES)
+    assert float(metrics["actor/ppo_kl"]) == pytest.approx(expected, rel=1e-7)
+
+
+def test_geo_mean_without_a_global_count_divides_by_every_row_as_verl():
+    """verl's geo_mean: torch.mean over the micro-batch's rows, an empty row included. log r = 0 (ratio 1, no clip):
+    the loss is -(A_0 + A_1 + 0) / 3 and d loss / d log pi_t = -A_i / (n_i * 3); with a global_batch_size of 5 the
+    divisor is 5 (the plugin's rule, docs/verl.md), and at DP 2 without a count it is still every row."""
+    old = torch.full((3, 4), -1.0, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.float64)
+    adv = torch.tensor([[0.6], [-1.5], [0.0]], dtype=torch.float64).expand(3, 4) * mask
+    for info, rows in (({}, 3.0), ({"dp_size": 2}, 3.0), ({"global_batch_size": 5}, 5.0)):
+        log_prob = old.clone().requires_grad_(True)
+        loss, _ = _direct_call("geo_mean", log_prob, old, adv, mask, info)
+        (grad,) = torch.autograd.grad(loss, log_prob)
+        # rel 1e-7: GMPO's row means divide by n + 1e-8, as verl's
+        assert float(loss.detach()) == pytest.approx(-(0.6 - 1.5) / rows, rel=1e-7)
+        expected = -adv / mask.sum(-1, keepdim=True).clamp(min=1) / rows
+        torch.testing.assert_close(grad, expected * mask, rtol=1e-7, atol=1e-15)
+
+
+def test_seq_mean_token_sum_norm_reads_the_factor_verl_passes_in_global_batch_info():
+    """verl's ppo_loss copies actor.loss_scale_factor into global_batch_info, which its losses read (a None there
+    means the response length, whatever the actor says); without that key the actor's factor is used."""
+    old = torch.full((2, 4), -1.0, dtype=torch.float64)
+    mask = torch.ones(2, 4, dtype=torch.float64)
+    adv = torch.tensor([[1.0], [2.0]], dtype=torch.float64).expand(2, 4)
+
+    def loss(info, **actor):
+        agg = {"policy_loss": {"nemo_is": {}}, "global_batch_info": info, **actor}
+        return float(VerlPolicyLoss()(old, old, adv, mask, "seq-mean-token-sum-norm", {**ACTOR, **agg})[0])
+
+    per_row_sum = -(4 * 1.0 + 4 * 2.0) / 2  # vanilla at ratio 1: -A per token, summed per row, mean over rows
+    assert loss({"loss_scale_factor": 8.0}) == pytest.approx(per_row_sum / 8.0)
+    assert loss({"loss_scale_factor": None}, loss_scale_factor=16.0) == pytest.approx(per_row_sum / 4)  # horizon 4
+    assert loss({}, loss_scale_factor=16.0) == pytest.approx(per_row_sum / 16.0)

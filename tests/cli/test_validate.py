@@ -181,3 +181,44 @@ def test_a_name_registered_to_another_loss_builds_that_loss_and_the_clipped_loss
     assert nemo_is_plugin.build_loss_fn({"name": "tests.other_loss", "a": 1}) == ("other", {"a": 1})
     with pytest.raises(ConfigError, match="registered to .* not ClippedPGLoss"):
         ClippedPGLoss({"name": "tests.other_loss"})
+
+
+def test_a_misspelled_key_fails_with_the_did_you_mean_in_one_line(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("loss_fn:\n  is_correction_levl: token\n")
+    result = CliRunner().invoke(app, ["validate", str(path)])  # 80 columns: the line is not broken
+    assert result.exit_code == 2
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith(f"invalid recipe {path}: unknown loss_fn key(s): 'is_correction_levl'")
+    assert "(did you mean 'is_correction_level'?)" in line and "--allow-unknown-keys" in line
+    assert "Warning" not in result.output
+
+
+def test_allow_unknown_keys_lists_them_and_validates_the_rest(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("loss_fn:\n  is_correction_levl: token\n  ratio_clip_max: 0.28\n")
+    result = _validate(path, "--allow-unknown-keys")
+    assert result.exit_code == 0, result.output
+    first, second = result.output.splitlines()[:2]
+    assert first.startswith("ignored unknown loss_fn key(s): 'is_correction_levl' (did you mean")
+    assert second == f"valid {path} (loss nemo_is.clipped_pg): ratio_clip_max=0.28"
+    report = json.loads(_validate(path, "--allow-unknown-keys", "--json").output)
+    assert report["valid"] and "is_correction_levl" in report["ignored_keys"]
+    assert json.loads(_validate(path, "--json").output)["valid"] is False
+
+
+def test_the_loss_itself_still_only_warns(tmp_path):
+    """NeMo-RL's config has extra="allow": building the loss from the same section warns and runs."""
+    from nemo_is_plugin.config import UnknownConfigKeyWarning
+
+    with pytest.warns(UnknownConfigKeyWarning, match="did you mean 'is_correction_level'"):
+        nemo_is_plugin.build_loss_fn({"is_correction_levl": "token"})
+
+
+def test_pydantic_bad_value_is_shown_and_the_path_once(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("loss_fn:\n  ratio_clip_max: -1\n")
+    result = _validate(path)
+    assert result.exit_code == 2
+    assert "[type=value_error, input_value=-1, input_type=int]" in result.output  # not swallowed as rich markup
+    assert result.output.count(str(path)) == 1 and result.output.startswith(f"invalid recipe: {path}: invalid")

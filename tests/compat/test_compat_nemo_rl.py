@@ -119,6 +119,12 @@ def test_a_plugin_key_reports_what_it_changes_and_nothing_else(fake_nemo_rl, tmp
     for name in ("metric probs_ratio", "metric probs_ratio_clamped", "metric kl_penalty", "metric gen_kl_error"):
         assert name in report["unchanged"], name
     assert "changed by is_correction_level" in output
+    # each changed row shows both values at its worst batch, not only the size of their difference
+    for name in ("loss", "metric sampling_importance_ratio"):
+        row = changes[name]
+        assert abs(row["plugin_value"] - row["host_value"]) == pytest.approx(row["abs_diff"], rel=1e-12)
+        assert f"{row['host_value']:.4g} -> {row['plugin_value']:.4g}" in output
+    assert changes["gradient"]["host_value"] > 0 and changes["gradient"]["plugin_value"] > 0  # the norms
 
 
 def test_a_host_scaled_by_1_001_is_caught(fake_nemo_rl, tmp_path, monkeypatch):
@@ -183,6 +189,47 @@ def test_without_nemo_rl_installed_one_line_names_what_to_install(tmp_path, monk
 def test_unreadable_config_exits_2(fake_nemo_rl, tmp_path):
     code, _, output = compat(tmp_path, "loss_fn:\n  ratio_clip_mxa: 0.3\n")
     assert code == 2 and "ratio_clip_max" in output  # the nearest key is named
+    line = output.strip()
+    assert "\n" not in line and "neither NeMo-RL's ClippedPGLossFn nor the plugin reads them" in line
+    assert "NEMO_IS_STRICT_CONFIG" not in line  # an environment switch is no advice inside a refusal
+
+
+# NeMo-RL's distillation recipes (examples/configs/distillation_math.yaml and recipes/llm/distillation-*.yaml at commit
+# 7ea279ab): a `distillation` section, and loss_fn keys of DistillationLossConfig.
+DISTILLATION = """\
+distillation:
+  num_prompts_per_step: 128
+  topk_logits_k: 64
+loss_fn:
+  kl_type: mixed
+  mixed_kl_weight: 0.5
+  zero_outside_topk: false
+"""
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        (DISTILLATION, "a NeMo-RL distillation recipe (loss_fn keys kl_type, mixed_kl_weight, zero_outside_topk)"),
+        ("loss_fn:\n  kl_type: reverse\n", "a NeMo-RL distillation loss_fn section (loss_fn keys kl_type)"),
+        (
+            "dpo:\n  reference_policy_kl_penalty: 0.05\npolicy: {}\n",
+            "a NeMo-RL dpo recipe: its loss is NeMo-RL's DPOLossFn",
+        ),
+        ("sft:\n  max_num_epochs: 1\n", "a NeMo-RL sft recipe: its loss is NeMo-RL's NLLLossFn"),
+    ],
+)
+def test_a_recipe_of_another_nemo_rl_loss_says_there_is_nothing_to_compare(fake_nemo_rl, tmp_path, text, says):
+    code, report, output = compat(tmp_path, text)
+    assert code == 2 and report is None
+    (line,) = output.strip().splitlines()
+    assert says in line and "not ClippedPGLossFn, the loss the plugin replaces" in line
+    assert "unknown" not in line and "NEMO_IS_STRICT_CONFIG" not in line
+
+
+def test_a_grpo_recipe_with_a_distillation_key_is_a_typo_not_another_loss(fake_nemo_rl, tmp_path):
+    code, _, output = compat(tmp_path, MASTER + "  kl_type: reverse\n")
+    assert code == 2 and "unknown loss_fn key(s): 'kl_type'" in output
 
 
 def test_rollout_dump_batches_are_compared_too(fake_nemo_rl, tmp_path):

@@ -163,7 +163,7 @@ def test_write_config_writes_a_ready_to_use_loss_fn_section(app, dump_path, tmp_
 def test_a_bad_output_path_is_refused_before_anything_is_written(app, dump_path, tmp_path):
     out = tmp_path / "plots"
     res = invoke(app, dump_path, "--out", out, "--write-config", tmp_path)
-    assert res.exit_code == 2 and "is a directory; give a file path" in res.output
+    assert res.exit_code == 2 and "is a folder; give a file path" in res.output
     assert not out.exists()
 
 
