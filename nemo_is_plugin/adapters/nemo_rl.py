@@ -161,7 +161,6 @@ class NeMoRLLossFn:
         self.loss = registry.build_loss_fn(self._section)
         self.config: ClippedPGLossConfig = self.loss.config
         self._logit_loss: LogitClippedPGLoss | None = None
-        self._resolved_groups: ParallelGroups | None = None
         if self.input_type == LossInputType.LOGIT:
             from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
 
@@ -199,9 +198,9 @@ class NeMoRLLossFn:
     # ------------------------------------------------------------------ the call
     def _groups(self) -> ParallelGroups:
         if self._groups_spec == PARALLEL_STATE:
-            if self._resolved_groups is None:  # resolved once, in the worker; the spec stays picklable
-                self._resolved_groups = ParallelGroups.from_parallel_state()
-            return self._resolved_groups
+            # read in the worker at every call (a few attribute reads): a process that destroys and rebuilds its
+            # groups (restarts, notebooks, tests) must not keep those of its first call
+            return ParallelGroups.from_parallel_state()
         # the spec is None, PARALLEL_STATE (above) or a ParallelGroups (checked by the constructor)
         return self._groups_spec if isinstance(self._groups_spec, ParallelGroups) else ParallelGroups()
 

@@ -199,6 +199,25 @@ def test_logit_input_matches_log_softmax_reference():
     assert again.item() == pytest.approx(loss.item(), rel=1e-6)
 
 
+def test_parallel_state_groups_are_read_at_every_call(monkeypatch):
+    """groups=PARALLEL_STATE reads megatron-core's groups at each call: a process that rebuilds its groups (CP 2 -> 1)
+    must not keep those of its first call."""
+    case = CASES["case_002"]
+    reads = []
+
+    def from_parallel_state():
+        reads.append(1)
+        return ParallelGroups()
+
+    monkeypatch.setattr(ParallelGroups, "from_parallel_state", staticmethod(from_parallel_state))
+    fn = NeMoRLLossFn(case["config"], input_type="logit", groups=PARALLEL_STATE)
+    data = dict(case["inputs"], input_ids=torch.zeros_like(case["inputs"]["token_mask"], dtype=torch.long))
+    b, s = data["token_mask"].shape
+    for _ in range(2):
+        fn(logits=torch.zeros(b, s, 5), data=data, global_valid_seqs=b, global_valid_toks=float(s * b))
+    assert len(reads) == 2
+
+
 def test_pickles_for_ray_and_refuses_live_groups():
     case = CASES["case_002"]
     fn = NeMoRLLossFn(case["config"])
