@@ -15,3 +15,7 @@ Older verl: set ``VERL_USE_EXTERNAL_MODULES=nemo_is_plugin.adapters.verl_plugin`
 from nemo_is_plugin.adapters.verl import register_verl_loss
 
 register_verl_loss()
+
+from nemo_is_plugin.adapters.verl_head import install_hooks  # noqa: E402  (after the registration above)
+
+install_hooks()  # fused_kernel_options.impl_backend=nemo_is: verl's fused forward on the plugin's head (verl_head.py)
