@@ -36,11 +36,18 @@ def _load_import_hooks():
     return _exec_file("_nemo_is_startup_import_hooks", _os.path.join(adapters, "import_hooks.py"))
 
 
-def _callback(adapter):
+def _callback(env, adapter):
     def patch(module):
         import importlib
 
-        importlib.import_module(adapter).patch_if_switched_on(module)
+        try:
+            head = importlib.import_module(adapter)
+        except ImportError as exc:
+            raise ImportError(
+                f"{env}={_os.environ.get(env)} asks for the plugin's head in {module.__name__}, but {adapter} does not "
+                f"import in this process ({exc}): put the plugin's source directory on PYTHONPATH, or install it here"
+            ) from exc
+        head.patch_if_switched_on(module)
 
     return patch
 
@@ -51,7 +58,7 @@ def _install():
         return
     hooks = _load_import_hooks()
     for env, (module, adapter) in wanted:
-        hooks.when_imported(module, "nemo_is." + env.lower(), _callback(adapter))
+        hooks.when_imported(module, "nemo_is." + env.lower(), _callback(env, adapter))
 
 
 def _chain():
