@@ -190,3 +190,28 @@ def test_verl_workers_read_the_switch_from_verl_model_config(worker_python, tmp_
     assert out["hooked"]
     assert out["hooks"] == ["verl.workers.config.model", "verl.workers.engine.megatron.transformer_impl"]
     assert "also set actor_rollout_ref.model.use_fused_kernels=True" in out["refused"]
+
+
+@pytest.mark.timeout(300)
+def test_the_documented_check_passes_in_a_switched_on_worker_and_fails_otherwise(worker_python, nemo_rl_tree, tmp_path):  # noqa: F811
+    """docs/nemo_rl.md's check, run with the worker's interpreter and environment."""
+    check = "import sys; from nemo_is_plugin.adapters.head_check import main; sys.exit(main(['nemo-rl']))"
+    pythonpath = os.pathsep.join([str(ROOT), str(nemo_rl_tree)])
+    on = _run(worker_python, check, tmp_path, _env(PYTHONPATH=pythonpath, NEMO_IS_NEMO_RL_HEAD="1"))
+    assert on.returncode == 0, on.stdout + on.stderr[-2000:]
+    assert "[ok] start-up hook registered in this interpreter: True" in on.stdout
+    assert "is nemo_is_plugin.adapters.nemo_rl_head.from_parallel_hidden_states_to_logprobs" in on.stdout
+    assert on.stdout.count("[ok]") == 6 and "[FAIL]" not in on.stdout
+    off = _run(worker_python, check, tmp_path, _env(PYTHONPATH=pythonpath))
+    assert off.returncode == 1 and "[FAIL] NEMO_IS_NEMO_RL_HEAD=(unset)" in off.stdout
+    assert "[ok] log-probs: max relative difference" in off.stdout  # the equivalence holds either way
+
+
+@pytest.mark.timeout(300)
+def test_the_documented_verl_check_passes_in_a_verl_worker(worker_python, tmp_path):  # noqa: F811
+    pytest.importorskip("verl.utils.experimental.torch_functional", reason="verl is the verl extra")
+    check = "import sys; from nemo_is_plugin.adapters.head_check import main; sys.exit(main(['verl']))"
+    proc = _run(worker_python, check, tmp_path, _env(PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "[ok] the plugin's head against verl's torch op on cpu:" in proc.stdout
+    assert proc.stdout.count("[ok]") == 7
