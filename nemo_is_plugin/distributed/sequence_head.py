@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_is_plugin.distributed.collectives import all_gather
 from nemo_is_plugin.distributed.cp_sharding import (
     CPOrder,
     gather_packed,
@@ -40,6 +41,7 @@ from nemo_is_plugin.distributed.cp_sharding import (
     shard_packed,
     shard_padded,
 )
+from nemo_is_plugin.distributed.filtered_head import filtered_linear_logprobs, filtering
 from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
 from nemo_is_plugin.distributed.groups import ProcessGroup, effective, group_rank, group_size
 from nemo_is_plugin.loss.layout import host_ints
@@ -144,6 +146,8 @@ def next_token_logprobs(
     with_entropy: bool = False,
     chunk_size: int | None = None,
     backend: str = "auto",
+    top_k: int | None = None,
+    top_p: float | None = None,
 ):
     """Log-probs (and entropy) of each position's next label from sequence-first hidden states, CP-gathered.
 
@@ -155,6 +159,8 @@ def next_token_logprobs(
         tp_group, sequence_parallel, temperature, with_entropy, chunk_size, backend: as
             :func:`~nemo_is_plugin.distributed.fused_linear.fused_linear_logprobs`.
         layout: padded or packed, CP group and order (None: padded, no CP).
+        top_k, top_p: NeMo-RL's training-time filter (:mod:`~nemo_is_plugin.distributed.filtered_head`); when it
+            filters, the result is ``(filtered, unfiltered)`` log-probs (no entropy).
 
     Returns:
         ``[b, S]`` (packed: ``[T]``) log-probs of ``labels`` rolled by one within each sequence, the full sequence on
@@ -169,26 +175,44 @@ def next_token_logprobs(
     target = local_next_labels(labels, layout, local_len)  # [b, local_len]
     if target.shape != (hidden.shape[1], local_len):
         raise ValueError(f"labels give targets {tuple(target.shape)} for hidden states {tuple(hidden.shape)}")
-    out = fused_linear_logprobs(
-        hidden,
-        weight,
-        target.t(),
-        tp,
-        chunk_size=chunk_size,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        sequence_parallel=sequence_parallel,
-        backend=backend,
-    )
-    lp, ent = out if with_entropy else (out, None)
     vocab = weight.shape[0] * group_size(tp)
     owned = ((target >= 0) & (target < vocab)).t()
-    lp = torch.where(owned, lp, lp - lp.detach()).t()  # [b, local_len]; 0 where no rank owns the target
-    results = [lp] if ent is None else [lp, ent.t()]
+    if filtering(top_k, top_p):
+        if with_entropy:
+            raise ValueError("with_entropy is not available with top-k / top-p filtering")
+        full_rows = all_gather(hidden, tp, dim=0) if sequence_parallel else hidden  # backward: reduce-scatter
+        outs = list(
+            filtered_linear_logprobs(
+                full_rows,
+                weight,
+                target.t(),
+                tp,
+                top_k=top_k,
+                top_p=top_p,
+                temperature=temperature,
+                chunk_size=chunk_size,
+                reduce_grad_hidden=not sequence_parallel,
+            )
+        )
+    else:
+        out = fused_linear_logprobs(
+            hidden,
+            weight,
+            target.t(),
+            tp,
+            chunk_size=chunk_size,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            sequence_parallel=sequence_parallel,
+            backend=backend,
+        )
+        outs = list(out) if with_entropy else [out]
+    outs[0] = torch.where(owned, outs[0], outs[0] - outs[0].detach())  # 0 where no rank owns the target
+    results = [r.t() for r in outs]  # [b, local_len]
     if layout.packed:
         results = [r[0] for r in results]
     results = [layout.gather(r) for r in results]
-    return (results[0], results[1]) if with_entropy else results[0]
+    return tuple(results) if len(results) > 1 else results[0]
 
 
 def unpack_next_token_logprobs(

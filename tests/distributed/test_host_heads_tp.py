@@ -4,6 +4,8 @@
   ``from_parallel_hidden_states_to_logprobs`` equals the model of NeMo-RL's own function run on the same two ranks
   (``tests/adapters/nemo_rl_head_host.py``) and a float64 single-process reference: log-probs, each rank's dX rows and
   dW shard; fp64 to 1e-12, fp32 to 1e-5; ``inference_only`` on both ranks.
+- NeMo-RL's top-k / top-p training filter at TP = 2 with sequence parallelism: filtered and unfiltered log-probs and
+  the gradients of a loss on both equal the float64 reference of test_filtered_head.py (1e-12).
 - NeMo-RL's refusals lifted: CP = 2 in Megatron's load-balanced and the contiguous order, padded and packed (THD)
   layouts, CP-sharded and full labels: every CP rank gets the whole ``[B, S - 1]`` (packed: unpacked) log-probs of the
   single-process reference; with the loss divided by the CP size on each rank (NeMo-RL's normalisation), each rank's
@@ -83,6 +85,39 @@ def _nemo_rl_tp(dtype: torch.dtype, tol: float):
         assert _rel(out["plugin"][0], ref_lp) < tol and _rel(out["plugin"][3], ref_lp) < tol
         assert _rel(out["plugin"][1], ref_dx[rows]) < tol
         assert _rel(out["plugin"][2], vocab_shard(ref_dw, rank, 2)) < tol
+
+    return check
+
+
+def _nemo_rl_tp_filtered(top_k, top_p):
+    """NeMo-RL's top-k / top-p training filter at TP = 2 with sequence parallelism: the rows of every token gathered
+    over TP per chunk; filtered and unfiltered log-probs and the gradients of a loss on both equal the single-process
+    float64 reference of tests/distributed/test_filtered_head.py."""
+
+    def check(rank: int, world: int) -> None:
+        from distributed.test_filtered_head import reference
+
+        group = GROUPS["pair"]
+        hidden, weight, coef = _tensors(10, (S, B, H), (V, H), (B, S - 1), scale=0.5)
+        labels = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(11))
+        rows, per = slice(rank * S // 2, (rank + 1) * S // 2), V // 2
+        h = hidden[rows].clone().requires_grad_(True)
+        w = vocab_shard(weight, rank, 2).clone().requires_grad_(True)
+        filtered, unfiltered = plugin_nemo_rl(
+            h, w, None, labels, rank * per, (rank + 1) * per, group, top_k=top_k, top_p=top_p, temperature=0.8
+        )
+        loss = (torch.where(torch.isfinite(filtered), filtered, 0.0) * coef).sum() + (unfiltered * coef.flip(1)).sum()
+        loss.backward()
+        hr, wr = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        flat_h, flat_t = hr.permute(1, 0, 2)[:, :-1].reshape(-1, H), labels[:, 1:].reshape(-1)
+        want_f, want_u = (r.reshape(B, S - 1) for r in reference(flat_h, wr, flat_t, top_k, top_p))
+        want_loss = (torch.where(torch.isfinite(want_f), want_f, 0.0) * coef).sum() + (want_u * coef.flip(1)).sum()
+        want_loss.backward()
+        finite = torch.isfinite(want_f)
+        assert torch.equal(torch.isfinite(filtered), finite) and 0 < int(finite.sum())
+        assert _rel(filtered[finite], want_f[finite]) < 1e-12 and _rel(unfiltered, want_u) < 1e-12
+        assert _rel(h.grad, hr.grad[rows]) < 1e-12
+        assert _rel(w.grad, vocab_shard(wr.grad, rank, 2)) < 1e-12
 
     return check
 
@@ -209,6 +244,8 @@ def _verl_tp(sequence_parallel: bool):
 CHECKS = [
     ("nemo_rl_tp2_sp_fp64", _nemo_rl_tp(torch.float64, 1e-12)),
     ("nemo_rl_tp2_sp_fp32", _nemo_rl_tp(torch.float32, 1e-5)),
+    ("nemo_rl_tp2_sp_top_k", _nemo_rl_tp_filtered(6, None)),
+    ("nemo_rl_tp2_sp_top_k_top_p", _nemo_rl_tp_filtered(12, 0.9)),
     *[
         (f"nemo_rl_cp2_padded_{order}_{'sharded' if sharded else 'full'}_labels", _nemo_rl_cp_padded(order, sharded))
         for order, sharded in itertools.product(("load_balanced", "contiguous"), (True, False))
