@@ -23,9 +23,10 @@ by the plugin's chunked head (:mod:`~nemo_is_plugin.distributed.sequence_head`):
 
 Beyond NeMo-RL's function (keyword-only, for the upstream changes docs/nemo_rl.md describes): context parallelism
 (``cp_group`` of any size, Megatron's load-balanced or the contiguous order, CP-sharded or full labels; NeMo-RL
-asserts a CP size of 1), packed sequences (``cu_seqlens_padded`` + ``unpacked_seqlen``: rolled per sequence, returned
-unpacked as ``[B, unpacked_seqlen - 1]``), ``temperature``, and NeMo-RL's top-k / top-p training filter (``top_k``,
-``top_p``: the filtered and the unfiltered log-probs, :mod:`~nemo_is_plugin.distributed.filtered_head`).
+asserts a CP size of 1), packed sequences (``cu_seqlens_padded``: rolled per sequence, returned packed ``[1, T]`` or,
+with ``unpacked_seqlen``, unpacked as ``[B, unpacked_seqlen - 1]``), ``temperature``, and NeMo-RL's top-k / top-p
+training filter (``top_k``, ``top_p``: the filtered and the unfiltered log-probs,
+:mod:`~nemo_is_plugin.distributed.filtered_head`).
 
 The switch: ``NEMO_IS_NEMO_RL_HEAD=1`` in the environment that starts NeMo-RL's driver. NeMo-RL copies the driver's
 environment into every worker's Ray runtime environment, and the plugin's startup hook (a ``sitecustomize`` that
@@ -108,9 +109,10 @@ def from_parallel_hidden_states_to_logprobs(
     """NeMo-RL's ``from_parallel_hidden_states_to_logprobs`` on the plugin's head (see the module docstring).
 
     Returns ``[B, S - 1]`` fp32 log-probs of ``target[:, 1:]`` (fp64 for fp64 inputs); packed:
-    ``[B, unpacked_seqlen - 1]``, zeros past each sequence. Under CP every CP rank gets the whole sequence. With a
-    top-k / top-p filter (NeMo-RL's training sampling parameters): ``(filtered, unfiltered)``, each as above (a
-    filtered-out target: ``-inf``, as NeMo-RL's filtered log-probs)."""
+    ``[B, unpacked_seqlen - 1]``, zeros past each sequence, or without ``unpacked_seqlen`` the packed ``[1, T]``
+    (each sequence's last position scores its own first label: a caller slicing per sequence drops it). Under CP
+    every CP rank gets the whole sequence. With a top-k / top-p filter (NeMo-RL's training sampling parameters):
+    ``(filtered, unfiltered)``, each as above (a filtered-out target: ``-inf``, as NeMo-RL's filtered log-probs)."""
     del runtime_gather_output, chunk_size  # unused, see the module docstring
     tp = effective(tp_group)
     vocab_local = output_weight_layer.shape[0]
@@ -122,8 +124,6 @@ def from_parallel_hidden_states_to_logprobs(
             "vocabulary (every rank owns weight.shape[0] ids)"
         )
     layout = SequenceLayout.build(cu_seqlens_padded, cp_group, cp_order)
-    if layout.packed and unpacked_seqlen is None:
-        raise ValueError("cu_seqlens_padded needs unpacked_seqlen (the padded batch's sequence length)")
     with torch.no_grad() if inference_only else contextlib.nullcontext():
         out = next_token_logprobs(
             tensor_parallel_hidden_states,
@@ -137,10 +137,11 @@ def from_parallel_hidden_states_to_logprobs(
             top_p=top_p,
         )
         results = out if isinstance(out, tuple) else (out,)
-        if layout.packed:
-            assert layout.cu_seqlens_padded is not None and unpacked_seqlen is not None
+        if layout.cu_seqlens_padded is not None and unpacked_seqlen is not None:
             cu = layout.cu_seqlens_padded
             results = tuple(unpack_next_token_logprobs(r, cu, unpacked_seqlen) for r in results)
+        elif layout.packed:
+            results = tuple(r.unsqueeze(0) for r in results)
         else:
             results = tuple(r[:, :-1] for r in results)
         return results if len(results) > 1 else results[0]

@@ -102,8 +102,12 @@ def test_packed_sequences_are_rolled_per_sequence_and_unpacked():
         if n > 0:
             want[i, :n] = logp[a : a + n].gather(-1, labels[0, a + 1 : a + 1 + n, None]).squeeze(-1)
     assert got.shape == want.shape and _rel(got, want) < 1e-12
-    with pytest.raises(ValueError, match="unpacked_seqlen"):
-        from_parallel_hidden_states_to_logprobs(hidden, weight, None, labels, 0, V, None, cu_seqlens_padded=cu)
+    packed = from_parallel_hidden_states_to_logprobs(hidden, weight, None, labels, 0, V, None, cu_seqlens_padded=cu)
+    assert packed.shape == (1, 16)  # without unpacked_seqlen: packed, each sequence's last position kept
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        n = min(b - a - 1, max_len - 1)
+        assert _rel(packed[0, a : a + n], want[i, :n]) < 1e-12 if n > 0 else True
+    assert _rel(packed[0, 3], logp[3, labels[0, 0]]) < 1e-12  # the first sequence's last position: its first label
 
 
 # ------------------------------------------------------------------------------------------------ the patch
