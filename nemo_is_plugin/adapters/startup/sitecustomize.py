@@ -75,5 +75,6 @@ def _chain():
         return
 
 
-_install()
-_chain()
+if __name__ in ("sitecustomize", "_nemo_is_startup"):  # run by Python at start-up, or by the repository root's shim
+    _install()
+    _chain()
