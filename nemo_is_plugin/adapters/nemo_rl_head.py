@@ -57,7 +57,7 @@ TARGET_MODULE = "nemo_rl.distributed.model_utils"
 TARGET = "from_parallel_hidden_states_to_logprobs"
 CALLER = "_gpt_forward_with_linear_ce_fusion"
 ORIGINAL_ATTR = "_nemo_is_original_" + TARGET
-HOOK_KEY = "nemo_is.nemo_rl_head"
+HOOK_KEY = "nemo_is.nemo_is_nemo_rl_head"  # the start-up hook registers the same key: one patch, not two
 NEMO_RL_COMMIT = "7ea279ab"  # NVIDIA-NeMo/RL commit the signature below was read from
 PARAMS = (
     ("tensor_parallel_hidden_states", inspect.Parameter.empty),
