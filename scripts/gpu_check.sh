@@ -10,13 +10,18 @@
 #      (results.json: every row's `failed`, and `triton_fallback`);
 #   4. the MoE model step:              nemo-is bench --model-step --device cuda --out $OUT/step
 #      run with NEMO_IS_STRICT_BACKEND=1, so a fallback to torch there is an error, and checked for failed variants;
-#   5. the `gpu` test tier:             python -m pytest -q -m gpu tests $PYTEST_ARGS
-#   6. the kernel and chunk-size sweep: python -m nemo_is_plugin.bench.kernel_sweep --out $OUT/sweep.json
+#   5. the hosts' fused LM heads against the plugin's drop-ins for them (docs/nemo_rl.md, docs/verl.md):
+#                                       nemo-is bench --host-heads --device cuda --out $OUT/host_heads --write-docs
+#      (writes the host-heads GPU section of docs/performance.md); NeMo-RL from NEMO_RL_PATH (a checkout: the
+#      directory holding nemo_rl/) where it is not installed, verl installed or from VERL_PATH; then checked: every
+#      plugin head measured on the Triton backend, both hosts measured (a host's own head that fails is reported);
+#   6. the `gpu` test tier:             python -m pytest -q -m gpu tests $PYTEST_ARGS
+#   7. the kernel and chunk-size sweep: python -m nemo_is_plugin.bench.kernel_sweep --out $OUT/sweep.json
 #
 # Each step's output goes to $OUT/<step>.log (OUT defaults to ./runs/gpu_check). A failing step does not stop the
 # others; the script exits 1 if any step failed, and lists them. PYTHON overrides the interpreter (default: python);
 # PYTEST_ARGS adds pytest arguments (e.g. "-n 8" with pytest-xdist); TIMEOUT_BENCH (per model), TIMEOUT_STEP,
-# TIMEOUT_TESTS and TIMEOUT_SWEEP bound a step's seconds (unset or 0: no limit; a step stopped by one fails);
+# TIMEOUT_HOST_HEADS, TIMEOUT_TESTS and TIMEOUT_SWEEP bound a step's seconds (unset or 0: no limit; a step stopped by one fails);
 # SKIP_SWEEP=1 leaves the sweep out.
 set -uo pipefail
 
@@ -100,6 +105,30 @@ sys.exit(1 if skipped else 0)
 EOF
 }
 
+check_host_heads_results() { # host_heads.json: the plugin's heads ran on Triton; both hosts' heads were measured
+    "$PYTHON" - "$OUT/host_heads/host_heads.json" <<'EOF'
+import json
+import sys
+
+results = json.load(open(sys.argv[1]))
+problems = [f"{name} not measured: {why}" for name, why in results["skipped"].items()]
+for r in results["rows"]:
+    for what, error in (r.get("failed") or {}).items():
+        line = f"{r['model']} {r['head']} {what}: {error}"
+        if r["head"].startswith("plugin"):
+            problems.append(line)
+        else:  # a host's own head that fails is a finding, reported in the docs section, not a failed check
+            print(f"(host) {line}")
+    if r["head"].startswith("plugin") and not r.get("failed") and r.get("backend") != "triton":
+        problems.append(f"{r['model']} {r['head']} ran on backend {r.get('backend')!r}, not triton")
+if results.get("triton_fallback") is not None:
+    problems.append(f"THE TRITON BACKEND FELL BACK TO TORCH: {results['triton_fallback']}")
+for line in problems:
+    print(line)
+sys.exit(1 if problems else 0)
+EOF
+}
+
 step install install_wheels
 step cuda "$PYTHON" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; \
 print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
@@ -115,6 +144,12 @@ step bench_head_results check_head_results
 step bench_step "${TIMEOUT_STEP:-0}" env NEMO_IS_STRICT_BACKEND=1 "$PYTHON" -m nemo_is_plugin.cli.main bench \
     --model-step --device cuda --out "$OUT/step"
 step bench_step_results check_step_results
+host_head_args=()
+[ -n "${NEMO_RL_PATH:-}" ] && host_head_args+=(--nemo-rl-path "$NEMO_RL_PATH")
+[ -n "${VERL_PATH:-}" ] && host_head_args+=(--verl-path "$VERL_PATH")
+step bench_host_heads "${TIMEOUT_HOST_HEADS:-0}" "$PYTHON" -m nemo_is_plugin.cli.main bench --host-heads --device cuda \
+    ${host_head_args[@]+"${host_head_args[@]}"} --out "$OUT/host_heads" --write-docs
+step bench_host_heads_results check_host_heads_results
 # shellcheck disable=SC2086 # PYTEST_ARGS is a list of words
 step pytest_gpu "${TIMEOUT_TESTS:-0}" "$PYTHON" -m pytest -q -m gpu tests ${PYTEST_ARGS:-}
 if [ "${SKIP_SWEEP:-0}" != 1 ]; then

@@ -228,6 +228,10 @@ _HOST_BY_DESIGN = {
         "adapters/rollout_dump.py",
         'host = torch.cat(parts).to("cpu", torch.float64).numpy()  # the one device -> host transfer',
     ): "the opt-in rollout dump writes a file on the host: one copy per training step",
+    (
+        "adapters/head_check.py",
+        'return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")',
+    ): "the user's head check builds its own random problem: on CUDA where there is one, else on the CPU",
 }
 
 

@@ -10,8 +10,15 @@ a verl run selects the loss with one config entry, ``actor_rollout_ref.actor.pol
 The plugin's own keys are read lazily, inside each worker, from ``actor_rollout_ref.actor.policy_loss.nemo_is`` and / or
 the recipe named by ``$NEMO_IS_LOSS_CONFIG``; with neither, the first call raises (see adapters/verl.py).
 Older verl: set ``VERL_USE_EXTERNAL_MODULES=nemo_is_plugin.adapters.verl_plugin`` instead.
+
+It also registers the hooks of the plugin's head for verl's Megatron fused forward (``adapters/verl_head.py``: active
+only where verl's model config sets ``fused_kernel_options.impl_backend=nemo_is``).
 """
 
 from nemo_is_plugin.adapters.verl import register_verl_loss
 
 register_verl_loss()
+
+from nemo_is_plugin.adapters.verl_head import install_hooks  # noqa: E402  (after the registration above)
+
+install_hooks()  # fused_kernel_options.impl_backend=nemo_is: verl's fused forward on the plugin's head (verl_head.py)

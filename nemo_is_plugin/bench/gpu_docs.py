@@ -22,7 +22,7 @@ from nemo_is_plugin.bench.report import (
     write_json,
 )
 
-SECTIONS = ("head", "model-step")
+SECTIONS = ("head", "model-step", "host-heads")  # host-heads: bench/host_heads_report.py
 PAGE_TITLE = "# Performance of the log-prob + loss path"
 
 

@@ -1,6 +1,7 @@
 """``nemo-is bench``: LM head -> log-prob -> PG loss benchmark of the naive, from-logits, fused-linear (one and two
 passes, torch and Triton backends), Liger and cut-cross-entropy paths against the bare GEMM, on CPU or CUDA; with
-``--model-step``, training steps of a megatron-core MoE GPT model with the naive and the fused loss. Prints a rich
+``--model-step``, training steps of a megatron-core MoE GPT model with the naive and the fused loss; with
+``--host-heads``, the hosts' own fused LM heads against the plugin's (``cli/bench_host_heads.py``). Prints a rich
 table, writes JSON + PNG, and with ``--write-docs`` regenerates ``docs/performance.md`` (a CPU run: the CPU page; a GPU
 run: its GPU section). Heavy imports (torch, matplotlib, liger, megatron) happen inside the command."""
 
@@ -51,6 +52,18 @@ def bench(
     ),
     layers: int | None = typer.Option(None, help="--model-step: transformer layers (default 2)."),
     experts: int | None = typer.Option(None, help="--model-step: routed experts per layer (default 16, top-4)."),
+    host_heads: bool = typer.Option(
+        False,
+        "--host-heads",
+        help="The hosts' own fused LM heads (NeMo-RL's, verl's) against the plugin's drop-ins for them, instead.",
+    ),
+    heads: list[str] | None = typer.Option(None, "--head", help="--host-heads: head(s) to run (default: all)."),
+    nemo_rl_path: Path | None = typer.Option(
+        None, help="--host-heads: a NeMo-RL checkout (the directory holding nemo_rl/) when NeMo-RL is not installed."
+    ),
+    verl_path: Path | None = typer.Option(
+        None, help="--host-heads: a verl checkout (the directory holding verl/) instead of the installed verl."
+    ),
     out: Path = typer.Option(Path("bench_results"), help="Directory for results.json and the PNG figures."),
     write_docs: bool = typer.Option(
         False,
@@ -81,6 +94,27 @@ def bench(
     console = Console()
     if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, 130))
+    if host_heads:
+        from nemo_is_plugin.cli.bench_host_heads import host_heads_command
+
+        host_heads_command(
+            console,
+            device=device,
+            dtype=dtype,
+            quick=quick,
+            tokens=tokens,
+            repeats=repeats,
+            models=models,
+            heads=heads,
+            tp=tp,
+            nemo_rl_path=nemo_rl_path,
+            verl_path=verl_path,
+            out=out,
+            write_docs=write_docs,
+            docs_dir=docs_dir,
+            from_json=from_json[0] if from_json else None,
+        )
+        return
     if model_step:
         if from_json and len(from_json) > 1:
             console.print(

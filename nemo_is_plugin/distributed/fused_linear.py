@@ -247,6 +247,7 @@ def fused_linear_logprobs(
     backend: str = "auto",
     grad_weight_out: torch.Tensor | None = None,
     grad_weight_dtype: torch.dtype | None = None,
+    reduce_grad_hidden: bool = True,
 ):
     """Log-prob of ``target`` under ``softmax(hidden @ W.T / temperature)`` with W's rows sharded over ``tp_group``.
 
@@ -270,6 +271,9 @@ def fused_linear_logprobs(
         grad_weight_dtype: dtype of the dW accumulator when ``grad_weight_out`` is None: None = fp32 on CPU, the
             weight's dtype on GPUs (see :mod:`nemo_is_plugin.kernels.gemm` for the numerics); ``torch.float32`` =
             exact fp32 chunk sums, rounded once (costs a ``V/TP x H`` fp32 buffer).
+        reduce_grad_hidden: without ``sequence_parallel``, True = the full ``dL/dhidden`` on every rank (all-reduced
+            over TP here); False = this rank's vocab shard's share only, for a caller whose own op sums it over TP
+            (verl's fused forward: Megatron's ``gather_from_sequence_parallel_region`` reduce-scatters it).
 
     Returns:
         fp32 ``[...]`` log-probs, or ``(logprobs, entropy)`` when ``with_entropy``. Differentiable w.r.t. ``hidden``
@@ -282,9 +286,8 @@ def fused_linear_logprobs(
     chunk = check_head_inputs(
         hidden, weight, target, temperature, chunk_size, backend=backend, with_entropy=with_entropy
     )
-    opts = HeadOptions(
-        tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype, grad_weight_out
-    )
+    reduce_x = reduce_grad_hidden and not sequence_parallel
+    opts = HeadOptions(tp_group, chunk, 1.0 / temperature, backend, reduce_x, grad_weight_dtype, grad_weight_out)
     logprob, entropy = _FusedLinearLogprob.apply(hidden, weight, target, opts, with_entropy)
     return (logprob, entropy) if with_entropy else logprob
 

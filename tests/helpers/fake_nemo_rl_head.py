@@ -1,0 +1,26 @@
+"""A stand-in ``nemo_rl`` tree whose ``nemo_rl.distributed.model_utils`` is the project's model of NeMo-RL's fused
+log-prob head (``tests/adapters/nemo_rl_head_host.py``, torch only): what the host-head tests import as NeMo-RL, in
+this process or in a worker interpreter that does not import the plugin by itself."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+MODEL = Path(__file__).resolve().parents[1] / "adapters" / "nemo_rl_head_host.py"
+
+
+def write_fake_nemo_rl(root: Path, model_utils: str | None = None) -> Path:
+    """Write ``root/nemo_rl/{__init__,distributed/__init__,distributed/model_utils}.py`` (``model_utils``: the
+    model's source, or the given text) and return ``root`` (the directory to put on the path)."""
+    pkg = root / "nemo_rl" / "distributed"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (root / "nemo_rl" / "__init__.py").write_text('"""Stand-in NeMo-RL (tests/helpers/fake_nemo_rl_head.py)."""\n')
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model_utils.py").write_text(MODEL.read_text() if model_utils is None else model_utils)
+    return root
+
+
+def drop_nemo_rl_modules() -> None:
+    for name in [m for m in sys.modules if m == "nemo_rl" or m.startswith("nemo_rl.")]:
+        del sys.modules[name]
