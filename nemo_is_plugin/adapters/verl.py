@@ -60,7 +60,6 @@ CONFIG_ENV = "NEMO_IS_LOSS_CONFIG"
 SECTION_ENV = "NEMO_IS_LOSS_SECTION"
 PLUGIN_SECTION = "nemo_is"  # actor_rollout_ref.actor.policy_loss.nemo_is
 METRIC_PREFIX = "actor/nemo_is/"
-_OWN = "_verl_adapter/"  # prefix of the adapter's own values read with the loss's metrics (then removed)
 __all__ = [
     "CONFIG_ENV",
     "METRIC_PREFIX",
@@ -283,8 +282,8 @@ class VerlPolicyLoss:
         )
 
         m = mask.to(log_prob.dtype)
-        # The local counts, verl's ppo_kl and verl's rollout_corr/ statistics stay on the device until the loss's
-        # metrics are read (one host sync). ppo_kl: verl clamps log pi - log pi_old to +-20 before averaging.
+        # The local counts and verl's ppo_kl stay on the device until the loss's metrics are read (one host sync).
+        # ppo_kl: verl clamps log pi - log pi_old to +-20 before averaging.
         with torch.no_grad():
             log_ratio = (log_prob - old_log_prob).clamp(-VERL_LOG_RATIO_CLAMP, VERL_LOG_RATIO_CLAMP)
             own = {
@@ -292,9 +291,6 @@ class VerlPolicyLoss:
                 "local_seqs": (m.sum(-1) > 0).sum(),
                 "ppo_kl": (-log_ratio * m).sum() / (m.sum() + 1e-8),
             }
-            if owns:  # the IS weights divide pi_old, or the current policy in bypass mode (as the loss's)
-                prev = log_prob if plugin_cfg.bypasses_prev else old_log_prob
-                own.update(verl_statistics(prev, gen, mask, loss_fn.config))
         info_tok, info_seq = self._global_counts(config, loss_agg_mode)
         inputs = LossInputs(
             curr_logprobs=log_prob,
@@ -307,11 +303,12 @@ class VerlPolicyLoss:
             global_valid_seqs=own["local_seqs"] if info_seq is None else info_seq,
             global_valid_toks=own["local_toks"] if info_tok is None else info_tok,
         )
-        extra = {f"{_OWN}{k}": v for k, v in own.items()}
-        loss, metrics = loss_fn.compute(
-            inputs, TokenLayout.padded(b, t, device=log_prob.device), extra_metric_sums=extra
-        )
-        read = {k[len(_OWN) :]: metrics.pop(k) for k in extra}
+        terms = loss_fn.terms(inputs, TokenLayout.padded(b, t, device=log_prob.device))
+        parts = loss_fn.reduce(terms)
+        if owns:  # verl's rollout_corr/ statistics from the loss's own IS correction (read in the same host sync)
+            own.update(verl_statistics(terms))
+        metrics, read = loss_fn.metrics(terms, parts, read_with=own)
+        loss = parts.loss
         local_toks, local_seqs, ppo_kl = read.pop("local_toks"), read.pop("local_seqs"), read.pop("ppo_kl")
         n_tok = local_toks if info_tok is None else info_tok
         n_seq = local_seqs if info_seq is None else info_seq
