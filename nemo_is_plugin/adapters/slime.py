@@ -60,7 +60,8 @@ from nemo_is_plugin.adapters.slime_config import (
 )
 from nemo_is_plugin.adapters.slime_layout import ResponseShard
 from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
-from nemo_is_plugin.distributed.groups import ParallelGroups
+from nemo_is_plugin.distributed.data_parallel import with_data_parallel
+from nemo_is_plugin.distributed.groups import ParallelGroups, ProcessGroup
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
@@ -208,7 +209,7 @@ class SlimePolicyLoss(_SlimeEntry):
         groups = self.groups()
         shard = ResponseShard(batch["total_lengths"], batch["response_lengths"], groups.cp, logits.device)
         c, entropy = response_logprobs(args, logits, batch["unconcat_tokens"], batch["total_lengths"], shard, groups)
-        t, old, rollout = slime_term_inputs(loss_fn.config, kl, batch, shard, c)
+        t, old, rollout = slime_term_inputs(loss_fn.config, kl, batch, shard, c, groups.dp)
         terms = token_terms(t, c)
         pg_tok = terms.actor
         if t.correction is not None:  # rejected tokens leave the policy term, whatever their surrogate holds
@@ -234,13 +235,15 @@ def slime_term_inputs(
     batch: Mapping[str, Any],
     shard: ResponseShard,
     c: torch.Tensor,
+    dp_group: ProcessGroup | None = None,
 ) -> tuple[TermInputs, torch.Tensor, torch.Tensor | None]:
     """The loss's batch constants in slime's roles, with slime's pi_old ``old`` and rollout log-probs (or None).
 
     pi_old of the ratio is slime's ``log_probs`` (the current policy, detached, without them: on-policy training), or
     the rollout log-probs under ``old_policy_logprobs: generation`` (``--use-rollout-logprobs``); the IS weights, as
     slime's TIS, compare ``log_probs`` with the rollout log-probs; the KL is slime's ``--use-kl-loss`` estimator, or
-    the plugin's KL keys (its on-policy weight against the rollout log-probs when the batch has them).
+    the plugin's KL keys (its on-policy weight against the rollout log-probs when the batch has them). Batch
+    statistics (an objective's) span the CP ranks and ``dp_group``.
     """
     tm = shard.local(batch["loss_masks"]).to(c.dtype)
     adv = shard.check_local("advantages", batch["advantages"]).detach().to(c.dtype)
@@ -251,7 +254,7 @@ def slime_term_inputs(
     if cfg.bypasses_prev and rollout is None:
         raise ValueError("--use-rollout-logprobs (old_policy_logprobs: generation) needs rollout_log_probs")
     p = rollout if cfg.bypasses_prev and rollout is not None else old
-    layout = shard.layout()
+    layout = with_data_parallel(shard.layout(), dp_group)
     corr = None
     if owns_correction(cfg):
         if rollout is None:
