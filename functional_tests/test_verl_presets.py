@@ -28,9 +28,9 @@ from nemo_is_plugin.adapters.verl import (  # noqa: E402
 from nemo_is_plugin.adapters.verl_config import PRESETS, ROLLOUT_CORRECTION_KEYS, preset_keys, preset_settings  # noqa
 from nemo_is_plugin.adapters.verl_hydra import PolicyLossConfig as NemoISPolicyLossConfig  # noqa: E402
 from nemo_is_plugin.config import ClippedPGLossConfig  # noqa: E402
-from nemo_is_plugin.loss.clipped_pg import is_correction_kwargs  # noqa: E402
 from nemo_is_plugin.loss.correction import compute_is_correction  # noqa: E402
 from nemo_is_plugin.loss.layout import TokenLayout  # noqa: E402
+from nemo_is_plugin.loss.terms import is_correction_kwargs  # noqa: E402
 
 B, T = 7, 24
 # Per-row mismatch scales: rows from (nearly) on-policy to far off-policy, so that every preset's rejection keeps some

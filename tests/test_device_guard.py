@@ -107,7 +107,7 @@ def test_guard_catches_the_kl_penalty_metric_bug(monkeypatch):
 
 def test_guard_catches_a_python_count_turned_into_a_host_tensor(monkeypatch):
     """The other bug it found: ``torch.as_tensor(global_valid_toks)`` of a Python number makes a CPU tensor."""
-    import nemo_is_plugin.loss.clipped_pg as loss_module
+    import nemo_is_plugin.loss.terms as loss_module
 
     monkeypatch.setattr(loss_module, "_as_scalar", lambda x, dtype, device: torch.as_tensor(x).to(dtype))
     call = next(c for c in CALLS if c.suite == "ctpo")  # CTPO and verl calls pass the counts as Python floats

@@ -23,7 +23,7 @@ from helpers.golden_ctpo import ctpo_config, ctpo_inputs, is_la, loss_rtol
 from helpers.golden_utils import case_ids, load_named_cases
 
 from nemo_is_plugin import build_loss_fn, finalize_metrics
-from nemo_is_plugin.loss.surrogate import log_space_clip_surrogate
+from nemo_is_plugin.loss.objectives.ppo_clip import log_space_clip_surrogate
 
 CASES = load_named_cases("ctpo")
 VALID = [c for c in CASES if "error" not in c["expected"]]

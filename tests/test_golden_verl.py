@@ -26,9 +26,9 @@ from nemo_is_plugin.adapters.verl_config import (
 )
 from nemo_is_plugin.adapters.verl_metrics import PREFIX, rollout_corr_metrics
 from nemo_is_plugin.config import VERL_RS_OPTIONS, ClippedPGLossConfig
-from nemo_is_plugin.loss.clipped_pg import is_correction_kwargs
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.is_weights import MAX_LOG_WEIGHT
+from nemo_is_plugin.loss.terms import is_correction_kwargs
 
 CASES = load_named_cases("verl_rollout_corr")
 VALID = [c for c in CASES if "error" not in c["expected"]]

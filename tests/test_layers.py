@@ -8,6 +8,14 @@ inside functions (a lazy import is still a dependency). Layers, bottom to top:
 A module may import from its own layer and the layers below it. The cycle check ignores imports under
 ``if TYPE_CHECKING:`` (annotations only, never executed). ``from pkg import name`` depends on ``pkg.name`` when that
 is a module, else on ``pkg`` itself (its ``__init__``).
+
+The config layer is the config's schema: how a key is typed, ranged and explained, the unknown-key policy, the errors,
+rejection rules, and ``KeySection`` (what a policy objective declares its keys as). A policy objective is one module
+(``loss/objectives/<name>.py``) holding its formula (torch) and its keys together, so the assembled
+``ClippedPGLossConfig`` (generic keys plus every registered objective's section: ``config/model.py``, its combination
+checks ``config/contradictions.py``, ``config/effective.py`` and the ``nemo_is_plugin.config`` package that re-exports
+them) is built above the objective modules: it belongs to the loss layer (docs/design.md, *Layers*). No module of the
+config package imports torch, whichever layer it is in.
 """
 
 from __future__ import annotations
@@ -39,10 +47,18 @@ LAYER_OF_PREFIX = {
     "nemo_is_plugin.bench": "apps",
     "nemo_is_plugin.compat": "apps",
 }
+# Modules whose layer is not their package's (exact names; they win over LAYER_OF_PREFIX): the assembled config.
+LAYER_OF_MODULE = {
+    "nemo_is_plugin.config": "loss",
+    "nemo_is_plugin.config.model": "loss",
+    "nemo_is_plugin.config.contradictions": "loss",
+    "nemo_is_plugin.config.effective": "loss",
+}
 # Documented import paths kept for users; no module of the package imports them.
 REEXPORT_MODULES = ("nemo_is_plugin.registry", "nemo_is_plugin.recipes")
-# Third-party packages a layer must not import: the config validates without torch.
-FORBIDDEN_THIRD_PARTY = {"config": ("torch", "triton", "megatron", "omegaconf", "yaml")}
+# Third-party packages the modules under a package prefix must not import: no config module imports torch (the
+# objective modules the assembled config reads do, and are in the loss package).
+FORBIDDEN_THIRD_PARTY = {"nemo_is_plugin.config": ("torch", "triton", "megatron", "omegaconf", "yaml")}
 
 
 def module_name(path: Path) -> str:
@@ -54,6 +70,8 @@ MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
 def layer_of(module: str) -> str:
+    if module in LAYER_OF_MODULE:
+        return LAYER_OF_MODULE[module]
     prefix = max((p for p in LAYER_OF_PREFIX if module == p or module.startswith(p + ".")), key=len)
     return LAYER_OF_PREFIX[prefix]
 
@@ -128,14 +146,14 @@ def test_no_module_imports_the_documented_reexports():
     assert not users, "\n".join(users)
 
 
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN_THIRD_PARTY))
-def test_layer_imports_no_forbidden_third_party_package(layer):
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_THIRD_PARTY))
+def test_package_imports_no_forbidden_third_party_package(package):
     bad = [
         f"{MODULES[module].relative_to(ROOT.parent)}:{line}: imports {name}"
         for module in MODULES
-        if layer_of(module) == layer
+        if module == package or module.startswith(package + ".")
         for name, line, _ in imports(module)
-        if name.split(".")[0] in FORBIDDEN_THIRD_PARTY[layer]
+        if name.split(".")[0] in FORBIDDEN_THIRD_PARTY[package]
     ]
     assert not bad, "\n".join(bad)
 
@@ -188,6 +206,10 @@ def test_the_checks_see_upward_imports_and_cycles():
     assert layer_of("nemo_is_plugin.distributed.vocab_parallel") == "distributed"
     assert layer_of("nemo_is_plugin.adapters.nemo_rl") == "integration"
     assert layer_of("nemo_is_plugin") == "loss"
+    # the config's schema is the bottom layer; the config assembled from the objectives' key sections is above them
+    assert layer_of("nemo_is_plugin.config.keys") == "config"
+    assert layer_of("nemo_is_plugin.config.model") == "loss"
+    assert {name for name, _, _ in imports("nemo_is_plugin.config.model")} >= {"nemo_is_plugin.loss.objectives"}
     # a lazy import inside a function counts: the NeMo-RL adapter builds the LOGIT loss that way
     adapter_imports = {name for name, _, _ in imports("nemo_is_plugin.adapters.nemo_rl")}
     assert "nemo_is_plugin.distributed.logit_loss" in adapter_imports

@@ -224,6 +224,7 @@ class NeMoRLLossFn:
             groups = self._groups()
             kwargs.setdefault("vocab_parallel_group", groups.tp)
             kwargs.setdefault("context_parallel_group", groups.cp)
+            kwargs.setdefault("data_parallel_group", groups.dp)
             assert self._logit_loss is not None  # _build creates it for input_type LOGIT
             return self._logit_loss(logits, data, global_valid_seqs, global_valid_toks, **kwargs)
         elif next_token_logprobs is None:

@@ -11,9 +11,11 @@ Two entry points, each a module attribute slime loads by path (``slime.utils.mis
   accumulation itself. The response log-probs (and the entropy) come from the plugin's vocab-parallel kernel on the
   response rows of slime's CP-sharded logits (:mod:`~nemo_is_plugin.adapters.slime_layout`); every per-token term
   is reduced with slime's ``sum_of_sample_mean``, so slime's rescaling stays right. The per-token terms are the
-  plugin's: its surrogate (any ratio level, ratio- or log-space clip, CISPO), its IS correction (any level,
-  truncation, rejection rules, veto), and a KL term (slime's ``--use-kl-loss`` estimators, or the plugin's KL keys);
-  slime's reducer replaces the plugin's aggregation.
+  plugin's, computed by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms` on constants in slime's roles
+  (:func:`slime_term_inputs`): any policy objective (PPO's clip at any ratio level, in ratio or log space, CISPO, or
+  another ``policy_objective``), its IS correction (any level, truncation, rejection rules, veto), and a KL term
+  (slime's ``--use-kl-loss`` estimators, or the plugin's KL keys); slime's reducer replaces the plugin's aggregation,
+  and the metrics (:func:`slime_metrics`) read the same terms.
 
 - the IS correction alone, :data:`tis_function`, inside slime's own PPO loss::
 
@@ -58,13 +60,13 @@ from nemo_is_plugin.adapters.slime_config import (
 )
 from nemo_is_plugin.adapters.slime_layout import ResponseShard
 from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
-from nemo_is_plugin.distributed.groups import ParallelGroups
+from nemo_is_plugin.distributed.data_parallel import with_data_parallel
+from nemo_is_plugin.distributed.groups import ParallelGroups, ProcessGroup
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
 from nemo_is_plugin.loss import ClippedPGLoss
-from nemo_is_plugin.loss.clipped_pg import is_correction_kwargs, ratio_anchor
 from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
-from nemo_is_plugin.loss.kl import kl_penalty
 from nemo_is_plugin.loss.ratios import unmasked_positions
+from nemo_is_plugin.loss.terms import KLSpec, KLWeight, TermInputs, TokenTerms, is_correction_kwargs, token_terms
 
 PARALLEL_STATE = "parallel_state"
 PLUGIN_PREFIX = "nemo_is/"
@@ -203,77 +205,118 @@ class SlimePolicyLoss(_SlimeEntry):
         self, args: Any, batch: Mapping[str, Any], logits: torch.Tensor, sum_of_sample_mean: Reducer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss_fn, kl = self.settings(args)
-        cfg = loss_fn.config
         groups = self.groups()
         shard = ResponseShard(batch["total_lengths"], batch["response_lengths"], groups.cp, logits.device)
         c, entropy = response_logprobs(args, logits, batch["unconcat_tokens"], batch["total_lengths"], shard, groups)
-        tm = shard.local(batch["loss_masks"]).to(c.dtype)
-        adv = shard.check_local("advantages", batch["advantages"]).detach().to(c.dtype)
-        rollout = _cat("rollout_log_probs", shard, batch.get("rollout_log_probs"))
-        logged = _cat("log_probs", shard, batch.get("log_probs"))
-        # slime's pi_old without a recomputed log_probs: the current policy, detached (on-policy training)
-        old = c.detach() if logged is None else logged.detach().to(c.dtype)
-        if cfg.bypasses_prev and rollout is None:
-            raise ValueError("--use-rollout-logprobs (old_policy_logprobs: generation) needs rollout_log_probs")
-        p = rollout.detach().to(c.dtype) if cfg.bypasses_prev and rollout is not None else old
-        layout = shard.layout()
-        sur = loss_fn.surrogate(c, ratio_anchor(p, c, tm), adv, tm, layout, unmasked_positions(tm, layout))
-        pg_tok, corr = sur.loss, None
-        if owns_correction(cfg):
-            if rollout is None:
-                raise ValueError("the IS correction needs rollout_log_probs in slime's batch (SGLang log-probs)")
-            # As slime's TIS: the weights compare slime's log_probs (or the detached current policy) with mu.
-            corr = compute_is_correction(old, rollout.detach().to(c.dtype), tm, tm, layout, **is_correction_kwargs(cfg))
-            weighted = pg_tok * corr.weights
-            pg_tok = torch.where(corr.rejected, torch.zeros_like(weighted), weighted)
+        t, old, rollout = slime_term_inputs(loss_fn.config, kl, batch, shard, c, groups.dp)
+        terms = token_terms(t, c)
+        pg_tok = terms.actor
+        if t.correction is not None:  # rejected tokens leave the policy term, whatever their surrogate holds
+            pg_tok = torch.where(t.correction.rejected, torch.zeros_like(pg_tok), pg_tok)
         pg_loss = sum_of_sample_mean(pg_tok)
         entropy_loss = sum_of_sample_mean(entropy)
         loss = pg_loss - float(getattr(args, "entropy_coef", 0.0) or 0.0) * entropy_loss
-        kl_tok = self._kl(cfg, loss_fn, kl, batch, shard, c, p, rollout)
-        kl_loss = None if kl_tok is None else sum_of_sample_mean(kl_tok)
+        kl_loss = None if terms.kl is None else sum_of_sample_mean(terms.kl)
         if kl_loss is not None:
-            loss = loss + (kl["coef"] if kl is not None else cfg.effective_kl_penalty) * kl_loss
+            loss = loss + t.kl_coef * kl_loss
         if c.numel() == 0:  # keep the graph connected on a rank without response tokens (as slime does)
             loss = loss + 0 * logits.sum()
-        metrics = self._metrics(cfg, sum_of_sample_mean, sur, c, p, old, rollout, corr, args, batch, shard)
+        metrics = slime_metrics(t, terms, sum_of_sample_mean, c, old, rollout, batch, shard)
         metrics.update(loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss)
         if kl_loss is not None:
             metrics["kl_loss"] = kl_loss
         return loss, {k: torch.as_tensor(v).detach().clone() for k, v in metrics.items()}
 
-    @staticmethod
-    def _kl(cfg, loss_fn, kl, batch, shard, c, p, rollout) -> torch.Tensor | None:
-        """Per-token KL: slime's --use-kl-loss estimator, or the plugin's KL keys; None without a KL term."""
-        if kl is None and cfg.effective_kl_penalty == 0:
-            return None
+
+def slime_term_inputs(
+    cfg: ClippedPGLossConfig,
+    kl: Mapping[str, Any] | None,
+    batch: Mapping[str, Any],
+    shard: ResponseShard,
+    c: torch.Tensor,
+    dp_group: ProcessGroup | None = None,
+) -> tuple[TermInputs, torch.Tensor, torch.Tensor | None]:
+    """The loss's batch constants in slime's roles, with slime's pi_old ``old`` and rollout log-probs (or None).
+
+    pi_old of the ratio is slime's ``log_probs`` (the current policy, detached, without them: on-policy training), or
+    the rollout log-probs under ``old_policy_logprobs: generation`` (``--use-rollout-logprobs``); the IS weights, as
+    slime's TIS, compare ``log_probs`` with the rollout log-probs; the KL is slime's ``--use-kl-loss`` estimator, or
+    the plugin's KL keys (its on-policy weight against the rollout log-probs when the batch has them). Batch
+    statistics (an objective's) span the CP ranks and ``dp_group``.
+    """
+    tm = shard.local(batch["loss_masks"]).to(c.dtype)
+    adv = shard.check_local("advantages", batch["advantages"]).detach().to(c.dtype)
+    rollout = _cat("rollout_log_probs", shard, batch.get("rollout_log_probs"))
+    rollout = None if rollout is None else rollout.detach().to(c.dtype)
+    logged = _cat("log_probs", shard, batch.get("log_probs"))
+    old = c.detach() if logged is None else logged.detach().to(c.dtype)
+    if cfg.bypasses_prev and rollout is None:
+        raise ValueError("--use-rollout-logprobs (old_policy_logprobs: generation) needs rollout_log_probs")
+    p = rollout if cfg.bypasses_prev and rollout is not None else old
+    layout = with_data_parallel(shard.layout(), dp_group)
+    corr = None
+    if owns_correction(cfg):
+        if rollout is None:
+            raise ValueError("the IS correction needs rollout_log_probs in slime's batch (SGLang log-probs)")
+        corr = compute_is_correction(old, rollout, tm, tm, layout, **is_correction_kwargs(cfg))
+    ref, spec, coef = None, None, 0.0
+    if kl is not None or cfg.effective_kl_penalty != 0:
         ref = _cat("ref_log_probs", shard, batch.get("ref_log_probs"))
         if ref is None:
             raise ValueError("the KL term needs ref_log_probs in slime's batch (slime loads the reference model)")
         ref = ref.detach().to(c.dtype)
         if kl is None:
-            return loss_fn.kl_tokens(c, p if rollout is None else rollout.detach().to(c.dtype), ref)
-        weights = torch.exp(c - p) if kl["unbiased"] else None  # slime's unbiased KL: gradient through the ratio
-        return kl_penalty(c, ref, kl_type=kl["kl_type"], output_clamp=kl["output_clamp"], weights=weights)
+            spec, coef = KLSpec.of(cfg), cfg.effective_kl_penalty
+        else:  # slime's unbiased KL: its gradient through the ratio to pi_old
+            weight: KLWeight = "anchor" if kl["unbiased"] else "none"
+            spec, coef = KLSpec(kl["kl_type"], output_clamp=kl["output_clamp"], weight=weight), kl["coef"]
+    t = TermInputs(
+        config=cfg,
+        layout=layout,
+        prev=p,
+        generation=p if rollout is None else rollout,
+        advantages=adv,
+        token_mask=tm,
+        valid=tm,
+        positions=unmasked_positions(tm, layout),
+        correction=corr,
+        is_weight=None if corr is None else corr.weights,
+        reference=ref,
+        kl=spec,
+        kl_coef=coef,
+    )
+    return t, old, rollout
 
-    @staticmethod
-    def _metrics(cfg, reduce, sur, c, p, old, rollout, corr, args, batch, shard) -> dict[str, torch.Tensor]:
-        """slime's metric names where slime has the quantity, ``nemo_is/...`` otherwise; reduced as slime does."""
-        with torch.no_grad():
-            token_ratio = cfg.effective_ratio_level == "token" or cfg.use_cispo or cfg.disable_ppo_ratio
-            ppo_kl = (p - c.detach()) if token_ratio else -torch.log(sur.ratio)
-            out = {"pg_clipfrac": reduce(sur.clipped.to(c.dtype)), "ppo_kl": reduce(ppo_kl)}
-            for name, flag in (("low", sur.clipped_low), ("high", sur.clipped_high), ("dual", sur.dual_clipped)):
-                out[f"{PLUGIN_PREFIX}clip_fraction_{name}"] = reduce(flag.to(c.dtype))
-            if rollout is not None:
-                compare = c.detach() if cfg.bypasses_prev else old
-                out["train_rollout_logprob_abs_diff"] = reduce((compare - rollout.to(c.dtype)).abs())
-            if corr is not None:
-                out["ois"] = reduce(torch.exp(-ppo_kl))
-                out.update({k: reduce(v.to(c.dtype)) for k, v in is_metrics(corr).items()})
-            opd = _cat("opd_reverse_kl", shard, batch.get("opd_reverse_kl"))
-            if opd is not None:
-                out["opd_reverse_kl"] = reduce(opd.to(c.dtype))
-        return out
+
+def slime_metrics(
+    t: TermInputs,
+    terms: TokenTerms,
+    reduce: Reducer,
+    c: torch.Tensor,
+    old: torch.Tensor,
+    rollout: torch.Tensor | None,
+    batch: Mapping[str, Any],
+    shard: ResponseShard,
+) -> dict[str, torch.Tensor]:
+    """slime's metric names where slime has the quantity, ``nemo_is/...`` otherwise, from the loss's terms; reduced
+    with slime's ``sum_of_sample_mean``."""
+    cfg, sur, corr = t.config, terms.surrogate, t.correction
+    with torch.no_grad():
+        token_ratio = cfg.effective_ratio_level == "token" or cfg.use_cispo or cfg.disable_ppo_ratio
+        ppo_kl = (t.prev - c.detach()) if token_ratio else -torch.log(sur.ratio)
+        out = {"pg_clipfrac": reduce(sur.clipped.to(c.dtype)), "ppo_kl": reduce(ppo_kl)}
+        for name, flag in (("low", sur.clipped_low), ("high", sur.clipped_high), ("dual", sur.dual_clipped)):
+            out[f"{PLUGIN_PREFIX}clip_fraction_{name}"] = reduce(flag.to(c.dtype))
+        if rollout is not None:
+            compare = c.detach() if cfg.bypasses_prev else old
+            out["train_rollout_logprob_abs_diff"] = reduce((compare - rollout).abs())
+        if corr is not None:
+            out["ois"] = reduce(torch.exp(-ppo_kl))
+            out.update({k: reduce(v.to(c.dtype)) for k, v in is_metrics(corr).items()})
+        opd = _cat("opd_reverse_kl", shard, batch.get("opd_reverse_kl"))
+        if opd is not None:
+            out["opd_reverse_kl"] = reduce(opd.to(c.dtype))
+    return out
 
 
 def response_logprobs(
@@ -309,4 +352,13 @@ def response_logprobs(
 tis_function = SlimeISCorrection()
 policy_loss = SlimePolicyLoss()
 
-__all__ = ["SlimeISCorrection", "SlimePolicyLoss", "is_metrics", "policy_loss", "response_logprobs", "tis_function"]
+__all__ = [
+    "SlimeISCorrection",
+    "SlimePolicyLoss",
+    "is_metrics",
+    "policy_loss",
+    "response_logprobs",
+    "slime_metrics",
+    "slime_term_inputs",
+    "tis_function",
+]

@@ -70,7 +70,6 @@ CONFIG_ENV = "NEMO_IS_LOSS_CONFIG"
 SECTION_ENV = "NEMO_IS_LOSS_SECTION"
 PLUGIN_SECTION = "nemo_is"  # actor_rollout_ref.actor.policy_loss.nemo_is
 METRIC_PREFIX = "actor/nemo_is/"
-_OWN = "_verl_adapter/"  # prefix of the adapter's own values read with the loss's metrics (then removed)
 __all__ = [
     "CONFIG_ENV",
     "METRIC_PREFIX",
@@ -296,8 +295,8 @@ class VerlPolicyLoss:
         m = mask.to(log_prob.dtype)
         # verl's own metrics of the mode this config computes (vanilla's for a config no verl mode computes)
         verl_names, clamped_kl = VERL_MODE_METRICS[verl_loss_mode_of(loss_fn.config) or "vanilla"]
-        # The local counts, verl's ppo_kl and verl's rollout_corr/ statistics stay on the device until the loss's
-        # metrics are read (one host sync). ppo_kl: some verl modes clamp log pi - log pi_old to +-20 first.
+        # The local counts and verl's ppo_kl stay on the device until the loss's metrics are read (one host sync).
+        # ppo_kl: some verl modes clamp log pi - log pi_old to +-20 first.
         with torch.no_grad():
             log_ratio = log_prob - old_log_prob
             if clamped_kl:
@@ -307,9 +306,6 @@ class VerlPolicyLoss:
                 "local_seqs": (m.sum(-1) > 0).sum(),
                 "ppo_kl": (-log_ratio * m).sum() / (m.sum() + 1e-8),
             }
-            if owns:  # the IS weights divide pi_old, or the current policy in bypass mode (as the loss's)
-                prev = log_prob if plugin_cfg.bypasses_prev else old_log_prob
-                own.update(verl_statistics(prev, gen, mask, loss_fn.config))
         # verl's geo_mean: a plain mean over the micro-batch's rows, empty ones included, when no global count is given
         all_rows = b if loss_fn.config.policy_objective in VERL_ALL_ROWS_OBJECTIVES else None
         info_tok, info_seq = self._global_counts(config, loss_agg_mode, all_rows)
@@ -324,11 +320,12 @@ class VerlPolicyLoss:
             global_valid_seqs=own["local_seqs"] if info_seq is None else info_seq,
             global_valid_toks=own["local_toks"] if info_tok is None else info_tok,
         )
-        extra = {f"{_OWN}{k}": v for k, v in own.items()}
-        loss, metrics = loss_fn.compute(
-            inputs, TokenLayout.padded(b, t, device=log_prob.device), extra_metric_sums=extra
-        )
-        read = {k[len(_OWN) :]: metrics.pop(k) for k in extra}
+        terms = loss_fn.terms(inputs, TokenLayout.padded(b, t, device=log_prob.device))
+        parts = loss_fn.reduce(terms)
+        if owns:  # verl's rollout_corr/ statistics from the loss's own IS correction (read in the same host sync)
+            own.update(verl_statistics(terms))
+        metrics, read = loss_fn.metrics(terms, parts, read_with=own)
+        loss = parts.loss
         local_toks, local_seqs, ppo_kl = read.pop("local_toks"), read.pop("local_seqs"), read.pop("ppo_kl")
         n_tok = local_toks if info_tok is None else info_tok
         n_seq = local_seqs if info_seq is None else info_seq

@@ -8,12 +8,12 @@ e^0), and per rejection option ``rollout_rs_<opt>_{mean, max, min, masked_fracti
 fraction over rows with tokens) with the overall ``rollout_rs_masked_fraction`` / ``rollout_rs_seq_masked_fraction``
 (over all rows). verl clamps x to +-20 in chi2; the plugin does not (identical below e^20).
 
-:func:`verl_statistics` computes the rest from the tensors of the call, as verl's
-``verl/trainer/ppo/rollout_corr_helper.py`` (verl 0.9.1) does: ``training_ppl``, ``rollout_ppl``, ``ppl_ratio``,
-``log_ppl_diff_max`` / ``_min`` (``compute_offpolicy_metrics``); the IS-weight statistics ``rollout_is_*``
-(``compute_is_metrics``: since verl's #6806 mean / std / ESS / extrema / ``seq_*`` of the *truncated* weights, the
-high / low fractions of the *raw* ones; ``rollout_is_oob_ratio`` with IcePop; ``rollout_is_batch_norm_factor`` with
-batch normalisation); and per rejection option the rest of ``compute_rs_metrics``
+:func:`verl_statistics` computes the rest, as verl's ``verl/trainer/ppo/rollout_corr_helper.py`` (verl 0.9.1) does, from
+the loss's own terms of the call (its IS correction and rule outcomes: nothing is computed twice): ``training_ppl``,
+``rollout_ppl``, ``ppl_ratio``, ``log_ppl_diff_max`` / ``_min`` (``compute_offpolicy_metrics``); the IS-weight
+statistics ``rollout_is_*`` (``compute_is_metrics``: since verl's #6806 mean / std / ESS / extrema / ``seq_*`` of the
+*truncated* weights, the high / low fractions of the *raw* ones; ``rollout_is_oob_ratio`` with IcePop;
+``rollout_is_batch_norm_factor`` with batch normalisation); and per rejection option the rest of ``compute_rs_metrics``
 (``rollout_rs_<opt>_{fraction_high, fraction_low, std, seq_mean, seq_std, seq_max, seq_min, seq_max_deviation,
 seq_fraction_high, seq_fraction_low}``). The weights are the plugin's (its level and truncation type, before batch
 normalisation and rejections, as verl's), within verl's safety bound [e^-20, e^20]; the bounds are
@@ -37,10 +37,7 @@ from collections.abc import Mapping
 import torch
 
 from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.loss.clipped_pg import is_correction_kwargs
-from nemo_is_plugin.loss.correction import compute_is_correction
-from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.rejection import evaluate_rule
+from nemo_is_plugin.loss.terms import LossTerms
 
 PREFIX = "rollout_corr/"
 VERL_SAFETY_BOUND = 20.0  # verl's SAFETY_BOUND: log-ratios are clamped to +-20 before exp in its metrics
@@ -82,35 +79,29 @@ def rollout_corr_metrics(
 
 
 @torch.no_grad()
-def verl_statistics(prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, config: ClippedPGLossConfig):
-    """verl's ``rollout_corr/`` statistics that :func:`rollout_corr_metrics` cannot rename, over this micro-batch.
-
-    Args:
-        prev: Float[B, T] the log-probs the IS weights divide by (pi_old; the current policy in bypass mode).
-        gen: Float[B, T] the rollout log-probs log mu. mask: verl's response mask.
+def verl_statistics(terms: LossTerms) -> dict[str, torch.Tensor]:
+    """verl's ``rollout_corr/`` statistics that :func:`rollout_corr_metrics` cannot rename, over this micro-batch, from
+    the loss's terms: the log-probs the IS weights divide (pi_old; the current policy, detached, in bypass mode), log
+    mu, the token mask, and the loss's IS correction (its weights at the plugin's level and truncation type, before
+    batch normalisation and rejections, as verl's metrics describe them; each rule's statistic).
 
     Returns 0-d float64 tensors under their ``rollout_corr/`` names (read with the loss's metrics: no host sync).
     """
-    p, g = prev.detach().double(), gen.detach().double()
-    m = mask.to(torch.float64)
+    config, corr = terms.inputs.config, terms.correction
+    p, g = terms.is_prev.double(), terms.inputs.generation.double()
+    m = terms.inputs.token_mask.to(torch.float64)
     out = off_policy_statistics(p, g, m)
-    layout = TokenLayout.padded(m.shape[0], m.shape[1], device=m.device)
-    if config.use_importance_sampling_correction:
-        # The plugin's weights at its level and truncation type: no rejection rule or veto (verl applies those to
-        # the response mask, not to the weights its metrics describe), normalisation undone below.
-        options = is_correction_kwargs(config)
-        options["veto_threshold"], options["rules"] = None, ()
-        corr = compute_is_correction(p, g, m, m, layout, **options)
+    if config.use_importance_sampling_correction and corr.truncated is not None and corr.truncation_keep is not None:
         factor = corr.batch_norm_factor if config.importance_sampling_batch_normalize else None
-        truncated = corr.weights if factor is None else corr.weights * torch.where(factor > 0, factor, 1.0)
-        out.update(is_weight_statistics(corr.log_weights, truncated, m, config, factor))
-    for rule in config.rejection_rules:
+        truncated = torch.where(corr.truncation_keep, corr.truncated, torch.zeros_like(corr.truncated))
+        out.update(is_weight_statistics(corr.log_weights.double(), truncated.double(), m, config, factor))
+    for rule, outcome in zip(config.rejection_rules, corr.rules, strict=True):
         option = rule.verl_option
         if option is None:
             continue
-        outcome = evaluate_rule(rule, p, g, m, layout)
         upper = rule.max if rule.max is not None else math.inf
-        out.update(rejection_statistics(option, outcome.token_stat, outcome.seq_stat, m, rule.min, upper))
+        seq_stat = None if outcome.seq_stat is None else outcome.seq_stat.double()
+        out.update(rejection_statistics(option, outcome.token_stat.double(), seq_stat, m, rule.min, upper))
     return {PREFIX + k: v for k, v in out.items()}
 
 

@@ -1,7 +1,10 @@
-"""The loss configuration (pydantic v2, imports without torch): the only place where defaults live.
+"""The loss configuration (pydantic v2; no config module imports torch): with the objectives' key sections, the only
+place where defaults live.
 
-Modules: ``keys`` (every key, one field each: type, default, choices, valid range with why and fix), ``model``
-(:class:`ClippedPGLossConfig`: the unknown-key policy, the combination checks and the derived choices, and
+Modules: ``keys`` (every generic key, one field each: type, default, choices, valid range with why and fix; and
+:class:`~nemo_is_plugin.config.keys.KeySection`, what a policy objective's keys are declared as, in its module),
+``model`` (:class:`ClippedPGLossConfig`: the generic keys and every registered objective's section, the unknown-key
+policy, the combination checks and the derived choices, and
 :func:`load_loss_config`), ``field_types`` (what fields are built from: :class:`NumericRange`, a bool-refusing number,
 the KL estimator vocabulary), ``rejection_rule`` (:class:`RejectionRule`, verl's ``rollout_rs`` options),
 ``contradictions`` (the combination checks), ``unknown_keys`` (warn or refuse unknown keys), ``errors`` (the exception
@@ -17,8 +20,6 @@ from nemo_is_plugin.config.errors import (
 )
 from nemo_is_plugin.config.field_types import KLType, NumericRange
 from nemo_is_plugin.config.keys import (
-    NUMERIC_RANGES,
-    OTHER_OBJECTIVES,
     REJECTION_TYPES,
     SEQUENCE_MASK_TYPES,
     TOKEN_AGGREGATIONS,
@@ -26,12 +27,11 @@ from nemo_is_plugin.config.keys import (
     KLGradient,
     LossAggregation,
     OldPolicyLogprobs,
-    PolicyObjective,
     RatioLevel,
     RejectionType,
     TruncationType,
 )
-from nemo_is_plugin.config.model import ClippedPGLossConfig, load_loss_config
+from nemo_is_plugin.config.model import NUMERIC_RANGES, ClippedPGLossConfig, PolicyObjective, load_loss_config
 from nemo_is_plugin.config.rejection_rule import (
     REJECTION_LOG_RATIO_CLAMP,
     VERL_RS_AGGREGATIONS,
@@ -50,7 +50,6 @@ from nemo_is_plugin.config.unknown_keys import (
 
 __all__ = [
     "NUMERIC_RANGES",
-    "OTHER_OBJECTIVES",
     "REJECTION_LOG_RATIO_CLAMP",
     "PolicyObjective",
     "REJECTION_TYPES",

@@ -1,8 +1,10 @@
 """The combination checks of a loss config: every contradiction NeMo-RL rejects, plus the plugin's own.
 
 Each message names the fields and the fix. Run by :class:`~nemo_is_plugin.config.model.ClippedPGLossConfig` once
-every field is valid (types, choices and numeric ranges are the fields' own, in :mod:`~nemo_is_plugin.config.keys`).
-Imports without torch.
+every field is valid (types, choices and numeric ranges are the fields' own, in :mod:`~nemo_is_plugin.config.keys` and
+the objectives' key sections). The checks of one policy objective are its module's (``PolicyObjective.refusals``,
+``KeySection.unread``); the ones here are the IS, aggregation and KL checks and the rules every objective shares
+(required keys, ``ratio_level``). Imports no torch itself (it reads the objective registry).
 """
 
 from __future__ import annotations
@@ -10,14 +12,8 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-from nemo_is_plugin.config.keys import (
-    OTHER_OBJECTIVES,
-    REJECTION_TYPES,
-    SEQUENCE_MASK_TYPES,
-    TOKEN_AGGREGATIONS,
-    TOKEN_RATIO_OBJECTIVES,
-    LossKeys,
-)
+from nemo_is_plugin.config.keys import REJECTION_TYPES, SEQUENCE_MASK_TYPES, TOKEN_AGGREGATIONS
+from nemo_is_plugin.loss.objectives import key_sections, objective_of
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
@@ -79,41 +75,6 @@ def contradictions(cfg: ClippedPGLossConfig) -> list[str]:
             stacklevel=2,
         )
 
-    if cfg.use_cispo:
-        for flag, bad in (
-            ("disable_ppo_ratio", cfg.disable_ppo_ratio),
-            ("force_on_policy_ratio", cfg.force_on_policy_ratio),
-            ("sequence_level_importance_ratios", gspo),
-        ):
-            if bad:
-                out.append(f"use_cispo=true is incompatible with {flag}=true; turn one of them off")
-        if cfg.ratio_clip_c is not None:
-            out.append("use_cispo=true is incompatible with ratio_clip_c (dual clip); set ratio_clip_c: null")
-        if not cfg.token_level_loss:
-            out.append("use_cispo=true requires token_level_loss=true")
-        if cfg.ratio_level not in (None, "token"):
-            out.append(f"use_cispo=true uses the token ratio; ratio_level={cfg.ratio_level!r} is not allowed")
-        if cfg.uses_log_space_clip:
-            out.append("use_cispo=true clips in ratio space; unset log_ratio_clip_low/high")
-
-    if cfg.disable_ppo_ratio and cfg.ratio_level not in (None, "token"):
-        out.append(f"disable_ppo_ratio=true has no ratio; ratio_level={cfg.ratio_level!r} must be unset")
-    if cfg.force_on_policy_ratio and cfg.ratio_level not in (None, "token", "sequence"):
-        out.append(f"force_on_policy_ratio=true fixes the ratio to 1; ratio_level={cfg.ratio_level!r} must be unset")
-
-    low, high = cfg.log_ratio_clip_low, cfg.log_ratio_clip_high
-    if (low is None) != (high is None):
-        out.append("log_ratio_clip_low and log_ratio_clip_high must be set together (CTPO defaults: 0.025 and 0.05)")
-    if cfg.uses_log_space_clip:
-        if cfg.ratio_clip_c is not None:
-            out.append("log-space clipping uses log_ratio_clip_c for the dual clip; set ratio_clip_c: null")
-        if cfg.disable_ppo_ratio:
-            out.append("log_ratio_clip_low/high need a policy ratio; disable_ppo_ratio must be false")
-    elif cfg.log_ratio_clip_c is not None:
-        out.append("log_ratio_clip_c needs log_ratio_clip_low and log_ratio_clip_high")
-    if cfg.clip_position_power != 0.0 and not cfg.uses_log_space_clip:
-        out.append("clip_position_power scales the log-space bounds; set log_ratio_clip_low/high as well")
-
     if cfg.loss_aggregation is not None:
         token_agg = cfg.loss_aggregation in TOKEN_AGGREGATIONS
         if "token_level_loss" in cfg.model_fields_set and token_agg != cfg.token_level_loss:
@@ -136,8 +97,6 @@ def contradictions(cfg: ClippedPGLossConfig) -> list[str]:
         out.append(f"{which} has no effect without use_importance_sampling_correction=true; enable it or unset {which}")
     if cfg.reference_policy_kl_gradient == "k2" and cfg.effective_kl_penalty == 0:
         out.append("reference_policy_kl_gradient='k2' needs a non-zero reference_policy_kl_penalty in the loss")
-    if cfg.max_log_ratio is not None and cfg.disable_ppo_ratio:
-        out.append("max_log_ratio caps the policy ratio; disable_ppo_ratio must be false")
     return out
 
 
@@ -183,91 +142,20 @@ def _rule_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     return out
 
 
-# Each objective's own keys (docs/objectives.md); a key set away from its default for another objective is unread.
-OBJECTIVE_KEYS: dict[str, tuple[str, ...]] = {
-    "dppo_delta_low": ("dppo_tv", "dppo_kl"),
-    "dppo_delta_high": ("dppo_tv", "dppo_kl"),
-    "dppo_ratio_cap": ("dppo_tv", "dppo_kl"),
-    "prob_diff_threshold": ("prob_diff",),
-    "cppo_delta": ("cppo",),
-    "cppo_w_min": ("cppo",),
-    "cppo_delta_b": ("cppo",),
-    "sapo_tau_pos": ("sapo",),
-    "sapo_tau_neg": ("sapo",),
-    "gmpo_clip_low": ("gmpo",),
-    "gmpo_clip_high": ("gmpo",),
-    "dro_beta": ("dro",),
-}
-REQUIRED_OBJECTIVE_KEYS: dict[str, tuple[str, ...]] = {
-    "dppo_tv": ("dppo_delta_low", "dppo_delta_high"),
-    "dppo_kl": ("dppo_delta_low", "dppo_delta_high"),
-    "gmpo": ("gmpo_clip_low", "gmpo_clip_high"),
-    "dro": ("dro_beta",),
-}
-# PPO's clip keys, which every other objective replaces by its own trust region or gate.
-PPO_CLIP_KEYS = (
-    "ratio_clip_min",
-    "ratio_clip_max",
-    "ratio_clip_c",
-    "log_ratio_clip_low",
-    "log_ratio_clip_high",
-    "log_ratio_clip_c",
-    "clip_position_power",
-    "max_log_ratio",
-)
-# Switches that choose another ratio than the objective's own.
-RATIO_SWITCHES = ("use_cispo", "disable_ppo_ratio", "force_on_policy_ratio", "sequence_level_importance_ratios")
-
-
 def _objective_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
-    out = []
-    objective = cfg.policy_objective
-    defaults = LossKeys.model_fields
-    for key, readers in OBJECTIVE_KEYS.items():
-        if objective not in readers and getattr(cfg, key) != defaults[key].default:
-            out.append(f"{key} is read by policy_objective {' / '.join(readers)} only, not {objective!r}: unset it")
-    if objective not in OTHER_OBJECTIVES:
-        return out
-    for key in REQUIRED_OBJECTIVE_KEYS.get(objective, ()):
+    """The keys of the objectives not chosen (each section's :meth:`~nemo_is_plugin.config.keys.KeySection.unread`),
+    the chosen objective's required keys and ratio level, then its own refusals."""
+    chosen = cfg.policy_objective
+    out = [
+        msg
+        for section, readers in key_sections()
+        if chosen not in readers
+        for msg in section.unread(cfg, readers, chosen)
+    ]
+    objective = objective_of(cfg)
+    for key in objective.required:
         if getattr(cfg, key) is None:
-            out.append(f"policy_objective={objective!r} needs {key} (see docs/objectives.md)")
-    for key in PPO_CLIP_KEYS:
-        if getattr(cfg, key) != defaults[key].default:
-            out.append(
-                f"{key} configures PPO's ratio clip, which policy_objective={objective!r} replaces with its own trust "
-                f"region: unset {key} (or use policy_objective: ppo_clip)"
-            )
-    for key in RATIO_SWITCHES:
-        if getattr(cfg, key):
-            out.append(f"{key}=true chooses another policy ratio than policy_objective={objective!r}'s: set it false")
-    if cfg.ratio_level is not None and (objective not in TOKEN_RATIO_OBJECTIVES or cfg.ratio_level != "token"):
-        own = "its own per-sequence geometric mean" if objective == "gmpo" else "no policy ratio"
-        if objective in TOKEN_RATIO_OBJECTIVES:
-            own = "the token ratio (its mask or gate is per token probability)"
-        out.append(f"policy_objective={objective!r} uses {own}: unset ratio_level={cfg.ratio_level!r}")
-    if objective == "gmpo":
-        out.extend(_gmpo_contradictions(cfg))
-    return out
-
-
-def _gmpo_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
-    """GMPO's loss is one value per sequence: only a per-sequence mean and per-sequence IS weights keep it one."""
-    out = []
-    if cfg.effective_loss_aggregation != "seq-mean-token-mean":
-        out.append(
-            f"policy_objective='gmpo' is a per-sequence loss averaged over sequences; loss_aggregation="
-            f"{cfg.effective_loss_aggregation!r} would weight sequences by their length: set loss_aggregation: "
-            "seq-mean-token-mean"
-        )
-    if cfg.use_importance_sampling_correction and cfg.effective_is_level != "sequence_mean":
-        out.append(
-            f"policy_objective='gmpo' needs one IS weight per sequence, the geometric mean (as verl's geo_mean): "
-            f"set is_correction_level: sequence_mean (got {cfg.effective_is_level!r})"
-        )
-    token_rules = [rule.name for rule in cfg.rejection_rules if rule.aggregation == "token"]
-    if token_rules:
-        out.append(
-            "policy_objective='gmpo' rejects whole sequences only: a token rejection rule would scale the sequence's "
-            f"loss by its kept fraction; use a sequence rule instead of {', '.join(token_rules)}"
-        )
-    return out
+            out.append(f"policy_objective={chosen!r} needs {key} (see docs/objectives.md)")
+    if cfg.ratio_level is not None and cfg.ratio_level not in objective.ratio_levels:
+        out.append(f"policy_objective={chosen!r} uses {objective.ratio}: unset ratio_level={cfg.ratio_level!r}")
+    return out + objective.refusals(cfg)

@@ -1,5 +1,5 @@
 """What a validated loss config actually does, resolved: every derived choice in words (``nemo-is validate
---show-effective``). Imports without torch.
+--show-effective``). Imports no torch itself; each policy objective words its own trust region and ratio.
 
 The config leaves several choices implicit (an unset ``ratio_level`` follows ``sequence_level_importance_ratios``, an
 unset aggregation follows ``token_level_loss``, ``use_kl_in_reward`` moves beta out of the loss, ...); this module
@@ -9,6 +9,8 @@ spells each one out, with where it came from.
 from __future__ import annotations
 
 from nemo_is_plugin.config.model import ClippedPGLossConfig
+from nemo_is_plugin.loss.objectives import objective_of
+from nemo_is_plugin.loss.objectives.ppo_clip import PPOClipKeys
 
 
 def _g(x: float | None) -> str:
@@ -16,37 +18,10 @@ def _g(x: float | None) -> str:
     return "null" if x is None else f"{x:g}"
 
 
-def _objective(cfg: ClippedPGLossConfig) -> str:
-    """The trust region of a ``policy_objective`` other than ``ppo_clip`` (docs/objectives.md), in place of a clip."""
-    o = cfg.policy_objective
-    if o in ("dppo_tv", "dppo_kl"):
-        div = "p - q" if o == "dppo_tv" else "binary KL(q, p)"
-        return (
-            f"{o}: drop a token whose {div} exceeds {_g(cfg.dppo_delta_high)} (A > 0) / {_g(cfg.dppo_delta_low)} "
-            f"(A <= 0) in the advantage's direction; loss -A sg(min(r, {_g(cfg.dppo_ratio_cap)})) log pi"
-        )
-    return {
-        "prob_diff": f"prob_diff: drop a token with |p - q| > {_g(cfg.prob_diff_threshold)}; loss -A r",
-        "cppo": f"cppo: position-weighted |p - q| <= {_g(cfg.cppo_delta)} (w_min {_g(cfg.cppo_w_min)}) with a prefix "
-        f"budget (rate floor {_g(cfg.cppo_delta_b)}); loss -A r",
-        "sapo": f"sapo: soft gate sigmoid(tau (r - 1)) 4 / tau, tau {_g(cfg.sapo_tau_pos)} (A > 0) / "
-        f"{_g(cfg.sapo_tau_neg)} (A <= 0)",
-        "gmpo": f"gmpo: sequence geometric-mean ratio, token log-ratio clipped to [-{_g(cfg.gmpo_clip_low)}, "
-        f"{_g(cfg.gmpo_clip_high)}] on the advantage's side",
-        "gpg": "gpg: none (-A log pi)",
-        "dro": f"dro: none; -(A log pi - {_g(cfg.dro_beta)}/2 (log r)^2)",
-    }[o]
-
-
 def _ratio(cfg: ClippedPGLossConfig) -> str:
-    if cfg.policy_objective in ("gpg", "dro"):
-        return f"none: policy_objective={cfg.policy_objective!r} reads log pi itself"
-    if cfg.policy_objective == "gmpo":
-        return "per sequence: the geometric mean of the token ratios (policy_objective='gmpo')"
-    if cfg.disable_ppo_ratio:
-        return "none: REINFORCE surrogate -A * log pi (disable_ppo_ratio)"
-    if cfg.force_on_policy_ratio:
-        return "fixed to 1 with the policy gradient (force_on_policy_ratio)"
+    own = objective_of(cfg).describe_ratio(cfg)
+    if own is not None:
+        return own
     level = cfg.effective_ratio_level
     source = (
         "ratio_level"
@@ -58,32 +33,13 @@ def _ratio(cfg: ClippedPGLossConfig) -> str:
     return f"{level} ({source})"
 
 
-def _clip(cfg: ClippedPGLossConfig) -> str:
-    if cfg.policy_objective != "ppo_clip":
-        return _objective(cfg)
-    if cfg.disable_ppo_ratio:
-        dual = f", dual clip c = {_g(cfg.ratio_clip_c)}" if cfg.ratio_clip_c is not None else ""
-        return "none" + dual
-    if cfg.use_cispo:
-        return (
-            f"CISPO: stop-gradient weight clamp(r, {_g(1 - cfg.ratio_clip_min)}, {_g(1 + cfg.ratio_clip_max)}) "
-            "times -A * log pi"
-        )
-    if cfg.uses_log_space_clip:
-        p = cfg.clip_position_power
-        pos = f" * t^{_g(p)}" if p != 0 else ""
-        dual = f", dual clip exp({_g(cfg.log_ratio_clip_c)}{pos})" if cfg.log_ratio_clip_c is not None else ""
-        return f"log space [-{_g(cfg.log_ratio_clip_low)}{pos}, {_g(cfg.log_ratio_clip_high)}{pos}]{dual}"
-    dual = f", dual clip c = {_g(cfg.ratio_clip_c)}" if cfg.ratio_clip_c is not None else ", no dual clip"
-    return f"ratio space [{_g(1 - cfg.ratio_clip_min)}, {_g(1 + cfg.ratio_clip_max)}]{dual}"
-
-
 def _log_ratio_guards(cfg: ClippedPGLossConfig) -> str:
     parts = []
     if cfg.token_log_ratio_clamp is not None:
         parts.append(f"each token log-ratio clamped to +-{_g(cfg.token_log_ratio_clamp)}")
-    if cfg.max_log_ratio is not None:
-        parts.append(f"log r capped at {_g(cfg.max_log_ratio)}")
+    cap = PPOClipKeys.of(cfg).max_log_ratio
+    if cap is not None:
+        parts.append(f"log r capped at {_g(cap)}")
     return "; ".join(parts) or "none"
 
 
@@ -160,7 +116,7 @@ def effective_settings(cfg: ClippedPGLossConfig) -> dict[str, str]:
     is_on = cfg.use_importance_sampling_correction
     return {
         "policy ratio": _ratio(cfg),
-        "ratio clip": _clip(cfg),
+        "ratio clip": objective_of(cfg).describe(cfg),
         "log-ratio guards": _log_ratio_guards(cfg),
         "IS correction": "applied to the loss" if is_on else "off (weights are still computed for the metrics)",
         "IS level": _is_level(cfg),

@@ -1,14 +1,15 @@
-"""Every ``loss_fn`` key, one field each: its name, type, default, allowed values, and valid range with why and fix.
+"""Every generic ``loss_fn`` key, one field each: its name, type, default, allowed values, valid range with why and fix.
 
 To change a key, edit its field here: the validation (type, choices, range), the error messages and the JSON schema
-follow from it (the range table of docs/config.md is checked against it by tests/config/test_config_ranges.py).
-:class:`~nemo_is_plugin.config.model.ClippedPGLossConfig` adds the combination checks and the derived choices.
-Imports without torch.
+follow from it (the range table of docs/config.md is checked against it by tests/config/test_config_ranges.py). The
+keys of one policy objective live with its formula, in its module (``nemo_is_plugin/loss/objectives/<name>.py``), as a
+:class:`KeySection`; :class:`~nemo_is_plugin.config.model.ClippedPGLossConfig` is these keys plus every registered
+objective's section, with the combination checks and the derived choices. Imports without torch.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,12 +26,6 @@ LossAggregation = Literal[
     "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
 OldPolicyLogprobs = Literal["prev", "generation"]
-PolicyObjective = Literal["ppo_clip", "dppo_tv", "dppo_kl", "prob_diff", "cppo", "sapo", "gmpo", "gpg", "dro"]
-
-# Objectives whose per-token loss reads the token ratio r_t = exp(c_t - a_t) (a trust mask or a gate on it).
-TOKEN_RATIO_OBJECTIVES: tuple[str, ...] = ("dppo_tv", "dppo_kl", "prob_diff", "cppo", "sapo")
-# The objectives besides PPO's clip (docs/objectives.md): each replaces the ratio clip and its dual clip.
-OTHER_OBJECTIVES: tuple[str, ...] = get_args(PolicyObjective)[1:]
 
 # Aggregations without a per-sequence normalisation: NeMo-RL's token_level_loss=true.
 TOKEN_AGGREGATIONS: tuple[str, ...] = ("token-mean", "token-sum")
@@ -41,10 +36,44 @@ SEQUENCE_MASK_TYPES: tuple[str, ...] = ("seq-mask-tis", *REJECTION_TYPES)
 
 # The ranges: null (where allowed) always means "off". w = 1 is the weight of an on-policy token, so every band on an
 # IS weight must contain 1: a band without it acts on data with no mismatch at all.
+MODEL_CONFIG = ConfigDict(validate_assignment=True, allow_inf_nan=False)
+_Section = TypeVar("_Section", bound="KeySection")
+
+
+class KeySection(BaseModel):
+    """The keys one policy objective reads (its fields), declared in the objective's module; ``ClippedPGLossConfig``
+    inherits every registered section, so the keys stay flat in a ``loss_fn`` section (``dppo_delta_low: 0.2``).
+
+    A key set away from its default while another objective is chosen is refused (:meth:`unread`)."""
+
+    model_config = MODEL_CONFIG
+
+    @classmethod
+    def of(cls: type[_Section], cfg: Any) -> _Section:
+        """``cfg`` (a ``ClippedPGLossConfig``, which inherits every section) typed as this section."""
+        if not isinstance(cfg, cls):
+            raise TypeError(f"{type(cfg).__name__} does not hold the keys of {cls.__name__}")
+        return cfg
+
+    @classmethod
+    def own_keys(cls) -> tuple[str, ...]:
+        """This section's keys (the fields it declares, not those of ``KeySection``)."""
+        return tuple(k for k in cls.model_fields if k not in KeySection.model_fields)
+
+    @classmethod
+    def unread(cls, cfg: Any, readers: list[str], chosen: str) -> list[str]:
+        """The refusal of each of this section's keys set away from its default while ``chosen`` (none of
+        ``readers``) is the configured ``policy_objective``."""
+        return [
+            f"{key} is read by policy_objective {' / '.join(readers)} only, not {chosen!r}: unset it"
+            for key in cls.own_keys()
+            if getattr(cfg, key) != cls.model_fields[key].default
+        ]
 
 
 class LossKeys(BaseModel):
-    """The keys of :class:`~nemo_is_plugin.config.ClippedPGLossConfig`, without its checks and derived choices.
+    """The generic keys of :class:`~nemo_is_plugin.config.ClippedPGLossConfig`, without its checks and derived choices
+    (each policy objective's own keys are its :class:`KeySection`).
 
     The first block is NeMo-RL's ``ClippedPGLossConfig`` (commit 7ea279ab): names, types and defaults unchanged, so an
     existing NeMo-RL ``loss_fn`` section validates unchanged. The second block holds the plugin's independent choices
@@ -52,7 +81,7 @@ class LossKeys(BaseModel):
     """
 
     # No extra="forbid": unknown keys never reach pydantic (ClippedPGLossConfig warns about or refuses them first).
-    model_config = ConfigDict(validate_assignment=True, allow_inf_nan=False)
+    model_config = MODEL_CONFIG
 
     # ---- NeMo-RL keys (names, types and defaults as in NeMo-RL) ----
     reference_policy_kl_penalty: Annotated[
@@ -156,44 +185,6 @@ class LossKeys(BaseModel):
     is_correction_level: ISCorrectionLevel | None = Field(
         None, description="IS-weight level; None derives it from sequence_level_importance_ratios like NeMo-RL."
     )
-    log_ratio_clip_low: Annotated[
-        float | None,
-        NumericRange(
-            low=0.0,
-            low_open=True,
-            why="the log-space band is [-eps_low * t^p, eps_high * t^p]; eps <= 0 excludes log r = 0",
-            fix="use e.g. 0.025 (CTPO) or leave both log_ratio_clip keys null",
-        ),
-    ] = Field(None, description="eps_low of the log-space clip: log r >= -eps_low * t^clip_position_power.")
-    log_ratio_clip_high: Annotated[
-        float | None,
-        NumericRange(
-            low=0.0,
-            low_open=True,
-            why="the log-space band is [-eps_low * t^p, eps_high * t^p]; eps <= 0 excludes log r = 0",
-            fix="use e.g. 0.05 (CTPO) or leave both log_ratio_clip keys null",
-        ),
-    ] = Field(None, description="eps_high of the log-space clip: log r <= eps_high * t^clip_position_power.")
-    log_ratio_clip_c: Annotated[
-        float | None,
-        NumericRange(
-            low=0.0,
-            low_open=True,
-            why="the log-space dual clip caps the loss of A < 0 at -A * exp(eps_c * t^p), which must lie above 1",
-            fix="use e.g. 0.05 (CTPO) or null",
-        ),
-    ] = Field(None, description="Log-space dual clip: for A < 0 the loss is capped at -A * exp(eps_c * t^power).")
-    clip_position_power: Annotated[
-        float,
-        NumericRange(
-            low=-1.0,
-            high=1.0,
-            why="a cumulative log-ratio grows at most linearly in the position t, so bounds eps * t^p with p > 1 "
-            "outgrow every reachable log-ratio (the clip silently turns off) and p < -1 shrink faster than 1/t (every "
-            "late token is clipped)",
-            fix="use 0 (fixed bounds) or 0.5 (CTPO)",
-        ),
-    ] = Field(0.0, description="p in the position-adaptive bounds eps * t^p (CTPO uses 0.5); 0 gives fixed bounds.")
     token_log_ratio_clamp: Annotated[
         float | None,
         NumericRange(
@@ -203,16 +194,6 @@ class LossKeys(BaseModel):
             fix="use e.g. 20 (CTPO, verl) or null",
         ),
     ] = Field(None, description="Clamp each token log-ratio c_t - p_t to +-value before building the ratio (CTPO: 20).")
-    max_log_ratio: Annotated[
-        float | None,
-        NumericRange(
-            low=0.0,
-            low_open=True,
-            why="log r is capped at this value with zero gradient beyond; a cap <= 0 freezes every token whose "
-            "ratio exceeds 1",
-            fix="use e.g. 10 (CTPO) or null",
-        ),
-    ] = Field(None, description="Upper cap on the log of the policy ratio after building it (CTPO: 10).")
     importance_sampling_rejection: RejectionType | None = Field(
         None,
         description="Sequence rejection on top of the truncation type: 'seq-mis' (exp(sum_t x_t)) or 'geo-rs' "
@@ -268,130 +249,6 @@ class LossKeys(BaseModel):
         ),
     ] = Field(None, description="Constant divisor per sequence for seq-mean-token-sum-norm (e.g. max response length).")
 
-    # ---- the policy objective (docs/objectives.md); each key below is read by the objectives it names ----
-    policy_objective: PolicyObjective = Field(
-        "ppo_clip",
-        description="The per-token surrogate and its trust region: 'ppo_clip' (the ratio clip above; NeMo-RL's), "
-        "'dppo_tv' / 'dppo_kl' (DPPO binary TV / KL masks), 'prob_diff' (prime-rl's |p - q| mask), 'cppo' "
-        "(position-weighted TV mask with a prefix budget), 'sapo' (soft gate), 'gmpo' (geometric-mean sequence "
-        "ratio), 'gpg' (-A log pi), 'dro' (-(A log pi - beta/2 (log r)^2)). The anchor q is pi_old.",
-    )
-    dppo_delta_low: Annotated[
-        float | None,
-        NumericRange(
-            low=0.0,
-            low_open=True,
-            why="the DPPO threshold on the divergence of a token with A <= 0 (TV: q - p, KL: the binary KL); 0 or "
-            "less drops every token that moved at all",
-            fix="use e.g. 0.2 (verl's clip_ratio_low under loss_mode dppo_tv)",
-        ),
-    ] = Field(None, description="DPPO threshold for A <= 0 (dppo_tv / dppo_kl; required there).")
-    dppo_delta_high: Annotated[
-        float | None,
-        NumericRange(
-            low=0.0,
-            low_open=True,
-            why="the DPPO threshold on the divergence of a token with A > 0 (TV: p - q, KL: the binary KL); 0 or "
-            "less drops every token that moved at all",
-            fix="use e.g. 0.28 (verl's clip_ratio_high under loss_mode dppo_tv)",
-        ),
-    ] = Field(None, description="DPPO threshold for A > 0 (dppo_tv / dppo_kl; required there).")
-    dppo_ratio_cap: Annotated[
-        float,
-        NumericRange(
-            low=1.0,
-            why="DPPO's gradient weight is min(r, cap) on kept tokens; a cap below 1 also shrinks the weight of "
-            "unchanged tokens (r = 1), a learning-rate cut rather than a cap",
-            fix="use 20 (DPPO; verl's dict default) or 3 (verl's ActorConfig clip_ratio_c)",
-        ),
-    ] = Field(20.0, description="Cap C of DPPO's detached ratio weight min(r, C) (verl: clip_ratio_c).")
-    prob_diff_threshold: Annotated[
-        float,
-        NumericRange(
-            low=0.0,
-            high=1.0,
-            low_open=True,
-            why="a token is kept while |p - q| <= threshold; probabilities differ by at most 1, so a threshold "
-            "above 1 keeps everything and one <= 0 drops every token that moved",
-            fix="use 0.1 (prime-rl's ipo_threshold)",
-        ),
-    ] = Field(0.1, description="prob_diff: keep a token while |p - q| <= this.")
-    cppo_delta: Annotated[
-        float,
-        NumericRange(
-            low=0.0,
-            high=1.0,
-            low_open=True,
-            why="CPPO's per-token TV threshold on w_k |p - q| <= 1; 0 or less drops every token that moved",
-            fix="use 0.2 (UniRL)",
-        ),
-    ] = Field(0.2, description="CPPO per-token TV threshold delta.")
-    cppo_w_min: Annotated[
-        float,
-        NumericRange(
-            low=0.0,
-            high=1.0,
-            low_open=True,
-            why="the last position's weight: weights fall linearly from 1 to w_min; 0 exempts the last token, "
-            "above 1 the weights grow",
-            fix="use 0.8 (UniRL), or 1 for uniform weights",
-        ),
-    ] = Field(0.8, description="CPPO weight of a sequence's last position (the first has 1).")
-    cppo_delta_b: Annotated[
-        float,
-        NumericRange(
-            low=0.0,
-            why="the floor of the per-sequence budget rate b = clamp(quantile_0.9(D), delta_b, 2 delta_b); "
-            "a negative rate exhausts the budget at the first token",
-            fix="use 0.02 (UniRL)",
-        ),
-    ] = Field(0.02, description="CPPO budget rate floor (the ceiling is twice it).")
-    sapo_tau_pos: Annotated[
-        float,
-        NumericRange(
-            low=0.0,
-            low_open=True,
-            why="the gate sigmoid(tau (r - 1)) 4 / tau divides by tau",
-            fix="use 1.0 (verl's tau_pos)",
-        ),
-    ] = Field(1.0, description="SAPO gate temperature for A > 0.")
-    sapo_tau_neg: Annotated[
-        float,
-        NumericRange(
-            low=0.0,
-            low_open=True,
-            why="the gate sigmoid(tau (r - 1)) 4 / tau divides by tau",
-            fix="use 1.05 (verl's tau_neg)",
-        ),
-    ] = Field(1.05, description="SAPO gate temperature for A <= 0.")
-    gmpo_clip_low: Annotated[
-        float | None,
-        NumericRange(
-            low=0.0,
-            low_open=True,
-            why="GMPO clips the token log-ratio of A < 0 tokens at -eps; eps <= 0 excludes log r = 0",
-            fix="use e.g. 0.4 (GMPO's (e^-0.4, e^0.4)) or verl's clip_ratio_low",
-        ),
-    ] = Field(None, description="GMPO lower log-ratio clip eps_low (gmpo; required there).")
-    gmpo_clip_high: Annotated[
-        float | None,
-        NumericRange(
-            low=0.0,
-            low_open=True,
-            why="GMPO clips the token log-ratio of A > 0 tokens at eps; eps <= 0 excludes log r = 0",
-            fix="use e.g. 0.4 (GMPO's (e^-0.4, e^0.4)) or verl's clip_ratio_high",
-        ),
-    ] = Field(None, description="GMPO upper log-ratio clip eps_high (gmpo; required there).")
-    dro_beta: Annotated[
-        float | None,
-        NumericRange(
-            low=0.0,
-            low_open=True,
-            why="DRO's penalty beta/2 (log r)^2 must pull the policy back to the anchor; beta <= 0 pushes it away",
-            fix="use a positive value (verl's policy_loss.dro_beta)",
-        ),
-    ] = Field(None, description="DRO quadratic-penalty weight beta (dro; required there).")
-
     # ---- rejection rules and the old policy (verl's rollout_rs / bypass_mode in the plugin's vocabulary) ----
     importance_sampling_rejection_rules: list[RejectionRule] = Field(
         default_factory=list,
@@ -408,9 +265,3 @@ class LossKeys(BaseModel):
         description="Raise on non-finite generation log-probs and on positive log-probs (above the dtype's "
         "rounding tolerance) instead of computing them as NeMo-RL does and reporting them in the input_* metrics.",
     )
-
-
-# Every numeric key's interval, read from its field (the docs' range table and the tests compare against it).
-NUMERIC_RANGES: dict[str, NumericRange] = {
-    key: meta for key, info in LossKeys.model_fields.items() for meta in info.metadata if isinstance(meta, NumericRange)
-}

@@ -1,7 +1,10 @@
 """The loss configuration: NeMo-RL's ``loss_fn`` keys, plus independent IS / ratio / clip / KL / aggregation choices.
 
-This module imports without torch. The keys themselves (type, default, choices, range) are the fields of
-:class:`~nemo_is_plugin.config.keys.LossKeys`, the only place where defaults live. Every NeMo-RL ``ClippedPGLossConfig``
+The keys themselves (type, default, choices, range) are the fields of :class:`~nemo_is_plugin.config.keys.LossKeys`
+and of each policy objective's :class:`~nemo_is_plugin.config.keys.KeySection`, declared in the objective's module
+(``nemo_is_plugin/loss/objectives/``) next to its formula: the only places where defaults live. This module imports no
+torch itself, but it imports the objective modules (which do) to assemble the model: the config sits above them in
+the layers (docs/design.md, *Layers*). Every NeMo-RL ``ClippedPGLossConfig``
 key is accepted with NeMo-RL's name, type and default, so an existing NeMo-RL ``loss_fn`` section validates unchanged.
 The new fields default to ``None`` / off, in which case the loss reproduces NeMo-RL's ``ClippedPGLossFn``.
 
@@ -29,12 +32,13 @@ unmasked tokens):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from nemo_is_plugin.config.contradictions import contradictions
 from nemo_is_plugin.config.errors import ConfigError, ConfigValidationError
+from nemo_is_plugin.config.field_types import NumericRange
 from nemo_is_plugin.config.keys import (
     TOKEN_AGGREGATIONS,
     ISCorrectionLevel,
@@ -49,18 +53,35 @@ from nemo_is_plugin.config.unknown_keys import (
     strict_keys_default,
     unknown_keys_message,
 )
+from nemo_is_plugin.loss.objectives import OBJECTIVES, key_sections, objective_names
 
 if TYPE_CHECKING:
     from pydantic_core import InitErrorDetails  # a TypedDict: a type only
 
+    # Typed code reads an objective's keys through its section (``DppoKeys.of(cfg)``), in the objective's module.
+    _Keys = LossKeys
+    PolicyObjective = str
+else:
+    # The generic keys first, then each registered objective's section (pydantic lists the fields of the last base
+    # first), so that a new objective's keys join the model without an edit here.
+    _Keys = type("_Keys", (*reversed([section for section, _ in key_sections()]), LossKeys), {})
+    PolicyObjective = Literal[objective_names()]
 
-class ClippedPGLossConfig(LossKeys):
+
+class ClippedPGLossConfig(_Keys):
     """Configuration of :class:`nemo_is_plugin.loss.ClippedPGLoss`.
 
     Its keys (NeMo-RL's ``ClippedPGLossConfig`` at commit 7ea279ab, then the plugin's independent choices) are the
     fields of :class:`~nemo_is_plugin.config.keys.LossKeys`, each with its type, default, choices and valid range;
     this class adds the unknown-key policy, the combination checks and the derived choices. See ``docs/config.md``.
     """
+
+    policy_objective: PolicyObjective = Field(
+        "ppo_clip",
+        description="The per-token surrogate and its trust region, anchored at pi_old (docs/objectives.md): "
+        + ", ".join(OBJECTIVES[name].summary for name in objective_names())
+        + ".",
+    )
 
     # ------------------------------------------------------------------ construction: one exception type
     def __init__(self, **data: Any) -> None:
@@ -142,15 +163,10 @@ class ClippedPGLossConfig(LossKeys):
 
     @property
     def uses_log_space_clip(self) -> bool:
-        return self.log_ratio_clip_low is not None or self.log_ratio_clip_high is not None
+        """Whether PPO's clip is CTPO's log-space clip (``log_ratio_clip_low`` / ``_high`` set)."""
+        from nemo_is_plugin.loss.objectives.ppo_clip import uses_log_space_clip
 
-    @property
-    def log_ratio_clip_bounds(self) -> tuple[float, float]:
-        """(eps_low, eps_high) of the log-space clip; read when :attr:`uses_log_space_clip` (validation sets both)."""
-        low, high = self.log_ratio_clip_low, self.log_ratio_clip_high
-        if low is None or high is None:
-            raise ConfigError("log_ratio_clip_low and log_ratio_clip_high must be set together (CTPO: 0.025 and 0.05)")
-        return low, high
+        return uses_log_space_clip(self)
 
     @property
     def rejection_rules(self) -> tuple[RejectionRule, ...]:
@@ -166,6 +182,15 @@ class ClippedPGLossConfig(LossKeys):
     def bypasses_prev(self) -> bool:
         """True when the generation log-probs are pi_old (verl's bypass mode)."""
         return self.old_policy_logprobs == "generation"
+
+
+# Every numeric key's interval, read from its field (the docs' range table and the tests compare against it).
+NUMERIC_RANGES: dict[str, NumericRange] = {
+    key: meta
+    for key, info in ClippedPGLossConfig.model_fields.items()
+    for meta in info.metadata
+    if isinstance(meta, NumericRange)
+}
 
 
 def load_loss_config(

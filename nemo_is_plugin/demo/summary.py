@@ -84,8 +84,8 @@ def readme_sentence(summary: dict[str, Any]) -> str:
     exp_sum, seq_mean = s["gspo_exp_sum"], s["gspo_seq_mean"]
     lv = h["levels"]["sequence"]
     return (
-        f"In the committed run ([docs/demo_summary.json](docs/demo_summary.json)), on {length}-token responses the "
-        f"legacy exp(sum) weight of `gspo_exp_sum` averages {_f(exp_sum['long_is_weight_mean'])} with ESS "
+        f"In the committed run ([docs/demo_summary.json](docs/demo_summary.json)), on {length}-token responses "
+        f"NeMo-RL's exp(sum) weight of `gspo_exp_sum` averages {_f(exp_sum['long_is_weight_mean'])} with ESS "
         f'{_f(exp_sum["long_is_weight_ess"])} over its own long batches (the final table\'s "long: IS w mean" '
         f'and "ESS"; {_f(lv["mean"])} and {_f(lv["ess"])} over all {h["long_responses"]} long responses), '
         f"while `gspo_seq_mean`'s sequence_mean weight stays at {_f(seq_mean['long_is_weight_mean'])} (ESS "

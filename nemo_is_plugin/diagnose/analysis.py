@@ -19,11 +19,11 @@ import torch
 from nemo_is_plugin.diagnose.binning import LengthBin, length_bins
 from nemo_is_plugin.diagnose.dump import RolloutDump
 from nemo_is_plugin.diagnose.settings import Setting
-from nemo_is_plugin.loss.clipped_pg import is_correction_kwargs
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.is_weights import MAX_LOG_WEIGHT
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.mismatch_metrics import finalize_metrics, mismatch_metric_sums
+from nemo_is_plugin.loss.terms import is_correction_kwargs
 
 MISMATCH_KEYS = (
     "mismatch_kl_k1",

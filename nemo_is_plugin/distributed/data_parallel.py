@@ -1,4 +1,5 @@
-"""Data parallelism: global normalisers and metric reduction across the ranks that hold different micro-batches.
+"""Data parallelism: global normalisers, metric reduction and batch statistics across the ranks that hold different
+micro-batches.
 
 NeMo-RL's rules (NVIDIA-NeMo/RL at 7ea279abfbeb698b092856d0dab61e7cf39bc909: ``ClippedPGLossFn`` in
 ``nemo_rl/algorithms/loss/loss_functions.py``, the metric reduction of ``megatron_policy_worker.py``): the loss divides
@@ -13,7 +14,33 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.distributed.groups import ProcessGroup, collective_device
+from nemo_is_plugin.distributed.collectives import all_reduce_max, all_reduce_sum
+from nemo_is_plugin.distributed.groups import ProcessGroup, collective_device, group_size
+from nemo_is_plugin.loss.layout import TokenLayout
+
+
+class DataParallelBatch:
+    """A batch statistic's partials reduced over the DP group (:class:`~nemo_is_plugin.loss.layout.BatchGroup`)."""
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(t, self.group)
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_max(t, self.group)
+
+
+def with_data_parallel(layout: TokenLayout, dp_group: ProcessGroup | None) -> TokenLayout:
+    """``layout`` whose batch statistics (``TokenLayout.reduce_batch_sums`` / ``_max``: an objective's) span the DP
+    group as well as its own CP group. ``dp_group`` None or of size one: ``layout`` itself (no reduction).
+
+    Every DP rank must call the loss as many times, in the same order (one micro-batch each per call): the statistic
+    is an all-reduce over the group."""
+    if dp_group is None or group_size(dp_group) == 1:
+        return layout
+    return layout.with_batch_group(DataParallelBatch(dp_group))
 
 
 def _is_min(name: str) -> bool:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from nemo_is_plugin.distributed.collectives import all_gather
+from nemo_is_plugin.distributed.data_parallel import with_data_parallel
 from nemo_is_plugin.distributed.fused_linear import (
     HeadChunks,
     HeadOptions,
@@ -124,6 +125,7 @@ def fused_linear_pg_loss(
     global_valid_toks: torch.Tensor | float,
     tp_group: ProcessGroup | None = None,
     *,
+    dp_group: ProcessGroup | None = None,
     layout: TokenLayout | None = None,
     chunk_size: int | None = None,
     temperature: float = 1.0,
@@ -143,6 +145,7 @@ def fused_linear_pg_loss(
             single pass the chunks accumulate into a dW-sized temporary (``grad_weight_dtype``) during the forward,
             added to ``grad_weight_out`` times the upstream gradient in the backward (one pass over V/TP x H).
         data, global_valid_seqs, global_valid_toks, layout: as ``ClippedPGLoss.__call__`` (``data`` is ``[B, S]``).
+        dp_group: the DP ranks a batch statistic (an objective's) is reduced over; None: this call's batch.
         single_pass: None = whenever the config and layout allow it (``separable.single_pass_blocker``); True =
             require it (ValueError with the reason otherwise); False = always the two-pass schedule.
 
@@ -154,6 +157,7 @@ def fused_linear_pg_loss(
     # shape and dtype only: the log-probs' dtype (fp64 for fp64 inputs, else fp32) sets the dL/dc arithmetic's
     placeholder = torch.zeros(target.shape, dtype=acc_dtype(compute_dtype(hidden)), device=hidden.device)
     inputs, layout = loss_fn.prepare(placeholder, data, global_valid_seqs, global_valid_toks, layout)
+    layout = with_data_parallel(layout, dp_group)
     why = single_pass_blocker(loss_fn.config, layout)
     if single_pass and why is not None:
         raise ValueError(f"single_pass=True is not possible here: {why}; pass single_pass=None (auto) or False")

@@ -4,7 +4,8 @@ Called the way NeMo-RL's Megatron worker calls a LOGIT loss (NVIDIA-NeMo/RL at 7
 ``nemo_rl/models/megatron/train.py``):
 
     loss, metrics = loss_fn(logits, data, global_valid_seqs, global_valid_toks,
-                            vocab_parallel_rank=..., vocab_parallel_group=..., context_parallel_group=...)
+                            vocab_parallel_rank=..., vocab_parallel_group=..., context_parallel_group=...,
+                            data_parallel_group=...)   # the last one the plugin's: batch statistics over DP
 
 - ``logits``: this rank's ``[B, S_local, V/TP]`` (padded batch; ``S_local = S_pad / cp``) or ``[1, N_local, V/TP]`` /
   ``[N_local, V/TP]`` (packed, with ``cu_seqlens_padded``), in the CP order the model ran with (Megatron's
@@ -28,6 +29,7 @@ import torch
 
 from nemo_is_plugin.distributed.context_parallel import cp_layout
 from nemo_is_plugin.distributed.cp_sharding import CPOrder
+from nemo_is_plugin.distributed.data_parallel import with_data_parallel
 from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank, group_size
 from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
 from nemo_is_plugin.loss.clipped_pg import TOKEN_KEYS, ClippedPGLoss, LossInputs
@@ -127,9 +129,13 @@ class LogitClippedPGLoss:
         vocab_parallel_group: ProcessGroup | None = None,
         context_parallel_group: ProcessGroup | None = None,
         *,
+        data_parallel_group: ProcessGroup | None = None,
         cu_seqlens_padded: torch.Tensor | Sequence[int] | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of this rank's logits (module docstring). ``data_parallel_group``: the DP ranks a batch statistic
+        (an objective's) is reduced over, beside the CP group; None: this call's batch alone. Every DP rank
+        must then make the same calls."""
         if vocab_parallel_rank is not None and vocab_parallel_rank != group_rank(vocab_parallel_group):
             raise ValueError(
                 f"vocab_parallel_rank={vocab_parallel_rank} but this process is rank "
@@ -147,6 +153,7 @@ class LogitClippedPGLoss:
             chunk_size=self.chunk_size,
             with_entropy=self.log_entropy,
         )
+        layout = with_data_parallel(layout, data_parallel_group)
         extra = {}
         if entropy is not None:
             valid = inputs.token_mask * layout.to_tokens(inputs.sample_mask.to(inputs.token_mask.dtype))

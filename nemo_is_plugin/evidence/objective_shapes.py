@@ -29,8 +29,8 @@ from nemo_is_plugin.evidence.objectives import (
 )
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.objectives import gmpo_surrogate
-from nemo_is_plugin.loss.prefix_budget import cppo_mask
+from nemo_is_plugin.loss.objectives.cppo import CppoKeys, cppo_mask
+from nemo_is_plugin.loss.objectives.gmpo import GmpoKeys, gmpo_surrogate
 from nemo_is_plugin.loss.ratios import policy_log_ratio
 
 LENGTHS = (16, 32, 64, 128, 256, 512)
@@ -92,7 +92,7 @@ def run_gmpo_spread(
     for A < 0: ``std`` is the spread within each advantage sign (pooled: sqrt of the mean of the two variances),
     ``mean_pos`` / ``mean_neg`` the mean ratio of each sign.
     """
-    clip = objective_config("gmpo").gmpo_clip_high
+    clip = GmpoKeys.of(objective_config("gmpo")).gmpo_clip_high
     assert clip is not None  # the config refuses gmpo without it
     keys = ("std", "mean_pos", "mean_neg")
     out: dict[str, dict[str, list[float]]] = {k: {s: [] for s in keys} for k in ("token", "gspo", "gmpo")}
@@ -109,12 +109,12 @@ def run_gmpo_spread(
 
 def per_token_disagreement(batch: DriftBatch, drift: float, delta_b: float) -> float:
     """Share of tokens where CPPO's mask at budget floor ``delta_b`` differs from its per-token mask
-    (``delta_b = inf``), both from :func:`~nemo_is_plugin.loss.prefix_budget.cppo_mask`."""
+    (``delta_b = inf``), both from :func:`~nemo_is_plugin.loss.objectives.cppo.cppo_mask`."""
     curr = batch.token_logprobs(batch.logits(drift)).detach()
     anchor = batch.old_logprobs()
     mask = torch.ones_like(curr)
     layout = TokenLayout.padded(*batch.shape, device=curr.device)
-    cfg = objective_config("cppo")
+    cfg = CppoKeys.of(objective_config("cppo"))
     budget, token = (
         cppo_mask(curr, anchor, batch.advantages, mask, layout, delta=cfg.cppo_delta, w_min=cfg.cppo_w_min, delta_b=b)
         for b in (delta_b, float("inf"))

@@ -37,6 +37,8 @@ class ISCorrection:
     batch_norm_factor: the divisor of batch normalisation (1.0 when off).
     rules: the outcome of each rejection rule (``importance_sampling_rejection`` and the listed rules).
     rules_keep: bool, tokens every rejection rule keeps (None without rules).
+    truncated / truncation_keep: the weights after the truncation type and the tokens its band keeps (IcePop, the
+        sequence masks), before batch normalisation, rejections and the veto (what verl's IS metrics describe).
     """
 
     weights: torch.Tensor
@@ -48,6 +50,8 @@ class ISCorrection:
     batch_norm_factor: torch.Tensor
     rules: tuple[RuleOutcome, ...] = ()
     rules_keep: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+    truncation_keep: torch.Tensor | None = None
 
 
 class ISCorrectionOptions(TypedDict):
@@ -132,7 +136,7 @@ def compute_is_correction(
         seq_oob = ~in_band
         keep = layout.to_tokens(in_band)
         oob = ~keep
-    truncation_keep = keep
+    truncation_keep, truncated = keep, w
     if rejection is not None:
         band = band_rule(rejection, _bound(rejection_low, "low", rejection), _bound(rejection_high, "high", rejection))
         rules = (band, *rules)
@@ -153,7 +157,7 @@ def compute_is_correction(
         factor = _batch_mean(trunc_w, valid_mask, layout, per_sequence=level in SEQUENCE_LEVELS)
         w = w / torch.where(factor > 0, factor, torch.ones_like(factor))
     w = torch.where(keep, w, torch.zeros_like(w))
-    return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor, outcomes, rules_keep)
+    return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor, outcomes, rules_keep, truncated, truncation_keep)
 
 
 def _bound(value: float | None, which: str, kind: str) -> float:

@@ -18,7 +18,7 @@ from typing import get_args
 
 import torch
 
-from nemo_is_plugin.config import KLType
+from nemo_is_plugin.config.field_types import KLType
 
 KL_TYPES: tuple[str, ...] = get_args(KLType)
 

@@ -9,9 +9,20 @@ Shapes: a *token tensor* has the layout's ``shape`` (``[B, T]`` padded, ``[N]`` 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
+
+
+class BatchGroup(Protocol):
+    """The processes holding the other parts of a batch besides the layout's own (CP) group: the data-parallel
+    ranks. Implemented in ``distributed.data_parallel`` (an all-reduce over an explicit group)."""
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def max(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
 class TokenLayout:
@@ -53,6 +64,7 @@ class TokenLayout:
             in_order = bool(ordered.all())
         # Permutation that orders tokens by (sequence, position); None when they already are (padded, THD, CP).
         self._order = None if in_order else _lexsort(self._flat_seq, position.reshape(-1))
+        self._batch_group: BatchGroup | None = None  # the DP ranks of batch statistics (with_batch_group)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -130,6 +142,24 @@ class TokenLayout:
     def replicated_share(self, x: torch.Tensor) -> torch.Tensor:
         """This process's share of a value that every CP rank holds in full (x / cp_size under CP; x here)."""
         return x
+
+    # Batch statistics (a statistic of the whole batch the loss's terms read, an objective's second moment): partials of
+    # this process's tokens summed / maxed over the layout's CP group and the data-parallel ranks of with_batch_group.
+    def with_batch_group(self, group: BatchGroup | None) -> TokenLayout:
+        """This layout, whose batch statistics also span ``group`` (the DP ranks; None: this process's batch)."""
+        if group is None:
+            return self
+        out = copy.copy(self)
+        out._batch_group = group
+        return out
+
+    def reduce_batch_sums(self, t: torch.Tensor) -> torch.Tensor:
+        t = self.reduce_metric_sums(t)
+        return t if self._batch_group is None else self._batch_group.sum(t)
+
+    def reduce_batch_max(self, t: torch.Tensor) -> torch.Tensor:
+        t = self.reduce_metric_max(t)
+        return t if self._batch_group is None else self._batch_group.max(t)
 
     # Metric reductions: no-ops here; the CP layout all-reduces them over its group.
     def reduce_metric_sums(self, t: torch.Tensor) -> torch.Tensor:

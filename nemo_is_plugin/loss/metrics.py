@@ -3,9 +3,9 @@
 Every metric is this process's additive share (a local sum over a global count); names ending in ``_min`` / ``_max`` are
 reduced with min / max. NeMo-RL's metrics are computed in the loss's dtype with NeMo-RL's normalisation, ``sum(v * m) /
 (N + 1e-8)``, so that they carry NeMo-RL's exact values (1.0 where NeMo-RL reports 1.0, not the 0.9999999967 of a
-float64 division); the plugin's own metrics are accumulated in float64. Under context parallelism
-:meth:`MetricBook.finish` reduces the shares over the CP group in one collective, so each CP rank returns the
-full-sequence metrics.
+float64 division; the book's ``nemo_rl_*`` means); the plugin's own metrics are accumulated in float64. Under context
+parallelism :meth:`MetricBook.finish` reduces the shares over the CP group in one collective, so each CP rank returns
+the full-sequence metrics.
 
 Each metric declares, where it is emitted, the global count it was divided by (:class:`Denominator`: the token count,
 the sequence count, or none for extrema, raw counts and local means). A host that calls the loss with placeholder
@@ -26,7 +26,7 @@ from nemo_is_plugin.loss.kl import kl_estimate
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
 from nemo_is_plugin.loss.mismatch_metrics import POSITION_BUCKETS, bucket_names, mismatch_metric_sums_by_count
-from nemo_is_plugin.loss.surrogate import SurrogateOut
+from nemo_is_plugin.loss.objectives import SurrogateOut
 
 
 class Denominator(enum.Enum):
@@ -70,8 +70,8 @@ class MetricBook:
         self.maxs: dict[str, torch.Tensor] = {}
         self.denominators: dict[str, Denominator] = {}
         # deferred reductions, grouped by the mask object (kept alive here, so its id is not reused) and, for means,
-        # the legacy dtype: (id(mask), legacy) or id(mask) -> (mask, [(name, values)]); the names hold their places in
-        # the tables
+        # whether they are NeMo-RL's (in the loss dtype): (id(mask), nemo_rl) or id(mask) -> (mask, [(name, values)]);
+        # the names hold their places in the tables
         self._means: dict[tuple[int, bool], tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] = {}
         self._extrema: dict[int, tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] = {}
         self._valid_bool = valid != 0  # min_max's mask: one tensor, so its extrema share one group
@@ -88,34 +88,34 @@ class MetricBook:
 
     def token_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """``sum(values * mask) / (N + eps)`` in float64 (``mask``: the valid tokens by default), at the end."""
-        self._defer_mean(name, values, self.valid if mask is None else mask, legacy=False)
+        self._defer_mean(name, values, self.valid if mask is None else mask, nemo_rl=False)
 
     def seq_mean(self, name: str, per_seq: torch.Tensor, sample_mask: torch.Tensor) -> None:
         value = where_mask(per_seq.double(), sample_mask).sum() / (self.n_seq.double() + EPS)
         self.add_replicated_scalar(name, value, Denominator.SEQUENCES)
 
-    def legacy_token_mean(self, name: str, values: torch.Tensor) -> None:
+    def nemo_rl_token_mean(self, name: str, values: torch.Tensor) -> None:
         """NeMo-RL's ``masked_mean(v, mask, global_valid_toks)`` in the loss dtype (its exact value), computed at the
         end."""
-        self._defer_mean(name, values, self.valid, legacy=True)
+        self._defer_mean(name, values, self.valid, nemo_rl=True)
 
-    def _defer_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor, legacy: bool) -> None:
-        self._means.setdefault((id(mask), legacy), (mask, []))[1].append((name, values.detach()))
+    def _defer_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor, nemo_rl: bool) -> None:
+        self._means.setdefault((id(mask), nemo_rl), (mask, []))[1].append((name, values.detach()))
         self.sums[name] = values  # a placeholder keeping the metric's place; replaced by _compute_means
         self.denominators[name] = Denominator.TOKENS
 
     def _compute_means(self) -> None:
         """Every deferred token mean: per (mask, dtype) group one stacked masked sum over the token dimension."""
-        for (_, legacy), (mask, items) in self._means.items():
-            dtype = self.n_tok.dtype if legacy else torch.float64
+        for (_, nemo_rl), (mask, items) in self._means.items():
+            dtype = self.n_tok.dtype if nemo_rl else torch.float64
             stacked = _stack_broadcast([v.to(dtype) for _, v in items], mask)
-            count = self.n_tok if legacy else self.n_tok.double()
+            count = self.n_tok if nemo_rl else self.n_tok.double()
             means = (where_mask(stacked, mask).flatten(1).sum(-1) / (count + EPS)).double()
             for i, (name, _) in enumerate(items):
                 self.sums[name] = means[i]
         self._means.clear()
 
-    def legacy_seq_mean(self, name: str, per_seq: torch.Tensor, sample_mask: torch.Tensor) -> None:
+    def nemo_rl_seq_mean(self, name: str, per_seq: torch.Tensor, sample_mask: torch.Tensor) -> None:
         """NeMo-RL's ``masked_mean(v, sample_mask, global_valid_seqs)`` of a per-sequence value, in the loss dtype."""
         v = per_seq.detach().to(self.n_seq.dtype)
         value = where_mask(v, sample_mask).sum() / (self.n_seq + EPS)
@@ -142,8 +142,8 @@ class MetricBook:
 
     # ------------------------------------------------------------------ metric groups
     def policy_ratio(self, sur: SurrogateOut) -> None:
-        self.legacy_token_mean("probs_ratio", sur.ratio)
-        self.legacy_token_mean("probs_ratio_clamped", sur.clipped_ratio)
+        self.nemo_rl_token_mean("probs_ratio", sur.ratio)
+        self.nemo_rl_token_mean("probs_ratio_clamped", sur.clipped_ratio)
         self.min_max("probs_ratio", sur.ratio)
         self.min_max("probs_ratio_clamped", sur.clipped_ratio)
         for name, flag in (
@@ -159,19 +159,21 @@ class MetricBook:
         corr: ISCorrection,
         w_metric: torch.Tensor,
         truncation: str | None,
-        legacy_gspo: bool,
+        nemo_rl_gspo_broadcast: bool,
         sample_mask: torch.Tensor,
     ) -> None:
-        """``w_metric`` are the weights NeMo-RL reports (after truncation, even when IS correction is off)."""
-        if legacy_gspo:
+        """``w_metric`` are the weights NeMo-RL reports (after truncation, even when IS correction is off).
+        ``nemo_rl_gspo_broadcast``: NeMo-RL's GSPO weights (``sequence_level_importance_ratios`` without an explicit
+        level), whose ``sampling_importance_ratio`` NeMo-RL computes with a broadcast of its own (below)."""
+        if nemo_rl_gspo_broadcast:
             # NeMo-RL's broadcast of [B, 1] weights against the [B] sample mask: sum_i w_i * sum_j s_j / N_seq, over
             # every row i, masked or not. The sequence weight is constant along its row, padding included.
             seq_w = self.layout.seq_max(w_metric).to(self.n_seq.dtype)
             seq_w = torch.where(torch.isfinite(seq_w), seq_w, torch.zeros_like(seq_w))
-            bugged = (seq_w.unsqueeze(1) * sample_mask.to(seq_w.dtype).unsqueeze(0)).sum() / (self.n_seq + EPS)
-            self.add_replicated_scalar("sampling_importance_ratio", bugged, Denominator.SEQUENCES)
+            broadcast = (seq_w.unsqueeze(1) * sample_mask.to(seq_w.dtype).unsqueeze(0)).sum() / (self.n_seq + EPS)
+            self.add_replicated_scalar("sampling_importance_ratio", broadcast, Denominator.SEQUENCES)
         else:
-            self.legacy_token_mean("sampling_importance_ratio", w_metric)
+            self.nemo_rl_token_mean("sampling_importance_ratio", w_metric)
         # The corrected value: mean over sequences of each sequence's masked mean weight (its weight, for sequence
         # levels); independent of padding.
         count = self.layout.seq_sum(self.valid.double())
@@ -179,9 +181,9 @@ class MetricBook:
         self.seq_mean("sampling_importance_ratio_seq_mean", per_seq, sample_mask)
         if truncation is not None:
             if corr.seq_out_of_band is not None:
-                self.legacy_seq_mean("is_oob_ratio", corr.seq_out_of_band, sample_mask)
+                self.nemo_rl_seq_mean("is_oob_ratio", corr.seq_out_of_band, sample_mask)
             else:
-                self.legacy_token_mean("is_oob_ratio", corr.out_of_band)
+                self.nemo_rl_token_mean("is_oob_ratio", corr.out_of_band)
         for prefix, w in (("is_weight", corr.weights), ("is_raw_weight", corr.raw_weights)):
             self.token_mean(f"{prefix}_mean", w)
             self.token_mean(f"{prefix}_sq_mean", w.double() ** 2)
@@ -233,6 +235,11 @@ class MetricBook:
 
     # ------------------------------------------------------------------ end
     def finish(self) -> MetricValues:
+        return self.finish_reading(None)[0]
+
+    def finish_reading(self, read_with: Mapping[str, torch.Tensor] | None) -> tuple[MetricValues, dict[str, float]]:
+        """The metrics, and a caller's own 0-d tensors ``read_with`` (not metrics: returned apart and not reduced over
+        CP), read from the device together: the call's one host synchronisation."""
         self._compute_means()
         self._compute_extrema()
         names: list[str] = []
@@ -245,12 +252,16 @@ class MetricBook:
             if table:
                 names.extend(table)
                 parts.append(reduce(torch.stack(list(table.values()))))
+        own = list(read_with or {})
+        if own and read_with is not None:
+            parts.append(torch.stack([read_with[k].detach().double().reshape(()) for k in own]))
         if not parts:
-            return MetricValues({}, {})
+            return MetricValues({}, {}), {}
         values = torch.cat(parts)
         if values.device.type == "meta":  # a shape-only trace: no values to read
-            return MetricValues(dict.fromkeys(names, math.nan), self.denominators)
-        return MetricValues(dict(zip(names, values.tolist())), self.denominators)  # the call's one host sync
+            return MetricValues(dict.fromkeys(names, math.nan), self.denominators), dict.fromkeys(own, math.nan)
+        read = values.tolist()  # the call's one host sync
+        return MetricValues(dict(zip(names, read)), self.denominators), dict(zip(own, read[len(names) :]))
 
 
 def _stack_broadcast(values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -261,15 +272,15 @@ def _stack_broadcast(values: list[torch.Tensor], mask: torch.Tensor) -> torch.Te
 
 
 @torch.no_grad()
-def legacy_error_metrics(book: MetricBook, prev: torch.Tensor, gen: torch.Tensor, valid: torch.Tensor, kl_type: str):
+def nemo_rl_error_metrics(book: MetricBook, prev: torch.Tensor, gen: torch.Tensor, valid: torch.Tensor, kl_type: str):
     """NeMo-RL's mismatch metrics: token_mult_prob_error, gen_kl_error, policy_kl_error, js_divergence_error.
 
     The KL errors use ``reference_policy_kl_type`` without clamps, even when the KL penalty is 0 (NeMo-RL's
     behaviour); the Jensen-Shannon error is 0.5 (k3(p - M) + k3(g - M)) with M = log((e^p + e^g) / 2).
     """
-    book.legacy_token_mean("token_mult_prob_error", torch.exp(where_mask((gen - prev).abs(), valid)))
-    book.legacy_token_mean("gen_kl_error", kl_estimate(prev - gen, kl_type))
-    book.legacy_token_mean("policy_kl_error", kl_estimate(gen - prev, kl_type))
+    book.nemo_rl_token_mean("token_mult_prob_error", torch.exp(where_mask((gen - prev).abs(), valid)))
+    book.nemo_rl_token_mean("gen_kl_error", kl_estimate(prev - gen, kl_type))
+    book.nemo_rl_token_mean("policy_kl_error", kl_estimate(gen - prev, kl_type))
     # M = log((e^p + e^g) / 2), computed as NeMo-RL does (its exact value); where that underflows (both log-probs
     # below about -103 in float32: log 0 = -inf, then NaN) the stable logaddexp form takes over.
     mix = torch.log(0.5 * torch.exp(prev) + 0.5 * torch.exp(gen))
@@ -278,4 +289,4 @@ def legacy_error_metrics(book: MetricBook, prev: torch.Tensor, gen: torch.Tensor
     # k3-shaped whatever the KL type, in NeMo-RL's order of operations: 0.5 (e^a - a - 1) + 0.5 (e^b - b - 1).
     a, b = prev - mix, gen - mix
     js = 0.5 * (torch.exp(a) - a - 1) + 0.5 * (torch.exp(b) - b - 1)
-    book.legacy_token_mean("js_divergence_error", js)
+    book.nemo_rl_token_mean("js_divergence_error", js)

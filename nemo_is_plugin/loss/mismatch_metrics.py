@@ -28,6 +28,7 @@ import torch
 
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
+from nemo_is_plugin.loss.objectives import OBJECTIVES
 
 # Position buckets (1-based position among unmasked tokens) for the clip rate by position.
 POSITION_BUCKETS = (1, 16, 128, 1024, 8192)
@@ -102,8 +103,9 @@ def finalize_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     """Derive the non-additive statistics from summed, additive metrics (call once per step, after summing).
 
     Adds, where their inputs are present: ``is_weight_std``, ``is_weight_ess`` (normalised effective sample size
-    (E w)^2 / E[w^2] in (0, 1]), the same for ``is_raw_weight_*``, ``chi2_token``, ``chi2_seq`` and
-    ``clip_rate/pos_<bucket>`` (clipped tokens / tokens at those positions).
+    (E w)^2 / E[w^2] in (0, 1]), the same for ``is_raw_weight_*``, ``chi2_token``, ``chi2_seq``,
+    ``clip_rate/pos_<bucket>`` (clipped tokens / tokens at those positions) and each policy objective's own
+    (``PolicyObjective.finalize``).
     """
     out = dict(metrics)
     for prefix in ("is_weight", "is_raw_weight"):
@@ -120,4 +122,6 @@ def finalize_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
         clipped, tokens = metrics.get(f"clip_frac/pos_{name}"), metrics.get(f"token_frac/pos_{name}")
         if clipped is not None and tokens:
             out[f"clip_rate/pos_{name}"] = clipped / tokens
+    for objective in OBJECTIVES.values():
+        out.update(objective.finalize(metrics))
     return out

@@ -17,18 +17,20 @@ log-probs of the earlier tokens of t's sequence only. When the chunks visit ever
 carried from chunk to chunk gives the same value, so they take the single pass too. ``sequence`` and
 ``sequence_token`` ratios need the whole sequence first (two passes).
 
-The ``policy_objective`` surrogates whose per-token loss reads only its own token (DPPO's masks, prob_diff, SAPO,
-GPG, DRO: ``objective_dispatch``) are token-separable too; GMPO (a sequence mean) and CPPO (a prefix budget and a
-per-sequence quantile) are not, and take the two passes.
+The ``policy_objective``s whose per-token loss reads only its own token (DPPO's masks, prob_diff, SAPO, GPG, DRO) are
+token-separable too; those whose loss needs whole sequences or the whole batch (GMPO's sequence mean, CPPO's prefix
+budget and quantile, a statistic of the whole batch) say so (``PolicyObjective.whole_batch_reason``) and take the two
+passes.
 
-``dL/dc_t`` itself is autograd over the loss's own per-token functions (``ClippedPGLoss.surrogate`` /
-``clipped_surrogate`` and ``kl_tokens``, i.e. surrogate.py and kl.py) on a detached ``[n]`` leaf of the chunk's
-log-probs: one source of truth for every formula, and at a kink (a tie of min / max / clamp) the gradient is whatever
-subgradient autograd picks for the loss itself. It is a graph of a few dozen elementwise ops on ``[n]`` vectors, small
-next to the chunk's ``[n x V]`` GEMMs (``python -m nemo_is_plugin.bench.loss_gradient_timing`` measures both), built
-under ``torch.enable_grad`` so that the fused forward (which runs without grad mode) can use it; no host
-synchronisation. The batch constants are computed once per call; the IS correction among them is handed to the
-loss's metrics pass so that it is not computed twice.
+``dL/dc_t`` itself is autograd over the loss's own per-token terms (:func:`~nemo_is_plugin.loss.terms.token_terms`,
+the function the whole-batch loss computes them with) on a detached ``[n]`` leaf of the chunk's log-probs: one source
+of truth for every formula, and at a kink (a tie of min / max / clamp) the gradient is whatever subgradient autograd
+picks for the loss itself. It is a graph of a few dozen elementwise ops on ``[n]`` vectors, small next to the chunk's
+``[n x V]`` GEMMs (``python -m nemo_is_plugin.bench.loss_gradient_timing`` measures both), built under
+``torch.enable_grad`` so that the fused forward (which runs without grad mode) can use it; no host synchronisation.
+The batch constants (:class:`~nemo_is_plugin.loss.terms.TermInputs`) are computed once per call, by the loss's own
+:func:`~nemo_is_plugin.loss.terms.loss_terms` binding; the IS correction among them is handed to the loss's metrics
+pass so that it is not computed twice.
 
 Shapes: the constants are flat ``[N]`` (the token tensors of the layout, flattened in memory order); a chunk is a
 slice of ``[0, N)``; chunks are visited in order.
@@ -42,26 +44,14 @@ import torch
 
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.loss.aggregation import aggregate
-from nemo_is_plugin.loss.clipped_pg import (
-    ClippedPGLoss,
-    LossInputs,
-    is_correction_kwargs,
-    positive_sample_tokens,
-    ratio_anchor,
-)
-from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
-from nemo_is_plugin.loss.input_validation import required_input
+from nemo_is_plugin.loss.clipped_pg import ClippedPGLoss, LossInputs
+from nemo_is_plugin.loss.correction import ISCorrection
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
-from nemo_is_plugin.loss.objective_dispatch import SEQUENCE_OBJECTIVES
-from nemo_is_plugin.loss.ratios import (
-    cumulative_anchor,
-    straight_through_log_ratio,
-    token_log_ratio,
-    unmasked_positions,
-)
-
-CAUSAL_LEVELS = ("cumulative", "cumulative_mean")
+from nemo_is_plugin.loss.objectives import objective_of
+from nemo_is_plugin.loss.objectives.ppo_clip import CAUSAL_LEVELS
+from nemo_is_plugin.loss.ratios import cumulative_anchor, token_log_ratio
+from nemo_is_plugin.loss.terms import TermInputs, term_inputs, token_terms
 
 
 def is_token_separable(config: ClippedPGLossConfig) -> bool:
@@ -70,9 +60,10 @@ def is_token_separable(config: ClippedPGLossConfig) -> bool:
     ``force_on_policy_ratio`` is excluded: it takes the old log-probs, hence the IS weights, from ``c`` itself; so is
     ``old_policy_logprobs='generation'`` (bypass), whose IS weights and rejections measure ``c`` against mu.
     """
-    if config.force_on_policy_ratio or config.bypasses_prev or config.policy_objective in SEQUENCE_OBJECTIVES:
+    if config.force_on_policy_ratio or config.bypasses_prev:
         return False
-    return config.disable_ppo_ratio or config.effective_ratio_level == "token"
+    objective = objective_of(config)
+    return objective.whole_batch_reason(config) is None and not objective.causal(config)
 
 
 def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> str | None:
@@ -82,12 +73,12 @@ def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> str
         return "force_on_policy_ratio takes the old log-probs (and the IS weights) from the current ones"
     if config.bypasses_prev:
         return "old_policy_logprobs='generation' takes the IS weights and rejections from the current log-probs"
-    if config.policy_objective in SEQUENCE_OBJECTIVES:
-        return f"policy_objective={config.policy_objective!r} needs every log-prob of a sequence before any gradient"
-    if is_token_separable(config):
+    objective = objective_of(config)
+    why = objective.whole_batch_reason(config)
+    if why is not None:
+        return why
+    if not objective.causal(config):
         return None
-    if level not in CAUSAL_LEVELS:
-        return f"ratio_level={level!r} needs every log-prob of a sequence before any of its gradients"
     if not layout.holds_whole_sequences:
         return f"ratio_level={level!r} on a context-parallel shard needs the prefix sums of the other ranks"
     if not layout.in_memory_order:
@@ -99,27 +90,19 @@ def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> str
 class TokenLossGradient:
     """``dL/dc`` of the chunk ``sl`` from its log-probs ``c [n]``: ``grad(sl, c) -> [n]`` (fp32, or fp64).
 
-    Build with :meth:`build`; every tensor field is a flat ``[N]`` constant (None when the term is off).
-    ``correction`` is the batch's IS correction (reused by the loss's metrics pass).
-
-    The gradient is autograd of :meth:`chunk_terms` (the loss's own per-token functions) weighted by ``a``, plus the
-    linear NLL term: no host synchronisation.
+    Build with :meth:`build`: ``constants`` are the loss's batch constants flattened to ``[N]``, ``agg_weight`` the
+    aggregation's per-token weights; ``correction`` is the batch's IS correction (reused by the loss's metrics pass).
+    The gradient is autograd of :meth:`chunk_terms` (:func:`~nemo_is_plugin.loss.terms.token_terms`) weighted by
+    ``a``, plus the linear NLL term: no host synchronisation.
     """
 
-    loss: ClippedPGLoss
-    layout: TokenLayout
+    constants: TermInputs
     agg_weight: torch.Tensor
-    prev: torch.Tensor
-    generation: torch.Tensor
-    advantages: torch.Tensor
-    token_mask: torch.Tensor
-    valid: torch.Tensor
-    positions: torch.Tensor
-    is_weight: torch.Tensor
-    reference: torch.Tensor | None
-    nll_weight: torch.Tensor | None
     prefix: PrefixCarry | None = None
-    correction: ISCorrection | None = None
+
+    @property
+    def correction(self) -> ISCorrection | None:
+        return self.constants.correction
 
     @classmethod
     def build(cls, loss: ClippedPGLoss, inputs: LossInputs, layout: TokenLayout) -> TokenLossGradient:
@@ -128,45 +111,13 @@ class TokenLossGradient:
         why = single_pass_blocker(cfg, layout)
         if why is not None:
             raise ValueError(f"no chunk-by-chunk loss gradient: {why} (use the two-pass path)")
-        c_in = inputs.curr_logprobs
-        dtype = torch.float32 if c_in.dtype in (torch.float16, torch.bfloat16) else c_in.dtype
-
-        def f(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to(dtype)
-
-        def flat(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(-1)
-
-        tm, sm = inputs.token_mask.to(dtype), inputs.sample_mask.to(dtype)
-        valid = tm * layout.to_tokens(sm)
-        prev = f(required_input(inputs.prev_logprobs, "prev_logprobs"))
-        reference = None
-        if cfg.effective_kl_penalty != 0:
-            reference = flat(f(required_input(inputs.reference_logprobs, "reference_policy_logprobs")))
         with torch.no_grad():
-            corr = compute_is_correction(
-                prev, f(inputs.generation_logprobs), tm, valid, layout, **is_correction_kwargs(cfg)
-            )
-            nll_weight = None
-            if cfg.positive_example_nll_weight > 0 and inputs.rewards is not None:  # as the loss: no term otherwise
-                # no positive sample: pos is all 0 and so is the weight (the loss drops the term): no branch, no sync
-                pos, count = positive_sample_tokens(inputs.rewards, valid, layout)
-                nll_weight = pos / (count.to(dtype) + EPS)
+            t = term_inputs(cfg, inputs, layout)
+            agg = aggregation_weights(cfg, t.token_mask, inputs.sample_mask.to(t.token_mask.dtype), layout, inputs)
         return cls(
-            loss=loss,
-            layout=layout,
-            agg_weight=flat(aggregation_weights(cfg, tm, sm, layout, inputs)),
-            prev=flat(prev),
-            generation=flat(f(inputs.generation_logprobs)),
-            advantages=flat(f(inputs.advantages)),
-            token_mask=flat(tm),
-            valid=flat(valid),
-            positions=flat(unmasked_positions(tm, layout)),
-            is_weight=flat(corr.weights.detach()),
-            reference=reference,
-            nll_weight=None if nll_weight is None else flat(nll_weight),
-            prefix=None if is_token_separable(cfg) else PrefixCarry(cfg, layout),
-            correction=corr,
+            constants=t.flat(),
+            agg_weight=agg.reshape(-1),
+            prefix=PrefixCarry(cfg, layout) if objective_of(cfg).causal(cfg) else None,
         )
 
     def __call__(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
@@ -176,29 +127,19 @@ class TokenLossGradient:
             (grad,) = torch.autograd.grad(self.chunk_terms(sl, leaf), leaf, grad_outputs=a)
         # the loss's where_mask: tokens with a = 0 add exactly 0, whatever inf/NaN their terms' derivatives hold
         grad = torch.where(a != 0, grad, 0.0)
-        if self.nll_weight is not None:  # the NLL is linear in c: its weights are the derivative
-            grad = grad - self.loss.config.positive_example_nll_weight * self.nll_weight[sl]
+        t = self.constants
+        if t.nll_tokens is not None and t.nll_count is not None:  # the NLL is linear in c: q_t is its derivative
+            # no positive sample: the tokens are all 0 and so is q (the loss drops the term): no branch, no sync
+            q = t.nll_tokens[sl] / (t.nll_count.to(a.dtype) + EPS)
+            grad = grad - t.config.positive_example_nll_weight * q
         return grad
 
     def chunk_terms(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
-        """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` of the chunk ``sl`` (``[n]``), with ``ClippedPGLoss.compute``'s own
-        functions: the loss is ``sum_t a_t x_t`` plus the NLL term."""
-        loss, tm, positions = self.loss, self.token_mask[sl], self.positions[sl]
-        adv = self.advantages[sl]
-        p = ratio_anchor(self.prev[sl], c, self.valid[sl])
-        if self.prefix is None:
-            sur = loss.surrogate(c, p, adv, tm, self.layout, positions)  # token level: the layout is not read
-        else:
-            with torch.no_grad():  # as ratios.policy_log_ratio: the anchor carries no gradient
-                anchor = self.prefix.anchor(sl, c, p, tm, positions)
-            log_r = straight_through_log_ratio(anchor, c, loss.config.max_log_ratio)
-            sur = loss.clipped_surrogate(log_r, c, adv, positions)
-        terms = self.is_weight[sl] * sur.loss
-        if self.reference is not None:
-            terms = terms + loss.config.effective_kl_penalty * loss.kl_tokens(
-                c, self.generation[sl], self.reference[sl]
-            )
-        return terms
+        """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` of the chunk ``sl`` (``[n]``), by the loss's own
+        :func:`~nemo_is_plugin.loss.terms.token_terms`: the loss is ``sum_t a_t x_t`` plus the NLL term."""
+        t, prefix = self.constants.chunk(sl), self.prefix
+        causal = None if prefix is None else (lambda p: prefix.anchor(sl, c, p, t.token_mask, t.positions))
+        return token_terms(t, c, causal=causal).combined(t.kl_coef)
 
 
 class PrefixCarry:

@@ -96,12 +96,16 @@ def test_assignment_is_range_checked_too():
 
 
 def test_docs_list_the_same_intervals():
-    text = (ROOT / "docs" / "config.md").read_text()
-    section = text.split("## Valid ranges", 1)[1].split("\n## ", 1)[0]
+    """The generic keys' intervals in docs/config.md, the policy objectives' in docs/objectives.md (each objective's
+    entry holds its keys), under each file's "Valid ranges" heading."""
     listed: dict[str, str] = {}
-    for keys, interval in re.findall(r"^\| (`[^|]+`) \| `([^`]+)` \|", section, flags=re.M):
-        for key in re.findall(r"`([a-z_]+)`", keys):
-            listed[key] = interval
+    for doc in ("config.md", "objectives.md"):
+        text = (ROOT / "docs" / doc).read_text()
+        section = text.split("## Valid ranges", 1)[1].split("\n## ", 1)[0]
+        for keys, interval in re.findall(r"^\| (`[^|]+`) \| `([^`]+)` \|", section, flags=re.M):
+            for key in re.findall(r"`([a-z0-9_]+)`", keys):
+                assert key not in listed, f"{key} listed twice"
+                listed[key] = interval
     assert listed == {k: r.interval() for k, r in NUMERIC_RANGES.items()}
 
 

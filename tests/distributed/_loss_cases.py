@@ -197,6 +197,7 @@ OBJECTIVE_LOSS_CONFIGS: dict[str, dict] = {
         },
         "gpg": {},
         "dro": {"dro_beta": 0.5},
+        "m2po": {"m2po_budget": 0.01},
     }.items()
 }
 

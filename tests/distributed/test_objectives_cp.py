@@ -16,8 +16,8 @@ from nemo_is_plugin.distributed.context_parallel import cp_layout
 from nemo_is_plugin.distributed.cp_sharding import CP_ORDERS, shard_packed, shard_padded
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.objectives import gmpo_surrogate
-from nemo_is_plugin.loss.prefix_budget import BUDGET_QUANTILE, cppo_mask, sequence_quantile
+from nemo_is_plugin.loss.objectives.cppo import BUDGET_QUANTILE, cppo_mask, sequence_quantile
+from nemo_is_plugin.loss.objectives.gmpo import gmpo_surrogate
 
 WORLD = 2
 B, T = 3, 24  # T a multiple of 2 * WORLD (load-balanced chunks)

@@ -48,4 +48,7 @@ ACTIVATING_KEYS: dict[str, dict[str, Any]] = {
     "gmpo_clip_low": dict(policy_objective="gmpo", gmpo_clip_high=0.4, loss_aggregation="seq-mean-token-mean"),
     "gmpo_clip_high": dict(policy_objective="gmpo", gmpo_clip_low=0.4, loss_aggregation="seq-mean-token-mean"),
     "dro_beta": dict(policy_objective="dro"),
+    "m2po_budget": dict(policy_objective="m2po"),
+    "m2po_clip_low_floor": dict(policy_objective="m2po"),
+    "m2po_clip_high_floor": dict(policy_objective="m2po"),
 }

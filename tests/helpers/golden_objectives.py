@@ -10,16 +10,14 @@ import torch
 
 from nemo_is_plugin.loss.aggregation import aggregate
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.objectives import (
-    divergence_pg_surrogate,
-    dro_surrogate,
-    gmpo_surrogate,
-    gpg_surrogate,
-    sapo_surrogate,
-)
+from nemo_is_plugin.loss.objectives.base import SurrogateOut
+from nemo_is_plugin.loss.objectives.dppo import binary_kl_mask, binary_tv_mask, divergence_pg_surrogate
+from nemo_is_plugin.loss.objectives.dro import dro_surrogate
+from nemo_is_plugin.loss.objectives.gmpo import gmpo_surrogate
+from nemo_is_plugin.loss.objectives.gpg import gpg_surrogate
+from nemo_is_plugin.loss.objectives.ppo_clip import cispo_surrogate, ratio_clip_surrogate
+from nemo_is_plugin.loss.objectives.sapo import sapo_surrogate
 from nemo_is_plugin.loss.ratios import policy_log_ratio, token_log_ratio
-from nemo_is_plugin.loss.surrogate import SurrogateOut, cispo_surrogate, ratio_clip_surrogate
-from nemo_is_plugin.loss.trust_masks import binary_kl_mask, binary_tv_mask
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "data" / "golden" / "verl_loss_modes"
 # verl clamps the token log-ratio at +-20 before exponentiating (vanilla, cispo, dppo_*, sapo).

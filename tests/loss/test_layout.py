@@ -58,3 +58,23 @@ def test_prefix_sum_is_float64_accurate_in_float32():
     out = TokenLayout.padded(1, 32768).prefix_sum(x)
     assert out.dtype == torch.float32
     assert abs(out[0, -1].item() - 3276.8) < 1e-3
+
+
+def test_batch_statistics_span_the_batch_group():
+    """reduce_batch_sums / _max: the layout's own (CP) reduction, then the batch group's (the DP ranks, attached by
+    distributed.data_parallel.with_data_parallel); without a group, this process's batch alone."""
+
+    class Doubling:  # a stand-in for the other DP rank holding the same partials
+        def sum(self, t):
+            return 2 * t
+
+        def max(self, t):
+            return t + 100.0
+
+    lay = TokenLayout.padded(2, 3)
+    assert lay.with_batch_group(None) is lay
+    t = torch.tensor([1.0, 4.0])
+    assert lay.reduce_batch_sums(t).tolist() == [1.0, 4.0] and lay.reduce_batch_max(t).tolist() == [1.0, 4.0]
+    dp = lay.with_batch_group(Doubling())
+    assert dp.reduce_batch_sums(t).tolist() == [2.0, 8.0] and dp.reduce_batch_max(t).tolist() == [101.0, 104.0]
+    assert dp.seq_index is lay.seq_index and lay.reduce_batch_sums(t).tolist() == [1.0, 4.0]  # the original unchanged

@@ -337,7 +337,7 @@ def test_gmpo_clip_bound_on_the_side_it_does_not_clip_is_smooth(advantage, bound
     """GMPO clips d only on the side the advantage pushes, so d on the other bound (A < 0 at clip_high, A > 0 at
     -clip_low) is a differentiable point: its gradient is the unclipped one, whatever torch's min / clamp tie rules
     (torch.minimum's even split with clamp's 0 of torch 2.15 gave half of it)."""
-    from nemo_is_plugin.loss.objectives import gmpo_surrogate
+    from nemo_is_plugin.loss.objectives.gmpo import gmpo_surrogate
 
     layout = TokenLayout.padded(1, 1)
     tm, adv = torch.ones(1, 1, dtype=F64), torch.tensor([[advantage]], dtype=F64)

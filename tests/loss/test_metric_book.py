@@ -32,7 +32,7 @@ def test_deferred_means_and_extrema_equal_the_float64_formulas_in_order():
     valid, other, values = _inputs()
     book = _book(valid)
     book.token_mean("a", values[0])
-    book.legacy_token_mean("legacy", values[1])
+    book.nemo_rl_token_mean("legacy", values[1])
     book.add_sum("plain", torch.tensor(2.5), Denominator.NONE)
     book.token_mean("b", values[2], mask=other)
     book.token_mean("c", values[3])
@@ -73,7 +73,7 @@ def test_one_reduction_per_mask_however_many_metrics():
         book.token_mean(f"t{i}", values[i % 4])
     book.token_mean("o1", values[0], mask=other)
     book.token_mean("o2", values[1], mask=other)
-    book.legacy_token_mean("l1", values[2])
+    book.nemo_rl_token_mean("l1", values[2])
     for i in range(5):
         book.min_max(f"x{i}", values[i % 4])
     with _Reductions() as seen:

@@ -15,17 +15,15 @@ from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.aggregation import aggregate
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.objectives import (
-    divergence_pg_surrogate,
-    dro_surrogate,
-    gmpo_surrogate,
-    gpg_surrogate,
-    masked_ratio_surrogate,
-    sapo_surrogate,
-)
-from nemo_is_plugin.loss.prefix_budget import cppo_mask
+from nemo_is_plugin.loss.objectives.base import masked_ratio_surrogate
+from nemo_is_plugin.loss.objectives.cppo import cppo_mask
+from nemo_is_plugin.loss.objectives.dppo import binary_kl_mask, binary_tv_mask, divergence_pg_surrogate
+from nemo_is_plugin.loss.objectives.dro import dro_surrogate
+from nemo_is_plugin.loss.objectives.gmpo import gmpo_surrogate
+from nemo_is_plugin.loss.objectives.gpg import gpg_surrogate
+from nemo_is_plugin.loss.objectives.prob_diff import probability_difference_mask
+from nemo_is_plugin.loss.objectives.sapo import sapo_surrogate
 from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
-from nemo_is_plugin.loss.trust_masks import binary_kl_mask, binary_tv_mask, probability_difference_mask
 
 F64 = torch.float64
 B, T = 5, 7

@@ -17,14 +17,12 @@ from helpers.golden_objectives import load_cases, plugin_loss
 
 from nemo_is_plugin.adapters.verl_loss_modes import VERL_LOSS_MODES
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.objectives import (
-    divergence_pg_surrogate,
-    gmpo_surrogate,
-    masked_ratio_surrogate,
-    sapo_surrogate,
-)
-from nemo_is_plugin.loss.prefix_budget import cppo_mask, sequence_quantile
-from nemo_is_plugin.loss.trust_masks import binary_kl_mask, binary_tv_mask, probability_difference_mask
+from nemo_is_plugin.loss.objectives.base import masked_ratio_surrogate
+from nemo_is_plugin.loss.objectives.cppo import cppo_mask, sequence_quantile
+from nemo_is_plugin.loss.objectives.dppo import binary_kl_mask, binary_tv_mask, divergence_pg_surrogate
+from nemo_is_plugin.loss.objectives.gmpo import gmpo_surrogate
+from nemo_is_plugin.loss.objectives.prob_diff import probability_difference_mask
+from nemo_is_plugin.loss.objectives.sapo import sapo_surrogate
 
 INF = float("inf")
 

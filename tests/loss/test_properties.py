@@ -35,9 +35,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from nemo_is_plugin import ClippedPGLossConfig, TokenLayout, build_loss_fn
-from nemo_is_plugin.loss.clipped_pg import is_correction_kwargs
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.ratios import policy_log_ratio
+from nemo_is_plugin.loss.terms import is_correction_kwargs
 
 torch.set_num_threads(1)
 

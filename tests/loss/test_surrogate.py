@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from nemo_is_plugin.loss.surrogate import (
+from nemo_is_plugin.loss.objectives.ppo_clip import (
     cispo_surrogate,
     log_space_clip_surrogate,
     ratio_clip_surrogate,

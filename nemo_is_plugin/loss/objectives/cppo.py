@@ -1,7 +1,7 @@
-"""CPPO's trust region (arXiv 2606.10968, "Beyond Uniform Token-Level Trust Region in LLM RL"; Binary-TV variant as
-merged in Tencent-Hunyuan/UniRL ``unirl/algorithms/cppo.py``, PR #58): a position-weighted per-token Binary-TV
-threshold plus a cumulative prefix-average divergence budget. Only the mask changes; the loss on kept tokens is
-``objectives.masked_ratio_surrogate`` (-A r).
+"""``cppo``: CPPO's trust region (arXiv 2606.10968, "Beyond Uniform Token-Level Trust Region in LLM RL"; Binary-TV
+variant as merged in Tencent-Hunyuan/UniRL ``unirl/algorithms/cppo.py``, PR #58): a position-weighted per-token
+Binary-TV threshold plus a cumulative prefix-average divergence budget. Only the mask changes; the loss on kept tokens
+is -A r (``masked_ratio_surrogate``), r = exp(clamp(c - a, +-20)).
 
 Per sequence, over its n unmasked tokens at 1-based positions k = 1..n (q: anchor probability, p: current):
 
@@ -23,18 +23,77 @@ caller passes it (computed from the sequence gathered across the group), else a 
 
 Masked tokens (padding, tool output) take no position and add nothing to the prefix sums; UniRL's sequences hold
 response tokens only, where the two agree.
+
+Under CP the 0.9-quantile is taken from the sequences all-gathered over the CP group (``TokenLayout.gather_sequences``);
+the prefix sums are CP-exact without it (tests/distributed/test_objectives_cp.py). Metrics: ``clip_fraction`` = dropped,
+``cppo_budget_bound_fraction`` (tokens dropped by the budget alone, per token), ``cppo_budget_exhausted_seq_fraction``
+(sequences whose budget ran out), ``cppo_budget_rate_mean`` (the mean budget rate b) and
+``cppo_budget_exhausted_position_fraction`` (the fraction of a sequence before its budget runs out, 1 where it never
+does), per sequence. Source: Tencent-Hunyuan/UniRL ``unirl/algorithms/cppo.py`` ``_cppo_mask`` @
+30899fcf229bb9b42db20f067fd2ea9165981051.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated
 
 import torch
+from pydantic import Field
 
+from nemo_is_plugin.config.field_types import NumericRange
+from nemo_is_plugin.config.keys import KeySection
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import where_mask
+from nemo_is_plugin.loss.objectives.base import (
+    ObjectiveInputs,
+    ObjectiveOut,
+    PolicyObjective,
+    TrustMask,
+    masked_ratio_surrogate,
+    register_objective,
+)
 from nemo_is_plugin.loss.ratios import unmasked_positions
-from nemo_is_plugin.loss.trust_masks import TrustMask
+
+if TYPE_CHECKING:
+    from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.metrics import MetricBook
+
+
+class CppoKeys(KeySection):
+    """CPPO's per-token threshold, last-position weight and budget-rate floor (UniRL's defaults)."""
+
+    cppo_delta: Annotated[
+        float,
+        NumericRange(
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            why="CPPO's per-token TV threshold on w_k |p - q| <= 1; 0 or less drops every token that moved",
+            fix="use 0.2 (UniRL)",
+        ),
+    ] = Field(0.2, description="CPPO per-token TV threshold delta.")
+    cppo_w_min: Annotated[
+        float,
+        NumericRange(
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            why="the last position's weight: weights fall linearly from 1 to w_min; 0 exempts the last token, "
+            "above 1 the weights grow",
+            fix="use 0.8 (UniRL), or 1 for uniform weights",
+        ),
+    ] = Field(0.8, description="CPPO weight of a sequence's last position (the first has 1).")
+    cppo_delta_b: Annotated[
+        float,
+        NumericRange(
+            low=0.0,
+            why="the floor of the per-sequence budget rate b = clamp(quantile_0.9(D), delta_b, 2 delta_b); "
+            "a negative rate exhausts the budget at the first token",
+            fix="use 0.02 (UniRL)",
+        ),
+    ] = Field(0.02, description="CPPO budget rate floor (the ceiling is twice it).")
+
 
 BUDGET_QUANTILE = 0.9
 
@@ -149,4 +208,62 @@ def cppo_mask(
     return PrefixBudgetMask(mask, ~keep & within_token, first, rate)
 
 
-__all__ = ["BUDGET_QUANTILE", "PrefixBudgetMask", "cppo_divergence", "cppo_mask", "sequence_quantile"]
+@register_objective
+class Cppo(PolicyObjective):
+    name = "cppo"
+    keys = CppoKeys
+    ratio_levels = ("token",)
+    ratio = "the token ratio (its mask or gate is per token probability)"
+    summary = "'cppo' (position-weighted TV mask with a prefix budget)"
+
+    def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
+        keys, layout, curr = CppoKeys.of(t.config), t.layout, t.curr.detach()
+        quantile = None
+        if not layout.holds_whole_sequences:  # a CP shard: the quantile from the sequences gathered over the group
+            divergence, whole = layout.gather_sequences(cppo_divergence(curr, t.anchor))
+            mask, _ = layout.gather_sequences(t.token_mask)
+            quantile = sequence_quantile(divergence, mask, whole, BUDGET_QUANTILE)
+        budget = cppo_mask(
+            curr,
+            t.anchor,
+            t.advantages,
+            t.token_mask,
+            layout,
+            delta=keys.cppo_delta,
+            w_min=keys.cppo_w_min,
+            delta_b=keys.cppo_delta_b,
+            quantile=quantile,
+        )
+        return ObjectiveOut(masked_ratio_surrogate(t.token_log_ratio(), t.advantages, budget.mask), budget)
+
+    def whole_batch_reason(self, cfg: ClippedPGLossConfig) -> str:
+        return "policy_objective='cppo' needs every log-prob of a sequence before any gradient"
+
+    def report(self, book: MetricBook, out: ObjectiveOut, sample_mask: torch.Tensor) -> None:
+        budget: PrefixBudgetMask = out.state
+        exhausted = torch.isfinite(budget.first_exhausted)
+        book.token_mean("cppo_budget_bound_fraction", budget.budget_bound.double())
+        book.seq_mean("cppo_budget_exhausted_seq_fraction", exhausted.double(), sample_mask)
+        book.seq_mean("cppo_budget_rate_mean", budget.rate.double(), sample_mask)
+        # where the budget runs out: the fraction of the sequence's tokens before it (1 when it never does)
+        n = book.layout.seq_sum((book.valid != 0).double()).clamp_min(1.0)
+        before = torch.where(exhausted, (budget.first_exhausted.double() - 1.0) / n, torch.ones_like(n))
+        book.seq_mean("cppo_budget_exhausted_position_fraction", before, sample_mask)
+
+    def describe(self, cfg: ClippedPGLossConfig) -> str:
+        keys = CppoKeys.of(cfg)
+        return (
+            f"cppo: position-weighted |p - q| <= {keys.cppo_delta:g} (w_min {keys.cppo_w_min:g}) with a prefix "
+            f"budget (rate floor {keys.cppo_delta_b:g}); loss -A r"
+        )
+
+
+__all__ = [
+    "BUDGET_QUANTILE",
+    "Cppo",
+    "CppoKeys",
+    "PrefixBudgetMask",
+    "cppo_divergence",
+    "cppo_mask",
+    "sequence_quantile",
+]

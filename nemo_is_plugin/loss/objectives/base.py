@@ -1,0 +1,224 @@
+"""What a policy objective is: one class holding its formula, its keys, its refusals and its metrics, registered by
+name with :func:`register_objective`.
+
+An objective turns the current log-probs ``c`` and their anchor ``a`` (pi_old, or the rollout policy mu under
+``old_policy_logprobs: generation``) into a per-token surrogate loss and the indicators its metrics read
+(:class:`SurrogateOut`). Everything else of the loss is the objective's surroundings, computed once for every
+objective by :mod:`nemo_is_plugin.loss.terms`: the IS weights that multiply its per-token loss, the KL term, the
+aggregation, the metrics every objective shares.
+
+A new objective is one module in this package: a subclass of :class:`PolicyObjective` decorated with
+:func:`register_objective`, and its keys as a :class:`~nemo_is_plugin.config.keys.KeySection` (flat ``loss_fn`` keys,
+validated by ``ClippedPGLossConfig``, which inherits every registered section). The package imports its modules by
+discovery: nothing else is edited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from nemo_is_plugin.config.keys import KeySection
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.ratios import token_log_ratio
+
+if TYPE_CHECKING:
+    from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.metrics import MetricBook
+
+# verl (compute_policy_loss_dppo_tv / _sapo) and UniRL (_cppo_mask) clamp the token log-ratio here before exp.
+OBJECTIVE_LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass
+class SurrogateOut:
+    """loss: Float[*T] per-token loss (to be minimised). ratio / clipped_ratio: Float[*T] (detached, for metrics).
+    clipped / clipped_low / clipped_high / dual_clipped: Bool[*T] indicators (CTPO's definitions for PPO's clip):
+    clipped = the objective dropped or clipped the token (verl's ``pg_clipfrac``); high = that with A > 0, the ratio
+    above its bound; low = that with A < 0 (A <= 0 for the trust masks); dual = the dual clip, or DPPO's ratio cap, is
+    active."""
+
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    clipped_ratio: torch.Tensor
+    clipped: torch.Tensor
+    clipped_low: torch.Tensor
+    clipped_high: torch.Tensor
+    dual_clipped: torch.Tensor
+
+
+@dataclass
+class ObjectiveInputs:
+    """What an objective's formula reads. Token tensors of ``layout`` (or flat ``[n]`` slices of them in the fused
+    single pass, whose layout is then not read), all detached but ``curr``.
+
+    curr: c (requires grad). anchor: a, the old log-probs the ratio divides by, equal to ``c`` (detached) on tokens
+    that do not count (:func:`~nemo_is_plugin.loss.terms.ratio_anchor`). positions: n_t, the 1-based position among
+    unmasked tokens. causal_anchor: set by the fused single pass for the cumulative ratios: the value of the ratio's
+    stop-gradient part from the running sums of earlier chunks (``separable.PrefixCarry``); None otherwise.
+    """
+
+    config: ClippedPGLossConfig
+    curr: torch.Tensor
+    anchor: torch.Tensor
+    advantages: torch.Tensor
+    token_mask: torch.Tensor
+    valid: torch.Tensor
+    layout: TokenLayout
+    positions: torch.Tensor
+    causal_anchor: torch.Tensor | None = None
+
+    def token_log_ratio(self, default_clamp: float | None = OBJECTIVE_LOG_RATIO_CLAMP) -> torch.Tensor:
+        """d = c - a, clamped at +-``token_log_ratio_clamp`` when set, else at +-``default_clamp``."""
+        clamp = self.config.token_log_ratio_clamp
+        return token_log_ratio(self.curr, self.anchor, default_clamp if clamp is None else clamp)
+
+
+@dataclass
+class ObjectiveOut:
+    """An objective's per-token surrogate, and what its own metrics read (``state``: e.g. CPPO's budget, a batch
+    statistic; None when it reports only the shared clip fractions)."""
+
+    surrogate: SurrogateOut
+    state: Any = None
+
+
+class PolicyObjective:
+    """One ``policy_objective``. Subclasses set the class attributes and override :meth:`surrogate`; the other hooks
+    have defaults that do nothing.
+
+    name: the value of ``policy_objective``. keys: its :class:`KeySection` (None: no keys of its own). required: keys
+    that must be set with it. ratio_levels: the ``ratio_level`` values it accepts when one is set (none: the key must
+    stay unset); ratio: what it uses instead, for that refusal. summary: one line of the key's description.
+    """
+
+    name: ClassVar[str] = ""
+    keys: ClassVar[type[KeySection] | None] = None
+    required: ClassVar[tuple[str, ...]] = ()
+    ratio_levels: ClassVar[tuple[str, ...]] = ()
+    ratio: ClassVar[str] = "no policy ratio"
+    summary: ClassVar[str] = ""
+
+    def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
+        """The per-token loss and its indicators (module docstring)."""
+        raise NotImplementedError
+
+    def refusals(self, cfg: ClippedPGLossConfig) -> list[str]:
+        """Cross-field checks when this objective is chosen (each message names the fields and the fix)."""
+        return []
+
+    def whole_batch_reason(self, cfg: ClippedPGLossConfig) -> str | None:
+        """Why a token's gradient needs log-probs beyond those of its own and earlier tokens (a sequence sum, a
+        quantile, a batch statistic): the fused loss then takes two passes. None: it does not."""
+        return None
+
+    def causal(self, cfg: ClippedPGLossConfig) -> bool:
+        """True when a token's loss reads the log-probs of the earlier tokens of its sequence (the cumulative ratios):
+        the fused single pass then carries per-sequence running sums from chunk to chunk."""
+        return False
+
+    def report(self, book: MetricBook, out: ObjectiveOut, sample_mask: torch.Tensor) -> None:
+        """The objective's own metrics, beside the clip fractions every objective reports from its indicators."""
+
+    def finalize(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """Non-additive statistics derived from its summed metrics (``finalize_metrics``); none by default."""
+        return {}
+
+    def describe(self, cfg: ClippedPGLossConfig) -> str:
+        """The trust region in words (``nemo-is validate --show-effective``)."""
+        return self.summary
+
+    def describe_ratio(self, cfg: ClippedPGLossConfig) -> str | None:
+        """The policy ratio in words, where the objective defines its own; None: the configured ratio level."""
+        return None
+
+
+OBJECTIVES: dict[str, PolicyObjective] = {}
+DEFAULT_OBJECTIVE = "ppo_clip"
+
+
+def register_objective(cls: type[PolicyObjective]) -> type[PolicyObjective]:
+    """Class decorator: register one instance of ``cls`` under ``cls.name`` (a name registered twice is an error)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in OBJECTIVES:
+        raise ValueError(f"policy_objective {cls.name!r} is registered twice ({cls.__name__})")
+    OBJECTIVES[cls.name] = cls()
+    return cls
+
+
+def objective_of(cfg: ClippedPGLossConfig) -> PolicyObjective:
+    """The registered objective a config chooses."""
+    return OBJECTIVES[cfg.policy_objective]
+
+
+def key_sections() -> list[tuple[type[KeySection], list[str]]]:
+    """Every registered key section once, in registration order, with the objectives that read it."""
+    out: dict[type[KeySection], list[str]] = {}
+    for name, objective in OBJECTIVES.items():
+        if objective.keys is not None:
+            out.setdefault(objective.keys, []).append(name)
+    return list(out.items())
+
+
+def none_like(like: torch.Tensor) -> torch.Tensor:
+    """An all-False indicator shaped like ``like``."""
+    return torch.zeros_like(like, dtype=torch.bool)
+
+
+def max_unclipped_on_tie(unclipped: torch.Tensor, clipped: torch.Tensor) -> torch.Tensor:
+    """max(unclipped, clipped), a tie going to the unclipped branch by explicit selection.
+
+    The two tie wherever the ratio is inside its clip range or on a bound. On a bound the unclipped derivative is one
+    of the loss's one-sided derivatives (its derivative where the bound is not a kink, e.g. the upper bound with
+    A < 0); ``torch.maximum`` splits a tie evenly and the clipped branch then brings clamp's own tie rule (gradient 1
+    up to torch 2.13, 0 from 2.15), which gave half the derivative at such a smooth point."""
+    return torch.where(clipped > unclipped, clipped, unclipped)
+
+
+@dataclass
+class TrustMask:
+    """keep: Bool[*T] tokens inside a trust region. masked_high / masked_low: Bool[*T] tokens dropped with A > 0 /
+    with A <= 0 (disjoint; their union is ``~keep``). divergence: Float[*T] the divergence the rule thresholds."""
+
+    keep: torch.Tensor
+    masked_high: torch.Tensor
+    masked_low: torch.Tensor
+    divergence: torch.Tensor
+
+
+def split_by_sign(keep: torch.Tensor, advantages: torch.Tensor, divergence: torch.Tensor) -> TrustMask:
+    """A trust region's keep-mask with its dropped tokens split by advantage sign (the metric quadrants)."""
+    positive = advantages > 0
+    dropped = ~keep
+    return TrustMask(keep, dropped & positive, dropped & ~positive, divergence)
+
+
+def masked_ratio_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: TrustMask) -> SurrogateOut:
+    """-A r on kept tokens (prime-rl ``ipo``, CPPO): the ratio's own gradient, no truncation."""
+    ratio = torch.exp(log_ratio)
+    loss = -advantages * ratio * mask.keep.to(ratio.dtype)
+    r = ratio.detach()
+    return SurrogateOut(loss, r, r, ~mask.keep, mask.masked_low, mask.masked_high, none_like(r))
+
+
+__all__ = [
+    "DEFAULT_OBJECTIVE",
+    "OBJECTIVES",
+    "OBJECTIVE_LOG_RATIO_CLAMP",
+    "ObjectiveInputs",
+    "ObjectiveOut",
+    "PolicyObjective",
+    "SurrogateOut",
+    "TrustMask",
+    "key_sections",
+    "masked_ratio_surrogate",
+    "max_unclipped_on_tie",
+    "none_like",
+    "objective_of",
+    "register_objective",
+    "split_by_sign",
+]

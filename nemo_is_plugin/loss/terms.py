@@ -1,0 +1,358 @@
+"""The per-token terms of one loss call, computed once, into one typed result that the reductions and metrics read.
+
+    x_t = w_t sur_t(c_t)  +  beta kl_t(c_t)          (and the positive-sample NLL term -q_t c_t)
+
+The batch constants (:class:`TermInputs`: which log-probs the ratio divides by, the IS correction ``w`` with its masks,
+the advantages, masks and positions, the KL reference) do not depend on the current log-probs ``c`` except through
+a stop-gradient; :func:`token_terms` is the one function that turns them and ``c`` into the per-token terms
+(:class:`TokenTerms`: the chosen policy objective's surrogate and indicators, the IS-weighted policy term, the KL).
+It runs on the whole batch (:func:`loss_terms` -> :class:`LossTerms`, read by ``ClippedPGLoss``'s reductions and
+metrics, and by the hosts' adapters) and on the ``[n]`` slices of one chunk (``separable``: the fused single pass
+differentiates it chunk by chunk). Hosts assign the roles differently (slime's ``log_probs`` and ``rollout_log_probs``,
+its own KL estimator): they build their own :class:`TermInputs` and call the same :func:`token_terms`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from nemo_is_plugin.loss.aligned_inputs import LossInputs
+from nemo_is_plugin.loss.correction import ISCorrection, ISCorrectionOptions, compute_is_correction
+from nemo_is_plugin.loss.input_validation import required_input
+from nemo_is_plugin.loss.is_weights import exp_or_zero
+from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.objectives import ObjectiveInputs, ObjectiveOut, SurrogateOut, objective_of
+from nemo_is_plugin.loss.ratios import unmasked_positions
+
+if TYPE_CHECKING:
+    from nemo_is_plugin.config.model import ClippedPGLossConfig
+
+KLWeight = Literal["score_function", "generation", "anchor", "none"]
+
+
+@dataclass(frozen=True)
+class KLSpec:
+    """How the per-token KL penalty is computed (``kl.kl_penalty``): the estimator, its clamps, its weight
+    (``score_function``: exp(c - sg c), NeMo-RL's default; ``generation``: exp(c - g), the on-policy approximation;
+    ``anchor``: exp(c - p), slime's unbiased KL; ``none``) and whether its gradient is k2's (straight-through)."""
+
+    kl_type: str
+    input_clamp: float | None = None
+    output_clamp: float | None = None
+    weight: KLWeight = "none"
+    straight_through_k2: bool = False
+
+    @classmethod
+    def of(cls, cfg: ClippedPGLossConfig) -> KLSpec:
+        """The plugin's KL keys."""
+        return cls(
+            kl_type=cfg.reference_policy_kl_type,
+            input_clamp=cfg.kl_input_clamp_value,
+            output_clamp=cfg.kl_output_clamp_value,
+            weight="generation" if cfg.use_on_policy_kl_approximation else "score_function",
+            straight_through_k2=cfg.reference_policy_kl_gradient == "k2",
+        )
+
+    def tokens(self, c: torch.Tensor, reference: torch.Tensor, generation: torch.Tensor, anchor: torch.Tensor):
+        """The per-token KL of ``c`` to ``reference`` (before its coefficient); token-wise in ``c``."""
+        weights = {
+            "score_function": lambda: score_function_weight(c),
+            "generation": lambda: exp_or_zero(c - generation),
+            "anchor": lambda: torch.exp(c - anchor),
+            "none": lambda: None,
+        }[self.weight]()
+        return kl_penalty(
+            c,
+            reference,
+            kl_type=self.kl_type,
+            input_clamp=self.input_clamp,
+            output_clamp=self.output_clamp,
+            weights=weights,
+            straight_through_k2=self.straight_through_k2,
+        )
+
+
+@dataclass
+class TermInputs:
+    """The batch constants of the per-token terms: detached token tensors of ``layout`` (flat ``[N]`` after
+    :meth:`flat`, ``[n]`` after :meth:`chunk`).
+
+    prev: the old log-probs the policy ratio divides by (pi_old; mu in bypass mode; sg c under
+    ``force_on_policy_ratio``). generation: log mu (the KL's on-policy weight reads it). valid: token_mask times the
+    sequence's sample mask. positions: n_t, 1-based among unmasked tokens. correction: the IS correction (weights,
+    truncation and rejection masks, rule outcomes), None without one; is_weight: its final weights (None: 1).
+    reference / kl / kl_coef: the KL term (reference None: no KL). nll_tokens / nll_count: the positive samples'
+    tokens (Float[*T]) and their count (0-d) for the NLL term -sum_t q_t c_t, q_t = nll_tokens / (nll_count + 1e-8)
+    (None: no NLL term).
+    """
+
+    config: ClippedPGLossConfig
+    layout: TokenLayout
+    prev: torch.Tensor
+    generation: torch.Tensor
+    advantages: torch.Tensor
+    token_mask: torch.Tensor
+    valid: torch.Tensor
+    positions: torch.Tensor
+    correction: ISCorrection | None
+    is_weight: torch.Tensor | None
+    reference: torch.Tensor | None = None
+    kl: KLSpec | None = None
+    kl_coef: float = 0.0
+    nll_tokens: torch.Tensor | None = None
+    nll_count: torch.Tensor | None = None
+
+    _TOKEN_FIELDS = (
+        "prev",
+        "generation",
+        "advantages",
+        "token_mask",
+        "valid",
+        "positions",
+        "is_weight",
+        "reference",
+        "nll_tokens",
+    )
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TermInputs:
+        changes: dict[str, Any] = {
+            k: None if getattr(self, k) is None else fn(getattr(self, k)) for k in self._TOKEN_FIELDS
+        }
+        return dataclasses.replace(self, **changes)
+
+    def flat(self) -> TermInputs:
+        """The token tensors flattened in memory order (the fused single pass's ``[N]``)."""
+        return self._map(lambda t: t.reshape(-1))
+
+    def chunk(self, sl: slice) -> TermInputs:
+        """The flat constants of the chunk ``sl`` (after :meth:`flat`)."""
+        return self._map(lambda t: t[sl])
+
+
+@dataclass
+class TokenTerms:
+    """The per-token terms of :func:`token_terms`. objective: the chosen objective's surrogate (its per-token loss and
+    indicators) and the state its metrics read. actor: w_t sur_t. kl: the per-token KL before its coefficient (None
+    without a KL term)."""
+
+    objective: ObjectiveOut
+    actor: torch.Tensor
+    kl: torch.Tensor | None
+
+    @property
+    def surrogate(self) -> SurrogateOut:
+        return self.objective.surrogate
+
+    def combined(self, kl_coef: float) -> torch.Tensor:
+        """x_t = w_t sur_t + beta kl_t (the loss is its aggregation plus the NLL term)."""
+        return self.actor if self.kl is None else self.actor + kl_coef * self.kl
+
+
+def token_terms(
+    t: TermInputs,
+    c: torch.Tensor,
+    *,
+    c_kl: torch.Tensor | None = None,
+    causal: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> TokenTerms:
+    """The per-token terms of the current log-probs ``c`` (requires grad) on the constants ``t``.
+
+    ``c_kl``: the log-probs the KL reads when they differ from ``c`` (NeMo-RL's unfiltered ones under top-k / top-p).
+    ``causal``: the fused single pass's cumulative ratio (``separable``): its stop-gradient value from the ratio's
+    anchor and the running sums of the earlier chunks.
+    """
+    # The KL first, then the surrogate: the order NeMo-RL builds them in, which fixes the order autograd sums their
+    # gradients in (bit-identical gradients to NeMo-RL's float32 arithmetic).
+    kl = None
+    if t.reference is not None and t.kl is not None:
+        kl = t.kl.tokens(c if c_kl is None else c_kl, t.reference, t.generation, t.prev)
+    anchor = ratio_anchor(t.prev, c, t.valid)
+    causal_anchor = None
+    if causal is not None:
+        with torch.no_grad():  # as ratios.policy_log_ratio: the cumulative value carries no gradient
+            causal_anchor = causal(anchor)
+    objective = objective_of(t.config).surrogate(
+        ObjectiveInputs(t.config, c, anchor, t.advantages, t.token_mask, t.valid, t.layout, t.positions, causal_anchor)
+    )
+    sur = objective.surrogate
+    actor = sur.loss if t.is_weight is None else t.is_weight * sur.loss
+    return TokenTerms(objective, actor, kl)
+
+
+@dataclass
+class LossTerms:
+    """Every per-token term of one ``ClippedPGLoss`` call (token tensors of ``inputs.layout``), and what its
+    reductions and metrics read besides: the inputs as given (``source``), the loss dtype's current log-probs
+    ``curr``, ``is_prev`` (what the IS weights compare with mu: pi_old, or sg c in bypass mode), the sample mask and
+    the global counts."""
+
+    source: LossInputs
+    inputs: TermInputs
+    tokens: TokenTerms
+    curr: torch.Tensor
+    is_prev: torch.Tensor
+    sample_mask: torch.Tensor
+    n_tok: torch.Tensor
+    n_seq: torch.Tensor
+
+    @property
+    def surrogate(self) -> SurrogateOut:
+        return self.tokens.surrogate
+
+    @property
+    def correction(self) -> ISCorrection:
+        if self.inputs.correction is None:  # loss_terms always computes one
+            raise ValueError("these terms carry no IS correction")
+        return self.inputs.correction
+
+
+def _as_scalar(x: torch.Tensor | float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=dtype, device=device)
+
+
+def loss_dtype(c: torch.Tensor) -> torch.dtype:
+    """Half-precision log-probs are upcast: the ratio / exp arithmetic needs fp32 (gradients flow back through it)."""
+    return torch.float32 if c.dtype in (torch.float16, torch.bfloat16) else c.dtype
+
+
+def is_correction_kwargs(cfg: ClippedPGLossConfig) -> ISCorrectionOptions:
+    """The one binding of config fields to :func:`~nemo_is_plugin.loss.correction.compute_is_correction`'s arguments."""
+    return ISCorrectionOptions(
+        level=cfg.effective_is_level,
+        legacy=cfg.is_correction_level is None,
+        apply_weights=cfg.use_importance_sampling_correction,
+        truncation=cfg.truncated_importance_sampling_type,
+        low=cfg.truncated_importance_sampling_ratio_min,
+        high=cfg.truncated_importance_sampling_ratio,
+        veto_threshold=cfg.importance_sampling_veto_threshold,
+        batch_normalize=cfg.importance_sampling_batch_normalize,
+        rules=cfg.rejection_rules,
+    )
+
+
+def ratio_anchor(prev: torch.Tensor, curr: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The old log-probs the policy ratio divides by, with ``curr``'s value on tokens that do not count.
+
+    A masked token's ratio is dropped from the loss by a ``where``, whose backward hands it a zero gradient; but a
+    masked padding value far below ``curr`` makes ``exp(curr - prev)`` overflow, and ``0 * inf`` is NaN in the
+    chain rule. Anchoring masked tokens at ratio 1 keeps their gradient exactly 0 (counted tokens are untouched).
+    """
+    return torch.where(valid != 0, prev, curr.detach())
+
+
+def positive_sample_tokens(
+    rewards: torch.Tensor, valid: torch.Tensor, layout: TokenLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens of samples with reward > 0 (Float[*T]) and their count over the layout (fp64 0-d; VAPO's NLL)."""
+    pos = valid * layout.to_tokens((rewards > 0).to(valid.dtype))
+    return pos, layout.reduce_metric_sums(pos.sum().detach().double())
+
+
+def term_inputs(
+    cfg: ClippedPGLossConfig,
+    inputs: LossInputs,
+    layout: TokenLayout,
+    *,
+    c: torch.Tensor | None = None,
+    correction: ISCorrection | None = None,
+) -> TermInputs:
+    """``ClippedPGLoss``'s batch constants: which log-probs play which part (``force_on_policy_ratio``: pi_old is sg c;
+    bypass: pi_old is mu, and the IS weights compare sg c with mu), the IS correction (``correction``: the batch's,
+    when the caller has it already), the KL reference (on-policy weight, clamps), the NLL's positive tokens.
+
+    ``c``: the current log-probs in the loss dtype (default: ``inputs.curr_logprobs`` cast to it)."""
+    if c is None:
+        c = inputs.curr_logprobs.to(loss_dtype(inputs.curr_logprobs))
+    dtype = c.dtype
+
+    def as_f(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(dtype)
+
+    tm, sm = inputs.token_mask.to(dtype), inputs.sample_mask.to(dtype)
+    valid = tm * layout.to_tokens(sm)
+    g = as_f(inputs.generation_logprobs)
+    if cfg.force_on_policy_ratio:
+        p = c.detach()
+    elif cfg.bypasses_prev:
+        p = g
+    else:
+        p = as_f(required_input(inputs.prev_logprobs, "prev_logprobs"))
+    if correction is None:
+        correction = compute_is_correction(is_prev(cfg, c, p), g, tm, valid, layout, **is_correction_kwargs(cfg))
+    beta = cfg.effective_kl_penalty
+    reference = as_f(required_input(inputs.reference_logprobs, "reference_policy_logprobs")) if beta != 0 else None
+    # Positive-example NLL (VAPO): as in NeMo-RL the term exists only for a positive weight and a batch with rewards.
+    pos = count = None
+    if cfg.positive_example_nll_weight > 0 and inputs.rewards is not None:
+        pos, count = positive_sample_tokens(inputs.rewards, valid, layout)
+    return TermInputs(
+        config=cfg,
+        layout=layout,
+        prev=p,
+        generation=g,
+        advantages=as_f(inputs.advantages),
+        token_mask=tm,
+        valid=valid,
+        positions=unmasked_positions(tm, layout),
+        correction=correction,
+        is_weight=correction.weights,
+        reference=reference,
+        kl=KLSpec.of(cfg) if reference is not None else None,
+        kl_coef=beta,
+        nll_tokens=pos,
+        nll_count=count,
+    )
+
+
+def is_prev(cfg: ClippedPGLossConfig, c: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """What the IS weights, rejections and mismatch diagnostics compare with mu: pi_old, or in bypass mode (pi_old =
+    mu) the current policy, detached, as verl's bypass mode does."""
+    return c.detach() if cfg.bypasses_prev else prev
+
+
+def loss_terms(
+    cfg: ClippedPGLossConfig,
+    inputs: LossInputs,
+    layout: TokenLayout,
+    *,
+    correction: ISCorrection | None = None,
+) -> LossTerms:
+    """The terms of ``ClippedPGLoss`` on aligned inputs (``correction``: the batch's IS correction when the caller
+    has it already, e.g. the fused single pass; else computed here)."""
+    c = inputs.curr_logprobs.to(loss_dtype(inputs.curr_logprobs))
+    t = term_inputs(cfg, inputs, layout, c=c, correction=correction)
+    # KL on the unfiltered log-probs under top-k / top-p (NeMo-RL: the reference's are unfiltered too).
+    unfiltered = inputs.curr_logprobs_unfiltered
+    c_kl = None if t.reference is None or unfiltered is None else unfiltered.to(c.dtype)
+    return LossTerms(
+        source=inputs,
+        inputs=t,
+        tokens=token_terms(t, c, c_kl=c_kl),
+        curr=c,
+        is_prev=is_prev(cfg, c, t.prev),
+        sample_mask=inputs.sample_mask.to(c.dtype),
+        n_tok=_as_scalar(inputs.global_valid_toks, c.dtype, c.device),
+        n_seq=_as_scalar(inputs.global_valid_seqs, c.dtype, c.device),
+    )
+
+
+__all__ = [
+    "KLSpec",
+    "LossTerms",
+    "TermInputs",
+    "TokenTerms",
+    "is_correction_kwargs",
+    "loss_dtype",
+    "loss_terms",
+    "is_prev",
+    "positive_sample_tokens",
+    "ratio_anchor",
+    "term_inputs",
+    "token_terms",
+]
