@@ -24,7 +24,12 @@ from nemo_is_plugin.loss.aggregation import aggregate
 from nemo_is_plugin.loss.aligned_inputs import TOKEN_KEYS as TOKEN_KEYS  # re-exported: distributed/ imports it here
 from nemo_is_plugin.loss.aligned_inputs import LossInputs, align_nemo_rl_inputs
 from nemo_is_plugin.loss.correction import ISCorrection, ISCorrectionOptions, compute_is_correction
-from nemo_is_plugin.loss.input_validation import input_anomalies, required_input, warn_input_anomalies
+from nemo_is_plugin.loss.input_validation import (
+    check_finite_loss,
+    input_anomalies,
+    required_input,
+    warn_input_anomalies,
+)
 from nemo_is_plugin.loss.is_weights import exp_or_zero
 from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
 from nemo_is_plugin.loss.layout import TokenLayout
@@ -230,6 +235,9 @@ class ClippedPGLoss:
         for name, value in (extra_metric_sums or {}).items():
             book.add_sum(name, value, Denominator.NONE)
         metrics = book.finish()
+        if c.device.type != "meta":  # a shape-only trace has no values
+            anchor = "generation_logprobs" if cfg.bypasses_prev else "prev_logprobs"
+            check_finite_loss(metrics, c, p, valid, anchor, ratio_has_gradient=differentiates_ratio(cfg))
         warn_input_anomalies(metrics)
         return loss, metrics
 
@@ -324,6 +332,14 @@ def is_correction_kwargs(cfg: ClippedPGLossConfig) -> ISCorrectionOptions:
         veto_threshold=cfg.importance_sampling_veto_threshold,
         batch_normalize=cfg.importance_sampling_batch_normalize,
         rules=cfg.rejection_rules,
+    )
+
+
+def differentiates_ratio(cfg: ClippedPGLossConfig) -> bool:
+    """Whether the surrogate differentiates the policy ratio exp(log r) itself (PPO's clip in ratio or log space), so
+    that a ratio that overflows makes its gradient NaN."""
+    return cfg.policy_objective == "ppo_clip" and not (
+        cfg.use_cispo or cfg.disable_ppo_ratio or cfg.force_on_policy_ratio
     )
 
 
