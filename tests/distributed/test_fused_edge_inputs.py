@@ -16,6 +16,7 @@ from helpers.edge_inputs import EDGE_INPUTS, KEYS, base_batch
 
 from nemo_is_plugin import TokenLayout, build_loss_fn
 from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.loss.input_validation import NonFiniteLossError
 from nemo_is_plugin.loss.separable import single_pass_blocker
 
 ROWS = config_grid().rows[::3]
@@ -88,3 +89,19 @@ def test_edge_inputs_through_the_fused_loss_equal_the_naive_loss(index):
             torch.testing.assert_close(dw, want[3], rtol=1e-8, atol=1e-12, msg=where)
             for k, v in want[1].items():
                 assert metrics[k] == pytest.approx(v, rel=1e-9, abs=1e-12, nan_ok=True), (where, k)
+
+
+@pytest.mark.parametrize("single_pass", [None, False])
+def test_an_overflowing_policy_ratio_is_refused_by_the_fused_loss(single_pass):
+    """float32: prev 120 nats below the head's log-prob on a valid token overflows exp(c - prev); the fused loss
+    refuses it as the loss itself does (the single pass computes its gradients first, then the same check)."""
+    edge = next(e for e in EDGE_INPUTS if e.name == "prev=huge@valid")
+    hidden, weight, target, data = head_case(edge)
+    data = {k: v.float() if v.is_floating_point() else v for k, v in data.items()}
+    data["advantages"][edge.positions[0]] = -1.0  # PPO's unclipped branch: -A exp(c - prev)
+    n_seq, n_tok = data["sample_mask"].sum(), (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
+    h, w = hidden.float().requires_grad_(True), weight.float().requires_grad_(True)
+    with pytest.raises(NonFiniteLossError, match="prev_logprobs on a valid token is 1"):
+        fused_linear_pg_loss(
+            build_loss_fn({}), h, w, target, data, n_seq, n_tok, chunk_size=CHUNK, single_pass=single_pass
+        )
