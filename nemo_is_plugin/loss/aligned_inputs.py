@@ -85,6 +85,7 @@ def align_nemo_rl_inputs(
         needs_reference=cfg.effective_kl_penalty != 0,
         needs_rewards=cfg.positive_example_nll_weight > 0,
         strict=cfg.strict_input_checks,
+        generation_is_old_policy=cfg.bypasses_prev,
     )
     sliced = {k: data[k][:, 1:] for k in TOKEN_KEYS if k in data}
     if "curr_logprobs_unfiltered" in data and cfg.effective_kl_penalty != 0:  # NeMo-RL reads it only then

@@ -25,7 +25,7 @@ from nemo_is_plugin.loss.aggregation import aggregate
 from nemo_is_plugin.loss.aligned_inputs import TOKEN_KEYS as TOKEN_KEYS  # re-exported: distributed/ imports it here
 from nemo_is_plugin.loss.aligned_inputs import LossInputs, align_nemo_rl_inputs
 from nemo_is_plugin.loss.correction import ISCorrection
-from nemo_is_plugin.loss.input_validation import input_anomalies, warn_input_anomalies
+from nemo_is_plugin.loss.input_validation import check_finite_loss, input_anomalies, warn_input_anomalies
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
 from nemo_is_plugin.loss.metrics import (
@@ -202,6 +202,16 @@ class ClippedPGLoss:
         for name, value in (extra_metric_sums or {}).items():
             book.add_sum(name, value, Denominator.NONE)
         metrics, read = book.finish_reading(read_with)
+        if terms.curr.device.type != "meta":  # a shape-only trace has no values
+            anchor = "generation_logprobs" if cfg.bypasses_prev else "prev_logprobs"
+            check_finite_loss(
+                metrics,
+                terms.curr,
+                t.prev,
+                t.valid,
+                anchor,
+                ratio_has_gradient=objective_of(cfg).differentiates_ratio(cfg),
+            )
         warn_input_anomalies(metrics)
         return metrics, read
 

@@ -5,6 +5,14 @@ Two code paths, chosen by whether the IS level was set explicitly:
 - legacy (``is_correction_level`` unset): NeMo-RL's exact order of operations, including its float32 edge behaviour:
   ``w = nan_to_num(exp(log w))`` (an overflowing weight becomes 0) and only then truncation;
 - explicit level: truncation and band tests are done on log w, so they are exact and finite for any input.
+
+A token whose generation log-prob is not finite (vLLM's -inf for a token its sampler filtered; NaN, +inf) has no IS
+ratio. Explicit levels give weight 0 to every weight whose log-sum contains its term (``is_weights.unmeasured_weights``:
+the token, its sequence at the sequence levels, the token and every later token of its sequence at the cumulative
+level), after truncation (``tis`` gives 0, not its cap) and before batch normalisation (the zeros enter the mean, as
+IcePop's do); the other weights, and every band statistic, count the term as 0. The legacy path keeps NeMo-RL's rule
+(``nan_to_num`` to 0, then truncation: ``tis`` lifts it to its ``min``). Any rejection (a sequence-masking truncation
+type, ``rejection``, a rule, the veto) rejects the token itself on both paths, with or without IS weights.
 """
 
 from __future__ import annotations
@@ -16,12 +24,19 @@ from typing import TypedDict
 import torch
 
 from nemo_is_plugin.loss import truncation as T
-from nemo_is_plugin.loss.is_weights import MAX_LOG_WEIGHT, finite_exp, is_log_weight
+from nemo_is_plugin.loss.is_weights import (
+    MAX_LOG_WEIGHT,
+    finite_exp,
+    is_log_weight,
+    level_log_weight,
+    unmeasured_weights,
+)
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
 from nemo_is_plugin.loss.rejection import RuleOutcome, RuleSpec, band_rule, evaluate_rules
 
 SEQUENCE_LEVELS = ("sequence", "sequence_mean")
+SEQUENCE_MASK_TYPES = ("seq-mask-tis", "seq-mis", "geo-rs")
 
 
 @dataclass
@@ -32,7 +47,8 @@ class ISCorrection:
     raw_weights: weights of the level before truncation / masking (for metrics).
     log_weights: log w of the level (for metrics that need the exact value, e.g. chi-square).
     out_of_band: bool, tokens whose weight the truncation type changed or tested out of band (``is_oob_ratio``).
-    rejected: bool, tokens zeroed by icepop, sequence masks, rejection or veto.
+    rejected: bool, tokens zeroed by icepop, sequence masks, rejection or veto, or for a non-finite generation
+        log-prob (see the module docstring).
     seq_out_of_band: [S] bool for seq-mask-tis (NeMo-RL normalises its ``is_oob_ratio`` by sequences), else None.
     batch_norm_factor: the divisor of batch normalisation (1.0 when off).
     rules: the outcome of each rejection rule (``importance_sampling_rejection`` and the listed rules).
@@ -110,9 +126,19 @@ def compute_is_correction(
             rejections and the veto, as verl does.
     """
     # NeMo-RL sums the sequence log-weight over token_mask * sample_mask and the geometric mean over token_mask.
-    log_w = is_log_weight(level, prev, gen, valid_mask if level == "sequence" else token_mask, layout)
-    if not legacy:
-        log_w = log_w.clamp(max=MAX_LOG_WEIGHT)
+    level_mask = valid_mask if level == "sequence" else token_mask
+    x = prev - gen
+    measured = torch.isfinite(x)
+    unmeasured = (token_mask != 0) & ~measured  # counted tokens without an IS ratio
+    rejects = truncation in SEQUENCE_MASK_TYPES or rejection is not None or bool(rules) or veto_threshold is not None
+    if legacy:
+        log_w = is_log_weight(level, prev, gen, level_mask, layout)
+        dropped = unmeasured if rejects else None
+    else:
+        # the other weights from finite terms only (a masked NaN must not reach a weight either: 0 * NaN gradients)
+        log_w = level_log_weight(level, torch.where(measured, x, 0.0), level_mask, layout).clamp(max=MAX_LOG_WEIGHT)
+        dropped = unmeasured_weights(level, unmeasured, level_mask, layout) if apply_weights else unmeasured
+        log_w = torch.where(dropped, float("-inf"), log_w)
     raw = finite_exp(log_w)
     w = raw
     oob = torch.zeros_like(raw, dtype=torch.bool)
@@ -126,7 +152,7 @@ def compute_is_correction(
         hi = _bound(high, "high", truncation)
         in_band = T.band_mask(raw, _bound(low, "low", truncation), hi) if legacy else T.band_mask_log(log_w, low, hi)
         oob, keep = ~in_band, in_band
-    elif truncation in ("seq-mask-tis", "seq-mis", "geo-rs"):
+    elif truncation in SEQUENCE_MASK_TYPES:
         hi = _bound(high, "high", truncation)
         seq_log = _sequence_log_ratio(prev, gen, token_mask, layout, geometric=truncation != "seq-mis")
         if legacy and truncation == "seq-mask-tis":
@@ -136,6 +162,9 @@ def compute_is_correction(
         seq_oob = ~in_band
         keep = layout.to_tokens(in_band)
         oob = ~keep
+    if dropped is not None:  # 0, not the tis cap or min: before batch normalisation, whose mean counts it as 0
+        w = torch.where(dropped, torch.zeros_like(w), w)
+        keep = keep & ~dropped
     truncation_keep, truncated = keep, w
     if rejection is not None:
         band = band_rule(rejection, _bound(rejection_low, "low", rejection), _bound(rejection_high, "high", rejection))
@@ -144,7 +173,8 @@ def compute_is_correction(
     if rules_keep is not None:
         keep = keep & rules_keep
     if veto_threshold is not None:
-        min_log = layout.seq_min(torch.where(token_mask != 0, prev - gen, torch.full_like(prev, float("inf"))))
+        # a non-finite term vetoes nothing (it counts as 0, and 0 >= log threshold)
+        min_log = layout.seq_min(torch.where((token_mask != 0) & measured, x, torch.full_like(x, float("inf"))))
         keep = keep & layout.to_tokens(T.veto_keep(min_log, veto_threshold))
 
     if not apply_weights:
@@ -156,6 +186,9 @@ def compute_is_correction(
         trunc_w = torch.where(truncation_keep, w, torch.zeros_like(w)) if truncation == "icepop" else w
         factor = _batch_mean(trunc_w, valid_mask, layout, per_sequence=level in SEQUENCE_LEVELS)
         w = w / torch.where(factor > 0, factor, torch.ones_like(factor))
+    # Rejections act on counted tokens only: the tokens of a sample masked out by sample_mask keep their (unused)
+    # weight whatever their values, as nothing may read those (NeMo-RL's legacy GSPO metric sums every row's weight).
+    keep = keep | ((token_mask != 0) & (valid_mask == 0))
     w = torch.where(keep, w, torch.zeros_like(w))
     return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor, outcomes, rules_keep, truncated, truncation_keep)
 

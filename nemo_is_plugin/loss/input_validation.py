@@ -34,6 +34,7 @@ error has been found.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -97,6 +98,7 @@ def validate_loss_inputs(
     needs_reference: bool,
     needs_rewards: bool,
     strict: bool = True,
+    generation_is_old_policy: bool = False,
 ) -> None:
     """Raise a clear error if the inputs of ``ClippedPGLoss.__call__`` break NeMo-RL's contract.
 
@@ -114,6 +116,8 @@ def validate_loss_inputs(
             ``needs_rewards`` (positive_example_nll_weight > 0): ``rewards`` is checked when present; when absent it is
             an error if ``strict``, else NeMo-RL's behaviour (the NLL term is skipped) with a one-time warning.
         strict: refuse non-finite generation log-probs and positive log-probs (see the module docstring).
+        generation_is_old_policy: the generation log-probs are pi_old of the policy ratio (``old_policy_logprobs:
+            generation``): checked like ``prev_logprobs`` (non-finite values refused, padding included) in both modes.
 
     Returns:
         None. Raises ``TypeError``, ``ValueError`` or ``MissingInputError`` (a ``KeyError``).
@@ -189,9 +193,12 @@ def validate_loss_inputs(
             checks.append((f"data['{key}']", t[:, 1:], "mask"))
         else:
             _check_float_dtype(f"data['{key}']", t)
-            if key == "generation_logprobs" and not strict:
+            name = f"data['{key}']"
+            if key == "generation_logprobs" and generation_is_old_policy:
+                name += " (pi_old: old_policy_logprobs is 'generation')"
+            elif key == "generation_logprobs" and not strict:
                 continue  # NeMo-RL zeroes the IS weight of a non-finite generation log-prob
-            checks.append((f"data['{key}']", t[:, 1:], logprob if key in _LOGPROB_KEYS else "finite"))
+            checks.append((name, t[:, 1:], logprob if key in _LOGPROB_KEYS else "finite"))
     for key in ("sample_mask", "rewards") if read_rewards else ("sample_mask",):
         t = _tensor(key, data[key], x)
         if num_seqs is not None and t.shape != (num_seqs,):
@@ -358,6 +365,9 @@ def warn_input_anomalies(metrics: Mapping[str, float]) -> None:
             )
 
 
+_ALIGNED = "data['curr_logprobs_unfiltered']"  # a data tensor already [B, S-1] (checked whole, not as [:, 1:])
+
+
 def _first_bad(name: str, t: torch.Tensor, bad: torch.Tensor) -> str:
     """Human description of the bad entries; only called on the error path.
 
@@ -367,7 +377,7 @@ def _first_bad(name: str, t: torch.Tensor, bad: torch.Tensor) -> str:
     count = int(idx.shape[0])
     first = [int(i) for i in idx[0]] if count else []
     value = t[tuple(first)].item() if count else None
-    if name.startswith("data[") and len(first) == 2:
+    if name.startswith("data[") and not name.startswith(_ALIGNED) and len(first) == 2:
         first[1] += 1
     where = "[" + ", ".join(map(str, first)) + "]"
     return f"{count} bad element(s), first at {where} = {value!r}"
@@ -384,3 +394,53 @@ def _count_tensor(name: str, count: Any, device: torch.device) -> torch.Tensor:
     if isinstance(count, (int, float)) and not isinstance(count, bool):
         return torch.tensor(float(count), dtype=torch.float64, device=device)
     raise TypeError(f"{name} must be a number or a 0-d tensor, got {type(count).__name__}")
+
+
+class NonFiniteLossError(ValueError):
+    """The loss of inputs the validation accepted is not finite: a policy ratio overflowed the loss dtype."""
+
+
+def check_finite_loss(
+    metrics: Mapping[str, float],
+    curr: torch.Tensor,
+    anchor: torch.Tensor,
+    valid: torch.Tensor,
+    anchor_name: str,
+    *,
+    ratio_has_gradient: bool,
+) -> None:
+    """Refuse, in one line naming the old log-probs, a loss that is not finite, or a policy ratio that overflowed.
+
+    Every input the validation accepts gives a finite loss except one: a policy ratio exp(c - pi_old) beyond the
+    loss dtype's range (log r > 88.7 in float32), from old log-probs far below the current ones (e.g. a -100
+    sentinel on a valid token) or a sequence / cumulative log-ratio that drifted that far. NeMo-RL's loss is then inf,
+    or finite with a NaN gradient (0 * inf in the backward of PPO's clip or dual clip, whose unclipped branch the
+    gradient always passes): no host-side check on the gradient is possible, so an overflowed ratio
+    (``probs_ratio_max`` = inf) of such a surrogate is refused too. Reads only the metrics already on the host; the
+    diagnosis runs on the error path only.
+
+    Args:
+        metrics: the loss's metrics (``loss``, ``probs_ratio_max``).
+        curr, anchor, valid: Float[*T] current log-probs, the old log-probs the ratio divides by, counted tokens.
+        anchor_name: the data key of ``anchor`` (``prev_logprobs``, or ``generation_logprobs`` in bypass mode).
+        ratio_has_gradient: the surrogate differentiates the ratio exp(log r) itself (PPO's ratio or log-space clip),
+            so that an overflowed ratio makes the gradient NaN (CISPO, the other objectives and the metrics' ratio of
+            GMPO / DRO do not).
+    """
+    loss, ratio_max = metrics.get("loss", 0.0), metrics.get("probs_ratio_max", 0.0)
+    if math.isfinite(loss) and not (ratio_has_gradient and ratio_max == math.inf):
+        return
+    d = torch.where(valid != 0, curr.detach().double() - anchor.detach().double(), -math.inf)
+    flat = int(d.reshape(-1).argmax())
+    largest = d.reshape(-1)[flat].item()
+    where: list[int] = []
+    for size in reversed(d.shape):
+        flat, i = divmod(flat, size)
+        where.insert(0, i)
+    what = f"the loss is {loss}" if not math.isfinite(loss) else "the policy ratio overflows (probs_ratio_max = inf)"
+    raise NonFiniteLossError(
+        f"{what}: exp(c - pi_old) exceeds {curr.dtype if curr.dtype == torch.float64 else torch.float32}'s range; the "
+        f"largest next_token_logprobs - {anchor_name} on a valid token is {largest:.4g} at token "
+        f"{where} of the loss's token tensors (NeMo-RL's [B, S-1]: column + 1 in data); check {anchor_name} (a "
+        "sentinel such as -100 or a wrong token on a valid position?), or cap log r with max_log_ratio"
+    )

@@ -11,6 +11,11 @@ sequence        sum_t m_t x_t                       unbiased; variance grows lik
 sequence_mean   sum_t m_t x_t / L                   geometric mean (NeMo-RL PR #2269); stable at any length
 cumulative      sum_{j<=t} m_j x_j                  unbiased prefix correction (CTPO Prop. 1 applied to pi_prev/mu)
 ==============  ==================================  ==============================================================
+
+A token whose generation log-prob is not finite (vLLM reports -inf for a token its sampler filtered) has no ratio:
+x_t = +inf (or NaN). NeMo-RL's rule, exp of the log-sum then ``nan_to_num``, gives weight 0 to every weight whose
+log-sum contains that term; the explicit levels keep that rule (:func:`unmeasured_weights`) while computing the
+other weights from finite terms only (``correction.py``).
 """
 
 from __future__ import annotations
@@ -35,16 +40,38 @@ def is_log_weight(
         token_mask: Float[*T]; for sequence levels, the mask whose tokens enter the sum (NeMo-RL multiplies
             token_mask by sample_mask here).
     """
-    x = where_mask(prev - gen, token_mask)
+    return level_log_weight(level, prev - gen, token_mask, layout)
+
+
+@torch.no_grad()
+def level_log_weight(level: str, x: torch.Tensor, token_mask: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """log w at ``level`` of the per-token log-ratios ``x = prev - gen`` (Float[*T]); see :func:`is_log_weight`."""
     if level == "token":
-        return prev - gen
+        return x
+    masked = where_mask(x, token_mask)
     if level == "sequence":
-        return layout.to_tokens(layout.seq_sum(x))
+        return layout.to_tokens(layout.seq_sum(masked))
     if level == "sequence_mean":
         count = layout.seq_sum(token_mask.to(x.dtype))
-        return layout.to_tokens(layout.seq_sum(x) / count.clamp_min(1))
+        return layout.to_tokens(layout.seq_sum(masked) / count.clamp_min(1))
     if level == "cumulative":
-        return layout.prefix_sum(x)
+        return layout.prefix_sum(masked)
+    raise ValueError(f"unknown IS correction level {level!r}; expected one of {IS_LEVELS}")
+
+
+@torch.no_grad()
+def unmeasured_weights(level: str, unmeasured: torch.Tensor, token_mask: torch.Tensor, layout: TokenLayout):
+    """Bool[*T]: the weights of ``level`` whose log-sum contains a term of an ``unmeasured`` token (one whose
+    generation log-prob is not finite): the token itself (token), every token of its sequence (sequence,
+    sequence_mean), the token and every later token of its sequence (cumulative). ``token_mask``: the level's mask
+    (only its tokens enter the sums). Counted through the layout, so packed batches and CP shards agree."""
+    if level == "token":
+        return unmeasured
+    count = where_mask(unmeasured.to(token_mask.dtype), token_mask)
+    if level in ("sequence", "sequence_mean"):
+        return layout.to_tokens(layout.seq_sum(count)) > 0
+    if level == "cumulative":
+        return layout.prefix_sum(count) > 0
     raise ValueError(f"unknown IS correction level {level!r}; expected one of {IS_LEVELS}")
 
 

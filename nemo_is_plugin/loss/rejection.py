@@ -1,6 +1,7 @@
 """Rejection rules: keep a token or a sequence while a divergence between pi_prev and mu stays in bounds.
 
-y_t = clamp(p_t - g_t, -c, c) (c = the rule's ``log_ratio_clamp``; none: non-finite values count 0), m = token mask.
+y_t = clamp(p_t - g_t, -c, c) (c = the rule's ``log_ratio_clamp``: a -inf generation log-prob gives y = +c, verl's
+value; NaN, and without a clamp every non-finite value, counts 0), m = token mask.
 
 =========  =================  ========================================================================================
 statistic  per token          what it measures
@@ -108,10 +109,11 @@ def probability_difference(prev: torch.Tensor, gen: torch.Tensor) -> torch.Tenso
     No log-ratio clamp: the clamp keeps k1 / k2 / k3 finite where p - g is huge or inf - inf, but D is a bounded
     function of the two probabilities (each e^x in [0, 1] for a log-prob x <= 0), and a -inf log-prob (a token outside
     the filtered sampling support) is probability 0, so D = the other probability, finite. A clamp on p - g would only
-    change D where it is exact.
+    change D where it is exact. A NaN or +inf log-prob is no probability: D counts 0 there.
     """
     dtype = torch.promote_types(prev.dtype, torch.float32)
-    return torch.abs(torch.exp(prev.to(dtype)) - torch.exp(gen.to(dtype)))
+    d = torch.abs(torch.exp(prev.to(dtype)) - torch.exp(gen.to(dtype)))
+    return torch.where(torch.isfinite(d), d, 0.0)  # a NaN or +inf log-prob is no probability: it counts 0
 
 
 @torch.no_grad()
@@ -124,11 +126,11 @@ def rule_token_statistic(rule: RuleSpec, prev: torch.Tensor, gen: torch.Tensor) 
 
 @torch.no_grad()
 def clamped_log_ratio(prev: torch.Tensor, gen: torch.Tensor, clamp: float | None) -> torch.Tensor:
-    """y = clamp(prev - gen, -clamp, clamp); without a clamp, non-finite values become 0."""
+    """y = clamp(prev - gen, -clamp, clamp); NaN, and without a clamp every non-finite value, becomes 0."""
     x = prev - gen
     if clamp is None:
         return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-    return x.clamp(-clamp, clamp)
+    return torch.nan_to_num(x, nan=0.0).clamp(-clamp, clamp)
 
 
 @torch.no_grad()

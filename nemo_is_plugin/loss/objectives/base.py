@@ -120,6 +120,12 @@ class PolicyObjective:
         the fused single pass then carries per-sequence running sums from chunk to chunk."""
         return False
 
+    def differentiates_ratio(self, cfg: ClippedPGLossConfig) -> bool:
+        """True when the surrogate differentiates an unclamped policy ratio exp(log r) itself, so that a ratio beyond
+        the dtype's range makes the gradient NaN (``input_validation.check_finite_loss`` then refuses the call). The
+        objectives that clamp log r first, or stop its gradient, do not."""
+        return False
+
     def report(self, book: MetricBook, out: ObjectiveOut, sample_mask: torch.Tensor) -> None:
         """The objective's own metrics, beside the clip fractions every objective reports from its indicators."""
 

@@ -213,6 +213,9 @@ class M2PO(PolicyObjective):
         )
         return ObjectiveOut(sur, bounds)
 
+    def differentiates_ratio(self, cfg: ClippedPGLossConfig) -> bool:
+        return True  # PPO's ratio clip of the unclamped token log-ratio, as the authors'
+
     def whole_batch_reason(self, cfg: ClippedPGLossConfig) -> str:
         return "policy_objective='m2po' needs every log-prob of the batch before any gradient (its clip bounds)"
 

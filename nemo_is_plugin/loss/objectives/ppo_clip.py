@@ -281,6 +281,11 @@ class PPOClip(PolicyObjective):
             )
         )
 
+    def differentiates_ratio(self, cfg: ClippedPGLossConfig) -> bool:
+        # the ratio- and log-space clips pass the unclipped exp(log r)'s gradient; CISPO stops it, REINFORCE and the
+        # on-policy ratio exp(c - sg c) have none that can overflow
+        return not (cfg.use_cispo or cfg.disable_ppo_ratio or cfg.force_on_policy_ratio)
+
     def whole_batch_reason(self, cfg: ClippedPGLossConfig) -> str | None:
         level = cfg.effective_ratio_level
         if cfg.disable_ppo_ratio or level in ("token", *CAUSAL_LEVELS):
