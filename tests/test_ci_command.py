@@ -15,9 +15,20 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 
 def _dry_run(target: str, venv: Path) -> list[str]:
-    """The commands `make <target>` would run, in order (recipe comments dropped), with the environment at ``venv``."""
+    """The commands `make <target>` would run, in order (recipe comments dropped), with the environment at ``venv``
+    and the stacks tier's at ``venv``-313 (fresh paths: a checkout's own venvs would make make skip their setup)."""
     out = subprocess.run(
-        ["make", "-n", "--no-print-directory", "-C", str(ROOT), target, f"VENV={venv}", "PYTHON=python3"],
+        [
+            "make",
+            "-n",
+            "--no-print-directory",
+            "-C",
+            str(ROOT),
+            target,
+            f"VENV={venv}",
+            f"VENV_STACKS={venv}-313",
+            "PYTHON=python3",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -60,8 +71,8 @@ def test_make_test_sets_up_then_lints_then_runs_the_whole_suite_then_the_stacks_
     assert setup[-3] == f"{venv}/bin/python -m pip install -q --no-deps --no-build-isolation -e ."
     assert setup[-1].startswith(f"touch {venv}/.installed-")
     stacks = commands[len(main) + 1 :]
-    assert stacks[-1].startswith("OMP_NUM_THREADS=1 .venv-313/bin/python -m pytest -q tests/")
-    assert ".venv-313/bin/python -m pip install -q --no-deps -r requirements/ci-py313.lock" in stacks
+    assert stacks[-1].startswith(f"OMP_NUM_THREADS=1 {venv}-313/bin/python -m pytest -q tests/")
+    assert f"{venv}-313/bin/python -m pip install -q --no-deps -r requirements/ci-py313.lock" in stacks
 
 
 def test_a_second_make_test_skips_the_setup(tmp_path):
