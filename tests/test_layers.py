@@ -3,9 +3,12 @@
 Every ``import`` / ``from ... import`` statement of every module under ``nemo_is_plugin/`` counts, including those
 inside functions (a lazy import is still a dependency). Layers, bottom to top:
 
-    config -> loss -> kernels -> distributed -> integration -> apps
+    base (common/) -> config -> loss -> kernels -> distributed -> integration -> apps
 
-A module may import from its own layer and the layers below it. The cycle check ignores imports under
+A module may import from its own layer and the layers below it. The ground floor, ``nemo_is_plugin.common``, is what
+every layer may import (``warn_once``); it imports no other package module and no third-party package. The kernels
+are the chunk math of the log-prob paths and know nothing of the loss or its config: they import neither, although
+both rank below them. The cycle check ignores imports under
 ``if TYPE_CHECKING:`` (annotations only, never executed). ``from pkg import name`` depends on ``pkg.name`` when that
 is a module, else on ``pkg`` itself (its ``__init__``).
 
@@ -28,11 +31,12 @@ import pytest
 PACKAGE = "nemo_is_plugin"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-LAYERS = ("config", "loss", "kernels", "distributed", "integration", "apps")
+LAYERS = ("base", "config", "loss", "kernels", "distributed", "integration", "apps")
 # Module prefix -> layer; the longest matching prefix wins. The package root (``nemo_is_plugin/__init__.py``) and the
 # ``nemo_is_plugin.registry`` / ``nemo_is_plugin.recipes`` modules re-export documented names from the layer below.
 LAYER_OF_PREFIX = {
     "nemo_is_plugin": "loss",
+    "nemo_is_plugin.common": "base",
     "nemo_is_plugin.config": "config",
     "nemo_is_plugin.loss": "loss",
     "nemo_is_plugin.registry": "loss",
@@ -58,7 +62,13 @@ LAYER_OF_MODULE = {
 REEXPORT_MODULES = ("nemo_is_plugin.registry", "nemo_is_plugin.recipes")
 # Third-party packages the modules under a package prefix must not import: no config module imports torch (the
 # objective modules the assembled config reads do, and are in the loss package).
-FORBIDDEN_THIRD_PARTY = {"nemo_is_plugin.config": ("torch", "triton", "megatron", "omegaconf", "yaml")}
+FORBIDDEN_THIRD_PARTY = {
+    "nemo_is_plugin.config": ("torch", "triton", "megatron", "omegaconf", "yaml"),
+    "nemo_is_plugin.common": ("torch", "triton", "megatron", "omegaconf", "yaml", "pydantic", "numpy"),
+}
+# Layers a package must not import although they rank below it: the kernels compute on chunks of logits and take
+# every setting as an argument, so neither the loss nor its config reaches them.
+UNRELATED_LAYERS = {"nemo_is_plugin.kernels": ("config", "loss")}
 
 
 def module_name(path: Path) -> str:
@@ -146,6 +156,18 @@ def test_no_module_imports_the_documented_reexports():
     assert not users, "\n".join(users)
 
 
+@pytest.mark.parametrize("package", sorted(UNRELATED_LAYERS))
+def test_package_imports_no_unrelated_layer(package):
+    bad = [
+        f"{MODULES[module].relative_to(ROOT.parent)}:{line}: imports {name} ({layer_of(name)})"
+        for module in MODULES
+        if module == package or module.startswith(package + ".")
+        for name, line, _ in imports(module)
+        if name.split(".")[0] == PACKAGE and layer_of(name) in UNRELATED_LAYERS[package]
+    ]
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.parametrize("package", sorted(FORBIDDEN_THIRD_PARTY))
 def test_package_imports_no_forbidden_third_party_package(package):
     bad = [
@@ -203,6 +225,8 @@ def test_the_checks_see_upward_imports_and_cycles():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
     assert layer_of("nemo_is_plugin.kernels.chunk_math") == "kernels"
+    assert layer_of("nemo_is_plugin.common.once") == "base"
+    assert {name for name, _, _ in imports("nemo_is_plugin.kernels.chunk_math")} >= {"nemo_is_plugin.common.once"}
     assert layer_of("nemo_is_plugin.distributed.vocab_parallel") == "distributed"
     assert layer_of("nemo_is_plugin.adapters.nemo_rl") == "integration"
     assert layer_of("nemo_is_plugin") == "loss"

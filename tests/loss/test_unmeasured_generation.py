@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from nemo_is_plugin import ClippedPGLossConfig, build_loss_fn
-from nemo_is_plugin.loss import input_validation as validation
+from nemo_is_plugin.common import once
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.input_validation import NonFiniteLossError
 from nemo_is_plugin.loss.layout import TokenLayout
@@ -43,7 +43,7 @@ TRUNCATIONS = {None: (None, None), "tis": (None, 2.0), "tis_min": (0.5, 2.0), "i
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(validation, "_WARNED", set())
+    monkeypatch.setattr(once, "_WARNED", set())
 
 
 def correction(gen, level, truncation=None, *, legacy=False, layout=LAY, prev=PREV, mask=MASK, **kw):
