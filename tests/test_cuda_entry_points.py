@@ -223,12 +223,12 @@ CASES = (
     [pytest.param(logit_padded(n), id=f"logit_padded-{n}") for n in sorted(LOSS_CONFIGS)]
     + [
         pytest.param(logit_packed(n), id=f"logit_packed-{n}")
-        for n in ("nemo_rl_default", "ctpo_cumulative_is", "gspo_legacy", "seq_mis_veto")
+        for n in ("nemo_rl_default", "ctpo_cumulative_is", "gspo_nemo_rl", "seq_mis_veto")
     ]
     + [
         pytest.param(nemo_rl_adapter(n, it), id=f"nemo_rl_{it}-{n}")
         for it in ("logprob", "logit")
-        for n in ("nemo_rl_default", "gspo_legacy", "gspo_token_seqmean_is_tis", "reinforce_on_policy_kl_nll")
+        for n in ("nemo_rl_default", "gspo_nemo_rl", "gspo_token_seqmean_is_tis", "reinforce_on_policy_kl_nll")
     ]
     + [
         pytest.param(verl_adapter(n, agg), id=f"verl-{n}-{agg}")

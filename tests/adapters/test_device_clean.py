@@ -49,7 +49,7 @@ def test_nemo_rl_logprob_input_is_device_clean(name):
     assert files == ["nemo_is_plugin/loss/input_validation.py", "nemo_is_plugin/loss/metrics.py"]
 
 
-@pytest.mark.parametrize("name", ["nemo_rl_default", "gspo_legacy", "ctpo_cumulative_is", "seq_mis_veto"])
+@pytest.mark.parametrize("name", ["nemo_rl_default", "gspo_nemo_rl", "ctpo_cumulative_is", "seq_mis_veto"])
 def test_nemo_rl_logit_input_is_device_clean(name):
     logits, data, _ = make_batch(22)
     fn = NeMoRLLossFn(LOSS_CONFIGS[name], input_type="logit")

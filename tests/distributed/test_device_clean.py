@@ -64,7 +64,7 @@ def test_logit_loss_padded_is_device_clean(name):
 
 
 @pytest.mark.parametrize("as_list", [True, False], ids=["cu_list", "cu_tensor"])
-@pytest.mark.parametrize("name", ["nemo_rl_default", "ctpo_cumulative_is", "gspo_legacy", "seq_mis_veto"])
+@pytest.mark.parametrize("name", ["nemo_rl_default", "ctpo_cumulative_is", "gspo_nemo_rl", "seq_mis_veto"])
 def test_logit_loss_packed_is_device_clean(name, as_list):
     logits, data, lengths = make_batch(12)
     lp = padded_lengths(lengths, 2)

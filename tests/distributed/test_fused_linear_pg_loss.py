@@ -183,7 +183,7 @@ SEPARABLE_CONFIGS = {
             {"option": "seq_mean_k3", "threshold": 0.002},
         ]
     ),
-    "agg_legacy_token_level_loss_false": variant(token_level_loss=False, loss_aggregation=None),
+    "agg_nemo_rl_token_level_loss_false": variant(token_level_loss=False, loss_aggregation=None),
     "cispo": variant(use_cispo=True),
     "disable_ppo_ratio": variant(disable_ppo_ratio=True),
     "disable_ppo_ratio_dual_clip": variant(disable_ppo_ratio=True, ratio_clip_c=1.5),

@@ -245,7 +245,7 @@ CHECKS = [
     ("tp2_cp2_fp64", _layout_check(2, 2, dtype=torch.float64)),
     (
         "tp2_cp2_bf16",
-        _layout_check(2, 2, names=("nemo_rl_default", "ctpo_cumulative_is", "gspo_legacy"), dtype=torch.bfloat16),
+        _layout_check(2, 2, names=("nemo_rl_default", "ctpo_cumulative_is", "gspo_nemo_rl"), dtype=torch.bfloat16),
     ),
     ("dp_sums_to_the_global_batch", check_dp_sums_to_the_global_batch),
     ("pp_metrics_broadcast", check_pp_metrics_broadcast),

@@ -131,7 +131,7 @@ def test_mismatch_metrics_and_is_correction():
             tm,
             layout,
             level="sequence_mean",
-            legacy=False,
+            nemo_rl_exact=False,
             apply_weights=True,
             truncation="icepop",
             low=0.8,

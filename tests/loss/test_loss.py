@@ -39,7 +39,7 @@ DIFFERENTIABLE = {
     "is=sequence": {"is_correction_level": "sequence"},
     "is=sequence_mean": {"is_correction_level": "sequence_mean"},
     "is=cumulative": {"is_correction_level": "cumulative"},
-    "gspo-legacy": {"sequence_level_importance_ratios": True, "token_level_loss": False},
+    "gspo-nemo-rl": {"sequence_level_importance_ratios": True, "token_level_loss": False},
     "log-clip-ratio=sequence": {
         "ratio_level": "sequence",
         "log_ratio_clip_low": 0.025,

@@ -45,8 +45,8 @@ IS_ON = dict(use_importance_sampling_correction=True)
         (dict(ratio_level="cumulative_mean"), False),
         (dict(force_on_policy_ratio=True), False),
         (dict(force_on_policy_ratio=True, ratio_level="token"), False),
-        (dict(sequence_level_importance_ratios=True, token_level_loss=False), False),  # legacy GSPO
-        # legacy GSPO flag, but the ratio level set back to token explicitly: the token ratio decides
+        (dict(sequence_level_importance_ratios=True, token_level_loss=False), False),  # GSPO in NeMo-RL's words
+        # NeMo-RL's GSPO flag, but the ratio level set back to token explicitly: the token ratio decides
         (dict(sequence_level_importance_ratios=True, token_level_loss=False, ratio_level="token"), True),
     ],
 )
