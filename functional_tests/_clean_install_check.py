@@ -25,9 +25,9 @@ CORE_MODULES = (
     "nemo_is_plugin.recipes",
     "nemo_is_plugin.adapters.nemo_rl",
     "nemo_is_plugin.adapters.verl",
-    "nemo_is_plugin.distributed.logit_loss",
-    "nemo_is_plugin.distributed.fused_linear",
-    "nemo_is_plugin.distributed.fused_linear_loss",
+    "nemo_is_plugin.distributed.entry_points.logit_loss",
+    "nemo_is_plugin.distributed.head.fused_linear",
+    "nemo_is_plugin.distributed.entry_points.fused_linear_loss",
 )
 CONFIGS = {
     "ppo": {"reference_policy_kl_penalty": 0.0, "ratio_clip_min": 0.2, "ratio_clip_max": 0.2},

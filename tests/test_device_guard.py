@@ -223,7 +223,7 @@ _HOST_SIDE = ("cli", "demo", "bench", "evidence", "diagnose")
 _HOST_DEVICE = re.compile(r"""\.cpu\(\)|\.numpy\(\)|device\s*=\s*["']cpu["']|torch\.device\(\s*["']cpu["']""")
 # (file, line) pairs that name the host on purpose, with the reason.
 _HOST_BY_DESIGN = {
-    ("distributed/groups.py", 'return torch.device("cpu")'): "gloo / MPI collectives reduce host tensors",
+    ("distributed/parallel/groups.py", 'return torch.device("cpu")'): "gloo / MPI collectives reduce host tensors",
     (
         "adapters/rollout_dump.py",
         'host = torch.cat(parts).to("cpu", torch.float64).numpy()  # the one device -> host transfer',

@@ -227,7 +227,7 @@ def test_the_checks_see_upward_imports_and_cycles():
     assert layer_of("nemo_is_plugin.kernels.chunk_math") == "kernels"
     assert layer_of("nemo_is_plugin.common.once") == "base"
     assert {name for name, _, _ in imports("nemo_is_plugin.kernels.chunk_math")} >= {"nemo_is_plugin.common.once"}
-    assert layer_of("nemo_is_plugin.distributed.vocab_parallel") == "distributed"
+    assert layer_of("nemo_is_plugin.distributed.head.vocab_parallel") == "distributed"
     assert layer_of("nemo_is_plugin.adapters.nemo_rl") == "integration"
     assert layer_of("nemo_is_plugin") == "loss"
     # the config's schema is the bottom layer; the config assembled from the objectives' key sections is above them
@@ -236,4 +236,4 @@ def test_the_checks_see_upward_imports_and_cycles():
     assert {name for name, _, _ in imports("nemo_is_plugin.config.model")} >= {"nemo_is_plugin.loss.objectives"}
     # a lazy import inside a function counts: the NeMo-RL adapter builds the LOGIT loss that way
     adapter_imports = {name for name, _, _ in imports("nemo_is_plugin.adapters.nemo_rl")}
-    assert "nemo_is_plugin.distributed.logit_loss" in adapter_imports
+    assert "nemo_is_plugin.distributed.entry_points.logit_loss" in adapter_imports

@@ -15,9 +15,9 @@ What NeMo-RL's workers rely on (see :mod:`nemo_is_plugin.adapters.protocol`) and
 - ``loss_type``: TOKEN_LEVEL for ``token-mean`` aggregation, SEQUENCE_LEVEL for the per-sequence aggregations;
 - ``input_type``: LOGPROB (the worker computes ``next_token_logprobs``, TP/CP-exact), or LOGIT (the worker hands over
   this rank's ``logits [B, S/CP, V/TP]`` and the loss runs through the plugin's LOGIT entry point,
-  :class:`~nemo_is_plugin.distributed.logit_loss.LogitClippedPGLoss`: chunked vocab-parallel log-probs, CP-sharded
-  sequences kept sharded). The groups come from the call's ``vocab_parallel_group`` / ``context_parallel_group``
-  keywords when the host passes them, else from ``groups`` given at construction;
+  :class:`~nemo_is_plugin.distributed.entry_points.logit_loss.LogitClippedPGLoss`: chunked vocab-parallel log-probs,
+  CP-sharded sequences kept sharded). The groups come from the call's ``vocab_parallel_group`` /
+  ``context_parallel_group`` keywords when the host passes them, else from ``groups`` given at construction;
 - ``metric_normalizations``: the global count each metric was divided by (TOKENS / SEQUENCES / NONE), so that the
   split API (every micro-batch called with ``global_valid_* = 1``, rescaled once per step) rescales each metric
   correctly; extrema, ``num_valid_samples`` and ``positive_nll_loss`` are NONE;
@@ -49,13 +49,13 @@ from pydantic import BaseModel
 from nemo_is_plugin.adapters.normalizers import loss_type_of
 from nemo_is_plugin.adapters.protocol import LossInputType, MetricNormalizer
 from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.distributed.groups import ParallelGroups
+from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
 from nemo_is_plugin.loss import registry
 from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.distributed.cp_sharding import CPOrder
-    from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
+    from nemo_is_plugin.distributed.entry_points.logit_loss import LogitClippedPGLoss
+    from nemo_is_plugin.distributed.parallel.cp_sharding import CPOrder
 
 PARALLEL_STATE = "parallel_state"  # groups sentinel: read megatron-core's groups inside the worker
 GroupsSpec = None | str | ParallelGroups
@@ -162,7 +162,7 @@ class NeMoRLLossFn:
         self.config: ClippedPGLossConfig = self.loss.config
         self._logit_loss: LogitClippedPGLoss | None = None
         if self.input_type == LossInputType.LOGIT:
-            from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
+            from nemo_is_plugin.distributed.entry_points.logit_loss import LogitClippedPGLoss
 
             self._logit_loss = LogitClippedPGLoss(self.loss, **self._logit_options)
         self.loss_type = loss_type_of(self.config)

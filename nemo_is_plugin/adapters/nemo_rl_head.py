@@ -9,7 +9,7 @@ every log-prob pass: the training pass and the no-grad passes (previous and refe
 per chunk, fp32 logits, a backward that recomputes them and forms dX and dW with fp32 GEMMs.
 
 :func:`from_parallel_hidden_states_to_logprobs` here takes the same arguments and returns the same thing, computed
-by the plugin's chunked head (:mod:`~nemo_is_plugin.distributed.sequence_head`):
+by the plugin's chunked head (:mod:`~nemo_is_plugin.distributed.head.sequence_head`):
 
 - sequence-first hidden states ``[S/TP, B, H]``; with ``TP > 1`` they are all-gathered over TP (NeMo-RL always does:
   its fused path runs with sequence parallelism) and dX is reduce-scattered back; dW is this rank's ``[V/TP, H]``;
@@ -26,7 +26,7 @@ Beyond NeMo-RL's function (keyword-only, for the upstream changes docs/nemo_rl.m
 asserts a CP size of 1), packed sequences (``cu_seqlens_padded``: rolled per sequence, returned packed ``[1, T]`` or,
 with ``unpacked_seqlen``, unpacked as ``[B, unpacked_seqlen - 1]``), ``temperature``, and NeMo-RL's top-k / top-p
 training filter (``top_k``, ``top_p``: the filtered and the unfiltered log-probs,
-:mod:`~nemo_is_plugin.distributed.filtered_head`).
+:mod:`~nemo_is_plugin.distributed.head.filtered_head`).
 
 The switch: ``NEMO_IS_NEMO_RL_HEAD=1`` in the environment that starts NeMo-RL's driver. NeMo-RL copies the driver's
 environment into every worker's Ray runtime environment, and the plugin's startup hook (a ``sitecustomize`` that
@@ -48,9 +48,13 @@ from typing import Any
 
 import torch
 
-from nemo_is_plugin.distributed.cp_sharding import CPOrder
-from nemo_is_plugin.distributed.groups import ProcessGroup, effective, group_rank, group_size
-from nemo_is_plugin.distributed.sequence_head import SequenceLayout, next_token_logprobs, unpack_next_token_logprobs
+from nemo_is_plugin.distributed.head.sequence_head import (
+    SequenceLayout,
+    next_token_logprobs,
+    unpack_next_token_logprobs,
+)
+from nemo_is_plugin.distributed.parallel.cp_sharding import CPOrder
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, effective, group_rank, group_size
 
 SWITCH_ENV = "NEMO_IS_NEMO_RL_HEAD"
 TARGET_MODULE = "nemo_rl.distributed.model_utils"

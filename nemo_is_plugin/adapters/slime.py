@@ -60,9 +60,9 @@ from nemo_is_plugin.adapters.slime_config import (
 )
 from nemo_is_plugin.adapters.slime_layout import ResponseShard
 from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
-from nemo_is_plugin.distributed.data_parallel import with_data_parallel
-from nemo_is_plugin.distributed.groups import ParallelGroups, ProcessGroup
-from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
+from nemo_is_plugin.distributed.parallel.groups import ParallelGroups, ProcessGroup
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
 from nemo_is_plugin.loss.ratios import unmasked_positions

@@ -11,8 +11,8 @@ and rank r holds chunks r and 2 * cp - 1 - r, laid out as ``2 * chunk`` rows per
 
 :class:`ResponseShard` holds that bookkeeping once (Python ints: slime's lengths are lists, so there is no host
 synchronisation) and gives the plugin's :class:`~nemo_is_plugin.loss.layout.TokenLayout` of the local tokens: a
-packed layout without CP, a :class:`~nemo_is_plugin.distributed.context_parallel.CPTokenLayout` with global chunk ids
-under CP, so that sequence sums and cumulative prefixes span the CP ranks exactly.
+packed layout without CP, a :class:`~nemo_is_plugin.distributed.parallel.context_parallel.CPTokenLayout` with global
+chunk ids under CP, so that sequence sums and cumulative prefixes span the CP ranks exactly.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_is_plugin.distributed.context_parallel import CPTokenLayout
-from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank, group_size
+from nemo_is_plugin.distributed.parallel.context_parallel import CPTokenLayout
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank, group_size
 from nemo_is_plugin.loss.layout import TokenLayout
 
 

@@ -14,7 +14,7 @@ verl, and gets ``[T]`` fp32 log-probs and entropy of ``softmax(h W^T / temperatu
 returns is this rank's share, summed over TP by the gather's backward (a reduce-scatter).
 
 :func:`linear_cross_entropy` here takes the same arguments and returns the same thing, computed by the plugin's chunked
-head (:func:`~nemo_is_plugin.distributed.fused_linear.fused_linear_logprobs` with ``reduce_grad_hidden=False``).
+head (:func:`~nemo_is_plugin.distributed.head.fused_linear.fused_linear_logprobs` with ``reduce_grad_hidden=False``).
 
 The switch, in verl's words: ``actor_rollout_ref.model.fused_kernel_options.impl_backend=nemo_is`` together with
 ``actor_rollout_ref.model.use_fused_kernels=True`` (verl's ``fused_kernel_options.impl_backend`` names the fused
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from nemo_is_plugin.adapters.nemo_rl_head import HostPatchError
-from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
-from nemo_is_plugin.distributed.groups import ProcessGroup, effective
+from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, effective
 
 BACKEND = "nemo_is"  # actor_rollout_ref.model.fused_kernel_options.impl_backend
 TARGET = "linear_cross_entropy"

@@ -3,8 +3,9 @@ nemo_is_plugin.bench.loss_gradient_timing [--device cpu|cuda] [--tokens N] [--hi
 
 Per config it times (best round on CPU, median on CUDA, as :class:`~nemo_is_plugin.bench.device.BenchDevice`):
 
-- ``fused``: one :func:`~nemo_is_plugin.distributed.fused_linear_loss.fused_linear_pg_loss` forward + backward (the
-  single pass when the config allows it: 3 ``[tokens x vocab]`` GEMMs, the two elementwise passes, g per chunk);
+- ``fused``: one :func:`~nemo_is_plugin.distributed.entry_points.fused_linear_loss.fused_linear_pg_loss` forward +
+  backward (the single pass when the config allows it: 3 ``[tokens x vocab]`` GEMMs, the two elementwise passes, g per
+  chunk);
 - ``build``: :meth:`TokenLossGradient.build` (the batch constants, once per call);
 - ``grad``: g of every chunk, :class:`~nemo_is_plugin.loss.separable.TokenLossGradient` as the fused path calls it;
 - ``func_vjp``: the same chunk terms differentiated by ``torch.func.vjp`` instead of ``torch.autograd.grad``.
@@ -24,7 +25,7 @@ import torch
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.device import BenchDevice
 from nemo_is_plugin.bench.problem import HeadProblem, make_problem
-from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
 from nemo_is_plugin.loss.separable import PrefixCarry, TokenLossGradient, single_pass_blocker
 
 CONFIGS = {

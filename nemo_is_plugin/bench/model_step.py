@@ -263,7 +263,7 @@ def step_inputs(shape: StepShape, dev: BenchDevice, seed: int) -> StepInputs:
 
 def variant_loss(name: str, model, inputs: StepInputs, loss_fn, chunk_size: int | None) -> torch.Tensor:
     """One forward + loss of variant ``name`` (the output layer must already be bypassed for all but ``naive``)."""
-    from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
+    from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
 
     out = model(inputs.input_ids, inputs.position_ids, inputs.attention_mask)
     rl = inputs.batch

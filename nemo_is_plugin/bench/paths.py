@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from nemo_is_plugin.bench.problem import HeadProblem
-from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
-from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
-from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 
 LogprobFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (loss_fn, problem, hidden, weight) -> loss: a path that computes the loss itself from hidden states

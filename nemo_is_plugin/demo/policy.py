@@ -18,7 +18,7 @@ import torch
 
 from nemo_is_plugin.demo import model as mdl
 from nemo_is_plugin.demo.task import PAD, sft_batch
-from nemo_is_plugin.distributed.data_parallel import combine_metrics
+from nemo_is_plugin.distributed.parallel.data_parallel import combine_metrics
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 

@@ -17,7 +17,7 @@ from nemo_is_plugin.bench.jobs import bench_loss_fn, fwd_bwd_job
 from nemo_is_plugin.bench.paths import FusedVariant, fused_path, logprob_paths
 from nemo_is_plugin.bench.problem import make_problem
 from nemo_is_plugin.bench.shapes import PATHS, QUICK_SHAPES, BenchConfig
-from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
 
 
 def test_every_path_is_in_the_table_and_the_plugin_subset_is_unchanged():

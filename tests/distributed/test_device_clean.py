@@ -19,8 +19,12 @@ from helpers.device_guard import assert_identical, count_host_syncs, device_guar
 
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.problem import make_problem
-from nemo_is_plugin.distributed.context_parallel import CPTokenLayout, cp_layout
-from nemo_is_plugin.distributed.cp_sharding import (
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.distributed.entry_points.logit_loss import LogitClippedPGLoss
+from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.parallel.context_parallel import CPTokenLayout, cp_layout
+from nemo_is_plugin.distributed.parallel.cp_sharding import (
     CP_ORDERS,
     local_cu_seqlens,
     local_tokens,
@@ -28,11 +32,7 @@ from nemo_is_plugin.distributed.cp_sharding import (
     shard_packed,
     shard_padded,
 )
-from nemo_is_plugin.distributed.data_parallel import all_reduce_metrics
-from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
-from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
-from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
-from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.parallel.data_parallel import all_reduce_metrics
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 

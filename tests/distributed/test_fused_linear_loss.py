@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-import nemo_is_plugin.distributed.fused_linear as fused_linear_module
+import nemo_is_plugin.distributed.head.fused_linear as fused_linear_module
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.bench.paths import logprob_paths, naive_logprobs
 

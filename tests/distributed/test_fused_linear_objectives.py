@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import nemo_is_plugin.distributed.fused_linear as fused_linear_module
-import nemo_is_plugin.distributed.fused_linear_loss as fused_loss_module
+import nemo_is_plugin.distributed.entry_points.fused_linear_loss as fused_loss_module
+import nemo_is_plugin.distributed.head.fused_linear as fused_linear_module
 from nemo_is_plugin.bench.paths import naive_logprobs
 
 from ._fused_cases import LOCAL_OBJECTIVES as LOCAL

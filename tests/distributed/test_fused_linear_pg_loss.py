@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-import nemo_is_plugin.distributed.fused_linear as fused_linear_module
-import nemo_is_plugin.distributed.fused_linear_loss as fused_loss_module
+import nemo_is_plugin.distributed.entry_points.fused_linear_loss as fused_loss_module
+import nemo_is_plugin.distributed.head.fused_linear as fused_linear_module
 from nemo_is_plugin.bench.paths import naive_logprobs
 from nemo_is_plugin.bench.problem import make_problem
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_max, all_reduce_sum
-from nemo_is_plugin.distributed.context_parallel import cp_layout
-from nemo_is_plugin.distributed.cp_sharding import local_tokens, num_chunks, shard_padded
-from nemo_is_plugin.distributed.data_parallel import all_reduce_metrics, combine_metrics, global_valid_counts
-from nemo_is_plugin.distributed.groups import ParallelGroups, group_rank, group_size
-from nemo_is_plugin.distributed.pipeline import broadcast_metrics_from_last_stage
-from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.parallel.collectives import all_gather, all_reduce_max, all_reduce_sum
+from nemo_is_plugin.distributed.parallel.context_parallel import cp_layout
+from nemo_is_plugin.distributed.parallel.cp_sharding import local_tokens, num_chunks, shard_padded
+from nemo_is_plugin.distributed.parallel.data_parallel import all_reduce_metrics, combine_metrics, global_valid_counts
+from nemo_is_plugin.distributed.parallel.groups import ParallelGroups, group_rank, group_size
+from nemo_is_plugin.distributed.parallel.pipeline import broadcast_metrics_from_last_stage
 from nemo_is_plugin.loss.layout import TokenLayout
 
 

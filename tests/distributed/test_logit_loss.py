@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss, next_token_aligned
+from nemo_is_plugin.distributed.entry_points.logit_loss import LogitClippedPGLoss, next_token_aligned
 from nemo_is_plugin.loss import ClippedPGLoss
 
 from ._loss_cases import (

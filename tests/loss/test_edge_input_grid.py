@@ -36,8 +36,8 @@ from helpers.edge_checks import Outcome, check_outcome, check_weight_rule, count
 from helpers.edge_inputs import EDGE_INPUTS, expectation
 
 from nemo_is_plugin import TokenLayout, build_loss_fn
-from nemo_is_plugin.distributed.context_parallel import CPTokenLayout
-from nemo_is_plugin.distributed.cp_sharding import local_tokens, num_chunks
+from nemo_is_plugin.distributed.parallel.context_parallel import CPTokenLayout
+from nemo_is_plugin.distributed.parallel.cp_sharding import local_tokens, num_chunks
 from nemo_is_plugin.loss import LossInputs
 
 GRID = config_grid()

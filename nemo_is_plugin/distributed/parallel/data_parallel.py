@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.distributed.collectives import all_reduce_max, all_reduce_sum
-from nemo_is_plugin.distributed.groups import ProcessGroup, collective_device, group_size
+from nemo_is_plugin.distributed.parallel.collectives import all_reduce_max, all_reduce_sum
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, collective_device, group_size
 from nemo_is_plugin.loss.layout import TokenLayout
 
 

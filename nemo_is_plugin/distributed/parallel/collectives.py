@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank, group_size
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank, group_size
 
 
 def _is_trivial(group: ProcessGroup | None) -> bool:

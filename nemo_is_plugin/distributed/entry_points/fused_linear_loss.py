@@ -24,7 +24,7 @@ Two schedules, same loss, metrics and gradients:
   recomputing backward: the loss gradient of a token needs log-probs that come later.
 
 Parallelism: TP (vocab-sharded weight) and sequence parallelism; not CP (the batch would need the sharding that
-:class:`~nemo_is_plugin.distributed.logit_loss.LogitClippedPGLoss` does: use that entry point under CP).
+:class:`~nemo_is_plugin.distributed.entry_points.logit_loss.LogitClippedPGLoss` does: use that entry point under CP).
 
 Either way no more than one chunk of logits is alive. The loss value and the metrics are always
 :meth:`ClippedPGLoss.compute` on the final log-probs (reusing the IS correction the gradient was built with), as in the
@@ -39,9 +39,7 @@ from typing import Any
 
 import torch
 
-from nemo_is_plugin.distributed.collectives import all_gather
-from nemo_is_plugin.distributed.data_parallel import with_data_parallel
-from nemo_is_plugin.distributed.fused_linear import (
+from nemo_is_plugin.distributed.head.fused_linear import (
     HeadChunks,
     HeadOptions,
     check_grad_weight_out,
@@ -49,8 +47,10 @@ from nemo_is_plugin.distributed.fused_linear import (
     chunk_logits,
     fused_linear_logprobs,
 )
-from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
-from nemo_is_plugin.distributed.vocab_parallel import reduce_partials
+from nemo_is_plugin.distributed.head.vocab_parallel import reduce_partials
+from nemo_is_plugin.distributed.parallel.collectives import all_gather
+from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank
 from nemo_is_plugin.kernels.gemm import acc_dtype, compute_dtype
 from nemo_is_plugin.kernels.softmax_partials import finalize_partials
 from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target
@@ -140,7 +140,7 @@ def fused_linear_pg_loss(
     Args:
         loss_fn: the configured :class:`ClippedPGLoss`.
         hidden, weight, target, tp_group, chunk_size, temperature, sequence_parallel, backend, grad_weight_dtype: as
-            :func:`~nemo_is_plugin.distributed.fused_linear.fused_linear_logprobs`.
+            :func:`~nemo_is_plugin.distributed.head.fused_linear.fused_linear_logprobs`.
         grad_weight_out: as there (the weight's gradient is added into it, ``weight.grad`` stays untouched). In the
             single pass the chunks accumulate into a dW-sized temporary (``grad_weight_dtype``) during the forward,
             added to ``grad_weight_out`` times the upstream gradient in the backward (one pass over V/TP x H).

@@ -15,7 +15,7 @@ The actor loss reads the filtered log-probs, the KL penalty the unfiltered ones 
 per chunk of tokens the TP ranks all-gather their ``[n, V/TP]`` logits into ``[n, V]`` (the memory of the chunk times
 TP; chunks are sized for it by ``FILTER_CHUNK_BYTES``), and top-p sorts the row, as NeMo-RL does. The backward
 recomputes each chunk (no ``[N, V]`` tensor is kept): 4 GEMMs, torch only. With neither filter this module is not
-needed: :func:`~nemo_is_plugin.distributed.fused_linear.fused_linear_logprobs` is the fast path.
+needed: :func:`~nemo_is_plugin.distributed.head.fused_linear.fused_linear_logprobs` is the fast path.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.distributed.collectives import all_reduce_sum
-from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank, group_size
+from nemo_is_plugin.distributed.parallel.collectives import all_reduce_sum
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank, group_size
 from nemo_is_plugin.kernels.gemm import acc_dtype, compute_dtype
 
 FILTER_CHUNK_BYTES = 256 * 2**20  # per chunk: the gathered fp32 row block and top-p's sort buffers (~24 B / entry)

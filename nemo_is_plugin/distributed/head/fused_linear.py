@@ -42,9 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_sum
-from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
-from nemo_is_plugin.distributed.vocab_parallel import reduce_partials
+from nemo_is_plugin.distributed.head.vocab_parallel import reduce_partials
+from nemo_is_plugin.distributed.parallel.collectives import all_gather, all_reduce_sum
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank
 from nemo_is_plugin.kernels.chunk_math import ChunkMath, resolve_backend
 from nemo_is_plugin.kernels.chunking import chunk_slices, plan_chunks
 from nemo_is_plugin.kernels.gemm import (

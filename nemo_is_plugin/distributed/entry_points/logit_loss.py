@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from nemo_is_plugin.distributed.context_parallel import cp_layout
-from nemo_is_plugin.distributed.cp_sharding import CPOrder
-from nemo_is_plugin.distributed.data_parallel import with_data_parallel
-from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank, group_size
-from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.parallel.context_parallel import cp_layout
+from nemo_is_plugin.distributed.parallel.cp_sharding import CPOrder
+from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank, group_size
 from nemo_is_plugin.loss.clipped_pg import TOKEN_KEYS, ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout, host_ints
 from nemo_is_plugin.loss.masked import EPS, where_mask

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from nemo_is_plugin.distributed.collectives import all_reduce_max, all_reduce_sum
-from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank
+from nemo_is_plugin.distributed.parallel.collectives import all_reduce_max, all_reduce_sum
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank
 from nemo_is_plugin.kernels.chunk_math import ChunkMath, resolve_backend
 from nemo_is_plugin.kernels.chunking import chunk_slices, default_chunk_size
 from nemo_is_plugin.kernels.gemm import acc_dtype

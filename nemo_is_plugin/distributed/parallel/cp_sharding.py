@@ -21,8 +21,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from nemo_is_plugin.distributed.collectives import all_gather
-from nemo_is_plugin.distributed.groups import ProcessGroup, group_size
+from nemo_is_plugin.distributed.parallel.collectives import all_gather
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_size
 from nemo_is_plugin.loss.layout import host_ints
 
 CPOrder = Literal["load_balanced", "contiguous"]

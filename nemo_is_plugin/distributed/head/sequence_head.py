@@ -14,7 +14,7 @@ one position per sequence (the last position wraps to the sequence's first label
 next label of a chunk's last position lives on another rank, so a CP-sharded label tensor is all-gathered (int64,
 ``[b, S]`` or ``[T]``: a few bytes per token), rolled, and this rank's share taken again.
 
-:func:`next_token_logprobs` runs the plugin's chunked head (:func:`~nemo_is_plugin.distributed.fused_linear.
+:func:`next_token_logprobs` runs the plugin's chunked head (:func:`~nemo_is_plugin.distributed.head.fused_linear.
 fused_linear_logprobs`: no ``[tokens, V]`` logits beyond one chunk, TP merge of ``[N]`` partials) on this rank's
 tokens and, under CP, all-gathers the log-probs into the full sequence on every CP rank (differentiable: the backward
 all-reduces the gradients over CP and keeps this rank's share, so a loss every CP rank computes and divides by the CP
@@ -33,17 +33,17 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_is_plugin.distributed.collectives import all_gather
-from nemo_is_plugin.distributed.cp_sharding import (
+from nemo_is_plugin.distributed.head.filtered_head import filtered_linear_logprobs, filtering
+from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
+from nemo_is_plugin.distributed.parallel.collectives import all_gather
+from nemo_is_plugin.distributed.parallel.cp_sharding import (
     CPOrder,
     gather_packed,
     gather_padded,
     shard_packed,
     shard_padded,
 )
-from nemo_is_plugin.distributed.filtered_head import filtered_linear_logprobs, filtering
-from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
-from nemo_is_plugin.distributed.groups import ProcessGroup, effective, group_rank, group_size
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, effective, group_rank, group_size
 from nemo_is_plugin.loss.layout import host_ints
 
 
@@ -157,9 +157,9 @@ def next_token_logprobs(
         weight: ``[V/TP, H]`` this rank's LM-head rows.
         labels: the input ids, ``[b, S]`` or this CP rank's ``[b, S/cp]`` (packed: ``[1, T]`` / ``[1, T/cp]``).
         tp_group, sequence_parallel, temperature, with_entropy, chunk_size, backend: as
-            :func:`~nemo_is_plugin.distributed.fused_linear.fused_linear_logprobs`.
+            :func:`~nemo_is_plugin.distributed.head.fused_linear.fused_linear_logprobs`.
         layout: padded or packed, CP group and order (None: padded, no CP).
-        top_k, top_p: NeMo-RL's training-time filter (:mod:`~nemo_is_plugin.distributed.filtered_head`); when it
+        top_k, top_p: NeMo-RL's training-time filter (:mod:`~nemo_is_plugin.distributed.head.filtered_head`); when it
             filters, the result is ``(filtered, unfiltered)`` log-probs (no entropy).
 
     Returns:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from nemo_is_plugin.distributed.groups import ParallelGroups
+from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
 
 
 def broadcast_metrics_from_last_stage(metrics: dict[str, float] | None, groups: ParallelGroups) -> dict[str, float]:

@@ -26,9 +26,9 @@ from collections.abc import Sequence
 
 import torch
 
-from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_max, all_reduce_min, all_reduce_sum
-from nemo_is_plugin.distributed.cp_sharding import CPOrder, local_cu_seqlens, local_tokens, num_chunks
-from nemo_is_plugin.distributed.groups import ProcessGroup, group_rank, group_size
+from nemo_is_plugin.distributed.parallel.collectives import all_gather, all_reduce_max, all_reduce_min, all_reduce_sum
+from nemo_is_plugin.distributed.parallel.cp_sharding import CPOrder, local_cu_seqlens, local_tokens, num_chunks
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank, group_size
 from nemo_is_plugin.loss.layout import TokenLayout, host_ints
 
 
