@@ -14,7 +14,7 @@ import torch
 from _nemo_rl_driver import Scenario, isclose, run_dp, run_local
 
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn, build_nemo_rl_loss_fn
-from nemo_is_plugin.adapters.protocol import LossFunction, LossType
+from nemo_is_plugin.adapters.nemo_rl.protocol import LossFunction, LossType
 from nemo_is_plugin.loss import ClippedPGLoss
 
 ROOT = Path(__file__).resolve().parents[1]

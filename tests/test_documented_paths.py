@@ -101,7 +101,7 @@ def test_the_public_entry_points_are_documented():
         "nemo_is_plugin.cli.main.app",
         "nemo_is_plugin.registry.build_loss_fn",
         "nemo_is_plugin.recipes.load_loss_spec",
-        "nemo_is_plugin.adapters.verl_plugin",
+        "nemo_is_plugin.adapters.verl.plugin",
     ):
         assert name in DOTTED, name
 

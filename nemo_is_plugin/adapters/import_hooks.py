@@ -9,8 +9,8 @@ import itself raise (importlib then removes the half-patched module): a patch th
 process instead of letting the host's own code run silently.
 
 Standard library only, and no import of the package: the plugin's startup hook
-(``nemo_is_plugin/adapters/startup/sitecustomize.py``) loads this file by path at interpreter start, before torch or
-the plugin could be imported. The registry lives on the ``sys`` module, so a copy loaded that way and
+(``nemo_is_plugin/adapters/nemo_rl/startup/sitecustomize.py``) loads this file by path at interpreter start, before
+torch or the plugin could be imported. The registry lives on the ``sys`` module, so a copy loaded that way and
 ``nemo_is_plugin.adapters.import_hooks`` share it.
 """
 

@@ -4,10 +4,10 @@ Each head computes next-token log-probs (verl's: and entropy) from hidden states
 backward to dX and dW with a fixed random upstream gradient, on one TP rank's ``V/tp`` rows (no collectives):
 
 - ``plugin``: :func:`~nemo_is_plugin.distributed.head.fused_linear.fused_linear_logprobs` (``[N, H]`` -> ``[N]``);
-- ``plugin_nemo_rl``: the plugin's drop-in for NeMo-RL's function (:mod:`~nemo_is_plugin.adapters.nemo_rl_head`);
+- ``plugin_nemo_rl``: the plugin's drop-in for NeMo-RL's function (:mod:`~nemo_is_plugin.adapters.nemo_rl.head`);
 - ``nemo_rl``: NeMo-RL's ``from_parallel_hidden_states_to_logprobs`` (its fused path, chunk 256, its default):
   ``[S, B, H]`` -> ``[B, S-1]``;
-- ``plugin_verl``: the plugin's drop-in for verl's kernel (:mod:`~nemo_is_plugin.adapters.verl_head`), log-probs and
+- ``plugin_verl``: the plugin's drop-in for verl's kernel (:mod:`~nemo_is_plugin.adapters.verl.head`), log-probs and
   entropy;
 - ``verl``: verl's ``linear_cross_entropy`` (its Triton kernel, CUDA only): ``[N, H]`` -> ``[N]``, ``[N]``.
 
@@ -178,8 +178,8 @@ def make_inputs(shape: ModelShape, tokens: int, batch: int, tp: int, dev: BenchD
 
 def head_job(name: str, inp: HeadInputs, hosts: dict[str, Callable], cfg: HostHeadsConfig, group) -> Job:
     """Forward + backward of head ``name``: returns (log-probs, entropy or None, dX, dW)."""
-    from nemo_is_plugin.adapters.nemo_rl_head import from_parallel_hidden_states_to_logprobs
-    from nemo_is_plugin.adapters.verl_head import linear_cross_entropy
+    from nemo_is_plugin.adapters.nemo_rl.head import from_parallel_hidden_states_to_logprobs
+    from nemo_is_plugin.adapters.verl.head import linear_cross_entropy
     from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
 
     h = inp.hidden.detach().requires_grad_(True)

@@ -10,7 +10,7 @@ output directory) or any YAML holding the sections below -- read with ``defaults
 - ``actor_rollout_ref.actor.policy_loss``: ``loss_mode``, verl's other loss keys, and ``nemo_is``, the plugin's section
   (its keys are the plugin keys). The compared mode is ``loss_mode`` itself when it names one of verl's losses, or the
   section's ``loss_mode`` (default ``vanilla``) when it is the plugin's ``nemo_is.clipped_pg``; every mode the verl
-  adapter maps is compared (:data:`~nemo_is_plugin.adapters.verl_loss_modes.VERL_LOSS_MODES`), the modes it refuses
+  adapter maps is compared (:data:`~nemo_is_plugin.adapters.verl.loss_modes.VERL_LOSS_MODES`), the modes it refuses
   (``clip_cov``, ``kl_cov``; ``bypass_mode``, below) stop the command with the reason;
 - ``algorithm.rollout_correction``: verl's rollout correction, which verl's driver computes before any policy loss
   runs (``compute_rollout_correction_and_rejection_mask`` in ``verl.trainer.ppo.rollout_corr_helper``).
@@ -83,8 +83,8 @@ def _node(cfg: DictConfig, path: str) -> dict[str, Any]:
 
 def compared_loss_mode(loss_mode: Any, where: str) -> str:
     """The verl loss mode compat compares, or a :class:`VerlCompatConfigError` with the one-line reason it cannot
-    (the mapped and refused modes are the verl adapter's: :mod:`~nemo_is_plugin.adapters.verl_loss_modes`)."""
-    from nemo_is_plugin.adapters.verl_loss_modes import REFUSED_LOSS_MODES, VERL_LOSS_MODES
+    (the mapped and refused modes are the verl adapter's: :mod:`~nemo_is_plugin.adapters.verl.loss_modes`)."""
+    from nemo_is_plugin.adapters.verl.loss_modes import REFUSED_LOSS_MODES, VERL_LOSS_MODES
 
     if loss_mode == "bypass_mode":
         raise VerlCompatConfigError(f"{where}={loss_mode!r}: {BYPASS_REASON}")
@@ -108,13 +108,13 @@ class VerlHost:
 
     def __init__(self, config: str | Path, overrides: list[str] | tuple[str, ...] = ()):
         from nemo_is_plugin.adapters.recipes import load_yaml
-        from nemo_is_plugin.adapters.verl import PLUGIN_SECTION, VERL_LOSS_NAME, verl_config
-        from nemo_is_plugin.adapters.verl_config import (
+        from nemo_is_plugin.adapters.verl.config import (
             ROLLOUT_CORRECTION_DEFAULTS,
             plugin_section_keys,
             rollout_correction_keys,
         )
-        from nemo_is_plugin.adapters.verl_loss_modes import FORCED_AGGREGATION
+        from nemo_is_plugin.adapters.verl.loss_modes import FORCED_AGGREGATION
+        from nemo_is_plugin.adapters.verl.policy_loss import PLUGIN_SECTION, VERL_LOSS_NAME, verl_config
 
         self._core = import_host("verl.trainer.ppo.core_algos", INSTALL_HINT, "verl")
         self._helper = import_host("verl.trainer.ppo.rollout_corr_helper", INSTALL_HINT, "verl")
@@ -175,7 +175,7 @@ class VerlHost:
         if section is None:
             policy_loss = PolicyLossConfig(loss_mode=loss_mode, **self._loss_keys)
         else:
-            from nemo_is_plugin.adapters.verl_hydra import PolicyLossConfig as PluginPolicyLossConfig
+            from nemo_is_plugin.adapters.verl.hydra import PolicyLossConfig as PluginPolicyLossConfig
 
             policy_loss = PluginPolicyLossConfig(loss_mode=loss_mode, nemo_is=section, **self._loss_keys)
         return ActorConfig(

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
-from nemo_is_plugin.adapters.normalizers import renormalize
-from nemo_is_plugin.adapters.protocol import MetricNormalizer
+from nemo_is_plugin.adapters.nemo_rl.protocol import MetricNormalizer
+from nemo_is_plugin.adapters.shared import renormalize
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.metrics import Denominator, MetricValues
 

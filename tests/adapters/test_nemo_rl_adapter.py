@@ -10,7 +10,7 @@ import torch
 from helpers.golden_utils import load_cases
 
 from nemo_is_plugin.adapters.nemo_rl import PARALLEL_STATE, NeMoRLLossFn, build_nemo_rl_loss_fn
-from nemo_is_plugin.adapters.protocol import LossFunction, LossInputType, LossType, MetricNormalizer
+from nemo_is_plugin.adapters.nemo_rl.protocol import LossFunction, LossInputType, LossType, MetricNormalizer
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
 from nemo_is_plugin.loss import ClippedPGLoss

@@ -153,7 +153,7 @@ def test_without_verl_installed_one_line_names_what_to_install(tmp_path, monkeyp
 # verl's other loss modes: verl's own function for the mode against the plugin's mapping of it
 # ---------------------------------------------------------------------------------------------------------------------
 
-from nemo_is_plugin.adapters.verl_loss_modes import (  # noqa: E402
+from nemo_is_plugin.adapters.verl.loss_modes import (  # noqa: E402
     FORCED_AGGREGATION,
     REFUSED_LOSS_MODES,
     VERL_LOSS_MODES,

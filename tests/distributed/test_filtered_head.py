@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_is_plugin.adapters.nemo_rl_head import from_parallel_hidden_states_to_logprobs
+from nemo_is_plugin.adapters.nemo_rl.head import from_parallel_hidden_states_to_logprobs
 from nemo_is_plugin.distributed.head.filtered_head import filtered_linear_logprobs, filtering, keep_mask
 
 N, H, V, T = 14, 8, 31, 0.8

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.adapters import nemo_rl_head
+from nemo_is_plugin.adapters.nemo_rl import head as nemo_rl_head
 from nemo_is_plugin.bench.problem import vocab_shard
 
 WORLD = 2

@@ -2,7 +2,8 @@
 
 verl computes ``rollout_is_weights`` itself (``algorithm.rollout_correction``: token or sequence level, truncated,
 optionally batch-normalised) and passes only those; the plugin computes its weights from the rollout log-probs. By who
-owns the correction:
+owns the correction (the rule every host shares: :func:`~nemo_is_plugin.adapters.shared.owns_correction`; with
+bypass mode, the loss reads log mu: :func:`~nemo_is_plugin.adapters.shared.reads_rollout_logprobs`):
 
 - plugin IS off (``use_importance_sampling_correction: false``, no rejection, no veto): verl owns it. verl's weights
   multiply the per-token loss, exactly as in verl's own losses (none given: weight 1).
@@ -21,18 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
-
-
-def owns_correction(cfg: ClippedPGLossConfig) -> bool:
-    """Whether the plugin's config needs log mu (its own IS weights, a rejection, a veto, or bypass mode)."""
-    return (
-        cfg.use_importance_sampling_correction
-        or cfg.truncated_importance_sampling_type in REJECTION_TYPES
-        or bool(cfg.rejection_rules)
-        or cfg.importance_sampling_veto_threshold is not None
-        or cfg.bypasses_prev
-    )
+from nemo_is_plugin.config import ClippedPGLossConfig
 
 
 def generation_logprobs(old: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -47,7 +37,7 @@ def generation_logprobs(old: torch.Tensor, mask: torch.Tensor, weights: torch.Te
 
 def rollout_logprobs(
     cfg: ClippedPGLossConfig,
-    owns: bool,
+    reads_mu: bool,
     weights_only: bool,
     old_log_prob: torch.Tensor,
     mask: torch.Tensor,
@@ -58,7 +48,7 @@ def rollout_logprobs(
 ) -> torch.Tensor:
     """The rollout log-probs log mu the loss sees (see the module docstring); ``loss_name`` names the registered loss
     in the error raised when the plugin owns the correction and has neither input."""
-    if rollout_log_probs is not None and owns:
+    if rollout_log_probs is not None and reads_mu:
         return rollout_log_probs.detach().to(old_log_prob.dtype)
     if cfg.bypasses_prev:
         if rollout_is_weights is not None:
@@ -68,7 +58,7 @@ def rollout_logprobs(
                 "rollout log-probs and no rollout_is_weights)"
             )
         return old_log_prob.detach()
-    if owns and rollout_is_weights is not None:
+    if reads_mu and rollout_is_weights is not None:
         if bool(((rollout_is_weights <= 0) & mask).any()):
             raise ValueError(
                 "the plugin's IS correction reads verl's rollout_is_weights as raw token ratios, but "
@@ -76,7 +66,7 @@ def rollout_logprobs(
                 "a huge rollout_is_threshold (e.g. 1e9), no rollout_rs, or pass rollout_log_probs"
             )
         return generation_logprobs(old_log_prob, mask, rollout_is_weights)
-    if owns:
+    if reads_mu:
         raise ValueError(
             f"{loss_name}: the plugin's IS correction / rejection needs the rollout log-probs: "
             "enable verl's token-level rollout_is with a huge threshold (raw ratios) or pass "

@@ -5,7 +5,7 @@ Three verl sources map onto :class:`~nemo_is_plugin.config.ClippedPGLossConfig` 
 - ``algorithm.rollout_correction`` (verl 0.9.1's ``RolloutCorrectionConfig``): :func:`rollout_correction_keys`;
 - its presets (the ``RolloutCorrectionConfig`` classmethods, with verl's keyword arguments): :func:`preset_settings`;
 - ``actor_rollout_ref.actor`` / ``.policy_loss`` (clip ratios, ``loss_agg_mode``, ...): :func:`actor_keys`, for the
-  verl ``loss_mode`` the plugin section names (:mod:`~nemo_is_plugin.adapters.verl_loss_modes`).
+  verl ``loss_mode`` the plugin section names (:mod:`~nemo_is_plugin.adapters.verl.loss_modes`).
 
 Every verl key is either mapped or refused with a :class:`VerlConfigError` that says why; keys verl itself ignores in
 the given setting (``rollout_is_batch_normalize`` without ``rollout_is``, ``loss_type`` outside bypass mode) are
@@ -20,9 +20,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any, get_args
 
-from nemo_is_plugin.adapters.verl_fields import VerlConfigError, VerlConfigTypeError
-from nemo_is_plugin.adapters.verl_fields import verl_field as _get
-from nemo_is_plugin.adapters.verl_loss_modes import MODE_READS, check_loss_mode, loss_mode_keys
+from nemo_is_plugin.adapters.verl.fields import VerlConfigError, VerlConfigTypeError
+from nemo_is_plugin.adapters.verl.fields import verl_field as _get
+from nemo_is_plugin.adapters.verl.loss_modes import MODE_READS, check_loss_mode, loss_mode_keys
 from nemo_is_plugin.config import LossAggregation, verl_rejection_rule
 
 VERL_LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp in every ratio loss
@@ -329,7 +329,7 @@ def loss_scale_factor(actor: Any) -> Any:
 
 def actor_keys(actor: Any, loss_agg_mode: str, loss_mode: str = "vanilla") -> dict[str, Any]:
     """verl's actor settings as plugin keys: the defaults under which the plugin's loss is verl's ``loss_mode``
-    (``vanilla`` unless the plugin section names another: :mod:`~nemo_is_plugin.adapters.verl_loss_modes`;
+    (``vanilla`` unless the plugin section names another: :mod:`~nemo_is_plugin.adapters.verl.loss_modes`;
     ``loss_scale_factor``, the divisor of ``seq-mean-token-sum-norm``, is added once the aggregation is known)."""
     if loss_agg_mode not in VERL_AGG_MODES:
         raise VerlConfigError(f"loss_agg_mode={loss_agg_mode!r} is not one of verl's: {', '.join(VERL_AGG_MODES)}")

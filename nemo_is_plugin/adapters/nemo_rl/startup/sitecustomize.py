@@ -7,7 +7,7 @@ which NeMo-RL forwards from the driver's environment into every Ray worker's run
 
 It does nothing unless ``NEMO_IS_NEMO_RL_HEAD`` is set (and not ``0``). Then it registers, with the standard library
 only (no torch, no import of the plugin at start-up), a callback on the import of ``nemo_rl.distributed.model_utils``:
-when NeMo-RL imports that module, the callback imports ``nemo_is_plugin.adapters.nemo_rl_head`` and replaces NeMo-RL's
+when NeMo-RL imports that module, the callback imports ``nemo_is_plugin.adapters.nemo_rl.head`` and replaces NeMo-RL's
 fused log-prob function by the plugin's head, or raises, which fails NeMo-RL's import (a missing plugin, a changed
 NeMo-RL, an invalid switch value), never leaving NeMo-RL's own head running unnoticed.
 
@@ -19,7 +19,7 @@ import os as _os
 import sys as _sys
 
 _MARKER = b"nemo-is-plugin startup hook"
-_SWITCHES = {"NEMO_IS_NEMO_RL_HEAD": ("nemo_rl.distributed.model_utils", "nemo_is_plugin.adapters.nemo_rl_head")}
+_SWITCHES = {"NEMO_IS_NEMO_RL_HEAD": ("nemo_rl.distributed.model_utils", "nemo_is_plugin.adapters.nemo_rl.head")}
 
 
 def _exec_file(name, path):
@@ -32,7 +32,8 @@ def _exec_file(name, path):
 
 
 def _load_import_hooks():
-    adapters = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    # this file is nemo_is_plugin/adapters/nemo_rl/startup/sitecustomize.py; the hooks, adapters/import_hooks.py
+    adapters = _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
     return _exec_file("_nemo_is_startup_import_hooks", _os.path.join(adapters, "import_hooks.py"))
 
 

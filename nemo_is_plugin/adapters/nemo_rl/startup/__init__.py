@@ -4,7 +4,7 @@
 whose ``sitecustomize.py`` loads this one) is on ``PYTHONPATH``; see that file. ``HOOK_DIR`` is the directory to put
 on ``PYTHONPATH`` for an installed (not source-tree) plugin:
 
-    export PYTHONPATH=$(python -c "import nemo_is_plugin.adapters.startup as s; print(s.HOOK_DIR)"):$PYTHONPATH
+    export PYTHONPATH=$(python -c "import nemo_is_plugin.adapters.nemo_rl.startup as s; print(s.HOOK_DIR)"):$PYTHONPATH
 """
 
 import os

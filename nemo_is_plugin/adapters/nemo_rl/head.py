@@ -30,12 +30,12 @@ training filter (``top_k``, ``top_p``: the filtered and the unfiltered log-probs
 
 The switch: ``NEMO_IS_NEMO_RL_HEAD=1`` in the environment that starts NeMo-RL's driver. NeMo-RL copies the driver's
 environment into every worker's Ray runtime environment, and the plugin's startup hook (a ``sitecustomize`` that
-Python runs at start-up from a ``PYTHONPATH`` directory: the repository root, or ``nemo_is_plugin/adapters/startup``
-of an installed plugin) registers :func:`patch_nemo_rl` to run the moment ``nemo_rl.distributed.model_utils`` is
-imported in that process: before NeMo-RL's worker builds its model, so before the first log-prob pass.
-:func:`patch_nemo_rl` refuses (raises :class:`HostPatchError`, which fails that import) a NeMo-RL whose function is
-missing, has another signature, or is no longer looked up by name by its caller: the plugin never silently leaves
-NeMo-RL's own head running.
+Python runs at start-up from a ``PYTHONPATH`` directory: the repository root, or
+``nemo_is_plugin/adapters/nemo_rl/startup`` of an installed plugin) registers :func:`patch_nemo_rl` to run the moment
+``nemo_rl.distributed.model_utils`` is imported in that process: before NeMo-RL's worker builds its model, so before the
+first log-prob pass. :func:`patch_nemo_rl` refuses (raises :class:`HostPatchError`, which fails that import) a NeMo-RL
+whose function is missing, has another signature, or is no longer looked up by name by its caller: the plugin never
+silently leaves NeMo-RL's own head running.
 """
 
 from __future__ import annotations

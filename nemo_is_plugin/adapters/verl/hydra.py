@@ -6,7 +6,7 @@ subclass adds one field, ``nemo_is``: the plugin's keys (and optionally ``rollou
 read by the loss on every worker::
 
     actor_rollout_ref.actor.policy_loss.loss_mode=nemo_is.clipped_pg \\
-    actor_rollout_ref.actor.policy_loss._target_=nemo_is_plugin.adapters.verl_hydra.PolicyLossConfig \\
+    actor_rollout_ref.actor.policy_loss._target_=nemo_is_plugin.adapters.verl.hydra.PolicyLossConfig \\
     +actor_rollout_ref.actor.policy_loss.nemo_is.ratio_level=cumulative \\
     +actor_rollout_ref.actor.policy_loss.nemo_is.rollout_correction=decoupled_k3_rs
 

@@ -9,18 +9,18 @@ verl selects its policy loss with ``actor_rollout_ref.actor.policy_loss.loss_mod
 :class:`VerlPolicyLoss` also produces when the installed verl does). Names translate as: ``log_prob`` -> current
 log-probs, ``old_log_prob`` -> prev (pi_old), ``response_mask`` -> token mask, rollout log-probs -> generation.
 
-Configuration. verl's actor settings give the defaults (:func:`~nemo_is_plugin.adapters.verl_config.actor_keys`), so
+Configuration. verl's actor settings give the defaults (:func:`~nemo_is_plugin.adapters.verl.config.actor_keys`), so
 the loss with no plugin keys *is* verl's ``vanilla``. The plugin's keys come from, in increasing precedence: the config
 bound at registration or, for the entry-point registration, the recipe named by ``$NEMO_IS_LOSS_CONFIG`` (its
 ``loss_fn`` section, or ``$NEMO_IS_LOSS_SECTION``); then the ``nemo_is`` section of verl's own
-``actor_rollout_ref.actor.policy_loss`` (see :mod:`~nemo_is_plugin.adapters.verl_hydra`). Either may hold a
+``actor_rollout_ref.actor.policy_loss`` (see :mod:`~nemo_is_plugin.adapters.verl.hydra`). Either may hold a
 ``rollout_correction`` entry in verl's vocabulary (keys or a preset name). With no source at all the call raises
 :class:`MissingPluginConfigError` instead of running vanilla PPO. verl adds its KL loss itself
 (``actor.use_kl_loss``), so ``reference_policy_kl_penalty`` must be 0 here.
 
 Rollout weights vs rollout log-probs. verl passes its own ``rollout_is_weights``, the plugin computes its weights
 from the rollout log-probs: who owns the correction, and how the weights or the bypass mode become the rollout
-log-probs, is :mod:`~nemo_is_plugin.adapters.verl_correction`. The loss runs on pre-aligned tensors through
+log-probs, is :mod:`~nemo_is_plugin.adapters.verl.correction`. The loss runs on pre-aligned tensors through
 ``ClippedPGLoss.compute``.
 
 Normalisation follows verl's ``agg_loss``: with ``config.global_batch_info`` (``dp_size``, ``batch_num_tokens``,
@@ -28,10 +28,10 @@ Normalisation follows verl's ``agg_loss``: with ``config.global_batch_info`` (``
 dp_size); without it, local counts: the rows with tokens, or every row for GMPO, as verl's ``geo_mean``. Metrics
 are returned per micro-batch (verl averages them): prefixed ``actor/nemo_is/``, renormalised to this micro-batch's
 own counts, plus the ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and ``actor/ppo_kl`` that verl's loss of the
-same mode returns, as it defines them (:data:`~nemo_is_plugin.adapters.verl_loss_modes.VERL_MODE_METRICS`: which of
+same mode returns, as it defines them (:data:`~nemo_is_plugin.adapters.verl.loss_modes.VERL_MODE_METRICS`: which of
 them, and whether ``ppo_kl`` clamps the log-ratio to +-20); when the plugin owns the correction, also every
 ``rollout_corr/`` metric verl logs, with verl's definitions, over this micro-batch
-(:mod:`~nemo_is_plugin.adapters.verl_metrics`, which says where that scope differs from verl's batch).
+(:mod:`~nemo_is_plugin.adapters.verl.metrics`, which says where that scope differs from verl's batch).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from nemo_is_plugin.adapters.normalizers import renormalize
-from nemo_is_plugin.adapters.verl_config import (
+from nemo_is_plugin.adapters.shared import MissingPluginConfigError, given_keys, reads_rollout_logprobs, renormalize
+from nemo_is_plugin.adapters.verl.config import (
     VERL_AGG_MODES,
     VERL_LOG_RATIO_CLAMP,
     VerlConfigError,
@@ -53,8 +53,8 @@ from nemo_is_plugin.adapters.verl_config import (
     loss_scale_factor,
     plugin_section_keys,
 )
-from nemo_is_plugin.adapters.verl_correction import generation_logprobs, owns_correction, rollout_logprobs
-from nemo_is_plugin.adapters.verl_loss_modes import (
+from nemo_is_plugin.adapters.verl.correction import generation_logprobs, rollout_logprobs
+from nemo_is_plugin.adapters.verl.loss_modes import (
     PPO_CLIP_KEYS,
     VERL_ALL_ROWS_OBJECTIVES,
     VERL_CLIPFRAC_METRICS,
@@ -62,7 +62,7 @@ from nemo_is_plugin.adapters.verl_loss_modes import (
     VERL_MODE_METRICS,
     verl_loss_mode_of,
 )
-from nemo_is_plugin.adapters.verl_metrics import rollout_corr_metrics, verl_statistics
+from nemo_is_plugin.adapters.verl.metrics import rollout_corr_metrics, verl_statistics
 from nemo_is_plugin.config import ClippedPGLossConfig
 
 VERL_LOSS_NAME = "nemo_is.clipped_pg"
@@ -78,22 +78,20 @@ __all__ = [
     "VERL_AGG_MODES",
     "VERL_LOG_RATIO_CLAMP",
     "VERL_LOSS_NAME",
+    "SECTION_ENV",
     "VerlPolicyLoss",
+    "dump_rollouts",
     "generation_logprobs",
     "register_verl_loss",
     "verl_config",
 ]
 
 
-class MissingPluginConfigError(RuntimeError):
-    """The loss found no plugin config on this worker (running verl's vanilla PPO instead would be silent)."""
-
-
 def _missing_message() -> str:
     return (
         f"{VERL_LOSS_NAME}: no plugin config on this worker. Give one of: the section "
         f"actor_rollout_ref.actor.policy_loss.{PLUGIN_SECTION} of verl's config (with policy_loss._target_="
-        "nemo_is_plugin.adapters.verl_hydra.PolicyLossConfig; '{}' means verl's settings only), the recipe named "
+        "nemo_is_plugin.adapters.verl.hydra.PolicyLossConfig; '{}' means verl's settings only), the recipe named "
         f"by ${CONFIG_ENV} exported to the Ray workers (+ray_kwargs.ray_init.runtime_env.env_vars.{CONFIG_ENV}="
         "/abs/path.yaml), or register_verl_loss(config=...). See docs/verl.md."
     )
@@ -101,9 +99,9 @@ def _missing_message() -> str:
 
 def _user_keys(config: Any, section: str) -> dict[str, Any]:
     """Plugin keys from a bound config, a mapping, a master config's section or a recipe file (verl-vocabulary
-    ``rollout_correction`` entries mapped, see :func:`~nemo_is_plugin.adapters.verl_config.plugin_section_keys`)."""
+    ``rollout_correction`` entries mapped, see :func:`~nemo_is_plugin.adapters.verl.config.plugin_section_keys`)."""
     if isinstance(config, ClippedPGLossConfig):
-        return config.model_dump(exclude_unset=True)
+        return given_keys(config)
     from nemo_is_plugin.adapters.recipes import to_loss_mapping
 
     return plugin_section_keys(to_loss_mapping(config, section=section))
@@ -274,8 +272,10 @@ class VerlPolicyLoss:
         b, t = log_prob.shape
         keys = self.keys_for(config)
         plugin_cfg = self.resolve(config, loss_agg_mode, t, keys=keys).config
-        owns = owns_correction(plugin_cfg)
-        weights_only = not owns and rollout_is_weights is not None
+        # the plugin reads log mu (it owns the correction, or bypass mode: pi_old = mu) and reports verl's rollout_corr/
+        # statistics, as verl's own bypass loss does; else verl's weights, if any, multiply the loss
+        reads_mu = reads_rollout_logprobs(plugin_cfg)
+        weights_only = not reads_mu and rollout_is_weights is not None
         loss_fn = (
             self.resolve(config, loss_agg_mode, t, weights_only, keys)
             if weights_only
@@ -283,7 +283,7 @@ class VerlPolicyLoss:
         )
         gen = rollout_logprobs(
             plugin_cfg,
-            owns,
+            reads_mu,
             weights_only,
             old_log_prob,
             mask,
@@ -322,7 +322,7 @@ class VerlPolicyLoss:
         )
         terms = loss_fn.terms(inputs, TokenLayout.padded(b, t, device=log_prob.device))
         parts = loss_fn.reduce(terms)
-        if owns:  # verl's rollout_corr/ statistics from the loss's own IS correction (read in the same host sync)
+        if reads_mu:  # verl's rollout_corr/ statistics from the loss's own IS correction (read in the same host sync)
             own.update(verl_statistics(terms))
         metrics, read = loss_fn.metrics(terms, parts, read_with=own)
         loss = parts.loss
@@ -349,7 +349,7 @@ class VerlPolicyLoss:
         out = {f"{METRIC_PREFIX}{k}": v for k, v in local.items()}
         verl_values = dict(zip(VERL_METRIC_NAMES, (local.get(clipfrac, 0.0), ppo_kl, local.get(lower, 0.0))))
         out.update({name: verl_values[name] for name in verl_names})
-        if owns:  # the plugin measured the true mismatch: verl's rollout_corr/ names where the quantity is the same
+        if reads_mu:  # the plugin measured the true mismatch: verl's rollout_corr/ names where the quantity is the same
             out.update(
                 rollout_corr_metrics(local, loss_fn.config, rows=b, seqs_with_tokens=local_seqs, seq_count=local_seqs)
             )

@@ -10,7 +10,7 @@ use_fused_linear_logprobs=False)`` with ``cfg`` NeMo-RL's pydantic ``ClippedPGLo
 a mapping or the plugin's config, and exposes NeMo-RL's instance attributes with NeMo-RL's meaning. Invalid
 combinations raise :class:`~nemo_is_plugin.config.ConfigValidationError`, an ``AssertionError`` like NeMo-RL's.
 
-What NeMo-RL's workers rely on (see :mod:`nemo_is_plugin.adapters.protocol`) and how this class provides it:
+What NeMo-RL's workers rely on (see :mod:`nemo_is_plugin.adapters.nemo_rl.protocol`) and how this class provides it:
 
 - ``loss_type``: TOKEN_LEVEL for ``token-mean`` aggregation, SEQUENCE_LEVEL for the per-sequence aggregations;
 - ``input_type``: LOGPROB (the worker computes ``next_token_logprobs``, TP/CP-exact), or LOGIT (the worker hands over
@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import torch
 from pydantic import BaseModel
 
-from nemo_is_plugin.adapters.normalizers import loss_type_of
-from nemo_is_plugin.adapters.protocol import LossInputType, MetricNormalizer
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.adapters.nemo_rl.protocol import LossInputType, LossType, MetricNormalizer
+from nemo_is_plugin.adapters.shared import PARALLEL_STATE, GroupsSpec, check_groups, given_keys, resolve_groups
+from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
 from nemo_is_plugin.loss import registry
 from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME
@@ -56,9 +56,6 @@ from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME
 if TYPE_CHECKING:
     from nemo_is_plugin.distributed.entry_points.logit_loss import LogitClippedPGLoss
     from nemo_is_plugin.distributed.parallel.cp_sharding import CPOrder
-
-PARALLEL_STATE = "parallel_state"  # groups sentinel: read megatron-core's groups inside the worker
-GroupsSpec = None | str | ParallelGroups
 
 
 # NeMo-RL's ClippedPGLossFn instance attributes that copy a config field (commit 7ea279ab), same names and meaning.
@@ -90,21 +87,19 @@ class _LogitOptions(TypedDict):
     chunk_size: int | None
 
 
-def loss_section(cfg: Any) -> dict[str, Any]:
-    """The ``loss_fn`` keys of ``cfg``: NeMo-RL's pydantic ``ClippedPGLossConfig`` (the keys it was given, extras
-    included), the plugin's config (its non-default keys), or a mapping (``name`` may select a registered loss)."""
-    if cfg is None:
-        return {}
-    if isinstance(cfg, ClippedPGLossConfig):
-        return cfg.model_dump(exclude_unset=True)
-    if isinstance(cfg, BaseModel):  # NeMo-RL's model: unset keys are NeMo-RL's defaults, which are the plugin's
-        return cfg.model_dump(exclude_unset=True)
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    raise TypeError(
-        f"cfg must be NeMo-RL's ClippedPGLossConfig, a loss_fn mapping or a plugin ClippedPGLossConfig, got "
-        f"{type(cfg).__name__}"
-    )
+def loss_type_of(config: ClippedPGLossConfig) -> Any:
+    """TOKEN_LEVEL when the loss is divided by the global token count, SEQUENCE_LEVEL when by the sequence count.
+
+    ``token-sum`` is divided by neither, and NeMo-RL's LossType cannot say so: its split API would divide the summed
+    loss by a count afterwards. Refused, loudly, rather than scaled wrongly.
+    """
+    agg = config.effective_loss_aggregation
+    if agg == "token-sum":
+        raise ConfigError(
+            "loss_aggregation='token-sum' divides by no count, which NeMo-RL's LossType (TOKEN_LEVEL / "
+            "SEQUENCE_LEVEL) cannot express: use 'token-mean' with NeMo-RL (token-sum is verl's mode)"
+        )
+    return LossType.TOKEN_LEVEL if agg == "token-mean" else LossType.SEQUENCE_LEVEL
 
 
 class NeMoRLLossFn:
@@ -136,7 +131,7 @@ class NeMoRLLossFn:
         host_divides_by_cp: bool = True,
         logprob_chunk_size: int | None = None,
     ):
-        section = loss_section(cfg)
+        section = given_keys(cfg)
         self._section = {**section, "name": section.get("name") or DEFAULT_LOSS_NAME}
         self.use_fused_linear_logprobs = bool(use_fused_linear_logprobs)
         self.input_type = LossInputType(input_type.value if hasattr(input_type, "value") else str(input_type).lower())
@@ -147,8 +142,7 @@ class NeMoRLLossFn:
                 "use_fused_linear_logprobs=True: NeMo-RL's model returns log-probs, not logits, and prepare_loss_input "
                 "passes them as next_token_logprobs; use input_type='logprob' (or use_fused_linear_logprobs=False)"
             )
-        if not (groups is None or groups == PARALLEL_STATE or isinstance(groups, ParallelGroups)):
-            raise ValueError(f"groups must be None, a ParallelGroups or {PARALLEL_STATE!r}, got {groups!r}")
+        check_groups(groups, allow_none=True)
         self._groups_spec = groups
         self._logit_options = _LogitOptions(
             cp_order=cp_order, host_divides_by_cp=host_divides_by_cp, chunk_size=logprob_chunk_size
@@ -196,14 +190,6 @@ class NeMoRLLossFn:
         self._build()
 
     # ------------------------------------------------------------------ the call
-    def _groups(self) -> ParallelGroups:
-        if self._groups_spec == PARALLEL_STATE:
-            # read in the worker at every call (a few attribute reads): a process that destroys and rebuilds its
-            # groups (restarts, notebooks, tests) must not keep those of its first call
-            return ParallelGroups.from_parallel_state()
-        # the spec is None, PARALLEL_STATE (above) or a ParallelGroups (checked by the constructor)
-        return self._groups_spec if isinstance(self._groups_spec, ParallelGroups) else ParallelGroups()
-
     def __call__(
         self,
         next_token_logprobs: torch.Tensor | None = None,
@@ -221,7 +207,7 @@ class NeMoRLLossFn:
             logits = logits if logits is not None else next_token_logprobs
             if logits is None:
                 raise TypeError("input_type=LOGIT: pass logits=[B, S/CP, V/TP]")
-            groups = self._groups()
+            groups = resolve_groups(self._groups_spec)
             kwargs.setdefault("vocab_parallel_group", groups.tp)
             kwargs.setdefault("context_parallel_group", groups.cp)
             kwargs.setdefault("data_parallel_group", groups.dp)
@@ -298,3 +284,12 @@ def dump_rollouts(
 
 # NeMo-RL's class name: ``from nemo_is_plugin.adapters.nemo_rl import ClippedPGLossFn`` is the whole swap.
 ClippedPGLossFn = NeMoRLLossFn
+
+__all__ = [
+    "NEMO_RL_CONFIG_ATTRIBUTES",
+    "ClippedPGLossFn",
+    "NeMoRLLossFn",
+    "build_nemo_rl_loss_fn",
+    "dump_rollouts",
+    "loss_type_of",
+]

@@ -9,7 +9,7 @@ Two entry points, each a module attribute slime loads by path (``slime.utils.mis
   slime's ``loss_function`` calls ``policy_loss(args, batch, logits, sum_of_sample_mean)`` with this rank's logits
   ``[1, T, V/TP]`` and expects ``(loss, {name: 0-d tensor})``; it then rescales the loss for Megatron's gradient
   accumulation itself. The response log-probs (and the entropy) come from the plugin's vocab-parallel kernel on the
-  response rows of slime's CP-sharded logits (:mod:`~nemo_is_plugin.adapters.slime_layout`); every per-token term
+  response rows of slime's CP-sharded logits (:mod:`~nemo_is_plugin.adapters.slime.layout`); every per-token term
   is reduced with slime's ``sum_of_sample_mean``, so slime's rescaling stays right. The per-token terms are the
   plugin's, computed by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms` on constants in slime's roles
   (:func:`slime_term_inputs`): any policy objective (PPO's clip at any ratio level, in ratio or log space, CISPO, or
@@ -26,7 +26,7 @@ Two entry points, each a module attribute slime loads by path (``slime.utils.mis
   modified_response_masks, metrics)``. The plugin's IS levels (token, sequence, sequence_mean, cumulative) and
   truncation / rejection rules apply; sequence sums and cumulative prefixes span the CP ranks.
 
-Configuration: slime's flags are mapped or refused by :mod:`~nemo_is_plugin.adapters.slime_config`; the plugin's keys
+Configuration: slime's flags are mapped or refused by :mod:`~nemo_is_plugin.adapters.slime.config`; the plugin's keys
 come from ``args.nemo_is`` (slime's ``--custom-config-path`` YAML) and / or ``$NEMO_IS_CONFIG``; both are read and
 validated at the first call and cached per setting. With no plugin keys (``nemo_is: {}``) the full loss is slime's
 ``policy_loss_function`` and the TIS function slime's ``vanilla_tis_function`` (``icepop_function`` with
@@ -48,7 +48,15 @@ from typing import Any
 
 import torch
 
-from nemo_is_plugin.adapters.slime_config import (
+from nemo_is_plugin.adapters.shared import (
+    PARALLEL_STATE,
+    GroupsSpec,
+    check_groups,
+    given_keys,
+    owns_correction,
+    resolve_groups,
+)
+from nemo_is_plugin.adapters.slime.config import (
     CONFIG_ARGS,
     CONFIG_ENV,
     SECTION_ENV,
@@ -58,7 +66,7 @@ from nemo_is_plugin.adapters.slime_config import (
     slime_kl,
     tis_config,
 )
-from nemo_is_plugin.adapters.slime_layout import ResponseShard
+from nemo_is_plugin.adapters.slime.layout import ResponseShard
 from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
 from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
@@ -68,7 +76,6 @@ from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
 from nemo_is_plugin.loss.ratios import unmasked_positions
 from nemo_is_plugin.loss.terms import KLSpec, KLWeight, TermInputs, TokenTerms, is_correction_kwargs, token_terms
 
-PARALLEL_STATE = "parallel_state"
 PLUGIN_PREFIX = "nemo_is/"
 Reducer = Callable[[torch.Tensor], torch.Tensor]
 ConfigSource = None | str | os.PathLike[str] | Mapping[str, Any] | ClippedPGLossConfig
@@ -91,16 +98,6 @@ def is_metrics(corr: ISCorrection) -> dict[str, torch.Tensor]:
     }
 
 
-def owns_correction(cfg: ClippedPGLossConfig) -> bool:
-    """Whether the config computes IS weights or rejections (and so needs the rollout log-probs)."""
-    return (
-        cfg.use_importance_sampling_correction
-        or cfg.truncated_importance_sampling_type is not None
-        or bool(cfg.rejection_rules)
-        or cfg.importance_sampling_veto_threshold is not None
-    )
-
-
 def _masks_reject(cfg: ClippedPGLossConfig) -> bool:
     """Whether rejections leave slime's masks: sequence masks, rejection rules, the veto (not IcePop's zeros)."""
     return (
@@ -115,22 +112,19 @@ class _SlimeEntry:
 
     name = "nemo_is"
 
-    def __init__(self, config: ConfigSource = None, *, groups: str | ParallelGroups = PARALLEL_STATE):
-        if not (groups == PARALLEL_STATE or isinstance(groups, ParallelGroups)):
-            raise ValueError(f"groups must be {PARALLEL_STATE!r} or a ParallelGroups, got {groups!r}")
+    def __init__(self, config: ConfigSource = None, *, groups: GroupsSpec = PARALLEL_STATE):
+        check_groups(groups, allow_none=False)
         self._source, self._groups_spec = config, groups
         self._configs: dict[tuple, Any] = {}
 
     def groups(self) -> ParallelGroups:
-        """The explicit groups, else megatron-core's ``parallel_state`` (slime's ``mpu``) as it is now: read at every
-        call (a few attribute reads and group sizes), never kept, since a process may destroy and rebuild them."""
-        if isinstance(self._groups_spec, ParallelGroups):
-            return self._groups_spec
-        return ParallelGroups.from_parallel_state()
+        """The explicit groups, else megatron-core's ``parallel_state`` (slime's ``mpu``) as it is now, read at every
+        call (:func:`~nemo_is_plugin.adapters.shared.resolve_groups`)."""
+        return resolve_groups(self._groups_spec)
 
     def user_keys(self, args: Any) -> dict[str, Any]:
         if isinstance(self._source, ClippedPGLossConfig):
-            return self._source.model_dump(exclude_unset=True)
+            return given_keys(self._source)
         if self._source is not None:
             from nemo_is_plugin.adapters.recipes import to_loss_mapping
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_is_plugin.adapters.verl_fields import VerlConfigError, verl_field
+from nemo_is_plugin.adapters.verl.fields import VerlConfigError, verl_field
 
 VERL_LOSS_MODES = ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "sapo", "geo_mean", "gpg", "dro")
 REFUSED_LOSS_MODES = {

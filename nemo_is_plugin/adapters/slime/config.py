@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from nemo_is_plugin.adapters.shared import MissingPluginConfigError
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
 
 CONFIG_ENV = "NEMO_IS_CONFIG"
@@ -100,10 +101,6 @@ LOSS_FLAGS: dict[str, tuple[str, str]] = {
 
 class SlimeConfigError(ConfigError):
     """A slime flag or plugin key the slime adapter cannot honour; the message names it and the fix."""
-
-
-class MissingPluginConfigError(RuntimeError):
-    """The entry point found no plugin config on this worker (running slime's own loss instead would be silent)."""
 
 
 def _arg(args: Any, name: str, default: Any = None) -> Any:
