@@ -20,10 +20,10 @@ from distributed._loss_cases import LOSS_CONFIGS, cu_seqlens, global_counts, mak
 
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss
+from nemo_is_plugin.apps.evidence.is_collapse import IS_LEVELS, level_weights
 from nemo_is_plugin.distributed.entry_points.logit_loss import LogitClippedPGLoss
 from nemo_is_plugin.distributed.parallel.context_parallel import CPTokenLayout
 from nemo_is_plugin.distributed.parallel.cp_sharding import local_tokens, num_chunks
-from nemo_is_plugin.evidence.is_collapse import IS_LEVELS, level_weights
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.mismatch_metrics import mismatch_metric_sums

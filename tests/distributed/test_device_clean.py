@@ -18,7 +18,7 @@ import torch
 from helpers.device_guard import assert_identical, count_host_syncs, device_guard, run_guarded_and_plain
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.bench.problem import make_problem
+from nemo_is_plugin.apps.bench.problem import make_problem
 from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
 from nemo_is_plugin.distributed.entry_points.logit_loss import LogitClippedPGLoss
 from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs

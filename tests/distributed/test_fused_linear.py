@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_is_plugin.bench.memory import TensorMemoryTracker
+from nemo_is_plugin.apps.bench.memory import TensorMemoryTracker
 from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
 
 

@@ -12,7 +12,7 @@ import torch
 
 import nemo_is_plugin.distributed.entry_points.fused_linear_loss as fused_loss_module
 import nemo_is_plugin.distributed.head.fused_linear as fused_linear_module
-from nemo_is_plugin.bench.paths import naive_logprobs
+from nemo_is_plugin.apps.bench.paths import naive_logprobs
 
 from ._fused_cases import LOCAL_OBJECTIVES as LOCAL
 from ._fused_cases import SEQUENCE_OBJECTIVES as SEQUENCE

@@ -17,8 +17,8 @@ import torch
 
 import nemo_is_plugin.distributed.entry_points.fused_linear_loss as fused_loss_module
 import nemo_is_plugin.distributed.head.fused_linear as fused_linear_module
-from nemo_is_plugin.bench.paths import naive_logprobs
-from nemo_is_plugin.bench.problem import make_problem
+from nemo_is_plugin.apps.bench.paths import naive_logprobs
+from nemo_is_plugin.apps.bench.problem import make_problem
 
 from ._fused_cases import (
     IS_LEVELS,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.bench.paths import naive_logprobs
+from nemo_is_plugin.apps.bench.paths import naive_logprobs
 from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
 from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
 

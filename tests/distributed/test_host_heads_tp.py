@@ -30,7 +30,7 @@ import torch.distributed as dist
 from adapters import nemo_rl_head_host as host
 
 from nemo_is_plugin.adapters.nemo_rl.head import from_parallel_hidden_states_to_logprobs as plugin_nemo_rl
-from nemo_is_plugin.bench.problem import vocab_shard
+from nemo_is_plugin.apps.bench.problem import vocab_shard
 from nemo_is_plugin.distributed.parallel.cp_sharding import shard_packed, shard_padded
 
 WORLD = 2

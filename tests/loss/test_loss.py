@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_is_plugin import build_loss_fn, finalize_metrics
-from nemo_is_plugin.cli.synthetic_batch import synthetic_batch
+from nemo_is_plugin.apps.cli.synthetic_batch import synthetic_batch
 
 F64 = torch.float64
 # KL off: NeMo-RL's KL weight exp(c - sg[c]) is a stop-gradient device whose gradient is by design not the derivative
