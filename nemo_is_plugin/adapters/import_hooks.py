@@ -26,6 +26,11 @@ _REGISTRY = "_nemo_is_after_import_callbacks"  # attribute of ``sys``: {module n
 Callback = Callable[[ModuleType], None]
 
 
+class HostPatchError(RuntimeError):
+    """The host's function the plugin replaces is missing or changed: the plugin's head cannot stand in for it (what
+    a patch raises, failing the host's import; both hosts' heads raise it)."""
+
+
 def _registry() -> dict[str, dict[str, Callback]]:
     registry = getattr(sys, _REGISTRY, None)
     if registry is None:
@@ -106,4 +111,4 @@ def registered(module: str) -> list[str]:
     return sorted(_registry().get(module, {}))
 
 
-__all__ = ["AfterImportFinder", "install_finder", "registered", "when_imported"]
+__all__ = ["AfterImportFinder", "HostPatchError", "install_finder", "registered", "when_imported"]

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from nemo_is_plugin.adapters.import_hooks import HostPatchError
 from nemo_is_plugin.distributed.head.sequence_head import (
     SequenceLayout,
     next_token_logprobs,
@@ -75,10 +76,6 @@ PARAMS = (
     ("cp_group", None),
     ("chunk_size", None),
 )
-
-
-class HostPatchError(RuntimeError):
-    """The host's function the plugin replaces is missing or changed: the plugin's head cannot stand in for it."""
 
 
 def switch_on() -> bool:

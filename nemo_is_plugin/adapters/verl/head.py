@@ -25,7 +25,7 @@ and a verl whose engine cannot be patched) and ``MegatronEngine._maybe_enable_fu
 initialising an engine, before its first forward): when that engine's model config asks for ``nemo_is`` and verl kept
 its fused kernels on, the two modules' ``linear_cross_entropy`` become the plugin's in that process. A missing
 function, a changed signature or a module that no longer calls it by name raises
-:class:`~nemo_is_plugin.adapters.nemo_rl.head.HostPatchError` instead of leaving verl's kernel running.
+:class:`~nemo_is_plugin.adapters.import_hooks.HostPatchError` instead of leaving verl's kernel running.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from nemo_is_plugin.adapters.nemo_rl.head import HostPatchError
+from nemo_is_plugin.adapters.import_hooks import HostPatchError
 from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
 from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, effective
 
