@@ -140,7 +140,7 @@ test-stacks: setup-stacks
 	OMP_NUM_THREADS=1 $(PY_STACKS) -m pytest -q $(STACKS_TESTS)
 
 # Regenerate $(LOCK_STACKS) as `lock` does, on Python 3.13: the registry's torch $(TORCH_STACKS), then the test extra
-# resolved around it (megatron-core: the newest release the `megatron` extra allows).
+# resolved around it (megatron-core: the newest release the `demo` extra allows).
 LOCK_VENV_STACKS := .venv-lock-313
 lock-stacks:
 	rm -rf $(LOCK_VENV_STACKS)

@@ -40,6 +40,21 @@ def test_from_parallel_state_without_initialisation_is_all_none(monkeypatch):
     assert ParallelGroups.from_parallel_state() == ParallelGroups()
 
 
+def test_from_parallel_state_without_megatron_core_names_the_extra(monkeypatch):
+    """megatron-core is the `megatron` extra: asking for its groups where it is not installed is a one-line error
+    naming the extra (an ImportError), not a silent single process (the clean-install test checks a real venv)."""
+    from nemo_is_plugin.common.extras import MissingExtraError
+
+    monkeypatch.delitem(sys.modules, "megatron.core.parallel_state", raising=False)
+    monkeypatch.setitem(sys.modules, "megatron", None)  # `import megatron` raises: not installed
+    with pytest.raises(MissingExtraError) as exc:
+        ParallelGroups.from_parallel_state()
+    assert str(exc.value) == (
+        "groups='parallel_state' (megatron-core's parallel_state groups) needs the 'megatron' extra (megatron not "
+        "installed): pip install 'nemo-is-plugin[megatron]'"
+    )
+
+
 def test_cp_layout_without_cp_is_the_plain_layout():
     padded = cp_layout(None, num_seqs=2, seq_len=6)
     assert type(padded) is TokenLayout and padded.is_padded and padded.shape == (2, 6)

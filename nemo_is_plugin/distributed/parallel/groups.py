@@ -2,7 +2,8 @@
 
 A group of ``None`` means "no reduction" (a group of one), never "the global group": the plugin never reaches for
 ``torch.distributed``'s default group or megatron's globals behind the caller's back. ``from_parallel_state()`` is the
-one place that reads megatron-core's ``parallel_state``, and only when the caller asks for it.
+one place that reads megatron-core's ``parallel_state``, and only when the caller asks for it. megatron-core is an
+extra (``megatron``): without it, asking for its groups is a one-line error naming the extra.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from nemo_is_plugin.common.extras import require_extra
 
 ProcessGroup = dist.ProcessGroup
 
@@ -84,11 +87,16 @@ class ParallelGroups:
     def from_parallel_state(cls) -> ParallelGroups:
         """Read megatron-core's ``parallel_state`` groups (gloo or NCCL); all ``None`` when it is not initialised.
 
-        Groups of size one are returned as ``None`` so that no collective runs for them.
+        Groups of size one are returned as ``None`` so that no collective runs for them. Without megatron-core
+        installed: :class:`~nemo_is_plugin.common.extras.MissingExtraError` (an ImportError) naming the ``megatron``
+        extra.
         """
         # Not imported yet means nobody initialised it; importing megatron.core costs seconds, so don't.
         ps = sys.modules.get("megatron.core.parallel_state")
-        if ps is None or not ps.model_parallel_is_initialized():
+        if ps is None:
+            require_extra("megatron", "groups='parallel_state' (megatron-core's parallel_state groups)")
+            return cls()
+        if not ps.model_parallel_is_initialized():
             return cls()
         return cls(
             tp=effective(ps.get_tensor_model_parallel_group()),
