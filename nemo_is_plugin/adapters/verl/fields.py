@@ -1,6 +1,6 @@
 """What the verl adapter's modules share: the errors of a verl setting and how a field of verl's config is read.
 
-Kept apart so that the config mapping (:mod:`verl_config`) and the loss-mode table (:mod:`verl_loss_modes`), which use
+Kept apart so that the config mapping (:mod:`.config`) and the loss-mode table (:mod:`.loss_modes`), which use
 each other's vocabulary, both import from here instead of from each other.
 """
 
