@@ -128,3 +128,19 @@ def test_importing_the_adapters_imports_no_host():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_nemo_rl_head_imports_without_the_loss_function():
+    """The start-up hook imports ``nemo_rl.head`` while NeMo-RL imports its model_utils: that import must not reach
+    ``protocol``, which imports NeMo-RL's loss interfaces (and would fall back to look-alike enums if NeMo-RL were
+    half-imported). The package's names still resolve afterwards."""
+    code = (
+        "import sys\n"
+        "from nemo_is_plugin.adapters.nemo_rl import head\n"
+        "print(sorted(m for m in sys.modules if m.startswith('nemo_is_plugin.adapters.nemo_rl.')))\n"
+        "from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn, PARALLEL_STATE\n"
+        "print(NeMoRLLossFn.__module__, PARALLEL_STATE)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "['nemo_is_plugin.adapters.nemo_rl.head']"
+    assert out[1] == "nemo_is_plugin.adapters.nemo_rl.loss_fn parallel_state"

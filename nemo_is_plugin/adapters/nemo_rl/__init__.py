@@ -38,6 +38,8 @@ _LOSS_FN_NAMES = (
 
 
 def __getattr__(name: str) -> Any:
+    # only these names: ``from nemo_is_plugin.adapters.nemo_rl import head`` asks for ``head`` here first, and must
+    # get an AttributeError (then the submodule), not an import of loss_fn
     if name in _LOSS_FN_NAMES:
         from nemo_is_plugin.adapters.nemo_rl import loss_fn
 

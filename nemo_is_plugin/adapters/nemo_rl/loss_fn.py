@@ -284,12 +284,3 @@ def dump_rollouts(
 
 # NeMo-RL's class name: ``from nemo_is_plugin.adapters.nemo_rl import ClippedPGLossFn`` is the whole swap.
 ClippedPGLossFn = NeMoRLLossFn
-
-__all__ = [
-    "NEMO_RL_CONFIG_ATTRIBUTES",
-    "ClippedPGLossFn",
-    "NeMoRLLossFn",
-    "build_nemo_rl_loss_fn",
-    "dump_rollouts",
-    "loss_type_of",
-]
