@@ -104,8 +104,8 @@ lock:
 	rm -rf $(LOCK_VENV)
 
 # The hosts' current stacks (second tier of `make test`): NeMo-RL requires Python 3.13 with torch >= 2.11 and
-# megatron-core 0.20 (through Megatron-Bridge). This tier runs the groups a trainer's host exercises (golden, loss,
-# config, kernels, distributed, adapters, bad inputs, device guard) on Python 3.13, with the registry's torch (its
+# megatron-core 0.20 (through Megatron-Bridge). This tier runs the groups a trainer's host exercises (golden, common,
+# loss, config, kernels, distributed, adapters, bad inputs, device guard) on Python 3.13, with the registry's torch (its
 # CUDA build, which runs on a CPU too) and the newest megatron-core the package's ranges resolve, pinned in
 # $(LOCK_STACKS). Its own venv and lock: nothing of the 3.11 environment above is shared. verl is not installed
 # there, so the tests that import it skip (functional_tests/test_verl_*.py are not selected).
@@ -118,7 +118,7 @@ TORCH_STACKS := 2.15.0
 STAMP_STACKS := $(VENV_STACKS)/.installed-$(shell cat pyproject.toml $(LOCK_STACKS) | cksum | cut -d' ' -f1)
 STACKS_TESTS := tests/test_golden_nemo_rl.py tests/test_golden_nemo_rl_compat.py tests/test_golden_verl.py \
 	tests/test_golden_ctpo.py tests/test_nemo_rl_differential.py tests/test_cuda_golden.py \
-	tests/test_cuda_entry_points.py tests/loss tests/config tests/kernels tests/distributed tests/adapters \
+	tests/test_cuda_entry_points.py tests/common tests/loss tests/config tests/kernels tests/distributed tests/adapters \
 	tests/test_bad_inputs.py tests/test_device_guard.py
 
 # As `setup`: torch first with its own dependencies (the nvidia-* libraries at the lock's versions), then the lock
@@ -140,7 +140,7 @@ test-stacks: setup-stacks
 	OMP_NUM_THREADS=1 $(PY_STACKS) -m pytest -q $(STACKS_TESTS)
 
 # Regenerate $(LOCK_STACKS) as `lock` does, on Python 3.13: the registry's torch $(TORCH_STACKS), then the test extra
-# resolved around it (megatron-core: the newest release the `megatron` extra allows).
+# resolved around it (megatron-core: the newest release the `demo` extra allows).
 LOCK_VENV_STACKS := .venv-lock-313
 lock-stacks:
 	rm -rf $(LOCK_VENV_STACKS)

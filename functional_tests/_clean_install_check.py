@@ -1,6 +1,8 @@
 """Run by test_clean_install.py with the interpreter of a virtual environment that holds torch and `pip install .`
-of the plugin, nothing else: reports, as one JSON object on stdout, what is installed, which of the plugin's modules
-import, and a loss and its gradient next to a float64 reference written here in plain torch."""
+of the plugin, nothing else (no megatron-core, no app stack, no verl): reports, as one JSON object on stdout, what is
+installed, which of the plugin's modules import, the loss, the kernels' log-probs and the verl adapter's loss next to
+float64 references written here in plain torch, and the one-line errors of what needs an extra (the apps,
+megatron-core's groups)."""
 
 from __future__ import annotations
 
@@ -13,22 +15,27 @@ from pathlib import Path
 
 import torch
 
-# The top-level modules of the extras: none may be installed by the plugin's own dependencies.
-EXTRA_MODULES = ("ray", "matplotlib", "typer", "rich", "pyarrow")
-# A core dependency that importing the package must not load (it costs seconds; read only where the host has it).
-LAZY_CORE_MODULES = ("megatron",)
+# The top-level modules of the extras (megatron-core's included): none may be installed by the plugin's own
+# dependencies.
+EXTRA_MODULES = ("ray", "matplotlib", "typer", "rich", "pyarrow", "megatron")
 # Modules only optional paths import (inside the commands and adapters that need them).
 OPTIONAL_MODULES = {*EXTRA_MODULES, "click", "verl", "vllm", "triton", "liger_kernel", "cut_cross_entropy"}
-# What a trainer imports: the loss, the distributed entry points, the host adapters and recipes.
+# What a trainer imports: the loss, the kernels, the distributed entry points, the host adapters (verl's without verl
+# installed: its modules import verl where they call it) and recipes.
 CORE_MODULES = (
     "nemo_is_plugin",
     "nemo_is_plugin.recipes",
-    "nemo_is_plugin.adapters.nemo_rl",
+    "nemo_is_plugin.kernels.chunk_math",
+    "nemo_is_plugin.adapters.nemo_rl.loss_fn",
     "nemo_is_plugin.adapters.verl",
-    "nemo_is_plugin.distributed.logit_loss",
-    "nemo_is_plugin.distributed.fused_linear",
-    "nemo_is_plugin.distributed.fused_linear_loss",
+    "nemo_is_plugin.adapters.verl.head",
+    "nemo_is_plugin.adapters.slime",
+    "nemo_is_plugin.distributed.entry_points.logit_loss",
+    "nemo_is_plugin.distributed.head.fused_linear",
+    "nemo_is_plugin.distributed.entry_points.fused_linear_loss",
 )
+# Each app and the extra it imports with.
+APP_EXTRAS = {"cli": "cli", "compat": "cli", "demo": "demo", "diagnose": "cli", "evidence": "cli", "bench": "cli"}
 CONFIGS = {
     "ppo": {"reference_policy_kl_penalty": 0.0, "ratio_clip_min": 0.2, "ratio_clip_max": 0.2},
     "token_tis": {
@@ -125,6 +132,83 @@ def loss_cases() -> dict[str, dict]:
     return out
 
 
+def kernel_logprobs() -> dict[str, float]:
+    """The kernels' chunked log-probs (and entropy) from logits and from hidden states + the LM-head weight, one
+    process, against float64 log_softmax: the largest absolute errors."""
+    from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
+    from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    n, h, v = 37, 16, 101
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * 0.5
+    target = torch.randint(0, v, (n,), generator=g)
+    logits = hidden @ weight.T
+    logp = torch.log_softmax(logits, -1)
+    want = logp.gather(-1, target[:, None])[:, 0]
+    want_entropy = -(logp.exp() * logp).sum(-1)
+    got, entropy = vocab_parallel_logprobs(logits.float(), target, None, chunk_size=8, with_entropy=True)
+    fused = fused_linear_logprobs(hidden.float(), weight.float(), target, None, chunk_size=8)
+    fused = fused[0] if isinstance(fused, tuple) else fused
+    return {
+        "vocab_parallel": float((got.double() - want).abs().max()),
+        "entropy": float((entropy.double() - want_entropy).abs().max()),
+        "fused_linear": float((fused.double() - want).abs().max()),
+        "scale": float(want.abs().max()),
+    }
+
+
+def verl_case() -> dict[str, float]:
+    """The verl adapter's loss (verl's policy-loss signature, verl not installed) with no plugin keys: verl's vanilla
+    PPO (clip 0.2, dual clip 3.0 on negative advantages), token-mean, against a float64 reference."""
+    from nemo_is_plugin.adapters.verl import VerlPolicyLoss
+
+    g = torch.Generator().manual_seed(2)
+    b, t = 3, 7
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) - 0.05
+    new = (old + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    adv = torch.randn(b, 1, generator=g, dtype=torch.float64).expand(b, t).contiguous()
+    mask = torch.ones(b, t, dtype=torch.float64)
+    mask[0, 5:] = 0
+    x = new.clone().requires_grad_(True)
+    loss, _ = VerlPolicyLoss(config={})(old, x, adv, mask, loss_agg_mode="token-mean", config=None)
+    (grad,) = torch.autograd.grad(loss, x)
+    y = new.clone().requires_grad_(True)
+    ratio = torch.exp(y - old)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    pg = torch.where(adv < 0, torch.minimum(pg, -adv * 3.0), pg)
+    ref = (pg * mask).sum() / (mask.sum() + 1e-8)  # verl's masked mean, as NeMo-RL's, adds 1e-8 to the count
+    (ref_grad,) = torch.autograd.grad(ref, y)
+    return {
+        "loss": loss.item(),
+        "reference": ref.item(),
+        "grad_error": float((grad - ref_grad).abs().max()),
+        "grad_scale": float(ref_grad.abs().max()),
+    }
+
+
+def extra_errors() -> dict[str, dict[str, str]]:
+    """What each app's import, megatron-core's groups and slime's default groups raise here: type and message."""
+
+    def error(fn) -> dict[str, str]:
+        try:
+            fn()
+        except ImportError as exc:
+            return {"type": type(exc).__name__, "message": str(exc)}
+        return {"type": "none", "message": ""}
+
+    from nemo_is_plugin.adapters.slime import tis_function
+    from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
+
+    out = {
+        f"apps.{app}": error(lambda app=app: importlib.import_module(f"nemo_is_plugin.apps.{app}"))
+        for app in APP_EXTRAS
+    }
+    out["parallel_state"] = error(ParallelGroups.from_parallel_state)
+    out["slime"] = error(tis_function.groups)
+    return out
+
+
 def dump_lines() -> int:
     """The rollout-dump hook a trainer calls (imported when called): the lines it writes for one batch."""
     import tempfile
@@ -141,15 +225,17 @@ def dump_lines() -> int:
 def main() -> None:
     report = {
         "installed": {m: importlib.util.find_spec(m) is not None for m in EXTRA_MODULES},
-        "lazy_core_installed": {m: importlib.util.find_spec(m) is not None for m in LAZY_CORE_MODULES},
     }
     for name in CORE_MODULES:
         importlib.import_module(name)
     import nemo_is_plugin
 
     report["plugin_file"] = nemo_is_plugin.__file__
-    report["imported_extras"] = sorted(m for m in (*EXTRA_MODULES, *LAZY_CORE_MODULES) if m in sys.modules)
+    report["imported_extras"] = sorted(m for m in EXTRA_MODULES if m in sys.modules)
     report["cases"] = loss_cases()
+    report["kernels"] = kernel_logprobs()
+    report["verl"] = verl_case()
+    report["extra_errors"] = extra_errors()
     report["dumped"] = dump_lines()
     report["import_failures"] = import_every_module()
     print(json.dumps(report))

@@ -19,7 +19,7 @@ def demo_quick_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "nemo_is_plugin.cli.main", "demo", "--quick", "--output-dir", str(out)],
+        [sys.executable, "-m", "nemo_is_plugin.apps.cli.main", "demo", "--quick", "--output-dir", str(out)],
         env=env,
         capture_output=True,
         text=True,

@@ -1,5 +1,7 @@
-"""`pip install .` in a clean virtual environment, as a trainer installs the plugin: no demo or command-line stack comes
-with it, every module a trainer imports imports, and the loss and its gradient equal a float64 reference there.
+"""`pip install .` in a clean virtual environment, as a trainer installs the plugin: no demo or command-line stack and
+no megatron-core come with it, every module a trainer imports imports, the loss and its gradient, the kernels'
+log-probs and the verl adapter's loss equal float64 references there, and what needs an extra (each app, megatron-core's
+groups for groups="parallel_state", slime's entry points) says which extra in one line.
 
 The environment gets torch first, pinned as in requirements/ci.lock (a trainer brings its own torch; here that is the
 local CPU wheel, ~20-45 s), then the plugin from a copy of the source tree (so the build leaves nothing in the
@@ -22,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "requirements" / "ci.lock"
 CHECK = Path(__file__).resolve().parent / "_clean_install_check.py"
 # The extra each top-level module comes with (pyproject.toml's optional dependencies).
-EXTRA_OF = {"ray": "demo", "matplotlib": "cli", "typer": "cli", "rich": "cli", "pyarrow": "cli"}
+EXTRA_OF = {"ray": "demo", "matplotlib": "cli", "typer": "cli", "rich": "cli", "pyarrow": "cli", "megatron": "megatron"}
+APP_EXTRAS = {"cli": "cli", "compat": "cli", "demo": "demo", "diagnose": "cli", "evidence": "cli", "bench": "cli"}
 
 
 def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
@@ -65,7 +68,7 @@ def report(clean_venv) -> dict:
 def test_the_install_brings_no_demo_or_command_line_stack(report):
     installed = [f"{m} (the [{EXTRA_OF[m]}] extra's)" for m, present in report["installed"].items() if present]
     assert not installed, f"pip install . installed {installed}: move it out of [project] dependencies"
-    assert all(report["lazy_core_installed"].values()), f"core dependency missing: {report['lazy_core_installed']}"
+    assert set(report["installed"]) == set(EXTRA_OF)  # megatron-core among the modules checked absent
     assert report["imported_extras"] == []
 
 
@@ -82,7 +85,7 @@ def test_every_module_imports_or_needs_only_an_extra(report):
     broken = {name: why for name, why in report["import_failures"].items() if not why.startswith("optional:")}
     assert not broken, "\n\n".join(f"{name}:\n{why}" for name, why in broken.items())
     # the command line needs its extra: the cli modules are the ones that fail, for typer
-    assert report["import_failures"].get("nemo_is_plugin.cli.main") == "optional:typer"
+    assert report["import_failures"].get("nemo_is_plugin.apps.cli.main") == "optional:typer"
 
 
 @pytest.mark.parametrize("case", ["ppo", "token_tis"])
@@ -93,6 +96,42 @@ def test_the_loss_and_its_gradient_equal_the_float64_reference(report, case):
     assert got["loss"] == pytest.approx(got["reference"], rel=1e-12)
     assert got["grad"] == pytest.approx(got["reference_grad"], rel=1e-10, abs=1e-14)
     assert max(map(abs, got["grad"])) > 1e-3
+
+
+def test_the_kernels_compute_without_megatron_core(report):
+    """Chunked log-probs and entropy from logits, and log-probs from hidden states + the LM-head weight (fp32), equal
+    float64 log_softmax."""
+    got = report["kernels"]
+    assert got["scale"] > 1
+    assert max(got["vocab_parallel"], got["entropy"], got["fused_linear"]) < 1e-5 * got["scale"]
+
+
+def test_the_verl_adapter_computes_without_verl_or_megatron_core(report):
+    got = report["verl"]
+    assert got["loss"] == pytest.approx(got["reference"], rel=1e-12)
+    assert got["grad_error"] <= 1e-12 * got["grad_scale"] and got["grad_scale"] > 1e-3
+
+
+@pytest.mark.parametrize("app", sorted(APP_EXTRAS))
+def test_each_app_names_its_extra(report, app):
+    """The apps import only with their extra: the import raises an ImportError whose message names it."""
+    extra = APP_EXTRAS[app]
+    error = report["extra_errors"][f"apps.{app}"]
+    assert error["type"] == "MissingExtraError"
+    assert error["message"].startswith(f"nemo_is_plugin.apps.{app} needs the '{extra}' extra (")
+    assert error["message"].endswith(f"not installed): pip install 'nemo-is-plugin[{extra}]'")
+
+
+@pytest.mark.parametrize("where", ["parallel_state", "slime"])
+def test_megatron_core_groups_name_the_megatron_extra(report, where):
+    """groups="parallel_state" (ParallelGroups.from_parallel_state; slime's entry points' default) without
+    megatron-core: a one-line ImportError naming the `megatron` extra, not a bare ModuleNotFoundError."""
+    error = report["extra_errors"][where]
+    assert error["type"] == "MissingExtraError"
+    assert error["message"] == (
+        "groups='parallel_state' (megatron-core's parallel_state groups) needs the 'megatron' extra (megatron not "
+        "installed): pip install 'nemo-is-plugin[megatron]'"
+    )
 
 
 def test_the_console_script_names_the_missing_extra(clean_venv):

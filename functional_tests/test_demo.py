@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_is_plugin.demo import task
+from nemo_is_plugin.apps.demo import task
 
 STABLE = ("gspo_seq_mean", "token_tis", "ctpo")
 SETTINGS = ("gspo_exp_sum", *STABLE)
@@ -42,8 +42,8 @@ def test_group_advantages_are_normalised_per_group():
 
 
 def test_megatron_to_mixtral_splits_fused_qkv_and_gated_fc1():
-    from nemo_is_plugin.demo.model import ModelShape
-    from nemo_is_plugin.demo.vllm_backend import megatron_to_mixtral
+    from nemo_is_plugin.apps.demo.model import ModelShape
+    from nemo_is_plugin.apps.demo.vllm_backend import megatron_to_mixtral
 
     shape = ModelShape(layers=1, experts=2, hidden=8, heads=2, expert_ffn=4)
     hd = shape.head_dim
@@ -81,7 +81,7 @@ def test_megatron_to_mixtral_splits_fused_qkv_and_gated_fc1():
 def test_unknown_loss_setting_is_a_clear_cli_error():
     from typer.testing import CliRunner
 
-    from nemo_is_plugin.cli.main import app
+    from nemo_is_plugin.apps.cli.main import app
 
     result = CliRunner().invoke(app, ["demo", "--configs", "gspo_exp_sum,no_such_setting"])
     assert result.exit_code == 2
@@ -89,7 +89,7 @@ def test_unknown_loss_setting_is_a_clear_cli_error():
 
 
 def test_cli_options_override_the_run_config(tmp_path):
-    from nemo_is_plugin.cli.demo import _build_config
+    from nemo_is_plugin.apps.cli.demo import _build_config
 
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text("grpo:\n  lr: 0.0005\nwarm_start:\n  steps: 7\n")
@@ -170,7 +170,7 @@ def test_stable_settings_raise_reward_above_warm_start(quick_run):
 
 
 def test_summary_headline_is_what_the_final_table_and_the_docs_show(quick_run, rows):
-    from nemo_is_plugin.demo.summary import demo_tables, readme_sentence
+    from nemo_is_plugin.apps.demo.summary import demo_tables, readme_sentence
 
     summary = json.loads((quick_run / "summary.json").read_text())
     h = summary["headline"]
@@ -196,7 +196,7 @@ def test_long_responses_collapse_exp_sum_weights_but_not_sequence_mean(rows):
 
 
 def test_rollout_dump_is_what_diagnose_reads(quick_run):
-    from nemo_is_plugin.diagnose.readers import read_dump
+    from nemo_is_plugin.apps.diagnose.readers import read_dump
 
     with open(quick_run / "rollouts.jsonl") as fh:
         recs = [json.loads(line) for line in fh]
@@ -219,8 +219,8 @@ def test_rollout_dump_is_what_diagnose_reads(quick_run):
     not (torch.cuda.is_available() and __import__("importlib").util.find_spec("vllm")), reason="needs vllm + CUDA"
 )
 def test_vllm_backend_generates_with_logprobs(tmp_path):
-    from nemo_is_plugin.demo.model import ModelShape
-    from nemo_is_plugin.demo.vllm_backend import VLLMBackend
+    from nemo_is_plugin.apps.demo.model import ModelShape
+    from nemo_is_plugin.apps.demo.vllm_backend import VLLMBackend
 
     shape = ModelShape(max_seq_len=128)
     state = {k: torch.randn(v) * 0.05 for k, v in _random_state_shapes(shape).items()}

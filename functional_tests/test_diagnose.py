@@ -12,10 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nemo_is_plugin.diagnose import synthetic_records, write_dump
+from nemo_is_plugin.apps.diagnose import synthetic_records, write_dump
 
 PNG = b"\x89PNG\r\n\x1a\n"
-CLI = [sys.executable, "-m", "nemo_is_plugin.cli.main"]
+CLI = [sys.executable, "-m", "nemo_is_plugin.apps.cli.main"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
 
 

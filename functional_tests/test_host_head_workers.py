@@ -31,7 +31,7 @@ from helpers.fake_nemo_rl_head import write_fake_nemo_rl
 from test_worker_env import worker_python  # noqa: F401  (the module-scoped fixture: a venv without the plugin)
 
 ROOT = Path(__file__).resolve().parents[1]
-HOOK_DIR = ROOT / "nemo_is_plugin" / "adapters" / "startup"
+HOOK_DIR = ROOT / "nemo_is_plugin" / "adapters" / "nemo_rl" / "startup"
 NEMO_RL_WORKER = textwrap.dedent("""
     import json, sys
     at_start = {"plugin": "nemo_is_plugin" in sys.modules, "torch": "torch" in sys.modules}
@@ -200,7 +200,7 @@ def test_the_documented_check_passes_in_a_switched_on_worker_and_fails_otherwise
     on = _run(worker_python, check, tmp_path, _env(PYTHONPATH=pythonpath, NEMO_IS_NEMO_RL_HEAD="1"))
     assert on.returncode == 0, on.stdout + on.stderr[-2000:]
     assert "[ok] start-up hook registered in this interpreter: True" in on.stdout
-    assert "is nemo_is_plugin.adapters.nemo_rl_head.from_parallel_hidden_states_to_logprobs" in on.stdout
+    assert "is nemo_is_plugin.adapters.nemo_rl.head.from_parallel_hidden_states_to_logprobs" in on.stdout
     assert on.stdout.count("[ok]") == 6 and "[FAIL]" not in on.stdout
     off = _run(worker_python, check, tmp_path, _env(PYTHONPATH=pythonpath))
     assert off.returncode == 1 and "[FAIL] NEMO_IS_NEMO_RL_HEAD=(unset)" in off.stdout

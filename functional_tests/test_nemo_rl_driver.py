@@ -14,18 +14,18 @@ import torch
 from _nemo_rl_driver import Scenario, isclose, run_dp, run_local
 
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn, build_nemo_rl_loss_fn
-from nemo_is_plugin.adapters.protocol import LossFunction, LossType
+from nemo_is_plugin.adapters.nemo_rl.protocol import LossFunction, LossType
 from nemo_is_plugin.loss import ClippedPGLoss
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "examples" / "nemo_rl_grpo_tis.yaml"
 GOLDEN = ROOT / "tests" / "data" / "golden" / "nemo_rl" / "case_002.pt"
-LEGACY_LINE = "  is_correction_level: null"
+NEMO_RL_EXACT_LINE = "  is_correction_level: null"
 CHANGED_LINE = "  is_correction_level: sequence_mean"
 
 # Other NeMo-RL-style configurations driven on the same data (CLI-style overrides of the same recipe).
 VARIANTS = {
-    "legacy": [],
+    "nemo_rl_exact": [],
     "gspo": [
         "loss_fn.sequence_level_importance_ratios=true",
         "loss_fn.token_level_loss=false",
@@ -39,7 +39,7 @@ VARIANTS = {
     ],
 }
 MODES_PER_VARIANT = {
-    "legacy": ("direct", "packed", "split"),
+    "nemo_rl_exact": ("direct", "packed", "split"),
     "seqmean": ("direct", "split"),
     "gspo": ("direct", "packed", "split"),
     "smtis": ("direct", "split"),
@@ -59,8 +59,8 @@ def golden():
 @pytest.fixture(scope="module")
 def changed_recipe(tmp_path_factory) -> Path:
     lines = RECIPE.read_text().splitlines(keepends=True)
-    hits = [i for i, line in enumerate(lines) if line.startswith(LEGACY_LINE)]
-    assert len(hits) == 1, f"{RECIPE} must contain exactly one line starting with {LEGACY_LINE!r}"
+    hits = [i for i, line in enumerate(lines) if line.startswith(NEMO_RL_EXACT_LINE)]
+    assert len(hits) == 1, f"{RECIPE} must contain exactly one line starting with {NEMO_RL_EXACT_LINE!r}"
     lines[hits[0]] = CHANGED_LINE + "\n"
     path = tmp_path_factory.mktemp("recipes") / "nemo_rl_grpo_tis_seqmean.yaml"
     path.write_text("".join(lines))
@@ -112,36 +112,36 @@ def test_recipes_differ_by_exactly_one_line(changed_recipe):
         for d in difflib.ndiff(RECIPE.read_text().splitlines(), changed_recipe.read_text().splitlines())
         if d[:1] in "+-"
     ]
-    assert len(diff) == 2 and diff[0].startswith(f"- {LEGACY_LINE}") and diff[1] == f"+ {CHANGED_LINE}", diff
+    assert len(diff) == 2 and diff[0].startswith(f"- {NEMO_RL_EXACT_LINE}") and diff[1] == f"+ {CHANGED_LINE}", diff
 
 
 def test_recipe_loss_fn_is_the_golden_config(golden, loss_fns):
     case, _, _ = golden
-    cfg = loss_fns["legacy"].config
+    cfg = loss_fns["nemo_rl_exact"].config
     assert {k: getattr(cfg, k) for k in case["config"]} == case["config"]
     assert cfg.is_correction_level is None
     assert loss_fns["seqmean"].config.is_correction_level == "sequence_mean"
 
 
 def test_adapter_satisfies_nemo_rl_protocol(loss_fns):
-    fn = loss_fns["legacy"]
+    fn = loss_fns["nemo_rl_exact"]
     assert isinstance(fn, LossFunction)
     assert fn.loss_type == LossType.TOKEN_LEVEL and loss_fns["gspo"].loss_type == LossType.SEQUENCE_LEVEL
     assert fn.reference_policy_kl_penalty == 0.01 and loss_fns["gspo"].reference_policy_kl_penalty == 0.0
     assert fn.metric_normalizations["num_valid_samples"].value == "none"
     assert fn.metric_normalizations["probs_ratio_min"].value == "none"
     assert loss_fns["smtis"].metric_normalizations["is_oob_ratio"].value == "sequences"
-    assert loss_fns["legacy"].metric_normalizations["is_oob_ratio"].value == "tokens"
+    assert loss_fns["nemo_rl_exact"].metric_normalizations["is_oob_ratio"].value == "tokens"
 
 
-# --------------------------------------------------------------------------------------------- legacy numbers
+# --------------------------------------------------------------------------------------------- NeMo-RL's exact numbers
 
 
-@pytest.mark.parametrize("mode", MODES_PER_VARIANT["legacy"])
+@pytest.mark.parametrize("mode", MODES_PER_VARIANT["nemo_rl_exact"])
 def test_unchanged_recipe_reproduces_nemo_rl_golden(results, golden, mode):
     """DP=2 x micro-batches (and packing, and the split API) reproduce NeMo-RL's own numbers for the whole batch."""
     case, _, _ = golden
-    r, exp = results[f"legacy/{mode}"], case["expected"]
+    r, exp = results[f"nemo_rl_exact/{mode}"], case["expected"]
     assert (r.global_valid_seqs, r.global_valid_toks) == (
         case["global_valid_seqs"].item(),
         case["global_valid_toks"].item(),
@@ -169,9 +169,9 @@ def test_driver_equals_direct_call(results, golden, loss_fns, variant, mode):
 
 
 def test_driver_really_split_the_batch(results):
-    assert results["legacy/direct"].per_rank_calls == [2, 2]  # 3 rows per rank, micro-batches of 2 and 1
-    assert results["legacy/packed"].per_rank_calls == [3, 3]  # one call per sequence
-    assert results["legacy/split"].per_rank_calls == [2, 2]
+    assert results["nemo_rl_exact/direct"].per_rank_calls == [2, 2]  # 3 rows per rank, micro-batches of 2 and 1
+    assert results["nemo_rl_exact/packed"].per_rank_calls == [3, 3]  # one call per sequence
+    assert results["nemo_rl_exact/split"].per_rank_calls == [2, 2]
 
 
 def test_smtis_scenario_exercises_sequence_normalised_metric(results):
@@ -195,21 +195,23 @@ def _reference_weight_mean(data, level: str) -> float:
 
 def test_one_changed_line_changes_the_is_weights(results, golden):
     _, data, _ = golden
-    legacy, seqmean = results["legacy/direct"], results["seqmean/direct"]
-    want_legacy, want_seqmean = _reference_weight_mean(data, "token"), _reference_weight_mean(data, "sequence_mean")
-    assert isclose(legacy.metrics["sampling_importance_ratio"], want_legacy, 1e-5, 0)
+    exact, seqmean = results["nemo_rl_exact/direct"], results["seqmean/direct"]
+    want_exact, want_seqmean = _reference_weight_mean(data, "token"), _reference_weight_mean(data, "sequence_mean")
+    assert isclose(exact.metrics["sampling_importance_ratio"], want_exact, 1e-5, 0)
     assert isclose(seqmean.metrics["sampling_importance_ratio"], want_seqmean, 1e-5, 0)
-    assert abs(want_legacy - want_seqmean) > 1e-4  # the two levels really differ on this batch
-    assert abs(legacy.loss - seqmean.loss) > 1e-5
-    assert not torch.allclose(legacy.grad, seqmean.grad, rtol=1e-4, atol=1e-7)
+    assert abs(want_exact - want_seqmean) > 1e-4  # the two levels really differ on this batch
+    assert abs(exact.loss - seqmean.loss) > 1e-5
+    assert not torch.allclose(exact.grad, seqmean.grad, rtol=1e-4, atol=1e-7)
     # Only the IS weights changed: the ratio and the mismatch diagnostics are the same numbers.
     for k in ("probs_ratio", "token_mult_prob_error", "kl_penalty", "mismatch_kl_k3"):
-        assert isclose(legacy.metrics[k], seqmean.metrics[k], 1e-12, 0), k
+        assert isclose(exact.metrics[k], seqmean.metrics[k], 1e-12, 0), k
 
 
 def test_single_process_driver_matches_dp_driver(results, golden, loss_fns):
     _, data, x = golden
-    local = run_local(Scenario("legacy/split", loss_fns["legacy"], data, x, mode="split", micro_batch_size=4))
-    dp = results["legacy/split"]
+    local = run_local(
+        Scenario("nemo_rl_exact/split", loss_fns["nemo_rl_exact"], data, x, mode="split", micro_batch_size=4)
+    )
+    dp = results["nemo_rl_exact/split"]
     assert isclose(local.loss, dp.loss, 1e-5, 1e-7)
     torch.testing.assert_close(local.grad, dp.grad, rtol=1e-5, atol=1e-7)

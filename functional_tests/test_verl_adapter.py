@@ -201,7 +201,7 @@ def test_verl_plugin_entry_point_registers_on_import_verl(tmp_path: Path):
     dist = tmp_path / "nemo_is_verl_probe-0.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: nemo-is-verl-probe\nVersion: 0.0\n")
-    (dist / "entry_points.txt").write_text("[verl.plugins]\nnemo_is = nemo_is_plugin.adapters.verl_plugin\n")
+    (dist / "entry_points.txt").write_text("[verl.plugins]\nnemo_is = nemo_is_plugin.adapters.verl.plugin\n")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("trainer: {x: 1}\nloss_fn:\n  reference_policy_kl_penalty: 0.0\n  ratio_clip_max: 0.5\n")
     script = textwrap.dedent(f"""

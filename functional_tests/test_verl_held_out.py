@@ -27,8 +27,8 @@ core_algos = pytest.importorskip(
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss  # noqa: E402
-from nemo_is_plugin.adapters.verl_config import VerlConfigError  # noqa: E402
-from nemo_is_plugin.adapters.verl_hydra import PolicyLossConfig as PluginPolicyLossConfig  # noqa: E402
+from nemo_is_plugin.adapters.verl.config import VerlConfigError  # noqa: E402
+from nemo_is_plugin.adapters.verl.hydra import PolicyLossConfig as PluginPolicyLossConfig  # noqa: E402
 
 MODES = ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "sapo", "geo_mean", "gpg", "dro", "clip_cov", "kl_cov")
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

@@ -108,9 +108,9 @@ def test_verl_adapter_with_loss_mode_equals_verl(mode, agg, seed, with_weights):
     """The registered plugin loss, told verl's mode by ``policy_loss.nemo_is.loss_mode`` and reading verl's own
     ActorConfig, against verl's ``get_policy_loss_fn(mode)`` on the same config."""
     from nemo_is_plugin.adapters.verl import VerlPolicyLoss
-    from nemo_is_plugin.adapters.verl_config import VerlConfigError
-    from nemo_is_plugin.adapters.verl_hydra import PolicyLossConfig as PluginPolicyLossConfig
-    from nemo_is_plugin.adapters.verl_loss_modes import FORCED_AGGREGATION
+    from nemo_is_plugin.adapters.verl.config import VerlConfigError
+    from nemo_is_plugin.adapters.verl.hydra import PolicyLossConfig as PluginPolicyLossConfig
+    from nemo_is_plugin.adapters.verl.loss_modes import FORCED_AGGREGATION
 
     agg = FORCED_AGGREGATION.get(mode, agg)  # verl forces it; the adapter refuses any other (tests/adapters)
     cfg = _actor(mode, lambda dro_beta: PluginPolicyLossConfig(dro_beta=dro_beta, nemo_is={"loss_mode": mode}))
@@ -147,7 +147,7 @@ def test_verl_metrics_at_a_log_ratio_beyond_20(mode):
     """log pi - log pi_old = -30 on every token: verl's vanilla, cispo, dppo_* and sapo clamp it to -20 in ppo_kl,
     gspo, geo_mean and dro do not, gpg returns no metric; the plugin returns the same names and values per mode."""
     from nemo_is_plugin.adapters.verl import VerlPolicyLoss
-    from nemo_is_plugin.adapters.verl_hydra import PolicyLossConfig as PluginPolicyLossConfig
+    from nemo_is_plugin.adapters.verl.hydra import PolicyLossConfig as PluginPolicyLossConfig
 
     agg = "token-mean" if mode == "cispo" else "seq-mean-token-mean"
     old = torch.full((3, 5), -1.0)
@@ -170,7 +170,7 @@ def test_boolean_rollout_is_threshold_is_a_type_error_not_a_boolean_as_verls():
     """verl's tests/trainer/ppo/test_rollout_corr.py expects TypeError matching "not a boolean"; so does the mapping."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
-    from nemo_is_plugin.adapters.verl_config import rollout_correction_keys
+    from nemo_is_plugin.adapters.verl.config import rollout_correction_keys
 
     zeros = torch.zeros(1, 2)
     with pytest.raises(TypeError, match="not a boolean"):

@@ -25,8 +25,8 @@ from nemo_is_plugin.adapters.verl import (  # noqa: E402
     MissingPluginConfigError,
     VerlPolicyLoss,
 )
-from nemo_is_plugin.adapters.verl_config import PRESETS, ROLLOUT_CORRECTION_KEYS, preset_keys, preset_settings  # noqa
-from nemo_is_plugin.adapters.verl_hydra import PolicyLossConfig as NemoISPolicyLossConfig  # noqa: E402
+from nemo_is_plugin.adapters.verl.config import PRESETS, ROLLOUT_CORRECTION_KEYS, preset_keys, preset_settings  # noqa
+from nemo_is_plugin.adapters.verl.hydra import PolicyLossConfig as NemoISPolicyLossConfig  # noqa: E402
 from nemo_is_plugin.config import ClippedPGLossConfig  # noqa: E402
 from nemo_is_plugin.loss.correction import compute_is_correction  # noqa: E402
 from nemo_is_plugin.loss.layout import TokenLayout  # noqa: E402
@@ -218,7 +218,7 @@ def test_a_worker_without_the_plugin_config_raises(batch, monkeypatch):
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     import importlib
 
-    import nemo_is_plugin.adapters.verl_plugin as entry_point
+    import nemo_is_plugin.adapters.verl.plugin as entry_point
 
     importlib.reload(entry_point)  # what `import verl` does on every worker
     fn = core_algos.get_policy_loss_fn(VERL_LOSS_NAME)
@@ -236,7 +236,7 @@ def test_icepop_with_batch_normalisation_equals_verls(batch, level):
     the mapped plugin config (icepop truncation type) does the same."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 
-    from nemo_is_plugin.adapters.verl_config import rollout_correction_keys
+    from nemo_is_plugin.adapters.verl.config import rollout_correction_keys
 
     m = batch["mask"].float()
     band = "0.9_1.1" if level == "token" else "0.5_1.5"

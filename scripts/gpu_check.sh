@@ -16,7 +16,7 @@
 #      directory holding nemo_rl/) where it is not installed, verl installed or from VERL_PATH; then checked: every
 #      plugin head measured on the Triton backend, both hosts measured (a host's own head that fails is reported);
 #   6. the `gpu` test tier:             python -m pytest -q -m gpu tests $PYTEST_ARGS
-#   7. the kernel and chunk-size sweep: python -m nemo_is_plugin.bench.kernel_sweep --out $OUT/sweep.json
+#   7. the kernel and chunk-size sweep: python -m nemo_is_plugin.apps.bench.kernel_sweep --out $OUT/sweep.json
 #
 # Each step's output goes to $OUT/<step>.log (OUT defaults to ./runs/gpu_check). A failing step does not stop the
 # others; the script exits 1 if any step failed, and lists them. PYTHON overrides the interpreter (default: python);
@@ -71,7 +71,7 @@ bench_head_report() { # one table, plots and the docs' GPU section from the per-
         echo "no model's head benchmark wrote results"
         return 1
     fi
-    "$PYTHON" -m nemo_is_plugin.cli.main bench "${parts[@]}" --out "$OUT/head" --write-docs
+    "$PYTHON" -m nemo_is_plugin.apps.cli.main bench "${parts[@]}" --out "$OUT/head" --write-docs
 }
 
 check_head_results() { # the head benchmark's results.json: no failed measurement, no Triton fallback
@@ -133,27 +133,27 @@ step install install_wheels
 step cuda "$PYTHON" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; \
 print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 # the model shapes of `nemo-is bench`, from the one list of them (bench/shapes.py)
-mapfile -t MODELS < <("$PYTHON" -c "from nemo_is_plugin.bench.shapes import MODEL_SHAPES
+mapfile -t MODELS < <("$PYTHON" -c "from nemo_is_plugin.apps.bench.shapes import MODEL_SHAPES
 for s in MODEL_SHAPES: print(s.name)")
 for model in "${MODELS[@]}"; do
-    step "bench_head_$model" "${TIMEOUT_BENCH:-0}" "$PYTHON" -m nemo_is_plugin.cli.main bench --device cuda \
+    step "bench_head_$model" "${TIMEOUT_BENCH:-0}" "$PYTHON" -m nemo_is_plugin.apps.cli.main bench --device cuda \
         --model "$model" --out "$OUT/head/$model"
 done
 step bench_head bench_head_report
 step bench_head_results check_head_results
-step bench_step "${TIMEOUT_STEP:-0}" env NEMO_IS_STRICT_BACKEND=1 "$PYTHON" -m nemo_is_plugin.cli.main bench \
+step bench_step "${TIMEOUT_STEP:-0}" env NEMO_IS_STRICT_BACKEND=1 "$PYTHON" -m nemo_is_plugin.apps.cli.main bench \
     --model-step --device cuda --out "$OUT/step"
 step bench_step_results check_step_results
 host_head_args=()
 [ -n "${NEMO_RL_PATH:-}" ] && host_head_args+=(--nemo-rl-path "$NEMO_RL_PATH")
 [ -n "${VERL_PATH:-}" ] && host_head_args+=(--verl-path "$VERL_PATH")
-step bench_host_heads "${TIMEOUT_HOST_HEADS:-0}" "$PYTHON" -m nemo_is_plugin.cli.main bench --host-heads --device cuda \
+step bench_host_heads "${TIMEOUT_HOST_HEADS:-0}" "$PYTHON" -m nemo_is_plugin.apps.cli.main bench --host-heads --device cuda \
     ${host_head_args[@]+"${host_head_args[@]}"} --out "$OUT/host_heads" --write-docs
 step bench_host_heads_results check_host_heads_results
 # shellcheck disable=SC2086 # PYTEST_ARGS is a list of words
 step pytest_gpu "${TIMEOUT_TESTS:-0}" "$PYTHON" -m pytest -q -m gpu tests ${PYTEST_ARGS:-}
 if [ "${SKIP_SWEEP:-0}" != 1 ]; then
-    step sweep "${TIMEOUT_SWEEP:-0}" "$PYTHON" -m nemo_is_plugin.bench.kernel_sweep --out "$OUT/sweep.json"
+    step sweep "${TIMEOUT_SWEEP:-0}" "$PYTHON" -m nemo_is_plugin.apps.bench.kernel_sweep --out "$OUT/sweep.json"
 fi
 
 if [ "${#failed[@]}" -ne 0 ]; then

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 import nemo_is_plugin
 from nemo_is_plugin.adapters import nemo_rl
 from nemo_is_plugin.adapters.recipes import RecipeError
-from nemo_is_plugin.cli.main import app
-from nemo_is_plugin.cli.synthetic_batch import synthetic_batch
+from nemo_is_plugin.apps.cli.main import app
+from nemo_is_plugin.apps.cli.synthetic_batch import synthetic_batch
 from nemo_is_plugin.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def test_a_corrupt_gzip_dump_writes_nothing(tmp_path):
 
 
 def test_diagnose_output_path_that_is_a_directory_writes_nothing(tmp_path):
-    from nemo_is_plugin.diagnose import synthetic_records, write_dump
+    from nemo_is_plugin.apps.diagnose import synthetic_records, write_dump
 
     dump = write_dump(synthetic_records(8, min_len=4, max_len=20, seed=0), tmp_path / "d" / "rollouts.jsonl")
     refused(cli("diagnose", dump, "--write-config", tmp_path), "--write-config", "is a folder; give a file path")
@@ -127,7 +127,7 @@ def test_diagnose_output_path_that_is_a_directory_writes_nothing(tmp_path):
 
 
 def test_diagnose_plot_directory_that_is_a_file_writes_nothing(tmp_path):
-    from nemo_is_plugin.diagnose import synthetic_records, write_dump
+    from nemo_is_plugin.apps.diagnose import synthetic_records, write_dump
 
     dump = write_dump(synthetic_records(8, min_len=4, max_len=20, seed=0), tmp_path / "rollouts.jsonl")
     (tmp_path / "plots").write_text("not a directory")

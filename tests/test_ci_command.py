@@ -94,5 +94,5 @@ def test_the_stacks_tier_selects_the_host_groups_by_existing_paths(tmp_path):
     paths = pytest_line.split(" -m pytest -q ", 1)[1].split()
     assert [p for p in paths if not ROOT.joinpath(p).exists()] == []
     golden = sorted(str(p.relative_to(ROOT)) for p in ROOT.joinpath("tests").glob("test_golden_*.py"))
-    groups = ["tests/loss", "tests/config", "tests/kernels", "tests/distributed", "tests/adapters"]
+    groups = ["tests/common", "tests/loss", "tests/config", "tests/kernels", "tests/distributed", "tests/adapters"]
     assert set(golden + groups + ["tests/test_bad_inputs.py", "tests/test_device_guard.py"]) <= set(paths)

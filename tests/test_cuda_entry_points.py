@@ -20,10 +20,10 @@ from distributed._loss_cases import LOSS_CONFIGS, cu_seqlens, global_counts, mak
 
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss
-from nemo_is_plugin.distributed.context_parallel import CPTokenLayout
-from nemo_is_plugin.distributed.cp_sharding import local_tokens, num_chunks
-from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
-from nemo_is_plugin.evidence.is_collapse import IS_LEVELS, level_weights
+from nemo_is_plugin.apps.evidence.is_collapse import IS_LEVELS, level_weights
+from nemo_is_plugin.distributed.entry_points.logit_loss import LogitClippedPGLoss
+from nemo_is_plugin.distributed.parallel.context_parallel import CPTokenLayout
+from nemo_is_plugin.distributed.parallel.cp_sharding import local_tokens, num_chunks
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.mismatch_metrics import mismatch_metric_sums
@@ -223,12 +223,12 @@ CASES = (
     [pytest.param(logit_padded(n), id=f"logit_padded-{n}") for n in sorted(LOSS_CONFIGS)]
     + [
         pytest.param(logit_packed(n), id=f"logit_packed-{n}")
-        for n in ("nemo_rl_default", "ctpo_cumulative_is", "gspo_legacy", "seq_mis_veto")
+        for n in ("nemo_rl_default", "ctpo_cumulative_is", "gspo_nemo_rl", "seq_mis_veto")
     ]
     + [
         pytest.param(nemo_rl_adapter(n, it), id=f"nemo_rl_{it}-{n}")
         for it in ("logprob", "logit")
-        for n in ("nemo_rl_default", "gspo_legacy", "gspo_token_seqmean_is_tis", "reinforce_on_policy_kl_nll")
+        for n in ("nemo_rl_default", "gspo_nemo_rl", "gspo_token_seqmean_is_tis", "reinforce_on_policy_kl_nll")
     ]
     + [
         pytest.param(verl_adapter(n, agg), id=f"verl-{n}-{agg}")

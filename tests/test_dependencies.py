@@ -58,8 +58,17 @@ def _lock() -> dict[str, str]:
 
 def test_core_dependencies_are_what_the_loss_imports_and_no_app_stack():
     core = _names(_requirements())
-    assert core == {"torch", "megatron-core", "pydantic", "omegaconf", "pyyaml", "numpy"}
+    assert core == {"torch", "pydantic", "omegaconf", "pyyaml", "numpy"}
     assert not core & APP_STACK
+
+
+def test_megatron_core_is_an_extra_open_to_the_trainers_build():
+    """megatron-core comes with the `megatron` extra (a lower bound only: a trainer's own build is kept) and with the
+    demo, in the range the demo was tested with."""
+    (megatron,) = _requirements("megatron")
+    assert canonicalize_name(megatron.name) == "megatron-core" and str(megatron.specifier) == ">=0.12"
+    demo = [r for r in _requirements("demo") if canonicalize_name(r.name) == "megatron-core"]
+    assert {str(r.specifier) for r in demo} >= {">=0.12", "<0.20,>=0.16"}
 
 
 def test_each_extra_brings_its_stack():

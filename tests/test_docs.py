@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
 from nemo_is_plugin.adapters.recipes import LOSS_KEYS, load_loss_spec
-from nemo_is_plugin.cli.main import app
-from nemo_is_plugin.demo.summary import BLOCKS, quoted
+from nemo_is_plugin.apps.cli.main import app
+from nemo_is_plugin.apps.demo.summary import BLOCKS, quoted
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
@@ -65,7 +65,7 @@ def _nemo_rl_names(tmp_path: Path) -> dict:
     """The names the snippets presume: a master config, a NeMo-RL batch, grpo_train's train_data, verl's batch."""
     import torch
 
-    from nemo_is_plugin.cli.synthetic_batch import synthetic_batch
+    from nemo_is_plugin.apps.cli.synthetic_batch import synthetic_batch
 
     logprobs, data = synthetic_batch(4, 16)
     master = OmegaConf.to_container(OmegaConf.load(EXAMPLE))
@@ -105,7 +105,7 @@ def _readme_names(tmp_path: Path) -> dict:
 
 
 def _diagnose_names(tmp_path: Path) -> dict:
-    from nemo_is_plugin.diagnose import synthetic_records, write_dump
+    from nemo_is_plugin.apps.diagnose import synthetic_records, write_dump
 
     write_dump(synthetic_records(16, min_len=4, max_len=64, seed=0), tmp_path / "runs" / "demo" / "rollouts.jsonl")
     return {}
@@ -185,7 +185,7 @@ def test_validate_command_runs(case, monkeypatch):
 
 # ------------------------------------------------------------------ generated output quoted in the docs
 def test_the_diagnose_example_is_the_current_output(tmp_path):
-    from nemo_is_plugin.diagnose import synthetic_records, write_dump
+    from nemo_is_plugin.apps.diagnose import synthetic_records, write_dump
 
     (example,) = blocks("docs/diagnose.md", "text")
     cwd = os.getcwd()
@@ -212,7 +212,7 @@ def test_demo_numbers_are_the_committed_summary(page):
     summary = json.loads(SUMMARY.read_text())
     tag, render = BLOCKS[page]
     assert quoted((ROOT / page).read_text(), tag) == render(summary), (
-        f"{page} does not quote docs/demo_summary.json: run python -m nemo_is_plugin.demo.summary {SUMMARY}"
+        f"{page} does not quote docs/demo_summary.json: run python -m nemo_is_plugin.apps.demo.summary {SUMMARY}"
     )
 
 

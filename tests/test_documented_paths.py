@@ -2,8 +2,8 @@
 
 Three forms are extracted from the text: Python import statements (``from nemo_is_plugin.x import a, b`` and
 ``import nemo_is_plugin.x``, parenthesised lists included), dotted references (``nemo_is_plugin.x.y``, ``module:attr``
-as entry points write them, ``python -m nemo_is_plugin.cli.main``) and file paths (``nemo_is_plugin/x/y.py``). A dotted
-reference is imported as the longest importable module prefix, the rest read as attributes.
+as entry points write them, ``python -m nemo_is_plugin.apps.cli.main``) and file paths (``nemo_is_plugin/x/y.py``). A
+dotted reference is imported as the longest importable module prefix, the rest read as attributes.
 """
 
 from __future__ import annotations
@@ -98,10 +98,10 @@ def test_the_public_entry_points_are_documented():
         "nemo_is_plugin.build_loss_fn",
         "nemo_is_plugin.adapters.nemo_rl.NeMoRLLossFn",
         "nemo_is_plugin.loss.ClippedPGLoss",
-        "nemo_is_plugin.cli.main.app",
+        "nemo_is_plugin.apps.cli.main.app",
         "nemo_is_plugin.registry.build_loss_fn",
         "nemo_is_plugin.recipes.load_loss_spec",
-        "nemo_is_plugin.adapters.verl_plugin",
+        "nemo_is_plugin.adapters.verl.plugin",
     ):
         assert name in DOTTED, name
 

@@ -111,9 +111,9 @@ EXACT_SUITES = [c for suite in ("nemo_rl", "nemo_rl_compat") for c in load_cases
 
 
 def test_loss_and_nemo_rl_metrics_are_bit_exact_on_every_golden_case():
-    """NeMo-RL computes in float32 with sum(v * m) / (N + 1e-8); the plugin's legacy values follow the same order, so
-    the loss and every NeMo-RL metric are NeMo-RL's exact float32 values (1.0, not 0.9999999967) on all valid cases
-    of both suites (the same torch 2.13 CPU build produced them)."""
+    """NeMo-RL computes in float32 with sum(v * m) / (N + 1e-8); the plugin's NeMo-RL-exact values follow the same
+    order, so the loss and every NeMo-RL metric are NeMo-RL's exact float32 values (1.0, not 0.9999999967) on all
+    valid cases of both suites (the same torch 2.13 CPU build produced them)."""
     differ = {}
     for case in EXACT_SUITES:
         with warnings.catch_warnings():

@@ -1,8 +1,8 @@
 """verl rollout-correction golden cases (tests/data/golden/verl_rollout_corr, produced by verl's
 rollout_corr_helper.compute_rollout_correction_and_rejection_mask at b178a3cd), run through the project's own mapping
-of verl's ``algorithm.rollout_correction`` (nemo_is_plugin.adapters.verl_config.rollout_correction_keys): the IS
+of verl's ``algorithm.rollout_correction`` (nemo_is_plugin.adapters.verl.config.rollout_correction_keys): the IS
 weights and rejection masks the plugin's loss applies, and verl's ``rollout_corr/`` metrics
-(nemo_is_plugin.adapters.verl_metrics) at the README's tolerances.
+(nemo_is_plugin.adapters.verl.metrics) at the README's tolerances.
 
 verl has no sample mask: every row is a sample (sample_mask = 1, global_valid_seqs = B, global_valid_toks = #unmasked).
 The loss is called at ratio 1 with advantage 1 under token-mean, so -N_tok * d loss / d curr_t is exactly the weight
@@ -20,11 +20,11 @@ from helpers.golden_utils import case_ids, load_named_cases
 from helpers.golden_verl import loss_inputs, plugin_keys
 
 from nemo_is_plugin import build_loss_fn, finalize_metrics
-from nemo_is_plugin.adapters.verl_config import (
+from nemo_is_plugin.adapters.verl.config import (
     preset_settings,
     rejection_rules,
 )
-from nemo_is_plugin.adapters.verl_metrics import PREFIX, rollout_corr_metrics
+from nemo_is_plugin.adapters.verl.metrics import PREFIX, rollout_corr_metrics
 from nemo_is_plugin.config import VERL_RS_OPTIONS, ClippedPGLossConfig
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.is_weights import MAX_LOG_WEIGHT

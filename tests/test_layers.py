@@ -3,11 +3,14 @@
 Every ``import`` / ``from ... import`` statement of every module under ``nemo_is_plugin/`` counts, including those
 inside functions (a lazy import is still a dependency). Layers, bottom to top:
 
-    config -> loss -> kernels -> distributed -> integration -> apps
+    base (common/) -> config -> loss -> kernels -> distributed -> integration (adapters/) -> apps (apps/)
 
-A module may import from its own layer and the layers below it. The cycle check ignores imports under
-``if TYPE_CHECKING:`` (annotations only, never executed). ``from pkg import name`` depends on ``pkg.name`` when that
-is a module, else on ``pkg`` itself (its ``__init__``).
+A module may import from its own layer and the layers below it, so the runtime (everything below the apps) never
+imports an app. The ground floor, ``nemo_is_plugin.common``, is what every layer may import (``warn_once``, the extras'
+errors); it imports no other package module and no third-party package. The kernels are the chunk math of the
+log-prob paths and know nothing of the loss or its config: they import neither, although both rank below them. The
+cycle check ignores imports under ``if TYPE_CHECKING:`` (annotations only, never executed). ``from pkg import name``
+depends on ``pkg.name`` when that is a module, else on ``pkg`` itself (its ``__init__``).
 
 The config layer is the config's schema: how a key is typed, ranged and explained, the unknown-key policy, the errors,
 rejection rules, and ``KeySection`` (what a policy objective declares its keys as). A policy objective is one module
@@ -28,11 +31,12 @@ import pytest
 PACKAGE = "nemo_is_plugin"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-LAYERS = ("config", "loss", "kernels", "distributed", "integration", "apps")
+LAYERS = ("base", "config", "loss", "kernels", "distributed", "integration", "apps")
 # Module prefix -> layer; the longest matching prefix wins. The package root (``nemo_is_plugin/__init__.py``) and the
 # ``nemo_is_plugin.registry`` / ``nemo_is_plugin.recipes`` modules re-export documented names from the layer below.
 LAYER_OF_PREFIX = {
     "nemo_is_plugin": "loss",
+    "nemo_is_plugin.common": "base",
     "nemo_is_plugin.config": "config",
     "nemo_is_plugin.loss": "loss",
     "nemo_is_plugin.registry": "loss",
@@ -40,12 +44,7 @@ LAYER_OF_PREFIX = {
     "nemo_is_plugin.distributed": "distributed",
     "nemo_is_plugin.adapters": "integration",
     "nemo_is_plugin.recipes": "integration",
-    "nemo_is_plugin.cli": "apps",
-    "nemo_is_plugin.demo": "apps",
-    "nemo_is_plugin.diagnose": "apps",
-    "nemo_is_plugin.evidence": "apps",
-    "nemo_is_plugin.bench": "apps",
-    "nemo_is_plugin.compat": "apps",
+    "nemo_is_plugin.apps": "apps",
 }
 # Modules whose layer is not their package's (exact names; they win over LAYER_OF_PREFIX): the assembled config.
 LAYER_OF_MODULE = {
@@ -58,7 +57,13 @@ LAYER_OF_MODULE = {
 REEXPORT_MODULES = ("nemo_is_plugin.registry", "nemo_is_plugin.recipes")
 # Third-party packages the modules under a package prefix must not import: no config module imports torch (the
 # objective modules the assembled config reads do, and are in the loss package).
-FORBIDDEN_THIRD_PARTY = {"nemo_is_plugin.config": ("torch", "triton", "megatron", "omegaconf", "yaml")}
+FORBIDDEN_THIRD_PARTY = {
+    "nemo_is_plugin.config": ("torch", "triton", "megatron", "omegaconf", "yaml"),
+    "nemo_is_plugin.common": ("torch", "triton", "megatron", "omegaconf", "yaml", "pydantic", "numpy"),
+}
+# Layers a package must not import although they rank below it: the kernels compute on chunks of logits and take
+# every setting as an argument, so neither the loss nor its config reaches them.
+UNRELATED_LAYERS = {"nemo_is_plugin.kernels": ("config", "loss")}
 
 
 def module_name(path: Path) -> str:
@@ -146,15 +151,28 @@ def test_no_module_imports_the_documented_reexports():
     assert not users, "\n".join(users)
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN_THIRD_PARTY))
-def test_package_imports_no_forbidden_third_party_package(package):
-    bad = [
+def imports_of_package(package: str, forbidden) -> list[str]:
+    """``path:line: imports name`` for every import of a module of ``package`` that ``forbidden(name)`` refuses."""
+    return [
         f"{MODULES[module].relative_to(ROOT.parent)}:{line}: imports {name}"
         for module in MODULES
         if module == package or module.startswith(package + ".")
         for name, line, _ in imports(module)
-        if name.split(".")[0] in FORBIDDEN_THIRD_PARTY[package]
+        if forbidden(name)
     ]
+
+
+@pytest.mark.parametrize("package", sorted(UNRELATED_LAYERS))
+def test_package_imports_no_unrelated_layer(package):
+    bad = imports_of_package(
+        package, lambda name: name.split(".")[0] == PACKAGE and layer_of(name) in UNRELATED_LAYERS[package]
+    )
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_THIRD_PARTY))
+def test_package_imports_no_forbidden_third_party_package(package):
+    bad = imports_of_package(package, lambda name: name.split(".")[0] in FORBIDDEN_THIRD_PARTY[package])
     assert not bad, "\n".join(bad)
 
 
@@ -203,13 +221,18 @@ def test_the_checks_see_upward_imports_and_cycles():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
     assert layer_of("nemo_is_plugin.kernels.chunk_math") == "kernels"
-    assert layer_of("nemo_is_plugin.distributed.vocab_parallel") == "distributed"
+    assert layer_of("nemo_is_plugin.common.once") == "base"
+    # the package check sees a package's imports (the entry points import the loss, two layers below them)
+    assert imports_of_package("nemo_is_plugin.distributed.entry_points", lambda n: n.startswith("nemo_is_plugin.loss"))
+    assert {name for name, _, _ in imports("nemo_is_plugin.kernels.chunk_math")} >= {"nemo_is_plugin.common.once"}
+    assert layer_of("nemo_is_plugin.distributed.head.vocab_parallel") == "distributed"
     assert layer_of("nemo_is_plugin.adapters.nemo_rl") == "integration"
+    assert layer_of("nemo_is_plugin.apps.cli.main") == layer_of("nemo_is_plugin.apps.demo.loop") == "apps"
     assert layer_of("nemo_is_plugin") == "loss"
     # the config's schema is the bottom layer; the config assembled from the objectives' key sections is above them
     assert layer_of("nemo_is_plugin.config.keys") == "config"
     assert layer_of("nemo_is_plugin.config.model") == "loss"
     assert {name for name, _, _ in imports("nemo_is_plugin.config.model")} >= {"nemo_is_plugin.loss.objectives"}
     # a lazy import inside a function counts: the NeMo-RL adapter builds the LOGIT loss that way
-    adapter_imports = {name for name, _, _ in imports("nemo_is_plugin.adapters.nemo_rl")}
-    assert "nemo_is_plugin.distributed.logit_loss" in adapter_imports
+    adapter_imports = {name for name, _, _ in imports("nemo_is_plugin.adapters.nemo_rl.loss_fn")}
+    assert "nemo_is_plugin.distributed.entry_points.logit_loss" in adapter_imports

@@ -1,4 +1,4 @@
-"""Differential fuzz of the legacy path (every plugin key unset) against NeMo-RL's ClippedPGLossFn, over NeMo-RL's
+"""Differential fuzz of NeMo-RL's exact path (every plugin key unset) against NeMo-RL's ClippedPGLossFn, over NeMo-RL's
 whole config space and random batches with the edge inputs NeMo-RL tolerates.
 
 NeMo-RL cannot be installed, so :func:`nemo_rl_loss` below re-derives its formulas (commit 7ea279ab) independently,
@@ -328,7 +328,7 @@ def trial(seed: int) -> str:
 
 
 @pytest.mark.parametrize("chunk", range(6))
-def test_legacy_path_equals_nemo_rl(chunk):
+def test_nemo_rl_exact_path_equals_nemo_rl(chunk):
     """300 (config, batch) trials in all. Where NeMo-RL accepts a config the plugin computes the same, except for values
     outside a key's valid range (config.NUMERIC_RANGES, e.g. a negative positive_example_nll_weight), which the
     plugin refuses on purpose (docs/nemo_rl.md, "Where the plugin deliberately differs")."""

@@ -56,7 +56,7 @@ def _grads(fn: Callable, hidden, weight, *args, upstream: tuple) -> tuple:
 
 
 def check_nemo_rl() -> list[tuple[str, bool]]:
-    from nemo_is_plugin.adapters import nemo_rl_head as head
+    from nemo_is_plugin.adapters.nemo_rl import head
 
     lines = [(f"{head.SWITCH_ENV}={head.status()['switch'] or '(unset)'}", head.switch_on())]
     hooked = head.TARGET_MODULE in getattr(sys, "_nemo_is_after_import_callbacks", {})
@@ -84,7 +84,7 @@ def check_nemo_rl() -> list[tuple[str, bool]]:
 def check_verl() -> list[tuple[str, bool]]:
     import verl  # noqa: F401  (loads the verl.plugins entry points, the plugin's among them)
 
-    from nemo_is_plugin.adapters import verl_head
+    from nemo_is_plugin.adapters.verl import head as verl_head
 
     registered = sorted(getattr(sys, "_nemo_is_after_import_callbacks", {}))
     lines = [(f"hooks registered by the verl.plugins entry point: {registered}", verl_head.CONFIG_MODULE in registered)]

@@ -9,8 +9,8 @@ import itself raise (importlib then removes the half-patched module): a patch th
 process instead of letting the host's own code run silently.
 
 Standard library only, and no import of the package: the plugin's startup hook
-(``nemo_is_plugin/adapters/startup/sitecustomize.py``) loads this file by path at interpreter start, before torch or
-the plugin could be imported. The registry lives on the ``sys`` module, so a copy loaded that way and
+(``nemo_is_plugin/adapters/nemo_rl/startup/sitecustomize.py``) loads this file by path at interpreter start, before
+torch or the plugin could be imported. The registry lives on the ``sys`` module, so a copy loaded that way and
 ``nemo_is_plugin.adapters.import_hooks`` share it.
 """
 
@@ -24,6 +24,11 @@ from typing import Any
 
 _REGISTRY = "_nemo_is_after_import_callbacks"  # attribute of ``sys``: {module name: {key: callback}}
 Callback = Callable[[ModuleType], None]
+
+
+class HostPatchError(RuntimeError):
+    """The host's function the plugin replaces is missing or changed: the plugin's head cannot stand in for it (what
+    a patch raises, failing the host's import; both hosts' heads raise it)."""
 
 
 def _registry() -> dict[str, dict[str, Callback]]:
@@ -106,4 +111,4 @@ def registered(module: str) -> list[str]:
     return sorted(_registry().get(module, {}))
 
 
-__all__ = ["AfterImportFinder", "install_finder", "registered", "when_imported"]
+__all__ = ["AfterImportFinder", "HostPatchError", "install_finder", "registered", "when_imported"]

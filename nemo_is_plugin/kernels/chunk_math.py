@@ -43,10 +43,10 @@ from collections.abc import Iterator
 
 import torch
 
+from nemo_is_plugin.common.once import warn_once
 from nemo_is_plugin.kernels import triton_logprob as tk
 from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_, logits_grad_, softmax_grad_from_exp_
 from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials, copy_partials_
-from nemo_is_plugin.loss.input_validation import warn_once
 
 BACKENDS = ("auto", "torch", "triton")
 STRICT_BACKEND_ENV = "NEMO_IS_STRICT_BACKEND"  # "1": a fallback from Triton to torch under "auto" is an error

@@ -12,7 +12,7 @@ and ``Q' = exp(m - m') (Q + (m - m') S)``. After all parts are merged (the TP al
     lse = m + log S     log p(target) = t - lse     H = log S - Q / S
 
 This module is pure [n] arithmetic (no [n, V] work, no communication): the chunk kernels (``chunk_inplace``,
-``triton_logprob``) produce the partials, ``distributed.vocab_parallel.reduce_partials`` merges them over TP.
+``triton_logprob``) produce the partials, ``distributed.head.vocab_parallel.reduce_partials`` merges them over TP.
 """
 
 from __future__ import annotations

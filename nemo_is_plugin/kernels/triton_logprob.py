@@ -17,7 +17,7 @@ so no pass over the chunk is spent on upcasting or scaling.
   another buffer. Reads 2 B and writes 2 B per element in bf16.
 
 Block sizes (``BLOCKS``), measured on an H100 80GB (torch 2.11, triton 3.6; ``python -m
-nemo_is_plugin.bench.kernel_sweep``: a bf16 chunk of 2048 rows x 151,936 columns, median of 10 launches):
+nemo_is_plugin.apps.bench.kernel_sweep``: a bf16 chunk of 2048 rows x 151,936 columns, median of 10 launches):
 
 - pass 1 streams a row in blocks of ``min(partials_block_v, next_pow2(V/TP))`` columns with one warp per 1024
   columns (32 elements per thread, four 16-byte loads in bf16), halving the block with the entropy term. 8192 columns

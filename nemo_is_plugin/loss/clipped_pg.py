@@ -230,7 +230,7 @@ def own_section(section: Mapping[str, Any], cls: type) -> dict[str, Any]:
 
     The NeMo-RL adapter, ``nemo-is validate`` and this loss accept the same sections: a ``name`` that is not
     registered is refused by all three, and one registered to another loss is refused here (build that loss through
-    :func:`nemo_is_plugin.registry.build_loss_fn`).
+    :func:`nemo_is_plugin.build_loss_fn`).
     """
     if NAME_KEY not in section:
         return dict(section)

@@ -2,15 +2,16 @@
 
 Two code paths, chosen by whether the IS level was set explicitly:
 
-- legacy (``is_correction_level`` unset): NeMo-RL's exact order of operations, including its float32 edge behaviour:
-  ``w = nan_to_num(exp(log w))`` (an overflowing weight becomes 0) and only then truncation;
+- NeMo-RL's exact path (``is_correction_level`` unset: ``nemo_rl_exact``): NeMo-RL's order of operations, including
+  its float32 edge behaviour: ``w = nan_to_num(exp(log w))`` (an overflowing weight becomes 0) and only then
+  truncation;
 - explicit level: truncation and band tests are done on log w, so they are exact and finite for any input.
 
 A token whose generation log-prob is not finite (vLLM's -inf for a token its sampler filtered; NaN, +inf) has no IS
 ratio. Explicit levels give weight 0 to every weight whose log-sum contains its term (``is_weights.unmeasured_weights``:
 the token, its sequence at the sequence levels, the token and every later token of its sequence at the cumulative
 level), after truncation (``tis`` gives 0, not its cap) and before batch normalisation (the zeros enter the mean, as
-IcePop's do); the other weights, and every band statistic, count the term as 0. The legacy path keeps NeMo-RL's rule
+IcePop's do); the other weights, and every band statistic, count the term as 0. NeMo-RL's exact path keeps its rule
 (``nan_to_num`` to 0, then truncation: ``tis`` lifts it to its ``min``). Any rejection (a sequence-masking truncation
 type, ``rejection``, a rule, the veto) rejects the token itself on both paths, with or without IS weights.
 """
@@ -74,7 +75,7 @@ class ISCorrectionOptions(TypedDict):
     """The keyword arguments of :func:`compute_is_correction` that a loss config fixes (``is_correction_kwargs``)."""
 
     level: str
-    legacy: bool
+    nemo_rl_exact: bool
     apply_weights: bool
     truncation: str | None
     low: float | None
@@ -93,7 +94,7 @@ def compute_is_correction(
     layout: TokenLayout,
     *,
     level: str,
-    legacy: bool,
+    nemo_rl_exact: bool,
     apply_weights: bool,
     truncation: str | None,
     low: float | None,
@@ -112,7 +113,7 @@ def compute_is_correction(
         token_mask: Float[*T] token mask alone (sequence means divide by its count, as NeMo-RL does).
         valid_mask: Float[*T] token_mask * sample_mask (tokens that enter sums).
         level: token | sequence | sequence_mean | cumulative.
-        legacy: reproduce NeMo-RL's order of operations (level was derived, not set).
+        nemo_rl_exact: compute as NeMo-RL does, in its order of operations (the level was derived, not set).
         apply_weights: use_importance_sampling_correction; when False, weights are 1 except for rejections.
         truncation: tis | icepop | seq-mask-tis | seq-mis | geo-rs | None.
         low, high: truncation bounds on the weight.
@@ -131,7 +132,7 @@ def compute_is_correction(
     measured = torch.isfinite(x)
     unmeasured = (token_mask != 0) & ~measured  # counted tokens without an IS ratio
     rejects = truncation in SEQUENCE_MASK_TYPES or rejection is not None or bool(rules) or veto_threshold is not None
-    if legacy:
+    if nemo_rl_exact:
         log_w = is_log_weight(level, prev, gen, level_mask, layout)
         dropped = unmeasured if rejects else None
     else:
@@ -147,15 +148,17 @@ def compute_is_correction(
 
     if truncation == "tis":
         hi = _bound(high, "high", truncation)
-        w, oob = T.tis(raw, low, hi) if legacy else T.tis_log(log_w, low, hi)
+        w, oob = T.tis(raw, low, hi) if nemo_rl_exact else T.tis_log(log_w, low, hi)
     elif truncation == "icepop":
         hi = _bound(high, "high", truncation)
-        in_band = T.band_mask(raw, _bound(low, "low", truncation), hi) if legacy else T.band_mask_log(log_w, low, hi)
+        in_band = (
+            T.band_mask(raw, _bound(low, "low", truncation), hi) if nemo_rl_exact else T.band_mask_log(log_w, low, hi)
+        )
         oob, keep = ~in_band, in_band
     elif truncation in SEQUENCE_MASK_TYPES:
         hi = _bound(high, "high", truncation)
         seq_log = _sequence_log_ratio(prev, gen, token_mask, layout, geometric=truncation != "seq-mis")
-        if legacy and truncation == "seq-mask-tis":
+        if nemo_rl_exact and truncation == "seq-mask-tis":
             in_band = T.band_mask(torch.exp(seq_log), _bound(low, "low", truncation), hi)
         else:
             in_band = T.band_mask_log(seq_log, low, hi)
@@ -187,7 +190,8 @@ def compute_is_correction(
         factor = _batch_mean(trunc_w, valid_mask, layout, per_sequence=level in SEQUENCE_LEVELS)
         w = w / torch.where(factor > 0, factor, torch.ones_like(factor))
     # Rejections act on counted tokens only: the tokens of a sample masked out by sample_mask keep their (unused)
-    # weight whatever their values, as nothing may read those (NeMo-RL's legacy GSPO metric sums every row's weight).
+    # weight whatever their values, as nothing may read those (NeMo-RL's GSPO sampling_importance_ratio sums every
+    # row's weight).
     keep = keep | ((token_mask != 0) & (valid_mask == 0))
     w = torch.where(keep, w, torch.zeros_like(w))
     return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor, outcomes, rules_keep, truncated, truncation_keep)

@@ -35,11 +35,12 @@ error has been found.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from nemo_is_plugin.common.once import warn_once
 
 # How far above 0 a log-prob may be before it counts as positive (an error in strict mode), per dtype. log_softmax
 # rounds: in float32 a near-certain token can come out at +1e-6; half-precision log-probs computed from
@@ -306,17 +307,6 @@ def _check_values(checks: list[tuple[str, torch.Tensor, str]]) -> None:
                     f"{name} holds positive log-probs (max {mx:.6g} > tolerance {tol:g} for {t.dtype}); "
                     f"log-probs must be <= 0: {_first_bad(name, t, t > tol)}"
                 )
-
-
-_WARNED: set[str] = set()
-
-
-def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> None:
-    """Warn the first time ``key`` comes up in this process: the package's one once-per-process warning (the loss
-    and the log-prob kernels run once per micro-batch or chunk loop)."""
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, category, stacklevel=3)
 
 
 @torch.no_grad()

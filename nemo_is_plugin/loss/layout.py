@@ -1,7 +1,7 @@
 """Which sequence, and which position in it, each local token belongs to; sequence-level reductions over tokens.
 
 The loss math never assumes a `[B, T]` layout: it calls these methods, so the same code serves padded batches,
-packed (THD) batches and context-parallel shards (see ``distributed.context_parallel`` for the CP subclass).
+packed (THD) batches and context-parallel shards (see ``distributed.parallel.context_parallel`` for the CP subclass).
 
 Shapes: a *token tensor* has the layout's ``shape`` (``[B, T]`` padded, ``[N]`` packed, or a CP shard of either);
 ``S`` = ``num_seqs``.
@@ -18,7 +18,7 @@ import torch
 
 class BatchGroup(Protocol):
     """The processes holding the other parts of a batch besides the layout's own (CP) group: the data-parallel
-    ranks. Implemented in ``distributed.data_parallel`` (an all-reduce over an explicit group)."""
+    ranks. Implemented in ``distributed.parallel.data_parallel`` (an all-reduce over an explicit group)."""
 
     def sum(self, t: torch.Tensor) -> torch.Tensor: ...
 

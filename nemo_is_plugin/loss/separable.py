@@ -26,7 +26,7 @@ passes.
 the function the whole-batch loss computes them with) on a detached ``[n]`` leaf of the chunk's log-probs: one source
 of truth for every formula, and at a kink (a tie of min / max / clamp) the gradient is whatever subgradient autograd
 picks for the loss itself. It is a graph of a few dozen elementwise ops on ``[n]`` vectors, small next to the chunk's
-``[n x V]`` GEMMs (``python -m nemo_is_plugin.bench.loss_gradient_timing`` measures both), built under
+``[n x V]`` GEMMs (``python -m nemo_is_plugin.apps.bench.loss_gradient_timing`` measures both), built under
 ``torch.enable_grad`` so that the fused forward (which runs without grad mode) can use it; no host synchronisation.
 The batch constants (:class:`~nemo_is_plugin.loss.terms.TermInputs`) are computed once per call, by the loss's own
 :func:`~nemo_is_plugin.loss.terms.loss_terms` binding; the IS correction among them is handed to the loss's metrics

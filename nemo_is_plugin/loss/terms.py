@@ -225,7 +225,7 @@ def is_correction_kwargs(cfg: ClippedPGLossConfig) -> ISCorrectionOptions:
     """The one binding of config fields to :func:`~nemo_is_plugin.loss.correction.compute_is_correction`'s arguments."""
     return ISCorrectionOptions(
         level=cfg.effective_is_level,
-        legacy=cfg.is_correction_level is None,
+        nemo_rl_exact=cfg.is_correction_level is None,
         apply_weights=cfg.use_importance_sampling_correction,
         truncation=cfg.truncated_importance_sampling_type,
         low=cfg.truncated_importance_sampling_ratio_min,

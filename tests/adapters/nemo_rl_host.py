@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from nemo_is_plugin.adapters.protocol import LossInputType
+from nemo_is_plugin.adapters.nemo_rl.protocol import LossInputType
 
 
 class HostLossConfig(BaseModel):

@@ -9,7 +9,7 @@ import torch
 from distributed._loss_cases import LOSS_CONFIGS, global_counts, make_batch
 from helpers.device_guard import assert_identical, count_host_syncs, run_guarded_and_plain
 
-import nemo_is_plugin.adapters.verl as verl_module
+import nemo_is_plugin.adapters.verl.policy_loss as verl_module
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss
 
@@ -49,7 +49,7 @@ def test_nemo_rl_logprob_input_is_device_clean(name):
     assert files == ["nemo_is_plugin/loss/input_validation.py", "nemo_is_plugin/loss/metrics.py"]
 
 
-@pytest.mark.parametrize("name", ["nemo_rl_default", "gspo_legacy", "ctpo_cumulative_is", "seq_mis_veto"])
+@pytest.mark.parametrize("name", ["nemo_rl_default", "gspo_nemo_rl", "ctpo_cumulative_is", "seq_mis_veto"])
 def test_nemo_rl_logit_input_is_device_clean(name):
     logits, data, _ = make_batch(22)
     fn = NeMoRLLossFn(LOSS_CONFIGS[name], input_type="logit")
@@ -127,7 +127,7 @@ def test_verl_policy_loss_is_device_clean(user, extra, validates, agg):
 
     (got, files), (want, _) = run_guarded_and_plain(run)
     assert_identical(got, want)
-    validation = ["nemo_is_plugin/adapters/verl_correction.py"] * validates  # the check that no valid weight is 0
+    validation = ["nemo_is_plugin/adapters/verl/correction.py"] * validates  # the check that no valid weight is 0
     assert files == sorted(["nemo_is_plugin/loss/metrics.py"] + validation)
     assert got[1]["actor/ppo_kl"] == pytest.approx(float(((old - lp0) * mask).sum() / (mask.sum() + 1e-8)), rel=1e-6)
 

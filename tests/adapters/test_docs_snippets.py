@@ -96,7 +96,7 @@ def test_nemo_rl_doc_swap_keeps_nemo_rls_constructor(tmp_path):
     example's loss_fn section, plugin keys as extras) and builds the loss the example recipe describes."""
     from adapters.nemo_rl_host import HostLossConfig
     from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
-    from nemo_is_plugin.adapters.protocol import LossInputType
+    from nemo_is_plugin.adapters.nemo_rl.protocol import LossInputType
 
     swap, master = _blocks("nemo_rl.md", "python")[:2]
     assert "NeMoRLLossFn(loss_config, use_fused_linear_logprobs=use_fused_linear_logprobs)" in swap

@@ -4,7 +4,7 @@ The values below are those the previous mechanism (name lists applied to the met
 produced; before it was removed the two were compared on every golden config, every recipe under configs/ and 400
 drawn configs, and agreed everywhere. They are checked by hand against NeMo-RL's own table (``ClippedPGLossFn.
 __init__``, nemo_rl/algorithms/loss/loss_functions.py at commit 7ea279ab): ``loss`` / ``kl_penalty`` follow the
-loss type, ``sampling_importance_ratio`` counts sequences for GSPO's legacy weight, ``is_oob_ratio`` counts sequences
+loss type, ``sampling_importance_ratio`` counts sequences for NeMo-RL's GSPO weight, ``is_oob_ratio`` counts sequences
 for seq-mask-tis, extrema, ``num_valid_samples`` and ``positive_nll_loss`` are never rescaled; the plugin's own
 metrics divide by the count named in their definition (loss/metrics.py, loss/mismatch_metrics.py).
 """
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
-from nemo_is_plugin.adapters.normalizers import renormalize
-from nemo_is_plugin.adapters.protocol import MetricNormalizer
+from nemo_is_plugin.adapters.nemo_rl.protocol import MetricNormalizer
+from nemo_is_plugin.adapters.shared import renormalize
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.metrics import Denominator, MetricValues
 
@@ -99,7 +99,7 @@ def _rule_metrics(prefix: str) -> dict:
 # config -> the metrics whose denominator differs from DEFAULT's, or that DEFAULT does not have
 CASES = {
     "default": ({}, {}),
-    "gspo_legacy": (
+    "gspo_nemo_rl": (
         {
             "sequence_level_importance_ratios": True,
             "token_level_loss": False,

@@ -10,9 +10,9 @@ import torch
 from helpers.golden_utils import load_cases
 
 from nemo_is_plugin.adapters.nemo_rl import PARALLEL_STATE, NeMoRLLossFn, build_nemo_rl_loss_fn
-from nemo_is_plugin.adapters.protocol import LossFunction, LossInputType, LossType, MetricNormalizer
+from nemo_is_plugin.adapters.nemo_rl.protocol import LossFunction, LossInputType, LossType, MetricNormalizer
 from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.distributed.groups import ParallelGroups
+from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.metrics import Denominator
 from nemo_is_plugin.loss.registry import UnknownLossError
@@ -28,7 +28,7 @@ SPLIT_CONFIGS = {
         "truncated_importance_sampling_type": "tis",
         "truncated_importance_sampling_ratio": 2.0,
     },
-    "gspo_legacy": {
+    "gspo_nemo_rl": {
         "sequence_level_importance_ratios": True,
         "token_level_loss": False,
         "use_importance_sampling_correction": True,
@@ -108,7 +108,7 @@ def test_metric_normalizations_cover_every_metric_and_follow_the_rules():
     assert norms["loss"] == norms["probs_ratio"] == MetricNormalizer.TOKENS
     assert all(v == MetricNormalizer.NONE for k, v in norms.items() if k.endswith(("_min", "_max")))
     assert norms["num_valid_samples"] == norms["positive_nll_loss"] == MetricNormalizer.NONE
-    gspo = NeMoRLLossFn(SPLIT_CONFIGS["gspo_legacy"]).metric_normalizations
+    gspo = NeMoRLLossFn(SPLIT_CONFIGS["gspo_nemo_rl"]).metric_normalizations
     assert gspo["loss"] == gspo["kl_penalty"] == gspo["sampling_importance_ratio"] == MetricNormalizer.SEQUENCES
 
 
@@ -164,7 +164,7 @@ def test_split_api_rescale_equals_the_direct_call(name):
     rescaled = {k: v * inv[fn.metric_normalizations[k]] for k, v in summed.items()}
     assert raw_loss / n == pytest.approx(loss.item(), rel=1e-5, abs=1e-8)
     torch.testing.assert_close(xs.grad / n, xd.grad, rtol=1e-5, atol=1e-8)
-    skip = {"sampling_importance_ratio"} if name == "gspo_legacy" else set()  # NeMo-RL's broadcast bug: not additive
+    skip = {"sampling_importance_ratio"} if name == "gspo_nemo_rl" else set()  # NeMo-RL's broadcast bug: not additive
     bad = {
         k: (rescaled[k], direct[k])
         for k in direct

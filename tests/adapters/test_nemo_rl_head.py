@@ -21,8 +21,8 @@ import torch
 from helpers.fake_nemo_rl_head import MODEL, drop_nemo_rl_modules, write_fake_nemo_rl
 
 from adapters import nemo_rl_head_host as host
-from nemo_is_plugin.adapters import nemo_rl_head as head
-from nemo_is_plugin.adapters.nemo_rl_head import HostPatchError, from_parallel_hidden_states_to_logprobs
+from nemo_is_plugin.adapters.nemo_rl import head
+from nemo_is_plugin.adapters.nemo_rl.head import HostPatchError, from_parallel_hidden_states_to_logprobs
 
 S, B, H, V = 9, 3, 16, 37
 

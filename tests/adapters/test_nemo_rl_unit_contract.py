@@ -15,7 +15,7 @@ import torch
 
 from adapters.nemo_rl_host import ADV, CURR, PREV, HostLossConfig, V, clip_loss, filled, host_batch, k3, run
 from nemo_is_plugin.adapters.nemo_rl import ClippedPGLossFn
-from nemo_is_plugin.adapters.protocol import MetricNormalizer
+from nemo_is_plugin.adapters.nemo_rl.protocol import MetricNormalizer
 
 
 # ----------------------------------------------------------------------------------- the loss value, mode by mode

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from nemo_is_plugin.adapters import protocol
+from nemo_is_plugin.adapters.nemo_rl import protocol
 
 STUB = """
 import enum
@@ -45,7 +45,7 @@ def test_host_enums_are_used_when_nemo_rl_is_importable(tmp_path: Path):
     (pkg / "interfaces.py").write_text(STUB)
     script = textwrap.dedent("""
         from nemo_rl.algorithms.loss import interfaces as host
-        from nemo_is_plugin.adapters import protocol
+        from nemo_is_plugin.adapters.nemo_rl import protocol
         from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
         assert protocol.USING_HOST_ENUMS
         fn = NeMoRLLossFn({"token_level_loss": False})

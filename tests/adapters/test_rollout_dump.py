@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from nemo_is_plugin.adapters import nemo_rl, verl
 from nemo_is_plugin.adapters.rollout_dump import _DUMPERS, DUMP_ENV, EVERY_ENV, RolloutDumper
-from nemo_is_plugin.diagnose import diagnose, read_dump
+from nemo_is_plugin.apps.diagnose import diagnose, read_dump
 from nemo_is_plugin.loss import ClippedPGLoss
 
 

@@ -12,7 +12,7 @@ from helpers.golden_utils import GOLDEN
 
 from adapters.slime_host import loss_function, namespace, tis_call
 from nemo_is_plugin.adapters.slime import SlimeISCorrection, SlimePolicyLoss
-from nemo_is_plugin.adapters.slime_config import (
+from nemo_is_plugin.adapters.slime.config import (
     CONFIG_ENV,
     LOSS_FLAGS,
     MissingPluginConfigError,

@@ -17,7 +17,7 @@ from helpers.golden_utils import GOLDEN
 
 from adapters.slime_host import loss_function, namespace, shard_logits, shard_vocab, tis_call
 from nemo_is_plugin.adapters.slime import SlimeISCorrection, SlimePolicyLoss
-from nemo_is_plugin.distributed.groups import ParallelGroups
+from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
 
 WORLD = 2
 POLICY = {

@@ -1,4 +1,4 @@
-"""verl's vocabulary -> plugin keys (adapters/verl_config.py), without verl: every rollout_correction key mapped or
+"""verl's vocabulary -> plugin keys (adapters/verl/config.py), without verl: every rollout_correction key mapped or
 refused, the presets, the actor's other-loss keys, the Hydra section, and the docs table naming every key."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_is_plugin.adapters.verl_config import (
+from nemo_is_plugin.adapters.verl.config import (
     OTHER_ACTOR_KEYS,
     OTHER_LOSS_KEYS,
     PRESETS,

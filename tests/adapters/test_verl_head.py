@@ -32,9 +32,9 @@ import torch
 
 pytest.importorskip("verl.models.mcore.model_forward_fused", reason="verl is the verl extra")
 
-from nemo_is_plugin.adapters import verl_head  # noqa: E402
-from nemo_is_plugin.adapters.nemo_rl_head import HostPatchError  # noqa: E402
-from nemo_is_plugin.adapters.verl_head import linear_cross_entropy  # noqa: E402
+from nemo_is_plugin.adapters.nemo_rl.head import HostPatchError  # noqa: E402
+from nemo_is_plugin.adapters.verl import head as verl_head  # noqa: E402
+from nemo_is_plugin.adapters.verl.head import linear_cross_entropy  # noqa: E402
 
 N, H, V, T = 13, 16, 41, 0.7
 

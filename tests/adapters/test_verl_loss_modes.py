@@ -10,8 +10,8 @@ import torch
 from helpers.golden_objectives import FORCED_AGGREGATION, load_cases
 
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss, verl_config
-from nemo_is_plugin.adapters.verl_config import VerlConfigError, actor_keys
-from nemo_is_plugin.adapters.verl_loss_modes import VERL_LOSS_MODES
+from nemo_is_plugin.adapters.verl.config import VerlConfigError, actor_keys
+from nemo_is_plugin.adapters.verl.loss_modes import VERL_LOSS_MODES
 
 CASES = load_cases()
 

@@ -18,8 +18,8 @@ from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.config.actor import ActorConfig  # noqa: E402
 
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss  # noqa: E402
-from nemo_is_plugin.adapters.verl_config import rollout_correction_keys  # noqa: E402
-from nemo_is_plugin.adapters.verl_metrics import PREFIX  # noqa: E402
+from nemo_is_plugin.adapters.verl.config import rollout_correction_keys  # noqa: E402
+from nemo_is_plugin.adapters.verl.metrics import PREFIX  # noqa: E402
 
 B, T = 8, 9
 # verl's algorithm.rollout_correction settings; the plugin gets their mapping (verl_config.rollout_correction_keys)

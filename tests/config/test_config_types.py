@@ -8,7 +8,7 @@ import pydantic
 import pytest
 from helpers.config_cases import ACTIVATING_KEYS
 
-from nemo_is_plugin.adapters.verl_config import VerlConfigError, plugin_section_keys, rollout_correction_keys
+from nemo_is_plugin.adapters.verl.config import VerlConfigError, plugin_section_keys, rollout_correction_keys
 from nemo_is_plugin.config import (
     NUMERIC_RANGES,
     ClippedPGLossConfig,

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.bench.paths import naive_logprobs
-from nemo_is_plugin.bench.problem import HeadProblem, make_problem
-from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.apps.bench.paths import naive_logprobs
+from nemo_is_plugin.apps.bench.problem import HeadProblem, make_problem
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
 
 RATIO_LEVELS = ("token", "sequence", "sequence_token", "cumulative", "cumulative_mean")
 IS_LEVELS = ("token", "sequence", "sequence_mean", "cumulative")

@@ -32,7 +32,7 @@ def assert_tensor_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtyp
 # name -> loss_fn section. Together: every ratio_level, is_correction_level and truncation type, every aggregation.
 LOSS_CONFIGS: dict[str, dict] = {
     "nemo_rl_default": {},
-    "gspo_legacy": {"sequence_level_importance_ratios": True, **SEQ_LOSS, "reference_policy_kl_penalty": 0.0, **IS_ON},
+    "gspo_nemo_rl": {"sequence_level_importance_ratios": True, **SEQ_LOSS, "reference_policy_kl_penalty": 0.0, **IS_ON},
     "gspo_token_seqmean_is_tis": {
         "ratio_level": "sequence_token",
         **IS_ON,

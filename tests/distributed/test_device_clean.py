@@ -18,9 +18,13 @@ import torch
 from helpers.device_guard import assert_identical, count_host_syncs, device_guard, run_guarded_and_plain
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.bench.problem import make_problem
-from nemo_is_plugin.distributed.context_parallel import CPTokenLayout, cp_layout
-from nemo_is_plugin.distributed.cp_sharding import (
+from nemo_is_plugin.apps.bench.problem import make_problem
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.distributed.entry_points.logit_loss import LogitClippedPGLoss
+from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.parallel.context_parallel import CPTokenLayout, cp_layout
+from nemo_is_plugin.distributed.parallel.cp_sharding import (
     CP_ORDERS,
     local_cu_seqlens,
     local_tokens,
@@ -28,11 +32,7 @@ from nemo_is_plugin.distributed.cp_sharding import (
     shard_packed,
     shard_padded,
 )
-from nemo_is_plugin.distributed.data_parallel import all_reduce_metrics
-from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
-from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
-from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
-from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.parallel.data_parallel import all_reduce_metrics
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 
@@ -64,7 +64,7 @@ def test_logit_loss_padded_is_device_clean(name):
 
 
 @pytest.mark.parametrize("as_list", [True, False], ids=["cu_list", "cu_tensor"])
-@pytest.mark.parametrize("name", ["nemo_rl_default", "ctpo_cumulative_is", "gspo_legacy", "seq_mis_veto"])
+@pytest.mark.parametrize("name", ["nemo_rl_default", "ctpo_cumulative_is", "gspo_nemo_rl", "seq_mis_veto"])
 def test_logit_loss_packed_is_device_clean(name, as_list):
     logits, data, lengths = make_batch(12)
     lp = padded_lengths(lengths, 2)

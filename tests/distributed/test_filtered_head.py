@@ -1,4 +1,4 @@
-"""Top-k / top-p filtered log-probs from hidden states (``distributed/filtered_head.py``), one process (TP = 2 with
+"""Top-k / top-p filtered log-probs from hidden states (``distributed/head/filtered_head.py``), one process (TP = 2 with
 sequence parallelism: tests/distributed/test_host_heads_tp.py), against a row-by-row float64 reference written from
 NeMo-RL's documented filter (top-k: keep logits >= the k-th largest, ties kept; top-p after it: the kept logits sorted
 ascending, softmax, keep where the cumulative sum exceeds 1 - p, and always the largest), with temperature:
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_is_plugin.adapters.nemo_rl_head import from_parallel_hidden_states_to_logprobs
-from nemo_is_plugin.distributed.filtered_head import filtered_linear_logprobs, filtering, keep_mask
+from nemo_is_plugin.adapters.nemo_rl.head import from_parallel_hidden_states_to_logprobs
+from nemo_is_plugin.distributed.head.filtered_head import filtered_linear_logprobs, filtering, keep_mask
 
 N, H, V, T = 14, 8, 31, 0.8
 

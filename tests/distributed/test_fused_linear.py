@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_is_plugin.bench.memory import TensorMemoryTracker
-from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
+from nemo_is_plugin.apps.bench.memory import TensorMemoryTracker
+from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
 
 
 def _inputs(n=(3, 7), hidden=16, vocab=37, seed=0, dtype=torch.float32, scale=1.0):

@@ -17,10 +17,10 @@ import torch
 from helpers.device_guard import PACKAGE_DIR, DeviceLessTensorError, count_host_syncs, device_guard
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.bench.problem import make_problem
-from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
-from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
-from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.apps.bench.problem import make_problem
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 
 FUSED_FILES = (
     "fused_linear.py",

@@ -13,9 +13,9 @@ import itertools
 import pytest
 import torch
 
-import nemo_is_plugin.distributed.fused_linear as fused_linear_module
+import nemo_is_plugin.distributed.head.fused_linear as fused_linear_module
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.bench.paths import logprob_paths, naive_logprobs
+from nemo_is_plugin.apps.bench.paths import logprob_paths, naive_logprobs
 
 from ._fused_cases import CHUNK, IS_LEVELS, RATIO_LEVELS, assert_metrics_close, level_config, problem, rel_err, run
 

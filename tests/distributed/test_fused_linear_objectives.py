@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import nemo_is_plugin.distributed.fused_linear as fused_linear_module
-import nemo_is_plugin.distributed.fused_linear_loss as fused_loss_module
-from nemo_is_plugin.bench.paths import naive_logprobs
+import nemo_is_plugin.distributed.entry_points.fused_linear_loss as fused_loss_module
+import nemo_is_plugin.distributed.head.fused_linear as fused_linear_module
+from nemo_is_plugin.apps.bench.paths import naive_logprobs
 
 from ._fused_cases import LOCAL_OBJECTIVES as LOCAL
 from ._fused_cases import SEQUENCE_OBJECTIVES as SEQUENCE

@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 
-import nemo_is_plugin.distributed.fused_linear as fused_linear_module
-import nemo_is_plugin.distributed.fused_linear_loss as fused_loss_module
-from nemo_is_plugin.bench.paths import naive_logprobs
-from nemo_is_plugin.bench.problem import make_problem
+import nemo_is_plugin.distributed.entry_points.fused_linear_loss as fused_loss_module
+import nemo_is_plugin.distributed.head.fused_linear as fused_linear_module
+from nemo_is_plugin.apps.bench.paths import naive_logprobs
+from nemo_is_plugin.apps.bench.problem import make_problem
 
 from ._fused_cases import (
     IS_LEVELS,
@@ -183,7 +183,7 @@ SEPARABLE_CONFIGS = {
             {"option": "seq_mean_k3", "threshold": 0.002},
         ]
     ),
-    "agg_legacy_token_level_loss_false": variant(token_level_loss=False, loss_aggregation=None),
+    "agg_nemo_rl_token_level_loss_false": variant(token_level_loss=False, loss_aggregation=None),
     "cispo": variant(use_cispo=True),
     "disable_ppo_ratio": variant(disable_ppo_ratio=True),
     "disable_ppo_ratio_dual_clip": variant(disable_ppo_ratio=True, ratio_clip_c=1.5),

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import nemo_is_plugin.distributed.fused_linear as fused_linear_module
-import nemo_is_plugin.distributed.fused_linear_loss as fused_loss_module
+import nemo_is_plugin.distributed.entry_points.fused_linear_loss as fused_loss_module
+import nemo_is_plugin.distributed.head.fused_linear as fused_linear_module
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.bench.paths import naive_logprobs
-from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.apps.bench.paths import naive_logprobs
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
 from nemo_is_plugin.loss.layout import TokenLayout
 
 from ._fused_cases import (

@@ -18,15 +18,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import nemo_is_plugin.distributed.fused_linear as fused_linear_module
-import nemo_is_plugin.distributed.fused_linear_loss as fused_loss_module
+import nemo_is_plugin.distributed.entry_points.fused_linear_loss as fused_loss_module
+import nemo_is_plugin.distributed.head.fused_linear as fused_linear_module
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.bench.paths import naive_logprobs
-from nemo_is_plugin.bench.problem import make_problem, vocab_shard
-from nemo_is_plugin.distributed.collectives import all_reduce_sum
-from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
-from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
-from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.apps.bench.paths import naive_logprobs
+from nemo_is_plugin.apps.bench.problem import make_problem, vocab_shard
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.parallel.collectives import all_reduce_sum
 
 from ._fused_cases import (
     IS_LEVELS,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernels._interpreter import interpreter_results
 
-from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
+from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
 
 triton = pytest.importorskip("triton")
 
@@ -58,8 +58,8 @@ def check_pg_loss_single_and_two_pass(device="cpu", dtype=torch.float32, tol=1e-
     """fused_linear_pg_loss on the triton backend (single pass with TIS + k3 KL, and forced two-pass) equals the torch
     backend: loss, metrics and gradients."""
     from nemo_is_plugin import build_loss_fn
-    from nemo_is_plugin.bench.problem import make_problem
-    from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
+    from nemo_is_plugin.apps.bench.problem import make_problem
+    from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
 
     _small_blocks()
     p = make_problem(3, 9, 16, 37, seed=0)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.bench.paths import naive_logprobs
-from nemo_is_plugin.distributed.fused_linear import fused_linear_logprobs
-from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.apps.bench.paths import naive_logprobs
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
 
 from ._fused_cases import CHUNK, level_config, rel_err, run
 from ._fused_cases import pg_problem as problem

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_max, all_reduce_sum
-from nemo_is_plugin.distributed.context_parallel import cp_layout
-from nemo_is_plugin.distributed.cp_sharding import local_tokens, num_chunks, shard_padded
-from nemo_is_plugin.distributed.data_parallel import all_reduce_metrics, combine_metrics, global_valid_counts
-from nemo_is_plugin.distributed.groups import ParallelGroups, group_rank, group_size
-from nemo_is_plugin.distributed.pipeline import broadcast_metrics_from_last_stage
-from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.parallel.collectives import all_gather, all_reduce_max, all_reduce_sum
+from nemo_is_plugin.distributed.parallel.context_parallel import cp_layout
+from nemo_is_plugin.distributed.parallel.cp_sharding import local_tokens, num_chunks, shard_padded
+from nemo_is_plugin.distributed.parallel.data_parallel import all_reduce_metrics, combine_metrics, global_valid_counts
+from nemo_is_plugin.distributed.parallel.groups import ParallelGroups, group_rank, group_size
+from nemo_is_plugin.distributed.parallel.pipeline import broadcast_metrics_from_last_stage
 from nemo_is_plugin.loss.layout import TokenLayout
 
 
@@ -38,6 +38,21 @@ def test_from_parallel_state_without_initialisation_is_all_none(monkeypatch):
     assert ParallelGroups.from_parallel_state() == ParallelGroups()  # megatron never imported: nothing initialised
     monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", Uninitialised)
     assert ParallelGroups.from_parallel_state() == ParallelGroups()
+
+
+def test_from_parallel_state_without_megatron_core_names_the_extra(monkeypatch):
+    """megatron-core is the `megatron` extra: asking for its groups where it is not installed is a one-line error
+    naming the extra (an ImportError), not a silent single process (the clean-install test checks a real venv)."""
+    from nemo_is_plugin.common.extras import MissingExtraError
+
+    monkeypatch.delitem(sys.modules, "megatron.core.parallel_state", raising=False)
+    monkeypatch.setitem(sys.modules, "megatron", None)  # `import megatron` raises: not installed
+    with pytest.raises(MissingExtraError) as exc:
+        ParallelGroups.from_parallel_state()
+    assert str(exc.value) == (
+        "groups='parallel_state' (megatron-core's parallel_state groups) needs the 'megatron' extra (megatron not "
+        "installed): pip install 'nemo-is-plugin[megatron]'"
+    )
 
 
 def test_cp_layout_without_cp_is_the_plain_layout():

@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers.device_guard import assert_identical, count_host_syncs, run_guarded_and_plain
 
-from nemo_is_plugin.adapters.nemo_rl_head import from_parallel_hidden_states_to_logprobs
-from nemo_is_plugin.adapters.verl_head import linear_cross_entropy
-from nemo_is_plugin.distributed.sequence_head import SequenceLayout, local_next_labels, unpack_next_token_logprobs
+from nemo_is_plugin.adapters.nemo_rl.head import from_parallel_hidden_states_to_logprobs
+from nemo_is_plugin.adapters.verl.head import linear_cross_entropy
+from nemo_is_plugin.distributed.head.sequence_head import SequenceLayout, local_next_labels, unpack_next_token_logprobs
 
 H, V = 8, 23
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from adapters import nemo_rl_head_host as host
 
-from nemo_is_plugin.adapters.nemo_rl_head import from_parallel_hidden_states_to_logprobs
-from nemo_is_plugin.adapters.verl_head import linear_cross_entropy
+from nemo_is_plugin.adapters.nemo_rl.head import from_parallel_hidden_states_to_logprobs
+from nemo_is_plugin.adapters.verl.head import linear_cross_entropy
 
 pytestmark = pytest.mark.gpu
 N, H, V, T = 384, 256, 4096, 0.7

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.adapters import nemo_rl_head
-from nemo_is_plugin.bench.problem import vocab_shard
+from nemo_is_plugin.adapters.nemo_rl import head as nemo_rl_head
+from nemo_is_plugin.apps.bench.problem import vocab_shard
 
 WORLD = 2
 GROUPS: dict[str, object] = {}

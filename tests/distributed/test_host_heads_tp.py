@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from adapters import nemo_rl_head_host as host
 
-from nemo_is_plugin.adapters.nemo_rl_head import from_parallel_hidden_states_to_logprobs as plugin_nemo_rl
-from nemo_is_plugin.bench.problem import vocab_shard
-from nemo_is_plugin.distributed.cp_sharding import shard_packed, shard_padded
+from nemo_is_plugin.adapters.nemo_rl.head import from_parallel_hidden_states_to_logprobs as plugin_nemo_rl
+from nemo_is_plugin.apps.bench.problem import vocab_shard
+from nemo_is_plugin.distributed.parallel.cp_sharding import shard_packed, shard_padded
 
 WORLD = 2
 GROUPS: dict[str, object] = {}
@@ -195,7 +195,7 @@ def _verl_tp(sequence_parallel: bool):
         import verl.models.mcore.model_forward_fused as fused
         from megatron.core import parallel_state as ps
 
-        from nemo_is_plugin.adapters.verl_head import install_head
+        from nemo_is_plugin.adapters.verl.head import install_head
 
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()

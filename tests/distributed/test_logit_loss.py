@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss, next_token_aligned
+from nemo_is_plugin.distributed.entry_points.logit_loss import LogitClippedPGLoss, next_token_aligned
 from nemo_is_plugin.loss import ClippedPGLoss
 
 from ._loss_cases import (
@@ -55,7 +55,7 @@ def test_padded_logits_match_the_logprob_loss(name, dtype):
     _assert_same(_logit_loss(LOSS_CONFIGS[name], logits, data), want, dtype, name)
 
 
-@pytest.mark.parametrize("name", ["nemo_rl_default", "ctpo_cumulative_is", "seq_mis_veto", "gspo_legacy"])
+@pytest.mark.parametrize("name", ["nemo_rl_default", "ctpo_cumulative_is", "seq_mis_veto", "gspo_nemo_rl"])
 def test_packed_logits_match_the_padded_loss(name):
     logits, data, lengths = make_batch(12)
     loss, metrics, grad = reference(LOSS_CONFIGS[name], logits, data)

@@ -4,10 +4,10 @@ additive metrics equal the single-process ones (float64, to 1e-12).
 
 - CP=2: ``ClippedPGLoss.compute`` on each rank's shard (padded and packed, load-balanced and contiguous order), with
   token-level TIS weights composed;
-- DP=2: each rank holds half the sequences; ``distributed.data_parallel.with_data_parallel`` (what the entry points do
-  with their ``dp_group`` / ``data_parallel_group``), and the LOGIT entry point and the fused hidden-state loss given
-  the group; without it each rank's bounds are its own micro-batch's (the authors' per-micro-batch scope), which
-  differ here: the reduction is what makes them equal.
+- DP=2: each rank holds half the sequences; ``distributed.parallel.data_parallel.with_data_parallel`` (what the entry
+  points do with their ``dp_group`` / ``data_parallel_group``), and the LOGIT entry point and the fused hidden-state
+  loss given the group; without it each rank's bounds are its own micro-batch's (the authors' per-micro-batch scope),
+  which differ here: the reduction is what makes them equal.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.distributed.context_parallel import cp_layout
-from nemo_is_plugin.distributed.cp_sharding import CP_ORDERS, shard_packed, shard_padded
-from nemo_is_plugin.distributed.data_parallel import with_data_parallel
-from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
-from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
+from nemo_is_plugin.distributed.entry_points.logit_loss import LogitClippedPGLoss
+from nemo_is_plugin.distributed.parallel.context_parallel import cp_layout
+from nemo_is_plugin.distributed.parallel.cp_sharding import CP_ORDERS, shard_packed, shard_padded
+from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 

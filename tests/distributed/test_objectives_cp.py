@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.distributed.context_parallel import cp_layout
-from nemo_is_plugin.distributed.cp_sharding import CP_ORDERS, shard_packed, shard_padded
+from nemo_is_plugin.distributed.parallel.context_parallel import cp_layout
+from nemo_is_plugin.distributed.parallel.cp_sharding import CP_ORDERS, shard_packed, shard_padded
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives.cppo import BUDGET_QUANTILE, cppo_mask, sequence_quantile

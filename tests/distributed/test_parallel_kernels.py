@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.distributed.collectives import all_gather, all_reduce_max, all_reduce_min, all_reduce_sum
-from nemo_is_plugin.distributed.context_parallel import CPTokenLayout, cp_layout
-from nemo_is_plugin.distributed.cp_sharding import (
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.parallel.collectives import all_gather, all_reduce_max, all_reduce_min, all_reduce_sum
+from nemo_is_plugin.distributed.parallel.context_parallel import CPTokenLayout, cp_layout
+from nemo_is_plugin.distributed.parallel.cp_sharding import (
     gather_packed,
     gather_padded,
     local_cu_seqlens,
@@ -24,8 +25,7 @@ from nemo_is_plugin.distributed.cp_sharding import (
     shard_packed,
     shard_padded,
 )
-from nemo_is_plugin.distributed.groups import group_rank
-from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.parallel.groups import group_rank
 from nemo_is_plugin.loss.layout import TokenLayout
 
 WORLD = 4

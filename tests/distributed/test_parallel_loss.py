@@ -24,12 +24,12 @@ import itertools
 import pytest
 import torch
 
-from nemo_is_plugin.distributed.collectives import all_reduce_sum
-from nemo_is_plugin.distributed.cp_sharding import CP_ORDERS, shard_packed, shard_padded
-from nemo_is_plugin.distributed.data_parallel import all_reduce_metrics, global_valid_counts
-from nemo_is_plugin.distributed.groups import ParallelGroups
-from nemo_is_plugin.distributed.logit_loss import LogitClippedPGLoss
-from nemo_is_plugin.distributed.pipeline import broadcast_metrics_from_last_stage
+from nemo_is_plugin.distributed.entry_points.logit_loss import LogitClippedPGLoss
+from nemo_is_plugin.distributed.parallel.collectives import all_reduce_sum
+from nemo_is_plugin.distributed.parallel.cp_sharding import CP_ORDERS, shard_packed, shard_padded
+from nemo_is_plugin.distributed.parallel.data_parallel import all_reduce_metrics, global_valid_counts
+from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
+from nemo_is_plugin.distributed.parallel.pipeline import broadcast_metrics_from_last_stage
 from nemo_is_plugin.loss import ClippedPGLoss
 
 from ._loss_cases import (
@@ -245,7 +245,7 @@ CHECKS = [
     ("tp2_cp2_fp64", _layout_check(2, 2, dtype=torch.float64)),
     (
         "tp2_cp2_bf16",
-        _layout_check(2, 2, names=("nemo_rl_default", "ctpo_cumulative_is", "gspo_legacy"), dtype=torch.bfloat16),
+        _layout_check(2, 2, names=("nemo_rl_default", "ctpo_cumulative_is", "gspo_nemo_rl"), dtype=torch.bfloat16),
     ),
     ("dp_sums_to_the_global_batch", check_dp_sums_to_the_global_batch),
     ("pp_metrics_broadcast", check_pp_metrics_broadcast),

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_is_plugin.distributed.context_parallel import cp_layout
-from nemo_is_plugin.distributed.cp_sharding import CP_ORDERS, shard_packed, shard_padded
+from nemo_is_plugin.distributed.parallel.context_parallel import cp_layout
+from nemo_is_plugin.distributed.parallel.cp_sharding import CP_ORDERS, shard_packed, shard_padded
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.layout import TokenLayout
@@ -67,13 +67,21 @@ def check_weights(rank: int, world: int) -> None:
     for order in CP_ORDERS:
         for (_, p, g, _, m), lay, shard, llay in _cases(rank, order):
             for level in LEVELS:
-                want = compute_is_correction(p, g, m, m, lay, level=level, legacy=False, rules=RULES, **OPTIONS)
+                want = compute_is_correction(p, g, m, m, lay, level=level, nemo_rl_exact=False, rules=RULES, **OPTIONS)
                 got = compute_is_correction(
-                    shard(p), shard(g), shard(m), shard(m), llay, level=level, legacy=False, rules=RULES, **OPTIONS
+                    shard(p),
+                    shard(g),
+                    shard(m),
+                    shard(m),
+                    llay,
+                    level=level,
+                    nemo_rl_exact=False,
+                    rules=RULES,
+                    **OPTIONS,
                 )
                 torch.testing.assert_close(got.weights, shard(want.weights), rtol=1e-14, atol=0)
                 assert got.batch_norm_factor.item() == pytest.approx(want.batch_norm_factor.item(), rel=1e-14)
-            zeroed = compute_is_correction(p, g, m, m, lay, level="cumulative", legacy=False, **OPTIONS)
+            zeroed = compute_is_correction(p, g, m, m, lay, level="cumulative", nemo_rl_exact=False, **OPTIONS)
             assert int((zeroed.weights == 0).sum()) >= 7  # the -inf's sequence from its token on, the NaN's
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers.softmax_merge import merge_partials
 
-from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 from nemo_is_plugin.kernels.chunk_inplace import chunk_partials_
 from nemo_is_plugin.kernels.softmax_partials import finalize_partials
 from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target

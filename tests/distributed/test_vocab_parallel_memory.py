@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 
 from ._memory import LiveStorageBytes, SavedTensorBytes
 

@@ -41,7 +41,7 @@ FACTORS: dict[str, dict[str, dict[str, Any]]] = {
         "sequence_token": dict(ratio_level="sequence_token"),
         "cumulative": dict(ratio_level="cumulative"),
         "cumulative_mean": dict(ratio_level="cumulative_mean"),
-        "gspo_legacy": dict(sequence_level_importance_ratios=True, token_level_loss=False),
+        "gspo_nemo_rl": dict(sequence_level_importance_ratios=True, token_level_loss=False),
     },
     "clip": {
         "ratio": {},

@@ -25,10 +25,10 @@ def _megatron_logprobs(policy, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _decoder_worker(precisions, port, queue) -> None:
-    from nemo_is_plugin.demo import task
-    from nemo_is_plugin.demo.decoder import KVCachedDecoder
-    from nemo_is_plugin.demo.model import ModelShape
-    from nemo_is_plugin.demo.policy import MegatronPolicy
+    from nemo_is_plugin.apps.demo import task
+    from nemo_is_plugin.apps.demo.decoder import KVCachedDecoder
+    from nemo_is_plugin.apps.demo.model import ModelShape
+    from nemo_is_plugin.apps.demo.policy import MegatronPolicy
 
     shape = ModelShape(max_seq_len=96)
     policy = MegatronPolicy(0, 1, shape, seed=3, lr=1e-3, max_grad_norm=1.0, micro_batch_tokens=4096, master_port=port)
@@ -59,8 +59,8 @@ def decoder_parity(precisions=("fp32", "bf16")) -> dict[str, float]:
 
 
 def _tp_worker(rank, world, port, queue) -> None:
-    from nemo_is_plugin.demo.model import ModelShape, full_state_dict, grad_norm
-    from nemo_is_plugin.demo.policy import MegatronPolicy
+    from nemo_is_plugin.apps.demo.model import ModelShape, full_state_dict, grad_norm
+    from nemo_is_plugin.apps.demo.policy import MegatronPolicy
 
     policy = MegatronPolicy(
         rank,
@@ -76,7 +76,7 @@ def _tp_worker(rank, world, port, queue) -> None:
     policy.model.train()
     lp = policy.logprobs(tokens)
     (-(lp * torch.linspace(-1, 1, lp.shape[1])).mean()).backward()
-    from nemo_is_plugin.demo.model import allreduce_sequence_parallel_grads
+    from nemo_is_plugin.apps.demo.model import allreduce_sequence_parallel_grads
 
     allreduce_sequence_parallel_grads(policy.model, policy.tp_group)
     norm = grad_norm(policy.model, policy.tp_group)

@@ -99,14 +99,18 @@ def zeroed_tokens(cfg: ClippedPGLossConfig, edge: EdgeInput, token_mask: torch.T
         or bool(cfg.rejection_rules)
         or cfg.importance_sampling_veto_threshold is not None
     )
-    legacy = cfg.is_correction_level is None
+    nemo_rl_exact = cfg.is_correction_level is None
     if not cfg.use_importance_sampling_correction:
         return bad if rejects else None
-    lifted = legacy and cfg.truncated_importance_sampling_type == "tis" and cfg.truncated_importance_sampling_ratio_min
+    lifted = (
+        nemo_rl_exact
+        and cfg.truncated_importance_sampling_type == "tis"
+        and cfg.truncated_importance_sampling_ratio_min
+    )
     if lifted and not rejects:
         return None
     level = cfg.effective_is_level
-    if legacy and lifted:
+    if nemo_rl_exact and lifted:
         return bad  # the rejection drops the token itself; its sequence's weight is tis's min
     counted = token_mask != 0
     if level in ("sequence", "sequence_mean"):

@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from nemo_is_plugin.adapters.verl_config import ROLLOUT_CORRECTION_KEYS, rollout_correction_keys
+from nemo_is_plugin.adapters.verl.config import ROLLOUT_CORRECTION_KEYS, rollout_correction_keys
 from nemo_is_plugin.loss.clipped_pg import LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 

@@ -1,5 +1,5 @@
 """The online-softmax merge of two parts' partials, which the package does over TP ranks inside its all-reduce
-(``distributed.vocab_parallel``); the tests merge shards one by one with it to check the algebra."""
+(``distributed.head.vocab_parallel``); the tests merge shards one by one with it to check the algebra."""
 
 from __future__ import annotations
 

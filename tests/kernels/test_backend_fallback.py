@@ -20,11 +20,11 @@ import warnings
 import pytest
 import torch
 
+from nemo_is_plugin.common import once
 from nemo_is_plugin.kernels import chunk_math
 from nemo_is_plugin.kernels import triton_logprob as tk
 from nemo_is_plugin.kernels.chunk_math import BackendFallbackError, ChunkMath, record_backends, resolve_backend
 from nemo_is_plugin.kernels.chunking import GPU_CHUNK_BYTES, plan_chunks
-from nemo_is_plugin.loss import input_validation
 
 N, V, SCALE = 6, 29, 0.8
 CUDA = torch.device("cuda")
@@ -37,7 +37,7 @@ def fresh_process_state(monkeypatch):
     """Each test starts as a fresh process: nothing compiled, no fallback recorded, nothing warned, not strict."""
     monkeypatch.setattr(tk, "_COMPILED", set())
     monkeypatch.setattr(chunk_math, "_triton_failure", None)
-    monkeypatch.setattr(input_validation, "_WARNED", set())
+    monkeypatch.setattr(once, "_WARNED", set())
     monkeypatch.delenv(chunk_math.STRICT_BACKEND_ENV, raising=False)
 
 

@@ -12,10 +12,10 @@ import warnings
 import pytest
 import torch
 
+from nemo_is_plugin.common import once
 from nemo_is_plugin.kernels import chunk_math
 from nemo_is_plugin.kernels import triton_logprob as tk
 from nemo_is_plugin.kernels.chunk_math import ChunkMath, resolve_backend
-from nemo_is_plugin.loss import input_validation
 
 N, V, SCALE = 6, 29, 0.8
 CUDA = torch.device("cuda")  # a device object only: nothing is allocated on it
@@ -56,7 +56,7 @@ def test_resolve_backend_rules(monkeypatch):
 def test_missing_triton_on_cuda_warns_once_and_uses_torch(monkeypatch):
     monkeypatch.setattr(chunk_math, "_triton_failure", None)
     monkeypatch.setattr(tk, "triton", None)
-    monkeypatch.setattr(input_validation, "_WARNED", set())
+    monkeypatch.setattr(once, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match="triton is not importable"):
         assert resolve_backend("auto", CUDA, torch.bfloat16) == "torch"
     with warnings.catch_warnings():

@@ -144,7 +144,7 @@ def check_chunk_math_backends_agree(dtype, device="cpu"):
 
 def check_vocab_parallel_reads_low_precision_logits(device="cpu"):
     """vocab_parallel_logprobs on bf16 logits with the Triton backend: no fp32 copy, float64-exact up to fp32."""
-    from nemo_is_plugin.distributed.vocab_parallel import vocab_parallel_logprobs
+    from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 
     _blocks()
     c = case(torch.bfloat16, seed=3, device=device)

@@ -21,7 +21,7 @@ LAY = TokenLayout.padded(2, 3)
 
 def run(
     level="token",
-    legacy=False,
+    nemo_rl_exact=False,
     truncation=None,
     low=None,
     high=None,
@@ -38,7 +38,7 @@ def run(
         MASK,
         LAY,
         level=level,
-        legacy=legacy,
+        nemo_rl_exact=nemo_rl_exact,
         apply_weights=apply,
         truncation=truncation,
         low=low,
@@ -51,23 +51,23 @@ def run(
     )
 
 
-@pytest.mark.parametrize("legacy", [True, False])
-def test_tis_truncates(legacy):
-    c = run(truncation="tis", low=0.2, high=2.0, legacy=legacy)
+@pytest.mark.parametrize("nemo_rl_exact", [True, False])
+def test_tis_truncates(nemo_rl_exact):
+    c = run(truncation="tis", low=0.2, high=2.0, nemo_rl_exact=nemo_rl_exact)
     want = torch.tensor([[2.0, 0.5, 1.2], [0.2, 1.0, 2.0]], dtype=F64)
     assert torch.allclose(c.weights, want)
     assert c.out_of_band.tolist() == [[True, False, False], [True, False, True]]
     assert not c.rejected.any()
 
 
-def test_tis_log_space_never_overflows_but_legacy_zeroes_like_nemo_rl():
+def test_tis_log_space_never_overflows_but_the_nemo_rl_exact_path_zeroes_like_nemo_rl():
     prev = torch.tensor([[0.0]], dtype=torch.float32)
     gen = torch.tensor([[-100.0]], dtype=torch.float32)  # log w = 100: exp overflows float32
     m = torch.ones(1, 1)
     lay = TokenLayout.padded(1, 1)
     kw = dict(apply_weights=True, truncation="tis", low=0.5, high=2.0, veto_threshold=None, batch_normalize=False)
-    new = compute_is_correction(prev, gen, m, m, lay, level="token", legacy=False, **kw)
-    old = compute_is_correction(prev, gen, m, m, lay, level="token", legacy=True, **kw)
+    new = compute_is_correction(prev, gen, m, m, lay, level="token", nemo_rl_exact=False, **kw)
+    old = compute_is_correction(prev, gen, m, m, lay, level="token", nemo_rl_exact=True, **kw)
     assert new.weights.item() == 2.0  # truncated in log space
     assert old.weights.item() == 0.5  # NeMo-RL: inf -> 0 by nan_to_num, then clamped up to min (golden 089)
 
@@ -80,7 +80,7 @@ def test_icepop_masks_tokens_out_of_band():
 
 def test_seq_mask_tis_keeps_token_weights_of_sequences_whose_geometric_mean_is_in_band():
     # geo means: seq 0 = 1.8^(1/3) = 1.216, seq 1 = sqrt(0.1) = 0.316
-    c = run(truncation="seq-mask-tis", low=0.5, high=1.5, legacy=True)
+    c = run(truncation="seq-mask-tis", low=0.5, high=1.5, nemo_rl_exact=True)
     assert torch.allclose(c.weights, torch.tensor([[3.0, 0.5, 1.2], [0.0, 0.0, 0.0]], dtype=F64))
     assert c.seq_out_of_band.tolist() == [False, True]
 

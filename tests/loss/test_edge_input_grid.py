@@ -36,8 +36,8 @@ from helpers.edge_checks import Outcome, check_outcome, check_weight_rule, count
 from helpers.edge_inputs import EDGE_INPUTS, expectation
 
 from nemo_is_plugin import TokenLayout, build_loss_fn
-from nemo_is_plugin.distributed.context_parallel import CPTokenLayout
-from nemo_is_plugin.distributed.cp_sharding import local_tokens, num_chunks
+from nemo_is_plugin.distributed.parallel.context_parallel import CPTokenLayout
+from nemo_is_plugin.distributed.parallel.cp_sharding import local_tokens, num_chunks
 from nemo_is_plugin.loss import LossInputs
 
 GRID = config_grid()
@@ -69,8 +69,8 @@ def expected_infeasible() -> set[tuple[str, str, str, str]]:
         ("sequence_token", "cumulative", "cumulative_mean"), ("force_on_policy", "reinforce")
     ):
         out.add(("ratio", r, "clip", c))  # force_on_policy_ratio: token or sequence only; disable_ppo_ratio: none
-    out |= {("ratio", "sequence", "clip", "reinforce"), ("ratio", "gspo_legacy", "clip", "cispo")}
-    out |= {("ratio", "gspo_legacy", "aggregation", a) for a in ("token-mean", "token-sum")}
+    out |= {("ratio", "sequence", "clip", "reinforce"), ("ratio", "gspo_nemo_rl", "clip", "cispo")}
+    out |= {("ratio", "gspo_nemo_rl", "aggregation", a) for a in ("token-mean", "token-sum")}
     out |= {("clip", "cispo", "aggregation", a) for a in FACTORS["aggregation"] if a.startswith("seq-")}
     out.add(("clip", "force_on_policy", "old_policy", "generation"))
     out |= {("is", "off", "truncation", t) for t in ("tis", "tis_min", "icepop", "seq-mask-tis")}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.loss import input_validation as validation
+from nemo_is_plugin.common import once
 from nemo_is_plugin.loss.input_validation import MissingInputError
 
 B, S = 3, 8
@@ -20,7 +20,7 @@ BASE = dict(reference_policy_kl_penalty=0.05, use_importance_sampling_correction
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(validation, "_WARNED", set())
+    monkeypatch.setattr(once, "_WARNED", set())
 
 
 def batch(seed: int = 0):
@@ -185,12 +185,3 @@ def test_non_finite_rewards_are_only_compared_with_zero_as_nemo_rl():
     assert got.item() == want.item()
     with pytest.raises(ValueError, match=r"data\['rewards'\] contains NaN or inf"):
         call(dict(cfg, strict_input_checks=True), x, dict(data, rewards=torch.tensor([float("nan"), 0.0, 1.0])))
-
-
-def test_warn_once_warns_once_per_key_with_its_category():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            validation.warn_once("k", "first", RuntimeWarning)
-        validation.warn_once("other", "second")
-    assert [(w.category, str(w.message)) for w in caught] == [(RuntimeWarning, "first"), (UserWarning, "second")]

@@ -62,7 +62,7 @@ def test_prefix_sum_is_float64_accurate_in_float32():
 
 def test_batch_statistics_span_the_batch_group():
     """reduce_batch_sums / _max: the layout's own (CP) reduction, then the batch group's (the DP ranks, attached by
-    distributed.data_parallel.with_data_parallel); without a group, this process's batch alone."""
+    distributed.parallel.data_parallel.with_data_parallel); without a group, this process's batch alone."""
 
     class Doubling:  # a stand-in for the other DP rank holding the same partials
         def sum(self, t):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_is_plugin import build_loss_fn, finalize_metrics
-from nemo_is_plugin.cli.synthetic_batch import synthetic_batch
+from nemo_is_plugin.apps.cli.synthetic_batch import synthetic_batch
 
 F64 = torch.float64
 # KL off: NeMo-RL's KL weight exp(c - sg[c]) is a stop-gradient device whose gradient is by design not the derivative
@@ -39,7 +39,7 @@ DIFFERENTIABLE = {
     "is=sequence": {"is_correction_level": "sequence"},
     "is=sequence_mean": {"is_correction_level": "sequence_mean"},
     "is=cumulative": {"is_correction_level": "cumulative"},
-    "gspo-legacy": {"sequence_level_importance_ratios": True, "token_level_loss": False},
+    "gspo-nemo-rl": {"sequence_level_importance_ratios": True, "token_level_loss": False},
     "log-clip-ratio=sequence": {
         "ratio_level": "sequence",
         "log_ratio_clip_low": 0.025,

@@ -26,8 +26,8 @@ from pydantic import ValidationError
 
 from nemo_is_plugin import ClippedPGLossConfig, TokenLayout, build_loss_fn
 from nemo_is_plugin.config import SEQUENCE_MASK_TYPES
-from nemo_is_plugin.distributed.context_parallel import CPTokenLayout
-from nemo_is_plugin.distributed.cp_sharding import CP_ORDERS, local_tokens, num_chunks
+from nemo_is_plugin.distributed.parallel.context_parallel import CPTokenLayout
+from nemo_is_plugin.distributed.parallel.cp_sharding import CP_ORDERS, local_tokens, num_chunks
 from nemo_is_plugin.loss import LossInputs
 
 CALLS = golden_calls()

@@ -1,5 +1,5 @@
 """MetricBook's deferred reductions: token means and extrema are computed at ``finish`` together, one stacked
-reduction per mask (and dtype for NeMo-RL's legacy means), with the values of the per-metric formulas (float64
+reduction per mask (and dtype for NeMo-RL's means), with the values of the per-metric formulas (float64
 references by hand), the metrics' order kept, and +-inf extrema where nothing is valid."""
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ def test_deferred_means_and_extrema_equal_the_float64_formulas_in_order():
     valid, other, values = _inputs()
     book = _book(valid)
     book.token_mean("a", values[0])
-    book.nemo_rl_token_mean("legacy", values[1])
+    book.nemo_rl_token_mean("nemo_rl_mean", values[1])
     book.add_sum("plain", torch.tensor(2.5), Denominator.NONE)
     book.token_mean("b", values[2], mask=other)
     book.token_mean("c", values[3])
     book.min_max("m", values[0])
     book.extrema("none_valid", values[2], torch.zeros_like(valid, dtype=torch.bool))
     out = book.finish()
-    assert list(out)[:5] == ["a", "legacy", "plain", "b", "c"]  # the order the metrics were added in
+    assert list(out)[:5] == ["a", "nemo_rl_mean", "plain", "b", "c"]  # the order the metrics were added in
 
     def mean(v, m, dtype=torch.float64):
         v64 = torch.where(m != 0, v.to(dtype) * m.to(dtype), 0.0)
@@ -47,7 +47,7 @@ def test_deferred_means_and_extrema_equal_the_float64_formulas_in_order():
 
     assert out["a"] == mean(values[0], valid) and out["c"] == mean(values[3], valid)
     assert out["b"] == mean(values[2], other) and out["plain"] == 2.5
-    assert abs(out["legacy"] - mean(values[1], valid, torch.float32)) <= 1e-7 * abs(out["legacy"])
+    assert abs(out["nemo_rl_mean"] - mean(values[1], valid, torch.float32)) <= 1e-7 * abs(out["nemo_rl_mean"])
     kept = values[0][valid != 0].double()
     assert out["m_min"] == float(kept.min()) and out["m_max"] == float(kept.max())
     assert out["none_valid_min"] == float("inf") and out["none_valid_max"] == float("-inf")
@@ -66,7 +66,7 @@ class _Reductions(TorchDispatchMode):
 
 def test_one_reduction_per_mask_however_many_metrics():
     """Why the deferral exists: the epilogue's cost on a GPU is its number of kernel launches. Ten token means over
-    one mask and two over another are three sums at finish (two float64 groups, one legacy), not twelve."""
+    one mask and two over another are three sums at finish (two float64 groups, one in NeMo-RL's dtype), not twelve."""
     valid, other, values = _inputs()
     book = _book(valid)
     for i in range(10):

@@ -15,7 +15,7 @@ import torch
 from helpers.device_guard import device_guard
 from helpers.golden_objectives import load_cases, plugin_loss
 
-from nemo_is_plugin.adapters.verl_loss_modes import VERL_LOSS_MODES
+from nemo_is_plugin.adapters.verl.loss_modes import VERL_LOSS_MODES
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives.base import masked_ratio_surrogate
 from nemo_is_plugin.loss.objectives.cppo import cppo_mask, sequence_quantile

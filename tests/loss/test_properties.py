@@ -2,8 +2,8 @@
 
 Properties:
 - finiteness: finite inputs with IS log-ratios p - g up to +-1e4, fp32/bf16/fp16 log-probs, give a finite loss,
-  finite gradients and no NaN metric, for every valid configuration (legacy included: NeMo-RL zeroes overflowing
-  IS weights); policy log-ratios c - p up to +-1e4 give a finite loss when the config caps the ratio
+  finite gradients and no NaN metric, for every valid configuration (NeMo-RL's exact path included: NeMo-RL zeroes
+  overflowing IS weights); policy log-ratios c - p up to +-1e4 give a finite loss when the config caps the ratio
   (max_log_ratio), whatever the ratio level;
 - all-masked: loss exactly 0, zero gradient, no NaN metric;
 - invariants: generation == prev gives IS weight 1 at every level (the loss equals the loss without IS);
@@ -163,7 +163,7 @@ def test_generation_equal_prev_gives_is_weight_one_at_every_level(cfg, batch):
             tm,
             layout,
             level=level,
-            legacy=False,
+            nemo_rl_exact=False,
             apply_weights=True,
             truncation=None,
             low=None,
@@ -316,7 +316,7 @@ def test_batch_normalised_weights_are_exactly_one_on_policy():
         tm,
         TokenLayout.padded(2, 5),
         level="token",
-        legacy=False,
+        nemo_rl_exact=False,
         apply_weights=True,
         truncation=None,
         low=None,

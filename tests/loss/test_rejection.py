@@ -97,7 +97,7 @@ def test_the_shorthand_band_is_a_k1_rule():
     rule on [-log hi, -log lo]."""
     kw = dict(
         level="token",
-        legacy=False,
+        nemo_rl_exact=False,
         apply_weights=True,
         truncation=None,
         low=None,

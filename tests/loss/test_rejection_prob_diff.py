@@ -119,7 +119,7 @@ def test_composes_with_a_k_rule():
     assert keep.tolist() == [[True, False, False], [True, True, True], [True, True, True]]
 
 
-IS_KW = dict(legacy=False, apply_weights=True, veto_threshold=None, batch_normalize=False)
+IS_KW = dict(nemo_rl_exact=False, apply_weights=True, veto_threshold=None, batch_normalize=False)
 BOUNDS = {"tis": (2.0, None), "icepop": (2.0, 0.5), "seq-mask-tis": (2.0, 0.5), "seq-mis": (1e3, 1e-3)}
 BOUNDS["geo-rs"] = (1e3, 1e-3)
 

@@ -244,7 +244,7 @@ def test_column_zero_is_not_read():
 
 @pytest.mark.parametrize("level", [None, "token", "sequence", "sequence_mean", "cumulative"])
 def test_overflowing_finite_inputs_are_not_an_error(level):
-    """p - g = 200 per token: exp overflows float32. The legacy level zeroes such weights as NeMo-RL does; the
+    """p - g = 200 per token: exp overflows float32. NeMo-RL's exact path zeroes such weights as NeMo-RL does; the
     explicit levels saturate log w at MAX_LOG_WEIGHT and stay finite."""
     x, data = batch()
     data["generation_logprobs"] = data["prev_logprobs"] - 200.0

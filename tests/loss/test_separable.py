@@ -11,7 +11,7 @@ import torch
 from helpers.policy_draws import draw_policy_logprobs
 
 from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.distributed.context_parallel import CPTokenLayout
+from nemo_is_plugin.distributed.parallel.context_parallel import CPTokenLayout
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.separable import (
@@ -45,8 +45,8 @@ IS_ON = dict(use_importance_sampling_correction=True)
         (dict(ratio_level="cumulative_mean"), False),
         (dict(force_on_policy_ratio=True), False),
         (dict(force_on_policy_ratio=True, ratio_level="token"), False),
-        (dict(sequence_level_importance_ratios=True, token_level_loss=False), False),  # legacy GSPO
-        # legacy GSPO flag, but the ratio level set back to token explicitly: the token ratio decides
+        (dict(sequence_level_importance_ratios=True, token_level_loss=False), False),  # GSPO in NeMo-RL's words
+        # NeMo-RL's GSPO flag, but the ratio level set back to token explicitly: the token ratio decides
         (dict(sequence_level_importance_ratios=True, token_level_loss=False, ratio_level="token"), True),
     ],
 )

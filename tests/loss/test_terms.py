@@ -74,8 +74,8 @@ def test_compute_computes_each_term_once(calls):
 
 
 def test_the_fused_single_pass_shares_one_correction_with_its_metrics(calls):
-    from nemo_is_plugin.bench.problem import make_problem
-    from nemo_is_plugin.distributed.fused_linear_loss import fused_linear_pg_loss
+    from nemo_is_plugin.apps.bench.problem import make_problem
+    from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
 
     p = make_problem(2, 9, 8, 16, seed=1, dtype=F64)
     hidden = p.hidden.detach().requires_grad_(True)

@@ -6,7 +6,7 @@ TIS cap under tis; loss -1.1e11); NaN through tis_log gave a NaN loss; a NaN gen
 weight and made the gradient NaN (0 * NaN); a packed layout's cumulative weights after a sequence with -inf were 0
 (inf - inf in the segmented prefix sum); rule statistics and the veto read NaN (NaN metrics, a vetoed sequence);
 bypass mode divided by a -inf pi_old (NaN loss); an overflowing policy ratio gave an inf loss or a NaN gradient; a
-masked-out sample's values moved NeMo-RL's legacy GSPO metric; a bad curr_logprobs_unfiltered entry was reported one
+masked-out sample's values moved NeMo-RL's GSPO metric; a bad curr_logprobs_unfiltered entry was reported one
 column off.
 """
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from nemo_is_plugin import ClippedPGLossConfig, build_loss_fn
-from nemo_is_plugin.loss import input_validation as validation
+from nemo_is_plugin.common import once
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.input_validation import NonFiniteLossError
 from nemo_is_plugin.loss.layout import TokenLayout
@@ -43,16 +43,26 @@ TRUNCATIONS = {None: (None, None), "tis": (None, 2.0), "tis_min": (0.5, 2.0), "i
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(validation, "_WARNED", set())
+    monkeypatch.setattr(once, "_WARNED", set())
 
 
-def correction(gen, level, truncation=None, *, legacy=False, layout=LAY, prev=PREV, mask=MASK, **kw):
+def correction(gen, level, truncation=None, *, nemo_rl_exact=False, layout=LAY, prev=PREV, mask=MASK, **kw):
     low, high = TRUNCATIONS[truncation]
     opts = dict(veto_threshold=None, batch_normalize=False, apply_weights=True)
     opts.update(kw)
     kind = "tis" if truncation == "tis_min" else truncation
     return compute_is_correction(
-        prev, gen, mask, mask, layout, level=level, legacy=legacy, truncation=kind, low=low, high=high, **opts
+        prev,
+        gen,
+        mask,
+        mask,
+        layout,
+        level=level,
+        nemo_rl_exact=nemo_rl_exact,
+        truncation=kind,
+        low=low,
+        high=high,
+        **opts,
     )
 
 
@@ -85,12 +95,12 @@ def test_every_weight_whose_log_sum_holds_the_term_is_zero(level, truncation, va
 
 
 @pytest.mark.parametrize("value", [-math.inf, math.nan, math.inf])
-def test_the_legacy_level_keeps_nemo_rl_rule(value):
+def test_the_nemo_rl_exact_level_keeps_nemo_rl_rule(value):
     """Level unset: NeMo-RL's nan_to_num(exp(log w)) = 0, then tis lifts it to its min (golden 089's order)."""
-    assert correction(with_value(value), "token", legacy=True).weights[BAD].item() == 0.0
-    assert correction(with_value(value), "token", "tis", legacy=True).weights[BAD].item() == 0.0
-    assert correction(with_value(value), "token", "tis_min", legacy=True).weights[BAD].item() == 0.5
-    seq = correction(with_value(value), "sequence", legacy=True)
+    assert correction(with_value(value), "token", nemo_rl_exact=True).weights[BAD].item() == 0.0
+    assert correction(with_value(value), "token", "tis", nemo_rl_exact=True).weights[BAD].item() == 0.0
+    assert correction(with_value(value), "token", "tis_min", nemo_rl_exact=True).weights[BAD].item() == 0.5
+    seq = correction(with_value(value), "sequence", nemo_rl_exact=True)
     assert (seq.weights[0] == 0).all() and (seq.weights[1:][MASK[1:] != 0] > 0).all()
 
 
@@ -196,15 +206,15 @@ TIS = dict(truncated_importance_sampling_type="tis", truncated_importance_sampli
 
 
 @pytest.mark.parametrize("truncation", [{}, TIS])
-def test_the_explicit_token_level_is_nemo_rl_legacy_path_spelled_out(truncation):
+def test_the_explicit_token_level_is_nemo_rl_exact_path_spelled_out(truncation):
     """The issue's case: NeMo-RL's GRPO defaults + IS and one -inf generation log-prob on a valid token."""
     curr, data = nemo_rl_batch()
     data["generation_logprobs"][0, 3] = -math.inf
-    legacy = call({**GRPO, **truncation}, curr, data)
+    nemo_rl_path = call({**GRPO, **truncation}, curr, data)
     token = call({**GRPO, **truncation, "is_correction_level": "token"}, curr, data)
-    torch.testing.assert_close(token[0], legacy[0], rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(token[1], legacy[1], rtol=1e-6, atol=1e-7)
-    assert abs(legacy[0].item()) < 5 and token[2]["is_weight_max"] < 10
+    torch.testing.assert_close(token[0], nemo_rl_path[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(token[1], nemo_rl_path[1], rtol=1e-6, atol=1e-7)
+    assert abs(nemo_rl_path[0].item()) < 5 and token[2]["is_weight_max"] < 10
     for level in ("sequence", "sequence_mean", "cumulative"):
         loss, grad, metrics = call({**GRPO, **truncation, "is_correction_level": level}, curr, data)
         assert abs(loss.item()) < 5 and grad.abs().max() < 5 and metrics["is_weight_max"] < 10, level
@@ -259,8 +269,8 @@ def test_an_overflowing_policy_ratio_is_refused_in_one_line(clip):
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
 
 
-def test_a_masked_out_sample_does_not_move_the_legacy_gspo_metric():
-    """NeMo-RL's legacy GSPO sampling_importance_ratio sums every row's weight; a rejection of the masked-out row (on
+def test_a_masked_out_sample_does_not_move_nemo_rl_s_gspo_metric():
+    """NeMo-RL's GSPO sampling_importance_ratio sums every row's weight; a rejection of the masked-out row (on
     its own huge mismatch) made it 0 there."""
     cfg = dict(GRPO, sequence_level_importance_ratios=True, token_level_loss=False)
     cfg.update(importance_sampling_rejection="geo-rs", importance_sampling_rejection_min=0.8)

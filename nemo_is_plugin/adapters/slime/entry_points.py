@@ -1,0 +1,358 @@
+"""The plugin's loss in slime (THUDM/slime, commit 624b824a), enabled from slime's command line: no source edit.
+
+Two entry points, each a module attribute slime loads by path (``slime.utils.misc.load_function``):
+
+- the full policy loss, :data:`policy_loss`::
+
+      --loss-type custom_loss --custom-loss-function-path nemo_is_plugin.adapters.slime.policy_loss
+
+  slime's ``loss_function`` calls ``policy_loss(args, batch, logits, sum_of_sample_mean)`` with this rank's logits
+  ``[1, T, V/TP]`` and expects ``(loss, {name: 0-d tensor})``; it then rescales the loss for Megatron's gradient
+  accumulation itself. The response log-probs (and the entropy) come from the plugin's vocab-parallel kernel on the
+  response rows of slime's CP-sharded logits (:mod:`~nemo_is_plugin.adapters.slime.layout`); every per-token term
+  is reduced with slime's ``sum_of_sample_mean``, so slime's rescaling stays right. The per-token terms are the
+  plugin's, computed by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms` on constants in slime's roles
+  (:func:`slime_term_inputs`): any policy objective (PPO's clip at any ratio level, in ratio or log space, CISPO, or
+  another ``policy_objective``), its IS correction (any level, truncation, rejection rules, veto), and a KL term
+  (slime's ``--use-kl-loss`` estimators, or the plugin's KL keys); slime's reducer replaces the plugin's aggregation,
+  and the metrics (:func:`slime_metrics`) read the same terms.
+
+- the IS correction alone, :data:`tis_function`, inside slime's own PPO loss::
+
+      --use-tis --custom-tis-function-path nemo_is_plugin.adapters.slime.tis_function
+
+  slime calls ``tis_function(args=, pg_loss=, train_log_probs=, rollout_log_probs=, loss_masks=, total_lengths=,
+  response_lengths=)`` with the per-token ``pg_loss`` and this CP rank's log-probs, and expects ``(pg_loss,
+  modified_response_masks, metrics)``. The plugin's IS levels (token, sequence, sequence_mean, cumulative) and
+  truncation / rejection rules apply; sequence sums and cumulative prefixes span the CP ranks.
+
+Configuration: slime's flags are mapped or refused by :mod:`~nemo_is_plugin.adapters.slime.config`; the plugin's keys
+come from ``args.nemo_is`` (slime's ``--custom-config-path`` YAML) and / or ``$NEMO_IS_CONFIG``; both are read and
+validated at the first call and cached per setting. With no plugin keys (``nemo_is: {}``) the full loss is slime's
+``policy_loss_function`` and the TIS function slime's ``vanilla_tis_function`` (``icepop_function`` with
+``truncated_importance_sampling_type: icepop``). The process groups are megatron-core's (slime's ``mpu``), read in the
+worker at every call, so that a process that rebuilds them (tests, notebooks, restarts) gets the new ones.
+
+Masks under rejection: slime rebuilds its reducer with the returned masks (same denominators), so rejected tokens
+leave the numerators. The TIS function zeroes this rank's rejected positions in the masks it returns (positions held
+by other CP ranks are left as given: slime reads each rank's own slice only); IcePop's zeros stay weights, as in
+slime's ``icepop_function``. The full loss zeroes the policy-gradient term of rejected tokens; the KL and entropy
+terms keep them (the plugin's rule).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from nemo_is_plugin.adapters.shared import (
+    PARALLEL_STATE,
+    GroupsSpec,
+    check_groups,
+    given_keys,
+    owns_correction,
+    resolve_groups,
+)
+from nemo_is_plugin.adapters.slime.config import (
+    CONFIG_ARGS,
+    CONFIG_ENV,
+    SECTION_ENV,
+    args_signature,
+    plugin_keys,
+    policy_config,
+    slime_kl,
+    tis_config,
+)
+from nemo_is_plugin.adapters.slime.layout import ResponseShard
+from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
+from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
+from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
+from nemo_is_plugin.distributed.parallel.groups import ParallelGroups, ProcessGroup
+from nemo_is_plugin.loss import ClippedPGLoss
+from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
+from nemo_is_plugin.loss.ratios import unmasked_positions
+from nemo_is_plugin.loss.terms import KLSpec, KLWeight, TermInputs, TokenTerms, is_correction_kwargs, token_terms
+
+PLUGIN_PREFIX = "nemo_is/"
+Reducer = Callable[[torch.Tensor], torch.Tensor]
+ConfigSource = None | str | os.PathLike[str] | Mapping[str, Any] | ClippedPGLossConfig
+
+
+def _cat(name: str, shard: ResponseShard, values: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
+    return None if not values else shard.check_local(name, values)
+
+
+def is_metrics(corr: ISCorrection) -> dict[str, torch.Tensor]:
+    """Per-token IS metrics: slime's ``tis`` / ``tis_clipfrac`` / ``tis_abs`` (raw weight, weight changed or
+    zeroed, |raw - 1|) and the plugin's final weight and rejected fraction. slime reduces them itself."""
+    raw = corr.raw_weights
+    return {
+        "tis": raw,
+        "tis_clipfrac": (corr.out_of_band | corr.rejected).to(raw.dtype),
+        "tis_abs": (raw - 1).abs(),
+        PLUGIN_PREFIX + "is_weight": corr.weights,
+        PLUGIN_PREFIX + "is_rejected_fraction": corr.rejected.to(raw.dtype),
+    }
+
+
+def _masks_reject(cfg: ClippedPGLossConfig) -> bool:
+    """Whether rejections leave slime's masks: sequence masks, rejection rules, the veto (not IcePop's zeros)."""
+    return (
+        cfg.truncated_importance_sampling_type in ("seq-mask-tis", *REJECTION_TYPES)
+        or bool(cfg.rejection_rules)
+        or cfg.importance_sampling_veto_threshold is not None
+    )
+
+
+class _SlimeEntry:
+    """Config reading and group lookup shared by the two entry points."""
+
+    name = "nemo_is"
+
+    def __init__(self, config: ConfigSource = None, *, groups: GroupsSpec = PARALLEL_STATE):
+        check_groups(groups, allow_none=False)
+        self._source, self._groups_spec = config, groups
+        self._configs: dict[tuple, Any] = {}
+
+    def groups(self) -> ParallelGroups:
+        """The explicit groups, else megatron-core's ``parallel_state`` (slime's ``mpu``) as it is now, read at every
+        call (:func:`~nemo_is_plugin.adapters.shared.resolve_groups`)."""
+        return resolve_groups(self._groups_spec)
+
+    def user_keys(self, args: Any) -> dict[str, Any]:
+        if isinstance(self._source, ClippedPGLossConfig):
+            return given_keys(self._source)
+        if self._source is not None:
+            from nemo_is_plugin.adapters.recipes import to_loss_mapping
+
+            keys = to_loss_mapping(self._source)
+            keys.pop("name", None)
+            return keys
+        return plugin_keys(args, self.name)
+
+    def settings(self, args: Any) -> Any:
+        """The validated settings for these flags, built (and checked) at the first call with them."""
+        key = (args_signature(args, CONFIG_ARGS), os.environ.get(CONFIG_ENV), os.environ.get(SECTION_ENV))
+        if key not in self._configs:
+            self._configs[key] = self.build(args, self.user_keys(args))
+        return self._configs[key]
+
+    def build(self, args: Any, user: Mapping[str, Any]) -> Any:
+        raise NotImplementedError
+
+
+class SlimeISCorrection(_SlimeEntry):
+    """slime's custom TIS function (``--custom-tis-function-path``) computing the plugin's IS correction.
+
+    Args:
+        config: plugin keys bound here (a mapping, a recipe path or a ``ClippedPGLossConfig``) instead of
+            ``args.nemo_is`` / ``$NEMO_IS_CONFIG``; only IS keys are accepted.
+        groups: ``"parallel_state"`` (megatron-core's groups, read in the worker) or explicit ``ParallelGroups``.
+    """
+
+    name = "nemo_is_plugin.adapters.slime.tis_function"
+
+    def build(self, args: Any, user: Mapping[str, Any]) -> ClippedPGLossConfig:
+        return tis_config(args, user)
+
+    def __call__(
+        self,
+        args: Any,
+        *,
+        pg_loss: torch.Tensor,
+        train_log_probs: Sequence[torch.Tensor],
+        rollout_log_probs: Sequence[torch.Tensor],
+        loss_masks: Sequence[torch.Tensor],
+        total_lengths: Sequence[int],
+        response_lengths: Sequence[int],
+        **_: Any,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+        cfg = self.settings(args)
+        shard = ResponseShard(total_lengths, response_lengths, self.groups().cp, pg_loss.device)
+        prev = shard.check_local("train_log_probs", train_log_probs).detach()
+        gen = shard.check_local("rollout_log_probs", rollout_log_probs).detach().to(prev.dtype)
+        tm = shard.local(loss_masks).to(prev.dtype)
+        corr = compute_is_correction(prev, gen, tm, tm, shard.layout(), **is_correction_kwargs(cfg))
+        weighted = pg_loss * corr.weights.to(pg_loss.dtype)
+        out = torch.where(corr.rejected, torch.zeros_like(weighted), weighted)
+        masks = list(loss_masks)
+        if _masks_reject(cfg):
+            masks = shard.scatter_local(loss_masks, tm * (~corr.rejected).to(tm.dtype))
+        return out, masks, is_metrics(corr)
+
+
+class SlimePolicyLoss(_SlimeEntry):
+    """slime's custom loss (``--custom-loss-function-path``): the plugin's policy loss on slime's batch.
+
+    Args: as :class:`SlimeISCorrection` (any plugin key but the aggregation ones).
+    """
+
+    name = "nemo_is_plugin.adapters.slime.policy_loss"
+
+    def build(self, args: Any, user: Mapping[str, Any]) -> tuple[ClippedPGLoss, dict[str, Any] | None]:
+        return ClippedPGLoss(policy_config(args, user)), slime_kl(args)
+
+    def __call__(
+        self, args: Any, batch: Mapping[str, Any], logits: torch.Tensor, sum_of_sample_mean: Reducer
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss_fn, kl = self.settings(args)
+        groups = self.groups()
+        shard = ResponseShard(batch["total_lengths"], batch["response_lengths"], groups.cp, logits.device)
+        c, entropy = response_logprobs(args, logits, batch["unconcat_tokens"], batch["total_lengths"], shard, groups)
+        t, old, rollout = slime_term_inputs(loss_fn.config, kl, batch, shard, c, groups.dp)
+        terms = token_terms(t, c)
+        pg_tok = terms.actor
+        if t.correction is not None:  # rejected tokens leave the policy term, whatever their surrogate holds
+            pg_tok = torch.where(t.correction.rejected, torch.zeros_like(pg_tok), pg_tok)
+        pg_loss = sum_of_sample_mean(pg_tok)
+        entropy_loss = sum_of_sample_mean(entropy)
+        loss = pg_loss - float(getattr(args, "entropy_coef", 0.0) or 0.0) * entropy_loss
+        kl_loss = None if terms.kl is None else sum_of_sample_mean(terms.kl)
+        if kl_loss is not None:
+            loss = loss + t.kl_coef * kl_loss
+        if c.numel() == 0:  # keep the graph connected on a rank without response tokens (as slime does)
+            loss = loss + 0 * logits.sum()
+        metrics = slime_metrics(t, terms, sum_of_sample_mean, c, old, rollout, batch, shard)
+        metrics.update(loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss)
+        if kl_loss is not None:
+            metrics["kl_loss"] = kl_loss
+        return loss, {k: torch.as_tensor(v).detach().clone() for k, v in metrics.items()}
+
+
+def slime_term_inputs(
+    cfg: ClippedPGLossConfig,
+    kl: Mapping[str, Any] | None,
+    batch: Mapping[str, Any],
+    shard: ResponseShard,
+    c: torch.Tensor,
+    dp_group: ProcessGroup | None = None,
+) -> tuple[TermInputs, torch.Tensor, torch.Tensor | None]:
+    """The loss's batch constants in slime's roles, with slime's pi_old ``old`` and rollout log-probs (or None).
+
+    pi_old of the ratio is slime's ``log_probs`` (the current policy, detached, without them: on-policy training), or
+    the rollout log-probs under ``old_policy_logprobs: generation`` (``--use-rollout-logprobs``); the IS weights, as
+    slime's TIS, compare ``log_probs`` with the rollout log-probs; the KL is slime's ``--use-kl-loss`` estimator, or
+    the plugin's KL keys (its on-policy weight against the rollout log-probs when the batch has them). Batch
+    statistics (an objective's) span the CP ranks and ``dp_group``.
+    """
+    tm = shard.local(batch["loss_masks"]).to(c.dtype)
+    adv = shard.check_local("advantages", batch["advantages"]).detach().to(c.dtype)
+    rollout = _cat("rollout_log_probs", shard, batch.get("rollout_log_probs"))
+    rollout = None if rollout is None else rollout.detach().to(c.dtype)
+    logged = _cat("log_probs", shard, batch.get("log_probs"))
+    old = c.detach() if logged is None else logged.detach().to(c.dtype)
+    if cfg.bypasses_prev and rollout is None:
+        raise ValueError("--use-rollout-logprobs (old_policy_logprobs: generation) needs rollout_log_probs")
+    p = rollout if cfg.bypasses_prev and rollout is not None else old
+    layout = with_data_parallel(shard.layout(), dp_group)
+    corr = None
+    if owns_correction(cfg):
+        if rollout is None:
+            raise ValueError("the IS correction needs rollout_log_probs in slime's batch (SGLang log-probs)")
+        corr = compute_is_correction(old, rollout, tm, tm, layout, **is_correction_kwargs(cfg))
+    ref, spec, coef = None, None, 0.0
+    if kl is not None or cfg.effective_kl_penalty != 0:
+        ref = _cat("ref_log_probs", shard, batch.get("ref_log_probs"))
+        if ref is None:
+            raise ValueError("the KL term needs ref_log_probs in slime's batch (slime loads the reference model)")
+        ref = ref.detach().to(c.dtype)
+        if kl is None:
+            spec, coef = KLSpec.of(cfg), cfg.effective_kl_penalty
+        else:  # slime's unbiased KL: its gradient through the ratio to pi_old
+            weight: KLWeight = "anchor" if kl["unbiased"] else "none"
+            spec, coef = KLSpec(kl["kl_type"], output_clamp=kl["output_clamp"], weight=weight), kl["coef"]
+    t = TermInputs(
+        config=cfg,
+        layout=layout,
+        prev=p,
+        generation=p if rollout is None else rollout,
+        advantages=adv,
+        token_mask=tm,
+        valid=tm,
+        positions=unmasked_positions(tm, layout),
+        correction=corr,
+        is_weight=None if corr is None else corr.weights,
+        reference=ref,
+        kl=spec,
+        kl_coef=coef,
+    )
+    return t, old, rollout
+
+
+def slime_metrics(
+    t: TermInputs,
+    terms: TokenTerms,
+    reduce: Reducer,
+    c: torch.Tensor,
+    old: torch.Tensor,
+    rollout: torch.Tensor | None,
+    batch: Mapping[str, Any],
+    shard: ResponseShard,
+) -> dict[str, torch.Tensor]:
+    """slime's metric names where slime has the quantity, ``nemo_is/...`` otherwise, from the loss's terms; reduced
+    with slime's ``sum_of_sample_mean``."""
+    cfg, sur, corr = t.config, terms.surrogate, t.correction
+    with torch.no_grad():
+        token_ratio = cfg.effective_ratio_level == "token" or cfg.use_cispo or cfg.disable_ppo_ratio
+        ppo_kl = (t.prev - c.detach()) if token_ratio else -torch.log(sur.ratio)
+        out = {"pg_clipfrac": reduce(sur.clipped.to(c.dtype)), "ppo_kl": reduce(ppo_kl)}
+        for name, flag in (("low", sur.clipped_low), ("high", sur.clipped_high), ("dual", sur.dual_clipped)):
+            out[f"{PLUGIN_PREFIX}clip_fraction_{name}"] = reduce(flag.to(c.dtype))
+        if rollout is not None:
+            compare = c.detach() if cfg.bypasses_prev else old
+            out["train_rollout_logprob_abs_diff"] = reduce((compare - rollout).abs())
+        if corr is not None:
+            out["ois"] = reduce(torch.exp(-ppo_kl))
+            out.update({k: reduce(v.to(c.dtype)) for k, v in is_metrics(corr).items()})
+        opd = _cat("opd_reverse_kl", shard, batch.get("opd_reverse_kl"))
+        if opd is not None:
+            out["opd_reverse_kl"] = reduce(opd.to(c.dtype))
+    return out
+
+
+def response_logprobs(
+    args: Any,
+    logits: torch.Tensor,
+    tokens: Sequence[torch.Tensor],
+    total_lengths: Sequence[int],
+    shard: ResponseShard,
+    groups: ParallelGroups,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's response log-probs and entropies ([N] each) from slime's ``logits [1, T, V/TP]``.
+
+    Only the response rows are gathered; the logits are divided by ``--rollout-temperature`` first, as slime does.
+    """
+    if logits.dim() != 3 or logits.shape[0] != 1:
+        raise ValueError(f"slime's logits are [1, T, V/TP], got {tuple(logits.shape)}")
+    x = logits[0]
+    temperature = float(getattr(args, "rollout_temperature", 1.0) or 1.0)
+    rows = x.index_select(0, shard.logit_rows())
+    if temperature != 1.0:
+        rows = rows / temperature
+    starts, offset = [], 0
+    for total, response in zip(total_lengths, shard.response_lengths, strict=True):
+        starts.append(offset + int(total) - response)
+        offset += int(total)
+    flat = torch.cat([t.reshape(-1) for t in tokens]).to(device=x.device, dtype=torch.long)
+    target = flat.index_select(0, shard.target_index(starts))
+    chunk = int(getattr(args, "log_probs_chunk_size", -1) or -1)
+    return vocab_parallel_logprobs(rows, target, groups.tp, chunk_size=chunk if chunk > 0 else None, with_entropy=True)
+
+
+# The objects slime loads by path (module attributes: nothing to pickle, each Ray worker imports them).
+tis_function = SlimeISCorrection()
+policy_loss = SlimePolicyLoss()
+
+__all__ = [
+    "SlimeISCorrection",
+    "SlimePolicyLoss",
+    "is_metrics",
+    "policy_loss",
+    "response_logprobs",
+    "slime_metrics",
+    "slime_term_inputs",
+    "tis_function",
+]

@@ -1,0 +1,306 @@
+"""``nemo-is bench``: LM head -> log-prob -> PG loss benchmark of the naive, from-logits, fused-linear (one and two
+passes, torch and Triton backends), Liger and cut-cross-entropy paths against the bare GEMM, on CPU or CUDA; with
+``--model-step``, training steps of a megatron-core MoE GPT model with the naive and the fused loss; with
+``--host-heads``, the hosts' own fused LM heads against the plugin's (``cli/bench_host_heads.py``). Prints a rich
+table, writes JSON + PNG, and with ``--write-docs`` regenerates ``docs/performance.md`` (a CPU run: the CPU page; a GPU
+run: its GPU section). Heavy imports (torch, matplotlib, liger, megatron) happen inside the command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench)
+
+
+def bench(
+    tokens: int | None = typer.Option(
+        None,
+        help="Tokens per measurement. Default: 256 on CPU (scaled down), 16384 = 8 x 2048 on CUDA, 64 with "
+        "--quick; with --model-step the batch's tokens (default 4 x 2048 on CUDA).",
+    ),
+    models: list[str] | None = typer.Option(None, "--model", help="Model shape(s) to run (default: all four)."),
+    paths: list[str] | None = typer.Option(
+        None,
+        "--path",
+        help="Path(s): naive, from_logits, fused_linear, fused_2pass, fused_triton, "
+        "fused_2pass_triton, liger, cce. Default: all on CUDA; on CPU the first four and liger.",
+    ),
+    chunk_size: int | None = typer.Option(None, help="Tokens per chunk of the chunked paths (default: theirs)."),
+    tp: int = typer.Option(1, help="Vocab shards: measure one TP rank's local work on V/tp rows of the head."),
+    repeats: int | None = typer.Option(
+        None, help="Timing rounds after the warm-up (CPU: best round reported, default 3; CUDA: median, default 5)."
+    ),
+    memory_tokens: list[int] | None = typer.Option(None, "--memory-tokens", help="Token counts of the sweep."),
+    no_memory_sweep: bool = typer.Option(
+        False, "--no-memory-sweep", help="Skip the memory-vs-tokens sweep (CPU runs)."
+    ),
+    threads: int = typer.Option(1, help="torch intra-op threads."),
+    quick: bool = typer.Option(
+        False, "--quick", help="Tiny shapes: a seconds-long smoke run (numbers not meaningful)."
+    ),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    dtype: str | None = typer.Option(None, help="Input dtype: float32 (CPU default), bfloat16 (CUDA default)."),
+    model_step: bool = typer.Option(
+        False,
+        "--model-step",
+        help="Training steps of a megatron-core MoE GPT model with the naive and the fused loss, instead of the head.",
+    ),
+    layers: int | None = typer.Option(None, help="--model-step: transformer layers (default 2)."),
+    experts: int | None = typer.Option(None, help="--model-step: routed experts per layer (default 16, top-4)."),
+    host_heads: bool = typer.Option(
+        False,
+        "--host-heads",
+        help="The hosts' own fused LM heads (NeMo-RL's, verl's) against the plugin's drop-ins for them, instead.",
+    ),
+    heads: list[str] | None = typer.Option(None, "--head", help="--host-heads: head(s) to run (default: all)."),
+    nemo_rl_path: Path | None = typer.Option(
+        None, help="--host-heads: a NeMo-RL checkout (the directory holding nemo_rl/) when NeMo-RL is not installed."
+    ),
+    verl_path: Path | None = typer.Option(
+        None, help="--host-heads: a verl checkout (the directory holding verl/) instead of the installed verl."
+    ),
+    out: Path = typer.Option(Path("bench_results"), help="Directory for results.json and the PNG figures."),
+    write_docs: bool = typer.Option(
+        False,
+        "--write-docs",
+        help="Also write docs/performance.md: a CPU run regenerates the CPU page, a GPU run its GPU section.",
+    ),
+    docs_dir: Path = typer.Option(Path("docs"), help="Docs directory used by --write-docs."),
+    from_json: list[Path] | None = typer.Option(
+        None,
+        help="Render an earlier run's results.json instead of measuring; given several times, the runs' rows "
+        "(one setting, different models) in one table.",
+    ),
+) -> None:
+    """Benchmark the log-prob + loss paths at MoE LM-head shapes; prints the table, writes JSON and plots."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from nemo_is_plugin.apps.cli.paths import check_paths
+
+    check_paths(
+        "bench",
+        [
+            (out, "--out", "output_dir"),
+            (docs_dir if write_docs else None, "--docs-dir", "output_dir"),
+            *((p, "--from-json", "input_file") for p in from_json or ()),
+        ],
+    )
+    console = Console()
+    if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
+        console = Console(width=max(console.width, 130))
+    if host_heads:
+        from nemo_is_plugin.apps.cli.bench_host_heads import host_heads_command
+
+        host_heads_command(
+            console,
+            device=device,
+            dtype=dtype,
+            quick=quick,
+            tokens=tokens,
+            repeats=repeats,
+            models=models,
+            heads=heads,
+            tp=tp,
+            nemo_rl_path=nemo_rl_path,
+            verl_path=verl_path,
+            out=out,
+            write_docs=write_docs,
+            docs_dir=docs_dir,
+            from_json=from_json[0] if from_json else None,
+        )
+        return
+    if model_step:
+        if from_json and len(from_json) > 1:
+            console.print(
+                "[red]error:[/red] --model-step renders one model_step.json (--from-json given more than once)"
+            )
+            raise typer.Exit(code=2)
+        model_step_command(
+            console,
+            device=device,
+            dtype=dtype,
+            quick=quick,
+            tokens=tokens,
+            repeats=repeats,
+            layers=layers,
+            experts=experts,
+            chunk_size=chunk_size,
+            out=out,
+            write_docs=write_docs,
+            docs_dir=docs_dir,
+            from_json=from_json[0] if from_json else None,
+        )
+        return
+    try:
+        cfg = _config(
+            tokens,
+            models,
+            paths,
+            chunk_size,
+            tp,
+            repeats,
+            memory_tokens,
+            not no_memory_sweep,
+            threads,
+            quick,
+            device,
+            dtype,
+        )
+        if write_docs and not from_json and cfg.is_cuda and quick:
+            raise ValueError("--write-docs refuses a --quick run: its tiny shapes are not meaningful (drop --quick)")
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(code=2) from exc
+
+    if from_json:
+        from nemo_is_plugin.apps.bench.merge import merge_results
+
+        try:
+            results = merge_results([json.loads(p.read_text()) for p in from_json])
+        except ValueError as exc:
+            console.print(f"[red]error:[/red] {escape(str(exc))}")
+            raise typer.Exit(code=2) from exc
+    else:
+        results = _run_with_progress(cfg, console)
+    _report(results, console, out, write_docs, docs_dir)
+
+
+def _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, memory_sweep, threads, quick, device, dtype):
+    from nemo_is_plugin.apps.bench.device import BenchDevice
+    from nemo_is_plugin.apps.bench.shapes import MODEL_SHAPES, PATHS, QUICK_SHAPES, BenchConfig
+
+    BenchDevice.resolve(device, dtype)  # a usage error (no CUDA here, unknown dtype) before anything runs
+    overrides: dict = dict(tp=tp, threads=threads, dtype=dtype)
+    for key, value in (("tokens", tokens), ("repeats", repeats), ("chunk_size", chunk_size)):
+        if value is not None:
+            overrides[key] = value
+    if paths:
+        overrides["paths"] = tuple(paths)
+        if unknown := [p for p in paths if p not in PATHS]:
+            raise ValueError(f"unknown path(s) {unknown}; choose from {list(PATHS)}")
+    if memory_tokens:
+        overrides["memory_tokens"] = tuple(memory_tokens)
+    if not memory_sweep:
+        overrides["memory_tokens"] = ()
+    known = {s.name: s for s in (QUICK_SHAPES if quick else MODEL_SHAPES)}
+    missing = [m for m in models or () if m not in known]
+    if missing:
+        raise ValueError(f"unknown model(s) {missing}; choose from {list(known)}")
+    if models:
+        overrides["shapes"] = tuple(known[m] for m in models)
+    return BenchConfig.for_device(device, quick=quick, **overrides)
+
+
+def _run_with_progress(cfg, console) -> dict:
+    from nemo_is_plugin.apps.bench.progress import progress_bar
+    from nemo_is_plugin.apps.bench.runner import count_steps, run_benchmark
+
+    with progress_bar(console, count_steps(cfg)) as progress:
+        return run_benchmark(cfg, progress)
+
+
+def _report(results: dict, console, out: Path, write_docs: bool, docs_dir: Path) -> None:
+    from rich.markup import escape
+
+    from nemo_is_plugin.apps.bench.docs import write_docs as write_cpu_docs
+    from nemo_is_plugin.apps.bench.failures import failure_lines, fallback_note
+    from nemo_is_plugin.apps.bench.gpu_docs import gpu_docs_refusal, write_gpu_section
+    from nemo_is_plugin.apps.bench.plots import plot_memory, plot_ratios
+    from nemo_is_plugin.apps.bench.report import comparability_note, is_gpu_run, rich_table, run_targets, write_json
+
+    console.print(rich_table(results))
+    for name, why in results["skipped"].items():
+        console.print(f"[yellow]not measured: {escape(name)}:[/yellow] {escape(why)}")
+    for line in failure_lines(results):
+        console.print(f"[red]failed:[/red] {escape(line)}")
+    if note := fallback_note(results):
+        console.print(f"[bold red]note:[/bold red] {escape(note)}")
+    if note := comparability_note(results):
+        console.print(f"[bold yellow]note:[/bold yellow] {escape(note)}")
+    for t in run_targets(results):
+        mark = "[green]met[/green]" if t["ok"] else "[red]not met[/red]"
+        console.print(f"{mark}  {escape(t['target'])}: {t['value']:.3g}")
+    written = [write_json(results, out / "results.json"), plot_ratios(results, out / "perf_ratios.png")]
+    if results["memory_sweep"]:
+        written.append(plot_memory(results, out / "perf_memory.png"))
+    if write_docs and is_gpu_run(results):
+        if why := gpu_docs_refusal(results):
+            console.print(f"[red]error:[/red] {escape(why)}")
+            raise typer.Exit(code=2)
+        written += write_gpu_section(results, docs_dir, "head")
+    elif write_docs:
+        written += write_cpu_docs(results, docs_dir)
+    console.print("wrote " + ", ".join(str(p) for p in written))
+
+
+def model_step_command(
+    console,
+    *,
+    device: str,
+    dtype: str | None,
+    quick: bool,
+    tokens: int | None,
+    repeats: int | None,
+    layers: int | None,
+    experts: int | None,
+    chunk_size: int | None,
+    out: Path,
+    write_docs: bool,
+    docs_dir: Path,
+    from_json: Path | None,
+) -> None:
+    """Run the model-step benchmark with a progress bar, print its table, write its JSON and (from a real GPU run)
+    its section of ``docs/performance.md``."""
+    from rich.markup import escape
+
+    from nemo_is_plugin.apps.bench.device import BenchDevice
+    from nemo_is_plugin.apps.bench.gpu_docs import gpu_docs_refusal, write_gpu_section
+    from nemo_is_plugin.apps.bench.model_report import model_step_table
+    from nemo_is_plugin.apps.bench.model_step import StepConfig, count_model_steps, run_model_step
+    from nemo_is_plugin.apps.bench.progress import progress_bar
+    from nemo_is_plugin.apps.bench.report import QUICK_NOTE, write_json
+
+    if from_json is not None:
+        results = json.loads(from_json.read_text())
+    else:
+        try:
+            BenchDevice.resolve(device, dtype)
+            extra = {"repeats": repeats} if repeats is not None else {}
+            cfg = StepConfig.for_device(
+                device,
+                quick=quick,
+                tokens=tokens,
+                layers=layers,
+                experts=experts,
+                dtype=dtype,
+                chunk_size=chunk_size,
+                **extra,
+            )
+            if write_docs and (why := gpu_docs_refusal({"config": {"device": device.split(":")[0], "quick": quick}})):
+                raise ValueError(why)
+        except ValueError as exc:
+            console.print(f"[red]error:[/red] {escape(str(exc))}")
+            raise typer.Exit(code=2) from exc
+        with progress_bar(console, count_model_steps(cfg)) as progress:
+            results = run_model_step(cfg, progress)
+    console.print(model_step_table(results))
+    for name, why in results.get("skipped", {}).items():
+        console.print(f"[yellow]not measured: {name}:[/yellow] {escape(why)}")
+    if results["config"].get("quick"):
+        console.print(f"[bold yellow]note:[/bold yellow] {escape(QUICK_NOTE)}")
+    written = [write_json(results, out / "model_step.json")]
+    if write_docs:
+        if why := gpu_docs_refusal(results):
+            console.print(f"[red]error:[/red] {escape(why)}")
+            raise typer.Exit(code=2)
+        written += write_gpu_section(results, docs_dir, "model-step")
+    console.print("wrote " + ", ".join(str(p) for p in written))
+
+
+__all__ = ["bench", "register"]

@@ -1,0 +1,96 @@
+"""``nemo-is bench --host-heads``: the hosts' fused LM heads (NeMo-RL's, verl's) against the plugin's, with a progress
+bar; prints the table and the targets, writes ``host_heads.json`` and, from a real GPU run with ``--write-docs``, the
+``host-heads`` GPU section of ``docs/performance.md`` (:mod:`nemo_is_plugin.apps.bench.host_heads_report`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def host_heads_command(
+    console,
+    *,
+    device: str,
+    dtype: str | None,
+    quick: bool,
+    tokens: int | None,
+    repeats: int | None,
+    models: list[str] | None,
+    heads: list[str] | None,
+    tp: int,
+    nemo_rl_path: Path | None,
+    verl_path: Path | None,
+    out: Path,
+    write_docs: bool,
+    docs_dir: Path,
+    from_json: Path | None,
+) -> None:
+    from rich.markup import escape
+
+    from nemo_is_plugin.apps.bench.gpu_docs import gpu_docs_refusal
+    from nemo_is_plugin.apps.bench.host_heads_report import comparability_note, failure_lines, rich_table, targets
+    from nemo_is_plugin.apps.bench.host_heads_report import write_section as write_docs_section
+    from nemo_is_plugin.apps.bench.report import write_json
+
+    if from_json is not None:
+        results = json.loads(from_json.read_text())
+    else:
+        results = _measure(console, device, dtype, quick, tokens, repeats, models, heads, tp, nemo_rl_path, verl_path)
+        if write_docs and (why := gpu_docs_refusal(results)):
+            console.print(f"[red]error:[/red] {escape(why)}")
+            raise typer.Exit(code=2)
+    console.print(rich_table(results))
+    for line in failure_lines(results):
+        console.print(f"[yellow]{escape(line)}[/yellow]")
+    if note := comparability_note(results):
+        console.print(f"[bold yellow]note:[/bold yellow] {escape(note)}")
+    for t in targets(results):
+        mark = "[green]met[/green]" if t["ok"] else "[red]not met[/red]"
+        console.print(f"{mark}  {escape(t['target'])}: {t['value']:.3g}")
+    written = [write_json(results, out / "host_heads.json")]
+    if write_docs:
+        try:
+            written += write_docs_section(results, docs_dir)
+        except ValueError as exc:
+            console.print(f"[red]error:[/red] {escape(str(exc))}")
+            raise typer.Exit(code=2) from exc
+    console.print("wrote " + ", ".join(str(p) for p in written))
+
+
+def _measure(console, device, dtype, quick, tokens, repeats, models, heads, tp, nemo_rl_path, verl_path) -> dict:
+    from rich.markup import escape
+
+    from nemo_is_plugin.apps.bench.device import BenchDevice
+    from nemo_is_plugin.apps.bench.host_heads import HostHeadsConfig
+    from nemo_is_plugin.apps.bench.host_heads_run import count_steps, run_host_heads
+    from nemo_is_plugin.apps.bench.progress import progress_bar
+    from nemo_is_plugin.apps.bench.shapes import MODEL_SHAPES, QUICK_SHAPES
+
+    try:
+        BenchDevice.resolve(device, dtype)
+        known = {s.name: s for s in (QUICK_SHAPES if quick else MODEL_SHAPES)}
+        if missing := [m for m in models or () if m not in known]:
+            raise ValueError(f"unknown model(s) {missing}; choose from {list(known)}")
+        cfg = HostHeadsConfig.for_device(
+            device,
+            quick=quick,
+            tokens=tokens,
+            repeats=repeats,
+            tp=tp,
+            dtype=dtype,
+            shapes=tuple(known[m] for m in models) if models else None,
+            heads=tuple(heads) if heads else None,
+            nemo_rl_path=None if nemo_rl_path is None else str(nemo_rl_path),
+            verl_path=None if verl_path is None else str(verl_path),
+        )
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(code=2) from exc
+    with progress_bar(console, count_steps(cfg)) as progress:
+        return run_host_heads(cfg, progress)
+
+
+__all__ = ["host_heads_command"]

@@ -1,0 +1,199 @@
+"""The policy-gradient loss straight from hidden states and the vocab-sharded LM head, in one pass when it can be.
+
+Shapes: ``hidden [B, T, H]`` (T next-token positions; replicated over TP, or sharded over dim 0 with
+``sequence_parallel``), ``weight [V/TP, H]``, ``target [B, T]`` global ids; ``data`` NeMo-RL's ``[B, S = T+1]`` batch.
+
+Two schedules, same loss, metrics and gradients:
+
+- **single pass** (token-level ratio or REINFORCE, any IS level / truncation / KL / aggregation; and CTPO's cumulative
+  ratios when the layout holds whole sequences in memory order, see :mod:`nemo_is_plugin.loss.separable`). ``dL/dc_t``
+  is known once the log-probs up to ``t`` are, so each chunk does its whole job in the forward:
+
+      z = X_c W^T                     GEMM 1, in the compute dtype (bf16 on GPUs)
+      pass 1: softmax partials of z / T, their TP merge -> c = log p(target), lse      (no host sync)
+      g = dL/dc                       per token (separable.TokenLossGradient: autograd on [chunk] vectors)
+      pass 2: dz = g (onehot - p) / T  in z's buffer
+      dX_c = dz W                     GEMM 2, into dX's rows
+      dW  += dz^T X_c                 GEMM 3, accumulated in place (kernels.gemm.WeightGrad)
+
+  3 GEMMs in all, like the naive path, instead of the recomputing backward's 4; ``dX`` and ``dW`` are kept for the
+  backward, which scales them in place by the upstream gradient (on CPU, where reading it costs no device sync, an
+  upstream gradient of exactly 1 skips that pass). TP costs 2 collectives per chunk + 1 all-reduce of ``dX``.
+- **two pass** (``sequence`` / ``sequence_token`` ratios, ``force_on_policy_ratio``, cumulative ratios on a layout
+  out of memory order): :func:`fused_linear_logprobs` (log-probs of every token), the loss on them, then its
+  recomputing backward: the loss gradient of a token needs log-probs that come later.
+
+Parallelism: TP (vocab-sharded weight) and sequence parallelism; not CP (the batch would need the sharding that
+:class:`~nemo_is_plugin.distributed.entry_points.logit_loss.LogitClippedPGLoss` does: use that entry point under CP).
+
+Either way no more than one chunk of logits is alive. The loss value and the metrics are always
+:meth:`ClippedPGLoss.compute` on the final log-probs (reusing the IS correction the gradient was built with), as in the
+two-pass path. Cost model per chunk element (bf16, Triton): pass 1 reads 2 bytes, pass 2 reads 2 and writes 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from nemo_is_plugin.distributed.head.fused_linear import (
+    HeadChunks,
+    HeadOptions,
+    check_grad_weight_out,
+    check_head_inputs,
+    chunk_logits,
+    fused_linear_logprobs,
+)
+from nemo_is_plugin.distributed.head.vocab_parallel import reduce_partials
+from nemo_is_plugin.distributed.parallel.collectives import all_gather
+from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank
+from nemo_is_plugin.kernels.gemm import acc_dtype, compute_dtype
+from nemo_is_plugin.kernels.softmax_partials import finalize_partials
+from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target
+from nemo_is_plugin.loss import ClippedPGLoss
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
+
+
+def _is_one_on_cpu(s: torch.Tensor) -> bool:
+    """True when the upstream gradient is exactly 1 and held on the CPU, where reading it is free (on a GPU it would
+    be a host sync, so there the gradients are always scaled)."""
+    return s.device.type == "cpu" and bool(s == 1)
+
+
+def _scale_(grad: torch.Tensor | None, s: torch.Tensor, skip: bool) -> torch.Tensor | None:
+    """``grad * s`` in place (no second dX- or dW-sized buffer)."""
+    return grad if grad is None or skip else grad.mul_(s.to(grad.dtype))
+
+
+class _SinglePassFusedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, token_grad, finish, opts: HeadOptions):
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        start, end = local_vocab_range(weight.shape[0], group_rank(opts.tp_group))
+        local_t, owned = localize_target(target.reshape(-1), start, end)
+        # a caller's main_grad buffer receives dW scaled by the upstream gradient, known in the backward only
+        chunks = HeadChunks(hidden, weight, local_t, owned, dataclasses.replace(opts, grad_weight_out=None))
+        logprob = torch.empty(chunks.n, dtype=chunks.acc, device=chunks.x.device)
+        grad_x, grad_w = chunks.grad_buffers(need_x, need_w, weight)
+        inv_t = opts.inv_temperature
+        for sl in chunks.slices():
+            x_c = chunks.x[sl].to(chunks.dtype)
+            z = chunk_logits(x_c, chunks.w, chunks.zbuf)  # GEMM 1
+            lt, ow, col = chunks.rows(sl)
+            local = chunks.math.partials(z, lt, ow, col, inv_t)  # pass 1
+            lp, lse, _ = finalize_partials(reduce_partials(local, opts.tp_group))
+            logprob[sl] = lp
+            g = token_grad(sl, lp)
+            dz = chunks.math.single_pass_grad(z, local, lse, lt, ow, col, g, inv_t, inv_t)  # pass 2
+            chunks.chunk_grads(sl, dz, x_c, grad_x, grad_w)  # GEMMs 2 and 3
+        ctx.grad_x = chunks.finish_grad_x(grad_x, hidden)
+        del chunks
+        ctx.grad_weight_out = opts.grad_weight_out
+        if grad_w is None:
+            ctx.grad_w = None
+        elif opts.grad_weight_out is not None:
+            ctx.grad_w = grad_w.buf if grad_w.buf is not None else torch.zeros_like(opts.grad_weight_out)
+        else:
+            ctx.grad_w = grad_w.result()
+        return finish(logprob.reshape(target.shape))
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        skip = _is_one_on_cpu(grad_loss)
+        grad_x = _scale_(ctx.grad_x, grad_loss, skip)
+        grad_w = None
+        if ctx.grad_weight_out is not None and ctx.grad_w is not None:
+            ctx.grad_weight_out.addcmul_(ctx.grad_w, grad_loss.to(ctx.grad_weight_out.dtype))  # main_grad += s dW
+        else:
+            grad_w = _scale_(ctx.grad_w, grad_loss, skip)
+        ctx.grad_x = ctx.grad_w = ctx.grad_weight_out = None
+        return grad_x, grad_w, None, None, None, None
+
+
+def fused_linear_pg_loss(
+    loss_fn: ClippedPGLoss,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    data: Mapping[str, torch.Tensor],
+    global_valid_seqs: torch.Tensor | float,
+    global_valid_toks: torch.Tensor | float,
+    tp_group: ProcessGroup | None = None,
+    *,
+    dp_group: ProcessGroup | None = None,
+    layout: TokenLayout | None = None,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+    sequence_parallel: bool = False,
+    single_pass: bool | None = None,
+    backend: str = "auto",
+    grad_weight_out: torch.Tensor | None = None,
+    grad_weight_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``loss_fn`` on the log-probs of ``target`` under ``softmax(hidden @ weight.T / temperature)``, chunked.
+
+    Args:
+        loss_fn: the configured :class:`ClippedPGLoss`.
+        hidden, weight, target, tp_group, chunk_size, temperature, sequence_parallel, backend, grad_weight_dtype: as
+            :func:`~nemo_is_plugin.distributed.head.fused_linear.fused_linear_logprobs`.
+        grad_weight_out: as there (the weight's gradient is added into it, ``weight.grad`` stays untouched). In the
+            single pass the chunks accumulate into a dW-sized temporary (``grad_weight_dtype``) during the forward,
+            added to ``grad_weight_out`` times the upstream gradient in the backward (one pass over V/TP x H).
+        data, global_valid_seqs, global_valid_toks, layout: as ``ClippedPGLoss.__call__`` (``data`` is ``[B, S]``).
+        dp_group: the DP ranks a batch statistic (an objective's) is reduced over; None: this call's batch.
+        single_pass: None = whenever the config and layout allow it (``separable.single_pass_blocker``); True =
+            require it (ValueError with the reason otherwise); False = always the two-pass schedule.
+
+    Returns:
+        ``(loss, metrics)`` exactly as ``loss_fn(fused_linear_logprobs(...), data, ...)``; the loss is
+        differentiable w.r.t. ``hidden`` and ``weight``.
+    """
+    check_grad_weight_out(weight, grad_weight_out)
+    # shape and dtype only: the log-probs' dtype (fp64 for fp64 inputs, else fp32) sets the dL/dc arithmetic's
+    placeholder = torch.zeros(target.shape, dtype=acc_dtype(compute_dtype(hidden)), device=hidden.device)
+    inputs, layout = loss_fn.prepare(placeholder, data, global_valid_seqs, global_valid_toks, layout)
+    layout = with_data_parallel(layout, dp_group)
+    why = single_pass_blocker(loss_fn.config, layout)
+    if single_pass and why is not None:
+        raise ValueError(f"single_pass=True is not possible here: {why}; pass single_pass=None (auto) or False")
+    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if why is not None or single_pass is False or not wants_grad:
+        lp = fused_linear_logprobs(
+            hidden,
+            weight,
+            target,
+            tp_group,
+            chunk_size=chunk_size,
+            temperature=temperature,
+            sequence_parallel=sequence_parallel,
+            backend=backend,
+            grad_weight_out=grad_weight_out,
+            grad_weight_dtype=grad_weight_dtype,
+        )
+        return loss_fn(lp, data, global_valid_seqs, global_valid_toks, layout=layout)  # validates lp's values too
+
+    if sequence_parallel:
+        hidden = all_gather(hidden, tp_group, dim=0)  # its backward reduce-scatters dX: no all-reduce inside
+    chunk = check_head_inputs(hidden, weight, target, temperature, chunk_size, backend=backend)
+    token_grad = TokenLossGradient.build(loss_fn, inputs, layout)
+    metrics: dict[str, Any] = {}
+
+    def finish(logprob: torch.Tensor) -> torch.Tensor:
+        done = dataclasses.replace(inputs, curr_logprobs=logprob)
+        loss, m = loss_fn.compute(done, layout, is_correction=token_grad.correction)
+        metrics.update(m)
+        return loss.detach()
+
+    opts = HeadOptions(
+        tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype, grad_weight_out
+    )
+    loss = _SinglePassFusedLoss.apply(hidden, weight, target, token_grad, finish, opts)
+    return loss, metrics
+
+
+__all__ = ["fused_linear_pg_loss"]
