@@ -301,7 +301,10 @@ def term_inputs(
         valid=valid,
         positions=unmasked_positions(tm, layout),
         correction=correction,
-        is_weight=correction.weights,
+        # The weights of tokens that do not count are 0 here (the correction keeps them for NeMo-RL's metrics): the
+        # loss drops those tokens by a where, whose backward still multiplies their zero gradient by the weight, and
+        # a weight there may be inf (batch normalisation by a denormal mean of the counted ones: 1 / 1e-39).
+        is_weight=torch.where(valid != 0, correction.weights, 0.0),
         reference=reference,
         kl=KLSpec.of(cfg) if reference is not None else None,
         kl_coef=beta,

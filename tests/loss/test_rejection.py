@@ -141,3 +141,36 @@ def test_rules_reject_after_batch_normalisation_and_report_per_rule_metrics():
     # batch normalisation divides by the mean weight of all valid tokens, rejected ones included (as verl)
     w = torch.exp(Y)[MASK > 0]
     assert metrics["is_weight_mean"] == pytest.approx(float(w[:3].sum() / w.mean()) / 5, rel=1e-7)  # / (5 + 1e-8)
+
+
+def test_batch_normalised_weights_of_masked_samples_never_reach_the_gradient():
+    """Found by the property test: sequence-level IS with batch normalisation divides every weight by the mean of the
+    counted sequences'; when that mean is a float32 denormal (log w = -90 on the one counted sequence), a sample masked
+    out by sample_mask (log w = 0, weight 1) gets 1 / 8e-40 = inf, and the loss's where (a zero gradient there) times
+    inf made its gradient NaN. Masked samples contribute exactly 0; the counted sequence's gradient is
+    -A w / factor = -A (its weight normalised to 1), token by token over the global count."""
+    from nemo_is_plugin.loss import ClippedPGLoss
+
+    b, s = 3, 5
+    prev = torch.zeros(b, s)
+    prev[0, 1:] = -90.0 / (s - 1)  # row 0: log w = sum(prev - gen) = -90 over its 4 aligned tokens
+    data = {
+        "token_mask": torch.ones(b, s),
+        "sample_mask": torch.tensor([1.0, 0.0, 0.0]),
+        "advantages": torch.ones(b, s),
+        "prev_logprobs": prev,
+        "generation_logprobs": torch.zeros(b, s),
+    }
+    cfg = ClippedPGLossConfig(
+        reference_policy_kl_penalty=0.0,
+        use_importance_sampling_correction=True,
+        is_correction_level="sequence",
+        importance_sampling_batch_normalize=True,
+        disable_ppo_ratio=True,
+    )
+    c = torch.full((b, s - 1), -0.5, requires_grad=True)
+    loss, _ = ClippedPGLoss(cfg)(c, data, global_valid_seqs=1.0, global_valid_toks=4.0)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.equal(c.grad[1:], torch.zeros(2, s - 1))
+    torch.testing.assert_close(c.grad[0], torch.full((s - 1,), -1.0 / 4.0))
