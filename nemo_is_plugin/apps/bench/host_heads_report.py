@@ -21,6 +21,7 @@ from nemo_is_plugin.apps.bench.gpu_docs import gpu_docs_refusal, markers, splice
 from nemo_is_plugin.apps.bench.report import (
     GIB,
     QUICK_NOTE,
+    format_value,
     gpu_memory_bound,
     is_gpu_run,
     is_gpu_target_run,
@@ -61,27 +62,13 @@ def rows_with_comparisons(results: dict) -> list[dict]:
     return out
 
 
-def _fmt(value, kind: str) -> str:
-    if value is None:
-        return "-"
-    if kind == "ratio":
-        return f"{value:.2f}x"
-    if kind == "ms":
-        return f"{value * 1e3:,.1f}"
-    if kind == "gib":
-        return f"{value / GIB:.3g}"
-    if kind == "err":
-        return f"{value:.1e}"
-    return str(value)
-
-
 def table_cells(results: dict) -> tuple[list[str], list[list[str]]]:
     cells = []
     for r in rows_with_comparisons(results):
         failed = r.get("failed") or {}
         cells.append(
             [
-                "failed" if failed and r.get(k) is None and kind != "str" else _fmt(r.get(k), kind)
+                "failed" if failed and r.get(k) is None and kind != "str" else format_value(r.get(k), kind)
                 for _, k, kind in COLUMNS
             ]
         )

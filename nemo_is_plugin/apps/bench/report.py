@@ -241,9 +241,12 @@ def targets(results: dict) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------------ formatting
-def _fmt(value: float | None, kind: str) -> str:
+def format_value(value: float | str | None, kind: str) -> str:
+    """One table cell of ``kind`` (str, mib, gib, ms, ratio, err, num); ``-`` where nothing was measured."""
     if value is None:
         return "-"
+    if kind == "str" or isinstance(value, str):
+        return str(value)
     if kind == "mib":
         return f"{value / MIB:,.0f}"
     if kind == "gib":
@@ -296,9 +299,7 @@ def _cell(row: dict, key: str, kind: str) -> str:
     value = row.get(key)
     if value is None and measurement_of(key) in (row.get("failed") or {}):
         return FAILED_CELL
-    if kind == "str":
-        return "-" if value is None else str(value)
-    return _fmt(value, kind)
+    return format_value(value, kind)
 
 
 def table_cells(results: dict, columns=COLUMNS) -> tuple[list[str], list[list[str]]]:
