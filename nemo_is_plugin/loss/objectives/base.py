@@ -142,6 +142,14 @@ class PolicyObjective:
         return None
 
 
+class TokenRatioObjective(PolicyObjective):
+    """An objective on the token ratio alone: its mask or gate reads each token's own probability, so a sequence or
+    cumulative ``ratio_level`` is refused."""
+
+    ratio_levels = ("token",)
+    ratio = "the token ratio (its mask or gate is per token probability)"
+
+
 OBJECTIVES: dict[str, PolicyObjective] = {}
 DEFAULT_OBJECTIVE = "ppo_clip"
 
@@ -219,6 +227,7 @@ __all__ = [
     "ObjectiveOut",
     "PolicyObjective",
     "SurrogateOut",
+    "TokenRatioObjective",
     "TrustMask",
     "key_sections",
     "masked_ratio_surrogate",

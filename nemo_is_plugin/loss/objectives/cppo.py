@@ -48,7 +48,7 @@ from nemo_is_plugin.loss.masked import where_mask
 from nemo_is_plugin.loss.objectives.base import (
     ObjectiveInputs,
     ObjectiveOut,
-    PolicyObjective,
+    TokenRatioObjective,
     TrustMask,
     masked_ratio_surrogate,
     register_objective,
@@ -209,11 +209,9 @@ def cppo_mask(
 
 
 @register_objective
-class Cppo(PolicyObjective):
+class Cppo(TokenRatioObjective):
     name = "cppo"
     keys = CppoKeys
-    ratio_levels = ("token",)
-    ratio = "the token ratio (its mask or gate is per token probability)"
     summary = "'cppo' (position-weighted TV mask with a prefix budget)"
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:

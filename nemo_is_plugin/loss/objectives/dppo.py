@@ -29,8 +29,8 @@ from nemo_is_plugin.config.keys import KeySection
 from nemo_is_plugin.loss.objectives.base import (
     ObjectiveInputs,
     ObjectiveOut,
-    PolicyObjective,
     SurrogateOut,
+    TokenRatioObjective,
     TrustMask,
     register_objective,
     split_by_sign,
@@ -127,11 +127,9 @@ def _g(x: float | None) -> str:
     return "null" if x is None else f"{x:g}"
 
 
-class _Dppo(PolicyObjective):
+class _Dppo(TokenRatioObjective):
     keys = DppoKeys
     required = ("dppo_delta_low", "dppo_delta_high")
-    ratio_levels = ("token",)
-    ratio = "the token ratio (its mask or gate is per token probability)"
     rule = staticmethod(binary_tv_mask)
     divergence = "p - q"
 

@@ -20,7 +20,7 @@ from nemo_is_plugin.config.keys import KeySection
 from nemo_is_plugin.loss.objectives.base import (
     ObjectiveInputs,
     ObjectiveOut,
-    PolicyObjective,
+    TokenRatioObjective,
     TrustMask,
     masked_ratio_surrogate,
     register_objective,
@@ -58,11 +58,9 @@ def probability_difference_mask(
 
 
 @register_objective
-class ProbDiff(PolicyObjective):
+class ProbDiff(TokenRatioObjective):
     name = "prob_diff"
     keys = ProbDiffKeys
-    ratio_levels = ("token",)
-    ratio = "the token ratio (its mask or gate is per token probability)"
     summary = "'prob_diff' (prime-rl's |p - q| mask)"
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:

@@ -19,8 +19,8 @@ from nemo_is_plugin.config.keys import KeySection
 from nemo_is_plugin.loss.objectives.base import (
     ObjectiveInputs,
     ObjectiveOut,
-    PolicyObjective,
     SurrogateOut,
+    TokenRatioObjective,
     none_like,
     register_objective,
 )
@@ -69,11 +69,9 @@ def sapo_surrogate(
 
 
 @register_objective
-class Sapo(PolicyObjective):
+class Sapo(TokenRatioObjective):
     name = "sapo"
     keys = SapoKeys
-    ratio_levels = ("token",)
-    ratio = "the token ratio (its mask or gate is per token probability)"
     summary = "'sapo' (soft gate)"
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
