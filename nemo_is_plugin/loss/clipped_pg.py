@@ -25,7 +25,6 @@ from nemo_is_plugin.loss.aggregation import aggregate
 from nemo_is_plugin.loss.aligned_inputs import TOKEN_KEYS as TOKEN_KEYS  # re-exported: distributed/ imports it here
 from nemo_is_plugin.loss.aligned_inputs import LossInputs, align_nemo_rl_inputs
 from nemo_is_plugin.loss.correction import ISCorrection
-from nemo_is_plugin.loss.input_validation import check_finite_loss, input_anomalies, warn_input_anomalies
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
 from nemo_is_plugin.loss.metrics import (
@@ -36,6 +35,7 @@ from nemo_is_plugin.loss.metrics import (
     nemo_rl_error_metrics,
 )
 from nemo_is_plugin.loss.objectives import objective_of
+from nemo_is_plugin.loss.output_checks import check_finite_loss, input_anomalies, warn_input_anomalies
 from nemo_is_plugin.loss.registry import NAME_KEY, get_loss, split_name
 from nemo_is_plugin.loss.terms import LossTerms, loss_terms
 
@@ -181,7 +181,7 @@ class ClippedPGLoss:
         book.add_sum("approx_entropy", ent, Denominator.TOKENS)
         book.add_sum("positive_nll_loss", parts.nll.detach(), Denominator.NONE)  # a mean over a local count
         book.rejection_rules(corr, terms.sample_mask)
-        # What the tolerant input mode computed as given (see input_validation.py); the plugin's own mismatch metrics
+        # What the tolerant input mode computed as given (see output_checks.py); the plugin's own mismatch metrics
         # skip tokens whose generation log-prob is not finite (NeMo-RL's names above keep NeMo-RL's inf / NaN).
         nonfinite, positive = input_anomalies(
             t.valid,

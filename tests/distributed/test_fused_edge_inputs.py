@@ -16,7 +16,7 @@ from helpers.edge_inputs import EDGE_INPUTS, KEYS, base_batch
 
 from nemo_is_plugin import TokenLayout, build_loss_fn
 from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
-from nemo_is_plugin.loss.input_validation import NonFiniteLossError
+from nemo_is_plugin.loss.output_checks import NonFiniteLossError
 from nemo_is_plugin.loss.separable import single_pass_blocker
 
 ROWS = config_grid().rows[::3]

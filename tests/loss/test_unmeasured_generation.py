@@ -21,8 +21,8 @@ import torch
 from nemo_is_plugin import ClippedPGLossConfig, build_loss_fn
 from nemo_is_plugin.common import once
 from nemo_is_plugin.loss.correction import compute_is_correction
-from nemo_is_plugin.loss.input_validation import NonFiniteLossError
 from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.output_checks import NonFiniteLossError
 from nemo_is_plugin.loss.rejection import Rule
 from nemo_is_plugin.loss.terms import is_correction_kwargs
 

@@ -122,7 +122,7 @@ class PolicyObjective:
 
     def differentiates_ratio(self, cfg: ClippedPGLossConfig) -> bool:
         """True when the surrogate differentiates an unclamped policy ratio exp(log r) itself, so that a ratio beyond
-        the dtype's range makes the gradient NaN (``input_validation.check_finite_loss`` then refuses the call). The
+        the dtype's range makes the gradient NaN (``output_checks.check_finite_loss`` then refuses the call). The
         objectives that clamp log r first, or stop its gradient, do not."""
         return False
 
