@@ -5,7 +5,7 @@ A Megatron GPT decoder ends with hidden states ``[s, b, H]`` (sequence first), w
 - sharded over TP along ``s`` under sequence parallelism (``[s/TP, b, H]`` on each rank);
 - under context parallelism, this CP rank's share of every sequence: Megatron's load-balanced order (``2 cp`` chunks
   per sequence, rank r holding chunks r and 2cp-1-r) or the contiguous one (:mod:`~nemo_is_plugin.distributed.
-  cp_sharding`);
+  parallel.cp_sharding`);
 - padded (``[S, B, H]``: ``B`` sequences of ``S`` positions) or packed (THD: ``[T, 1, H]``, the sequences back to back
   at ``cu_seqlens_padded``, each padded to a multiple of the CP chunk count).
 
