@@ -7,7 +7,7 @@ LOCK := requirements/ci.lock
 TORCH := 2.13.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 
-.PHONY: setup lint test demo bench evidence lock clean golden golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo setup-stacks test-stacks lock-stacks golden-slime \
+.PHONY: setup lint test demo bench bench-docs evidence lock clean golden golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo setup-stacks test-stacks lock-stacks golden-slime \
 	golden-verl-loss-modes
 
 # Every package at the exact version of $(LOCK), installed without resolution (--no-deps), then the project.
@@ -40,6 +40,10 @@ demo: setup
 
 bench: setup
 	$(VENV)/bin/nemo-is bench
+
+# docs/performance.md's CPU page from that run (the docs writers are the repository's tooling, tools/bench_docs)
+bench-docs: bench
+	$(PY) -m tools.bench_docs cpu bench_results/results.json
 
 evidence: setup
 	$(VENV)/bin/nemo-is evidence

@@ -4,15 +4,18 @@
 #   1. install the Python 3.12 wheels carried in .whl/ into /tmp/site (no index, no dependency resolution);
 #   2. the LM-head benchmark, one process per model shape (a run stopped by its time limit loses one shape, not all):
 #                                       nemo-is bench --device cuda --model M --out $OUT/head/M
-#      then one table of all of them:   nemo-is bench --from-json $OUT/head/*/results.json --out $OUT/head --write-docs
-#      (writes the GPU section of docs/performance.md)
+#      then one table of all of them:   nemo-is bench --from-json $OUT/head/*/results.json --out $OUT/head
+#      and the GPU section of docs/performance.md from it (the project's tooling, not the package):
+#                                       python -m tools.bench_docs head $OUT/head/results.json
 #   3. its results checked: no measurement failed, and the Triton backend did not fall back to torch
 #      (results.json: every row's `failed`, and `triton_fallback`);
 #   4. the MoE model step:              nemo-is bench --model-step --device cuda --out $OUT/step
 #      run with NEMO_IS_STRICT_BACKEND=1, so a fallback to torch there is an error, and checked for failed variants;
 #   5. the hosts' fused LM heads against the plugin's drop-ins for them (docs/nemo_rl.md, docs/verl.md):
-#                                       nemo-is bench --host-heads --device cuda --out $OUT/host_heads --write-docs
-#      (writes the host-heads GPU section of docs/performance.md); NeMo-RL from NEMO_RL_PATH (a checkout: the
+#                                       nemo-is bench --host-heads --device cuda --out $OUT/host_heads
+#      and its GPU section of docs/performance.md:
+#                                       python -m tools.bench_docs host-heads $OUT/host_heads/host_heads.json
+#      NeMo-RL from NEMO_RL_PATH (a checkout: the
 #      directory holding nemo_rl/) where it is not installed, verl installed or from VERL_PATH; then checked: every
 #      plugin head measured on the Triton backend, both hosts measured (a host's own head that fails is reported);
 #   6. the `gpu` test tier:             python -m pytest -q -m gpu tests $PYTEST_ARGS
@@ -71,7 +74,8 @@ bench_head_report() { # one table, plots and the docs' GPU section from the per-
         echo "no model's head benchmark wrote results"
         return 1
     fi
-    "$PYTHON" -m nemo_is_plugin.apps.cli.main bench "${parts[@]}" --out "$OUT/head" --write-docs
+    "$PYTHON" -m nemo_is_plugin.apps.cli.main bench "${parts[@]}" --out "$OUT/head" &&
+        "$PYTHON" -m tools.bench_docs head "$OUT/head/results.json"
 }
 
 check_head_results() { # the head benchmark's results.json: no failed measurement, no Triton fallback
@@ -148,7 +152,8 @@ host_head_args=()
 [ -n "${NEMO_RL_PATH:-}" ] && host_head_args+=(--nemo-rl-path "$NEMO_RL_PATH")
 [ -n "${VERL_PATH:-}" ] && host_head_args+=(--verl-path "$VERL_PATH")
 step bench_host_heads "${TIMEOUT_HOST_HEADS:-0}" "$PYTHON" -m nemo_is_plugin.apps.cli.main bench --host-heads --device cuda \
-    ${host_head_args[@]+"${host_head_args[@]}"} --out "$OUT/host_heads" --write-docs
+    ${host_head_args[@]+"${host_head_args[@]}"} --out "$OUT/host_heads"
+step bench_host_heads_docs "$PYTHON" -m tools.bench_docs host-heads "$OUT/host_heads/host_heads.json"
 step bench_host_heads_results check_host_heads_results
 # shellcheck disable=SC2086 # PYTEST_ARGS is a list of words
 step pytest_gpu "${TIMEOUT_TESTS:-0}" "$PYTHON" -m pytest -q -m gpu tests ${PYTEST_ARGS:-}

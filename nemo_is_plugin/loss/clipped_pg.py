@@ -37,7 +37,50 @@ from nemo_is_plugin.loss.metrics import (
 from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.output_checks import check_finite_loss, input_anomalies, warn_input_anomalies
 from nemo_is_plugin.loss.registry import NAME_KEY, get_loss, split_name
-from nemo_is_plugin.loss.terms import LossTerms, loss_terms
+from nemo_is_plugin.loss.terms import LossTerms, TermInputs, loss_terms
+
+
+def configured_aggregate(
+    config: ClippedPGLossConfig,
+    x: torch.Tensor,
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor,
+    layout: TokenLayout,
+    *,
+    global_valid_toks: torch.Tensor,
+    global_valid_seqs: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`~nemo_is_plugin.loss.aggregation.aggregate` with the config's mode (``effective_loss_aggregation``) and
+    norm (``loss_aggregation_norm``): the one place the aggregation is bound to the config, read by the loss
+    (:meth:`ClippedPGLoss.reduce`) and by the fused pass's per-token weights (``separable.aggregation_weights``)."""
+    return aggregate(
+        x,
+        token_mask,
+        sample_mask,
+        layout,
+        mode=config.effective_loss_aggregation,
+        global_valid_toks=global_valid_toks,
+        global_valid_seqs=global_valid_seqs,
+        norm=config.loss_aggregation_norm,
+    )
+
+
+def positive_nll(t: TermInputs, curr: torch.Tensor) -> torch.Tensor:
+    """The positive-sample NLL before its weight: -sum_t q_t c_t, q_t = nll_tokens_t / (nll_count + 1e-8) (a mean
+    over the positive samples' tokens, local count); an exact 0 without the term. Its derivative is
+    :func:`positive_nll_gradient`, which the fused pass adds chunk by chunk."""
+    if t.nll_tokens is None or t.nll_count is None:
+        return torch.zeros((), dtype=curr.dtype, device=curr.device)
+    # Without positive tokens the sum is an exact 0 (and its gradient too): no host-side test of the count.
+    return where_mask(-curr, t.nll_tokens).sum() / (t.nll_count.to(curr.dtype) + EPS)
+
+
+def positive_nll_gradient(t: TermInputs, sl: slice, dtype: torch.dtype) -> torch.Tensor | None:
+    """d positive_nll / d c of the tokens ``sl``: -q_t (the NLL is linear in c); None without the term. No positive
+    sample: the tokens are all 0 and so is q (the loss drops the term): no branch, no sync."""
+    if t.nll_tokens is None or t.nll_count is None:
+        return None
+    return -(t.nll_tokens[sl] / (t.nll_count.to(dtype) + EPS))
 
 
 @dataclass
@@ -117,18 +160,12 @@ class ClippedPGLoss:
     def reduce(self, terms: LossTerms) -> LossParts:
         """The loss: the configured aggregation of the IS-weighted policy term and of beta times the KL, plus the
         positive-sample NLL (a mean over the positive samples' tokens, local count)."""
-        cfg, t, c = self.config, terms.inputs, terms.curr
+        cfg, t, c = self.config, terms.term_inputs, terms.curr
 
         def reduce(x: torch.Tensor) -> torch.Tensor:
-            return aggregate(
-                x,
-                t.token_mask,
-                terms.sample_mask,
-                t.layout,
-                mode=cfg.effective_loss_aggregation,
-                global_valid_toks=terms.n_tok,
-                global_valid_seqs=terms.n_seq,
-                norm=cfg.loss_aggregation_norm,
+            n_tok, n_seq = terms.n_tok, terms.n_seq
+            return configured_aggregate(
+                cfg, x, t.token_mask, terms.sample_mask, t.layout, global_valid_toks=n_tok, global_valid_seqs=n_seq
             )
 
         kl = terms.tokens.kl
@@ -136,10 +173,7 @@ class ClippedPGLoss:
         # so that kl_penalty carries NeMo-RL's exact value.
         kl_loss = torch.zeros((), dtype=c.dtype, device=c.device) if kl is None else reduce(t.kl_coef * kl)
         actor_loss = reduce(terms.tokens.actor)
-        nll = torch.zeros((), dtype=c.dtype, device=c.device)
-        if t.nll_tokens is not None and t.nll_count is not None:
-            # Without positive tokens the sum is an exact 0 (and its gradient too): no host-side test of the count.
-            nll = where_mask(-c, t.nll_tokens).sum() / (t.nll_count.to(c.dtype) + EPS)
+        nll = positive_nll(t, c)
         loss = actor_loss + kl_loss + cfg.positive_example_nll_weight * nll
         return LossParts(loss, actor_loss, kl_loss, nll)
 
@@ -153,11 +187,11 @@ class ClippedPGLoss:
     ) -> tuple[MetricValues, dict[str, float]]:
         """The loss's metrics from its terms, read in one host synchronisation; ``read_with``: a caller's own 0-d
         tensors read in the same synchronisation and returned beside the metrics (not among them)."""
-        cfg, t, src = self.config, terms.inputs, terms.source
+        cfg, t, src = self.config, terms.term_inputs, terms.loss_inputs
         corr, sur, c_in, g = terms.correction, terms.surrogate, src.curr_logprobs, t.generation
         book = MetricBook(t.layout, t.valid, terms.n_tok, terms.n_seq)
         # NeMo-RL's mismatch diagnostics (no grad).
-        nemo_rl_error_metrics(book, terms.is_prev, g, t.valid, cfg.reference_policy_kl_type)
+        nemo_rl_error_metrics(book, terms.log_pi_prev, g, t.valid, cfg.reference_policy_kl_type)
         beta, loss_per = cfg.effective_kl_penalty, aggregation_denominator(cfg.effective_loss_aggregation)
         kl = parts.kl.detach()
         book.add_sum("kl_penalty", kl.double() / beta if beta != 0 else kl, loss_per)
@@ -196,7 +230,7 @@ class ClippedPGLoss:
         )
         book.token_mean("input_nonfinite_generation_fraction", nonfinite)
         book.token_mean("input_positive_logprob_fraction", positive)
-        book.mismatch(terms.is_prev, g, t.token_mask * torch.isfinite(g).to(g.dtype), terms.sample_mask)
+        book.mismatch(terms.log_pi_prev, g, t.token_mask * torch.isfinite(g).to(g.dtype), terms.sample_mask)
         book.clip_by_position(sur, t.positions)
         objective_of(cfg).report(book, terms.tokens.objective, terms.sample_mask)
         for name, value in (extra_metric_sums or {}).items():

@@ -24,6 +24,30 @@ from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
 
 
+@torch.no_grad()
+def probability_change(curr: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """e^c_t - e^a_t, the signed change of the sampled token's probability (Float[*T] -> Float[*T]).
+
+    Written once for every |p - q| of the package (prob_diff's and DPPO's Binary-TV masks, CPPO's divergence, the
+    prob_diff rejection rule), with one dtype and one NaN rule:
+
+    - at least float32 (float64 stays float64): a bf16 probability has 8 bits, too coarse for thresholds of a few
+      hundredths near 1, and a bf16 prefix sum of |p - q| loses CPPO's budget to rounding (UniRL PR #58);
+    - a NaN or +inf log-prob is no probability: the change counts 0 there. A -inf log-prob (a token outside the
+      filtered sampling support) is probability 0, an exact value, and no log-ratio clamp is applied: the change is a
+      bounded function of the two probabilities.
+    """
+    dtype = torch.promote_types(curr.dtype, torch.float32)
+    d = torch.exp(curr.to(dtype)) - torch.exp(anchor.to(dtype))
+    return torch.where(torch.isfinite(d), d, 0.0)
+
+
+@torch.no_grad()
+def probability_difference(curr: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """|e^c_t - e^a_t| in [0, 1]: the magnitude of :func:`probability_change` (its dtype and NaN rule)."""
+    return probability_change(curr, anchor).abs()
+
+
 def token_log_ratio(curr: torch.Tensor, prev: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
     """d_t = c_t - p_t, optionally clamped to +-clamp (CTPO and verl clamp at 20 before exponentiating)."""
     d = curr - prev

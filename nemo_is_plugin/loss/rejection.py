@@ -10,7 +10,7 @@ k1         -y_t               KL(mu || pi_prev), unbiased, signed (its sequence 
 k2         y_t^2 / 2          the same KL, biased, >= 0
 k3         e^y_t - 1 - y_t    the same KL, unbiased, >= 0
 prob_diff  |e^p_t - e^g_t|    the probability difference of the sampled token, in [0, 1] (no clamp: see
-                              :func:`probability_difference`); prime-rl's probability-difference mask on the IS side
+                              ratios.probability_difference); prime-rl's probability-difference mask on the IS side
 =========  =================  ========================================================================================
 
 Aggregations: ``token`` (the statistic itself), ``sequence_sum`` = sum_t m_t k_t, ``sequence_mean`` =
@@ -31,6 +31,7 @@ import torch
 
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
+from nemo_is_plugin.loss.ratios import probability_difference
 
 
 class RuleSpec(Protocol):
@@ -102,21 +103,6 @@ def token_statistic(statistic: str, y: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def probability_difference(prev: torch.Tensor, gen: torch.Tensor) -> torch.Tensor:
-    """D_t = |e^p_t - e^g_t| (Float[*T] -> Float[*T], at least float32: a bf16 probability has 8 bits, too coarse for
-    thresholds of a few hundredths near 1).
-
-    No log-ratio clamp: the clamp keeps k1 / k2 / k3 finite where p - g is huge or inf - inf, but D is a bounded
-    function of the two probabilities (each e^x in [0, 1] for a log-prob x <= 0), and a -inf log-prob (a token outside
-    the filtered sampling support) is probability 0, so D = the other probability, finite. A clamp on p - g would only
-    change D where it is exact. A NaN or +inf log-prob is no probability: D counts 0 there.
-    """
-    dtype = torch.promote_types(prev.dtype, torch.float32)
-    d = torch.abs(torch.exp(prev.to(dtype)) - torch.exp(gen.to(dtype)))
-    return torch.where(torch.isfinite(d), d, 0.0)  # a NaN or +inf log-prob is no probability: it counts 0
-
-
-@torch.no_grad()
 def rule_token_statistic(rule: RuleSpec, prev: torch.Tensor, gen: torch.Tensor) -> torch.Tensor:
     """The rule's statistic per token: prob_diff from the log-probs, k1 / k2 / k3 from their clamped log-ratio."""
     if rule.statistic == "prob_diff":
@@ -185,7 +171,6 @@ __all__ = [
     "clamped_log_ratio",
     "evaluate_rule",
     "evaluate_rules",
-    "probability_difference",
     "rule_token_statistic",
     "token_statistic",
 ]

@@ -43,11 +43,10 @@ from dataclasses import dataclass
 import torch
 
 from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.loss.aggregation import aggregate
-from nemo_is_plugin.loss.clipped_pg import ClippedPGLoss, LossInputs
+from nemo_is_plugin.loss.clipped_pg import ClippedPGLoss, LossInputs, configured_aggregate, positive_nll_gradient
 from nemo_is_plugin.loss.correction import ISCorrection
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.masked import EPS, where_mask
+from nemo_is_plugin.loss.masked import where_mask
 from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.objectives.ppo_clip import CAUSAL_LEVELS
 from nemo_is_plugin.loss.ratios import cumulative_anchor, token_log_ratio
@@ -127,11 +126,9 @@ class TokenLossGradient:
             (grad,) = torch.autograd.grad(self.chunk_terms(sl, leaf), leaf, grad_outputs=a)
         # the loss's where_mask: tokens with a = 0 add exactly 0, whatever inf/NaN their terms' derivatives hold
         grad = torch.where(a != 0, grad, 0.0)
-        t = self.constants
-        if t.nll_tokens is not None and t.nll_count is not None:  # the NLL is linear in c: q_t is its derivative
-            # no positive sample: the tokens are all 0 and so is q (the loss drops the term): no branch, no sync
-            q = t.nll_tokens[sl] / (t.nll_count.to(a.dtype) + EPS)
-            grad = grad - t.config.positive_example_nll_weight * q
+        nll_grad = positive_nll_gradient(self.constants, sl, a.dtype)
+        if nll_grad is not None:
+            grad = grad + self.constants.config.positive_example_nll_weight * nll_grad
         return grad
 
     def chunk_terms(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
@@ -198,15 +195,14 @@ def aggregation_weights(
     ``x = 1`` gives its weights exactly, whatever the mode and layout (CP shares included)."""
     with torch.enable_grad():
         x = torch.ones(token_mask.shape, dtype=token_mask.dtype, device=token_mask.device, requires_grad=True)
-        agg = aggregate(
+        agg = configured_aggregate(
+            cfg,
             x,
             token_mask,
             sample_mask,
             layout,
-            mode=cfg.effective_loss_aggregation,
             global_valid_toks=torch.as_tensor(inputs.global_valid_toks, dtype=x.dtype, device=x.device),
             global_valid_seqs=torch.as_tensor(inputs.global_valid_seqs, dtype=x.dtype, device=x.device),
-            norm=cfg.loss_aggregation_norm,
         )
         (a,) = torch.autograd.grad(agg, x)
     return a

@@ -187,16 +187,16 @@ def token_terms(
 
 @dataclass
 class LossTerms:
-    """Every per-token term of one ``ClippedPGLoss`` call (token tensors of ``inputs.layout``), and what its
-    reductions and metrics read besides: the inputs as given (``source``), the loss dtype's current log-probs
-    ``curr``, ``is_prev`` (what the IS weights compare with mu: pi_old, or sg c in bypass mode), the sample mask and
-    the global counts."""
+    """Every per-token term of one ``ClippedPGLoss`` call (token tensors of ``term_inputs.layout``), and what its
+    reductions and metrics read besides: the call's ``LossInputs`` as given (``loss_inputs``) and the batch constants
+    of its terms (``term_inputs``), the loss dtype's current log-probs ``curr``, ``log_pi_prev`` (the log-probs the IS
+    weights pi_prev / mu compare with mu: pi_old, or sg c in bypass mode), the sample mask and the global counts."""
 
-    source: LossInputs
-    inputs: TermInputs
+    loss_inputs: LossInputs
+    term_inputs: TermInputs
     tokens: TokenTerms
     curr: torch.Tensor
-    is_prev: torch.Tensor
+    log_pi_prev: torch.Tensor
     sample_mask: torch.Tensor
     n_tok: torch.Tensor
     n_seq: torch.Tensor
@@ -207,9 +207,9 @@ class LossTerms:
 
     @property
     def correction(self) -> ISCorrection:
-        if self.inputs.correction is None:  # loss_terms always computes one
+        if self.term_inputs.correction is None:  # loss_terms always computes one
             raise ValueError("these terms carry no IS correction")
-        return self.inputs.correction
+        return self.term_inputs.correction
 
 
 def _as_scalar(x: torch.Tensor | float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -284,7 +284,7 @@ def term_inputs(
     else:
         p = as_f(required_input(inputs.prev_logprobs, "prev_logprobs"))
     if correction is None:
-        correction = compute_is_correction(is_prev(cfg, c, p), g, tm, valid, layout, **is_correction_kwargs(cfg))
+        correction = compute_is_correction(log_pi_prev(cfg, c, p), g, tm, valid, layout, **is_correction_kwargs(cfg))
     beta = cfg.effective_kl_penalty
     reference = as_f(required_input(inputs.reference_logprobs, "reference_policy_logprobs")) if beta != 0 else None
     # Positive-example NLL (VAPO): as in NeMo-RL the term exists only for a positive weight and a batch with rewards.
@@ -313,9 +313,9 @@ def term_inputs(
     )
 
 
-def is_prev(cfg: ClippedPGLossConfig, c: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-    """What the IS weights, rejections and mismatch diagnostics compare with mu: pi_old, or in bypass mode (pi_old =
-    mu) the current policy, detached, as verl's bypass mode does."""
+def log_pi_prev(cfg: ClippedPGLossConfig, c: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """log pi_prev, what the IS weights, rejections and mismatch diagnostics compare with mu: pi_old, or in bypass
+    mode (pi_old = mu) the current policy, detached, as verl's bypass mode does."""
     return c.detach() if cfg.bypasses_prev else prev
 
 
@@ -334,11 +334,11 @@ def loss_terms(
     unfiltered = inputs.curr_logprobs_unfiltered
     c_kl = None if t.reference is None or unfiltered is None else unfiltered.to(c.dtype)
     return LossTerms(
-        source=inputs,
-        inputs=t,
+        loss_inputs=inputs,
+        term_inputs=t,
         tokens=token_terms(t, c, c_kl=c_kl),
         curr=c,
-        is_prev=is_prev(cfg, c, t.prev),
+        log_pi_prev=log_pi_prev(cfg, c, t.prev),
         sample_mask=inputs.sample_mask.to(c.dtype),
         n_tok=_as_scalar(inputs.global_valid_toks, c.dtype, c.device),
         n_seq=_as_scalar(inputs.global_valid_seqs, c.dtype, c.device),
@@ -352,8 +352,8 @@ __all__ = [
     "TokenTerms",
     "is_correction_kwargs",
     "loss_dtype",
+    "log_pi_prev",
     "loss_terms",
-    "is_prev",
     "positive_sample_tokens",
     "ratio_anchor",
     "term_inputs",

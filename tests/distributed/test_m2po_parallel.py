@@ -5,7 +5,7 @@ additive metrics equal the single-process ones (float64, to 1e-12).
 - CP=2: ``ClippedPGLoss.compute`` on each rank's shard (padded and packed, load-balanced and contiguous order), with
   token-level TIS weights composed;
 - DP=2: each rank holds half the sequences; ``distributed.parallel.data_parallel.with_data_parallel`` (what the entry
-  points do with their ``dp_group`` / ``data_parallel_group``), and the LOGIT entry point and the fused hidden-state
+  points do with their ``dp_group``), and the LOGIT entry point and the fused hidden-state
   loss given the group; without it each rank's bounds are its own micro-batch's (the authors' per-micro-batch scope),
   which differ here: the reduction is what makes them equal.
 """
@@ -148,13 +148,13 @@ def _logit_data(full, rows, vocab: int, seed: int):
 
 
 def check_dp2_entry_points(rank: int, world: int) -> None:
-    """The LOGIT entry point (``data_parallel_group``) and the fused hidden-state loss (``dp_group``)."""
+    """The LOGIT entry point and the fused hidden-state loss, each given the group as ``dp_group``."""
     full, _, rows = _dp_batch(rank)
     counts = (float(B), float(full[4].sum()))
     loss_fn = ClippedPGLoss(CONFIG)
     logits, data, all_logits, all_data = _logit_data(full, rows, vocab=12, seed=5)
     want, want_metrics = LogitClippedPGLoss(loss_fn)(all_logits, all_data, *counts)
-    got, metrics = LogitClippedPGLoss(loss_fn)(logits, data, *counts, data_parallel_group=dist.group.WORLD)
+    got, metrics = LogitClippedPGLoss(loss_fn)(logits, data, *counts, dp_group=dist.group.WORLD)
     torch.testing.assert_close(_all_sum(got.detach()), want.detach(), rtol=1e-12, atol=1e-15)
     _assert_metrics(metrics, want_metrics, summed=True)
     g = torch.Generator().manual_seed(6)

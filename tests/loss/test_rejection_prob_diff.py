@@ -19,7 +19,8 @@ from nemo_is_plugin.config import (
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.rejection import evaluate_rule, evaluate_rules, probability_difference
+from nemo_is_plugin.loss.ratios import probability_difference
+from nemo_is_plugin.loss.rejection import evaluate_rule, evaluate_rules
 
 F64 = torch.float64
 # pi_prev and mu per token. Seq 0's last token has mu = 0 (log mu = -inf: outside the filtered sampling support), seq

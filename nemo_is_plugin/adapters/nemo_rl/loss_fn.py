@@ -210,7 +210,8 @@ class NeMoRLLossFn:
             groups = resolve_groups(self._groups_spec)
             kwargs.setdefault("vocab_parallel_group", groups.tp)
             kwargs.setdefault("context_parallel_group", groups.cp)
-            kwargs.setdefault("data_parallel_group", groups.dp)
+            if "data_parallel_group" not in kwargs:  # its deprecated name, passed on as given
+                kwargs.setdefault("dp_group", groups.dp)
             assert self._logit_loss is not None  # _build creates it for input_type LOGIT
             return self._logit_loss(logits, data, global_valid_seqs, global_valid_toks, **kwargs)
         elif next_token_logprobs is None:

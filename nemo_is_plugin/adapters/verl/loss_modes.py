@@ -24,15 +24,21 @@ micro-batch, so the loss changes with micro-batching, DP and CP, and Clip-Cov dr
 verl forces ``seq-mean-token-mean`` for ``sapo`` and ``geo_mean`` whatever ``loss_agg_mode`` says; the plugin does not
 override a setting silently, so another ``loss_agg_mode`` is refused with the fix. ``cispo`` keeps NeMo-RL's rule
 that CISPO is token-level: a ``seq-mean-*`` aggregation is refused.
+
+Each mode is one :class:`VerlMode` in :data:`VERL_MODES`: its plugin keys, the verl fields they read, its forced
+aggregation, the ``actor/`` metrics verl's loss of that mode returns, and how a resolved config is recognised as it.
+Every table below (and the policy loss's cache key, :func:`verl_mode_settings`) is derived from those records, so a
+new mode or a new field of one is written in one place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_is_plugin.adapters.verl.fields import VerlConfigError, verl_field
 
-VERL_LOSS_MODES = ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "sapo", "geo_mean", "gpg", "dro")
 REFUSED_LOSS_MODES = {
     "clip_cov": "it treats a subset of tokens chosen per micro-batch differently (covariance around the micro-batch "
     "means; the subset drawn from torch's global RNG, not reproducible), so the loss changes with micro-batching, DP "
@@ -40,30 +46,175 @@ REFUSED_LOSS_MODES = {
     "kl_cov": "it penalises the top-k tokens of the micro-batch by covariance around the micro-batch means, so the "
     "loss changes with micro-batching, DP and CP",
 }
-FORCED_AGGREGATION = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
 VERL_DPPO_DEFAULT_CAP = 20.0  # verl's DPPO losses: config.get("clip_ratio_c", 20.0)
 VERL_GSPO_MAX_LOG_RATIO = 10.0  # verl's GSPO caps the combined sequence log-ratio at 10
 # PPO clip keys that actor_keys sets for vanilla; the other modes carry their own trust region instead.
 PPO_CLIP_KEYS = ("ratio_clip_min", "ratio_clip_max", "ratio_clip_c")
+# The clip ratios every mode may read (verl's clip_ratio_low / _high default to clip_ratio).
+CLIP_RATIO_FIELDS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
+VERL_METRIC_NAMES = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+# verl's pg_clipfrac / pg_clipfrac_lower in the plugin's metric names (vanilla's definition)
+DEFAULT_CLIPFRAC_METRICS = ("clip_fraction", "clip_fraction_dual")
+
+ModeKeys = Callable[[float, float, Mapping[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class VerlMode:
+    """One of verl 0.9.1's policy losses (``verl/trainer/ppo/core_algos.py``) as the plugin computes it.
+
+    name: verl's ``loss_mode``. objective: the plugin's ``policy_objective``. keys(low, high, reads): the plugin keys,
+    from the clip ratios (clip_ratio_low / _high, else clip_ratio, else 0.2) and ``reads``: the values of the verl
+    fields the mode reads beyond them (``reads`` here: dotted path from the actor config -> default; a required one has
+    default None). forced_aggregation: the aggregation verl's loss uses whatever ``loss_agg_mode`` says.
+    metrics / clamped_kl: the ``actor/`` metrics verl's loss returns, and whether its ppo_kl clamps each token's
+    log-ratio to +-20 first. clipfrac_metrics: the plugin metrics that are verl's pg_clipfrac / pg_clipfrac_lower.
+    all_rows: verl's loss is a plain mean over the micro-batch's rows (empty ones included) without global counts.
+    signature: the resolved config's attributes that tell the mode apart from the others of its objective (the
+    reverse map, :func:`verl_loss_mode_of`).
+    """
+
+    name: str
+    keys: ModeKeys
+    objective: str = "ppo_clip"
+    reads: Mapping[str, Any] = field(default_factory=dict)
+    forced_aggregation: str | None = None
+    metrics: tuple[str, ...] = VERL_METRIC_NAMES
+    clamped_kl: bool = True
+    clipfrac_metrics: tuple[str, str] = DEFAULT_CLIPFRAC_METRICS
+    all_rows: bool = False
+    signature: tuple[tuple[str, Any], ...] = ()
+
+    def read(self, actor: Any) -> dict[str, Any]:
+        """The values of this mode's ``reads`` in the actor config (their defaults where unset)."""
+        return {path: _field(actor, path, default) for path, default in self.reads.items()}
+
+    def computes(self, config: Any) -> bool:
+        """Whether a resolved plugin config computes this mode."""
+        return config.policy_objective == self.objective and all(
+            getattr(config, attr) == value for attr, value in self.signature
+        )
+
+
+def _field(actor: Any, path: str, default: Any = None) -> Any:
+    *parents, name = path.split(".")
+    for parent in parents:
+        actor = verl_field(actor, parent)
+    return verl_field(actor, name, default)
+
+
+def _dro_keys(low: float, high: float, reads: Mapping[str, Any]) -> dict[str, Any]:
+    beta = reads["policy_loss.dro_beta"]
+    if beta is None:
+        raise VerlConfigError("verl's 'dro' loss needs actor_rollout_ref.actor.policy_loss.dro_beta (> 0)")
+    return {"policy_objective": "dro", "dro_beta": beta}
+
+
+def _dppo(name: str) -> VerlMode:
+    return VerlMode(
+        name,
+        lambda low, high, r: {
+            "policy_objective": name,
+            "dppo_delta_low": low,
+            "dppo_delta_high": high,
+            "dppo_ratio_cap": r["clip_ratio_c"],
+        },
+        objective=name,
+        reads={"clip_ratio_c": VERL_DPPO_DEFAULT_CAP},
+    )
+
+
+_PPO = (("use_cispo", False),)
+VERL_MODES: dict[str, VerlMode] = {
+    m.name: m
+    for m in (
+        VerlMode(
+            "vanilla",
+            lambda low, high, r: {"ratio_clip_min": low, "ratio_clip_max": high, "ratio_clip_c": r["clip_ratio_c"]},
+            reads={"clip_ratio_c": 3.0},
+            signature=(*_PPO, ("effective_ratio_level", "token")),
+        ),
+        VerlMode(
+            "gspo",
+            lambda low, high, r: {
+                "ratio_clip_min": low,
+                "ratio_clip_max": high,
+                "ratio_level": "sequence_token",
+                "max_log_ratio": VERL_GSPO_MAX_LOG_RATIO,
+                "token_log_ratio_clamp": None,
+            },
+            clamped_kl=False,
+            signature=(*_PPO, ("effective_ratio_level", "sequence_token")),
+        ),
+        VerlMode(
+            "cispo",
+            lambda low, high, r: {"ratio_clip_min": low, "ratio_clip_max": high, "use_cispo": True},
+            signature=(("use_cispo", True),),
+        ),
+        _dppo("dppo_tv"),
+        _dppo("dppo_kl"),
+        VerlMode(
+            "sapo",
+            lambda low, high, r: {
+                "policy_objective": "sapo",
+                "sapo_tau_pos": r["tau_pos"],
+                "sapo_tau_neg": r["tau_neg"],
+            },
+            objective="sapo",
+            reads={"tau_pos": 1.0, "tau_neg": 1.05},
+            forced_aggregation="seq-mean-token-mean",
+        ),
+        VerlMode(
+            "geo_mean",
+            lambda low, high, r: {"policy_objective": "gmpo", "gmpo_clip_low": low, "gmpo_clip_high": high},
+            objective="gmpo",
+            forced_aggregation="seq-mean-token-mean",
+            clamped_kl=False,
+            clipfrac_metrics=("clip_fraction_high", "clip_fraction_low"),  # geo_mean counts its clip by advantage sign
+            all_rows=True,
+        ),
+        VerlMode(
+            "gpg", lambda low, high, r: {"policy_objective": "gpg"}, objective="gpg", metrics=(), clamped_kl=False
+        ),
+        VerlMode(
+            "dro",
+            _dro_keys,
+            objective="dro",
+            reads={"policy_loss.dro_beta": None},
+            metrics=("actor/ppo_kl",),
+            clamped_kl=False,
+        ),
+    )
+}
+
+# The tables read elsewhere, derived from VERL_MODES.
+VERL_LOSS_MODES = tuple(VERL_MODES)
+FORCED_AGGREGATION = {m.name: m.forced_aggregation for m in VERL_MODES.values() if m.forced_aggregation}
 # The verl keys each mode reads beyond the clip ratios (they are refused as unused under the other modes).
-MODE_READS = {"sapo": ("tau_pos", "tau_neg"), "dro": ("dro_beta",)}
+MODE_READS = {m.name: tuple(p.rsplit(".", 1)[-1] for p in m.reads) for m in VERL_MODES.values() if m.reads}
+VERL_MODE_METRICS: dict[str, tuple[tuple[str, ...], bool]] = {
+    m.name: (m.metrics, m.clamped_kl) for m in VERL_MODES.values()
+}
+VERL_CLIPFRAC_METRICS = {
+    m.objective: m.clipfrac_metrics for m in VERL_MODES.values() if m.clipfrac_metrics != DEFAULT_CLIPFRAC_METRICS
+}
+VERL_ALL_ROWS_OBJECTIVES = tuple(m.objective for m in VERL_MODES.values() if m.all_rows)
 
 
 def check_loss_mode(loss_mode: str, loss_agg_mode: str) -> None:
     """Refuse a mode the plugin does not compute, and an aggregation verl would override for it."""
     if loss_mode in REFUSED_LOSS_MODES:
         raise VerlConfigError(
-            f"loss_mode={loss_mode!r} is refused: {REFUSED_LOSS_MODES[loss_mode]}; use one of "
-            f"{', '.join(VERL_LOSS_MODES)}"
+            f"loss_mode={loss_mode!r} is refused: {REFUSED_LOSS_MODES[loss_mode]}; use one of {', '.join(VERL_MODES)}"
         )
-    if loss_mode not in VERL_LOSS_MODES:
-        raise VerlConfigError(f"loss_mode={loss_mode!r} is not one of verl's: {', '.join(VERL_LOSS_MODES)}")
+    if loss_mode not in VERL_MODES:
+        raise VerlConfigError(f"loss_mode={loss_mode!r} is not one of verl's: {', '.join(VERL_MODES)}")
     if loss_mode == "cispo" and loss_agg_mode not in ("token-mean", "token-sum"):
         raise VerlConfigError(
             f"loss_mode='cispo' with loss_agg_mode={loss_agg_mode!r}: the plugin's CISPO (use_cispo) keeps NeMo-RL's "
             "rule that CISPO is token-level; set actor_rollout_ref.actor.loss_agg_mode=token-mean"
         )
-    forced = FORCED_AGGREGATION.get(loss_mode)
+    forced = VERL_MODES[loss_mode].forced_aggregation
     if forced is not None and loss_agg_mode != forced:
         raise VerlConfigError(
             f"verl's {loss_mode!r} loss uses {forced} whatever loss_agg_mode says; the plugin does not override "
@@ -73,97 +224,55 @@ def check_loss_mode(loss_mode: str, loss_agg_mode: str) -> None:
 
 def loss_mode_keys(actor: Any, loss_mode: str) -> dict[str, Any]:
     """The plugin keys of verl's ``loss_mode`` with the actor's settings (module table)."""
+    mode = VERL_MODES.get(loss_mode)
+    if mode is None:
+        raise VerlConfigError(f"loss_mode={loss_mode!r} is not one of verl's: {', '.join(VERL_MODES)}")
     clip = verl_field(actor, "clip_ratio", 0.2)
     low, high = verl_field(actor, "clip_ratio_low", clip), verl_field(actor, "clip_ratio_high", clip)
-    if loss_mode == "vanilla":
-        return {"ratio_clip_min": low, "ratio_clip_max": high, "ratio_clip_c": verl_field(actor, "clip_ratio_c", 3.0)}
-    if loss_mode == "gspo":
-        return {
-            "ratio_clip_min": low,
-            "ratio_clip_max": high,
-            "ratio_level": "sequence_token",
-            "max_log_ratio": VERL_GSPO_MAX_LOG_RATIO,
-            "token_log_ratio_clamp": None,
-        }
-    if loss_mode == "cispo":
-        return {"ratio_clip_min": low, "ratio_clip_max": high, "use_cispo": True}
-    if loss_mode in ("dppo_tv", "dppo_kl"):
-        return {
-            "policy_objective": loss_mode,
-            "dppo_delta_low": low,
-            "dppo_delta_high": high,
-            "dppo_ratio_cap": verl_field(actor, "clip_ratio_c", VERL_DPPO_DEFAULT_CAP),
-        }
-    if loss_mode == "sapo":
-        return {
-            "policy_objective": "sapo",
-            "sapo_tau_pos": verl_field(actor, "tau_pos", 1.0),
-            "sapo_tau_neg": verl_field(actor, "tau_neg", 1.05),
-        }
-    if loss_mode == "geo_mean":
-        return {"policy_objective": "gmpo", "gmpo_clip_low": low, "gmpo_clip_high": high}
-    if loss_mode == "gpg":
-        return {"policy_objective": "gpg"}
-    if loss_mode == "dro":
-        beta = verl_field(verl_field(actor, "policy_loss"), "dro_beta")
-        if beta is None:
-            raise VerlConfigError("verl's 'dro' loss needs actor_rollout_ref.actor.policy_loss.dro_beta (> 0)")
-        return {"policy_objective": "dro", "dro_beta": beta}
-    raise VerlConfigError(f"loss_mode={loss_mode!r} is not one of verl's: {', '.join(VERL_LOSS_MODES)}")
+    return mode.keys(low, high, mode.read(actor))
 
 
-# verl's pg_clipfrac / pg_clipfrac_lower in the plugin's metric names, where a mode defines them differently from
-# vanilla's (clip_fraction / clip_fraction_dual): geo_mean counts its clip by advantage sign.
-VERL_CLIPFRAC_METRICS = {"gmpo": ("clip_fraction_high", "clip_fraction_low")}
-VERL_METRIC_NAMES = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
-# What each of verl 0.9.1's losses returns besides the loss (core_algos.py): its actor/ metric names, and whether its
-# ppo_kl = mean(log pi_old - log pi) clamps each token's log-ratio to +-20 first. vanilla, cispo, dppo_* and sapo clamp
-# (the ratio they exponentiate is clamped); gspo, geo_mean and dro average the raw log-ratio; gpg returns no metric.
-VERL_MODE_METRICS: dict[str, tuple[tuple[str, ...], bool]] = {
-    "vanilla": (VERL_METRIC_NAMES, True),
-    "cispo": (VERL_METRIC_NAMES, True),
-    "dppo_tv": (VERL_METRIC_NAMES, True),
-    "dppo_kl": (VERL_METRIC_NAMES, True),
-    "sapo": (VERL_METRIC_NAMES, True),
-    "gspo": (VERL_METRIC_NAMES, False),
-    "geo_mean": (VERL_METRIC_NAMES, False),
-    "dro": (("actor/ppo_kl",), False),
-    "gpg": ((), False),
-}
-# verl's geo_mean ends with torch.mean over the micro-batch's rows (empty rows included) and reads no
-# global_batch_info; every other mode divides by the rows with tokens (agg_loss) when no global count is given.
-VERL_ALL_ROWS_OBJECTIVES = ("gmpo",)
+def verl_mode_settings(actor: Any) -> tuple[tuple[str, Any], ...]:
+    """Every verl field a mode's keys are built from, as set in ``actor`` (unset: None): the clip ratios and each
+    mode's ``reads``, read from :data:`VERL_MODES` at call time. Part of the verl policy loss's cache key, so that a
+    mode's new field reaches it without a second list."""
+    paths = dict.fromkeys(CLIP_RATIO_FIELDS)
+    for mode in VERL_MODES.values():
+        paths.update(dict.fromkeys(mode.reads))
+    return tuple((path, _field(actor, path)) for path in paths)
+
+
+def verl_mode_of(config: Any) -> VerlMode | None:
+    """The verl mode a resolved plugin config computes, whether it was named by ``loss_mode`` or spelled in the
+    plugin's keys; None for a config no verl mode computes (e.g. a cumulative ratio)."""
+    return next((m for m in VERL_MODES.values() if m.computes(config)), None)
 
 
 def verl_loss_mode_of(config: Any) -> str | None:
-    """The verl ``loss_mode`` a resolved plugin config computes (the module table read backwards), whether it was named
-    by ``loss_mode`` or spelled in the plugin's keys; None for a config no verl mode computes (e.g. a cumulative ratio),
-    whose verl metrics then follow ``vanilla``."""
-    objective = config.policy_objective
-    if objective == "gmpo":
-        return "geo_mean"
-    if objective in ("dppo_tv", "dppo_kl", "sapo", "gpg", "dro"):
-        return str(objective)
-    if objective != "ppo_clip":
-        return None
-    if config.use_cispo:
-        return "cispo"
-    return {"token": "vanilla", "sequence_token": "gspo"}.get(config.effective_ratio_level)
+    """The name of :func:`verl_mode_of`; None for a config no verl mode computes, whose verl metrics then follow
+    ``vanilla``."""
+    mode = verl_mode_of(config)
+    return None if mode is None else mode.name
 
 
 __all__ = [
+    "CLIP_RATIO_FIELDS",
     "FORCED_AGGREGATION",
     "MODE_READS",
     "PPO_CLIP_KEYS",
     "REFUSED_LOSS_MODES",
+    "VERL_ALL_ROWS_OBJECTIVES",
     "VERL_CLIPFRAC_METRICS",
     "VERL_DPPO_DEFAULT_CAP",
-    "VERL_ALL_ROWS_OBJECTIVES",
     "VERL_GSPO_MAX_LOG_RATIO",
     "VERL_LOSS_MODES",
     "VERL_METRIC_NAMES",
+    "VERL_MODES",
     "VERL_MODE_METRICS",
+    "VerlMode",
     "check_loss_mode",
     "loss_mode_keys",
     "verl_loss_mode_of",
+    "verl_mode_of",
+    "verl_mode_settings",
 ]

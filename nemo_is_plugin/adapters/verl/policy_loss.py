@@ -28,7 +28,7 @@ Normalisation follows verl's ``agg_loss``: with ``config.global_batch_info`` (``
 dp_size); without it, local counts: the rows with tokens, or every row for GMPO, as verl's ``geo_mean``. Metrics
 are returned per micro-batch (verl averages them): prefixed ``actor/nemo_is/``, renormalised to this micro-batch's
 own counts, plus the ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and ``actor/ppo_kl`` that verl's loss of the
-same mode returns, as it defines them (:data:`~nemo_is_plugin.adapters.verl.loss_modes.VERL_MODE_METRICS`: which of
+same mode returns, as it defines them (:class:`~nemo_is_plugin.adapters.verl.loss_modes.VerlMode`: which of
 them, and whether ``ppo_kl`` clamps the log-ratio to +-20); when the plugin owns the correction, also every
 ``rollout_corr/`` metric verl logs, with verl's definitions, over this micro-batch
 (:mod:`~nemo_is_plugin.adapters.verl.metrics`, which says where that scope differs from verl's batch).
@@ -56,11 +56,10 @@ from nemo_is_plugin.adapters.verl.config import (
 from nemo_is_plugin.adapters.verl.correction import generation_logprobs, rollout_logprobs
 from nemo_is_plugin.adapters.verl.loss_modes import (
     PPO_CLIP_KEYS,
-    VERL_ALL_ROWS_OBJECTIVES,
-    VERL_CLIPFRAC_METRICS,
     VERL_METRIC_NAMES,
-    VERL_MODE_METRICS,
-    verl_loss_mode_of,
+    VERL_MODES,
+    verl_mode_of,
+    verl_mode_settings,
 )
 from nemo_is_plugin.adapters.verl.metrics import rollout_corr_metrics, verl_statistics
 from nemo_is_plugin.config import ClippedPGLossConfig
@@ -235,20 +234,8 @@ class VerlPolicyLoss:
         # otherwise, so that variable-length micro-batches share one loss.
         if loss_agg_mode != "seq-mean-token-sum-norm" or loss_scale_factor(actor) is not None:
             horizon = 0
-        key = (
-            loss_agg_mode,
-            horizon,
-            weights_only,
-            _get(actor, "clip_ratio"),
-            _get(actor, "clip_ratio_low"),
-            _get(actor, "clip_ratio_high"),
-            _get(actor, "clip_ratio_c"),
-            loss_scale_factor(actor),
-            _get(actor, "tau_pos"),
-            _get(actor, "tau_neg"),
-            _get(_get(actor, "policy_loss"), "dro_beta"),
-            _frozen(keys),
-        )
+        # verl_mode_settings: every verl field a loss mode's keys are built from (derived from loss_modes.VERL_MODES)
+        key = (loss_agg_mode, horizon, weights_only, loss_scale_factor(actor), verl_mode_settings(actor), _frozen(keys))
         if key not in self._losses:
             self._losses[key] = ClippedPGLoss(verl_config(keys, actor, loss_agg_mode, horizon, weights_only))
         return self._losses[key]
@@ -294,12 +281,12 @@ class VerlPolicyLoss:
 
         m = mask.to(log_prob.dtype)
         # verl's own metrics of the mode this config computes (vanilla's for a config no verl mode computes)
-        verl_names, clamped_kl = VERL_MODE_METRICS[verl_loss_mode_of(loss_fn.config) or "vanilla"]
+        mode = verl_mode_of(loss_fn.config) or VERL_MODES["vanilla"]
         # The local counts and verl's ppo_kl stay on the device until the loss's metrics are read (one host sync).
         # ppo_kl: some verl modes clamp log pi - log pi_old to +-20 first.
         with torch.no_grad():
             log_ratio = log_prob - old_log_prob
-            if clamped_kl:
+            if mode.clamped_kl:
                 log_ratio = log_ratio.clamp(-VERL_LOG_RATIO_CLAMP, VERL_LOG_RATIO_CLAMP)
             own = {
                 "local_toks": m.sum(),
@@ -307,7 +294,7 @@ class VerlPolicyLoss:
                 "ppo_kl": (-log_ratio * m).sum() / (m.sum() + 1e-8),
             }
         # verl's geo_mean: a plain mean over the micro-batch's rows, empty ones included, when no global count is given
-        all_rows = b if loss_fn.config.policy_objective in VERL_ALL_ROWS_OBJECTIVES else None
+        all_rows = b if mode.all_rows else None
         info_tok, info_seq = self._global_counts(config, loss_agg_mode, all_rows)
         inputs = LossInputs(
             curr_logprobs=log_prob,
@@ -333,9 +320,7 @@ class VerlPolicyLoss:
             # verl's token-sum is the local sum times dp_size (DP averages gradients); the plugin's is the local sum
             loss = loss * int(dict(_get(config, "global_batch_info", {}) or {}).get("dp_size") or 1)
         local = renormalize(metrics, tokens=(n_tok, local_toks), seqs=(n_seq, local_seqs))
-        clipfrac, lower = VERL_CLIPFRAC_METRICS.get(
-            loss_fn.config.policy_objective, ("clip_fraction", "clip_fraction_dual")
-        )
+        clipfrac, lower = mode.clipfrac_metrics
         if self._tuple is None:
             self._tuple = _returns_tuple()
         if self._tuple:
@@ -348,7 +333,7 @@ class VerlPolicyLoss:
             )
         out = {f"{METRIC_PREFIX}{k}": v for k, v in local.items()}
         verl_values = dict(zip(VERL_METRIC_NAMES, (local.get(clipfrac, 0.0), ppo_kl, local.get(lower, 0.0))))
-        out.update({name: verl_values[name] for name in verl_names})
+        out.update({name: verl_values[name] for name in mode.metrics})
         if reads_mu:  # the plugin measured the true mismatch: verl's rollout_corr/ names where the quantity is the same
             out.update(
                 rollout_corr_metrics(local, loss_fn.config, rows=b, seqs_with_tokens=local_seqs, seq_count=local_seqs)

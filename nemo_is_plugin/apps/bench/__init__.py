@@ -4,8 +4,9 @@ Modules: ``shapes`` (model shapes, run config), ``device`` (CPU / CUDA timing an
 measurement code), ``problem`` (synthetic LM-head + RL batch), ``paths`` (the table of paths compared), ``liger`` and
 ``cce`` (third-party baselines), ``jobs`` (the timed callables), ``reference`` (fp32 loss / dX / dW of the whole
 problem), ``measure`` (float64 errors on a few tokens), ``memory`` (peak tensor-memory tracking on CPU), ``runner`` and
-``sweep`` (the run), ``report`` / ``failures`` / ``plots`` / ``docs`` / ``gpu_docs`` (tables, failed measurements,
-targets, figures, the page and its GPU sections), ``model_step`` / ``model_report`` (``--model-step``: a
+``sweep`` (the run), ``report`` / ``failures`` / ``plots`` (tables, failed measurements, targets, figures; the
+project's docs/performance.md is written from the saved results by ``tools/bench_docs``, not by the package),
+``model_step`` / ``model_report`` (``--model-step``: a
 megatron-core MoE training step), ``progress``.
 """
 

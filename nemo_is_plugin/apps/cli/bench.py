@@ -2,8 +2,9 @@
 passes, torch and Triton backends), Liger and cut-cross-entropy paths against the bare GEMM, on CPU or CUDA; with
 ``--model-step``, training steps of a megatron-core MoE GPT model with the naive and the fused loss; with
 ``--host-heads``, the hosts' own fused LM heads against the plugin's (``cli/bench_host_heads.py``). Prints a rich
-table, writes JSON + PNG, and with ``--write-docs`` regenerates ``docs/performance.md`` (a CPU run: the CPU page; a GPU
-run: its GPU section). Heavy imports (torch, matplotlib, liger, megatron) happen inside the command."""
+table, writes JSON + PNG (the project's ``docs/performance.md`` is written from that JSON by its tooling,
+``python -m tools.bench_docs``, outside the installed package). Heavy imports (torch, matplotlib, liger, megatron)
+happen inside the command."""
 
 from __future__ import annotations
 
@@ -65,12 +66,6 @@ def bench(
         None, help="--host-heads: a verl checkout (the directory holding verl/) instead of the installed verl."
     ),
     out: Path = typer.Option(Path("bench_results"), help="Directory for results.json and the PNG figures."),
-    write_docs: bool = typer.Option(
-        False,
-        "--write-docs",
-        help="Also write docs/performance.md: a CPU run regenerates the CPU page, a GPU run its GPU section.",
-    ),
-    docs_dir: Path = typer.Option(Path("docs"), help="Docs directory used by --write-docs."),
     from_json: list[Path] | None = typer.Option(
         None,
         help="Render an earlier run's results.json instead of measuring; given several times, the runs' rows "
@@ -87,7 +82,6 @@ def bench(
         "bench",
         [
             (out, "--out", "output_dir"),
-            (docs_dir if write_docs else None, "--docs-dir", "output_dir"),
             *((p, "--from-json", "input_file") for p in from_json or ()),
         ],
     )
@@ -110,8 +104,6 @@ def bench(
             nemo_rl_path=nemo_rl_path,
             verl_path=verl_path,
             out=out,
-            write_docs=write_docs,
-            docs_dir=docs_dir,
             from_json=from_json[0] if from_json else None,
         )
         return
@@ -132,8 +124,6 @@ def bench(
             experts=experts,
             chunk_size=chunk_size,
             out=out,
-            write_docs=write_docs,
-            docs_dir=docs_dir,
             from_json=from_json[0] if from_json else None,
         )
         return
@@ -152,8 +142,6 @@ def bench(
             device,
             dtype,
         )
-        if write_docs and not from_json and cfg.is_cuda and quick:
-            raise ValueError("--write-docs refuses a --quick run: its tiny shapes are not meaningful (drop --quick)")
     except ValueError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(code=2) from exc
@@ -168,7 +156,7 @@ def bench(
             raise typer.Exit(code=2) from exc
     else:
         results = _run_with_progress(cfg, console)
-    _report(results, console, out, write_docs, docs_dir)
+    _report(results, console, out)
 
 
 def _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, memory_sweep, threads, quick, device, dtype):
@@ -205,14 +193,12 @@ def _run_with_progress(cfg, console) -> dict:
         return run_benchmark(cfg, progress)
 
 
-def _report(results: dict, console, out: Path, write_docs: bool, docs_dir: Path) -> None:
+def _report(results: dict, console, out: Path) -> None:
     from rich.markup import escape
 
-    from nemo_is_plugin.apps.bench.docs import write_docs as write_cpu_docs
     from nemo_is_plugin.apps.bench.failures import failure_lines, fallback_note
-    from nemo_is_plugin.apps.bench.gpu_docs import gpu_docs_refusal, write_gpu_section
     from nemo_is_plugin.apps.bench.plots import plot_memory, plot_ratios
-    from nemo_is_plugin.apps.bench.report import comparability_note, is_gpu_run, rich_table, run_targets, write_json
+    from nemo_is_plugin.apps.bench.report import comparability_note, rich_table, run_targets, write_json
 
     console.print(rich_table(results))
     for name, why in results["skipped"].items():
@@ -229,13 +215,6 @@ def _report(results: dict, console, out: Path, write_docs: bool, docs_dir: Path)
     written = [write_json(results, out / "results.json"), plot_ratios(results, out / "perf_ratios.png")]
     if results["memory_sweep"]:
         written.append(plot_memory(results, out / "perf_memory.png"))
-    if write_docs and is_gpu_run(results):
-        if why := gpu_docs_refusal(results):
-            console.print(f"[red]error:[/red] {escape(why)}")
-            raise typer.Exit(code=2)
-        written += write_gpu_section(results, docs_dir, "head")
-    elif write_docs:
-        written += write_cpu_docs(results, docs_dir)
     console.print("wrote " + ", ".join(str(p) for p in written))
 
 
@@ -251,16 +230,12 @@ def model_step_command(
     experts: int | None,
     chunk_size: int | None,
     out: Path,
-    write_docs: bool,
-    docs_dir: Path,
     from_json: Path | None,
 ) -> None:
-    """Run the model-step benchmark with a progress bar, print its table, write its JSON and (from a real GPU run)
-    its section of ``docs/performance.md``."""
+    """Run the model-step benchmark with a progress bar, print its table, write its JSON."""
     from rich.markup import escape
 
     from nemo_is_plugin.apps.bench.device import BenchDevice
-    from nemo_is_plugin.apps.bench.gpu_docs import gpu_docs_refusal, write_gpu_section
     from nemo_is_plugin.apps.bench.model_report import model_step_table
     from nemo_is_plugin.apps.bench.model_step import StepConfig, count_model_steps, run_model_step
     from nemo_is_plugin.apps.bench.progress import progress_bar
@@ -282,8 +257,6 @@ def model_step_command(
                 chunk_size=chunk_size,
                 **extra,
             )
-            if write_docs and (why := gpu_docs_refusal({"config": {"device": device.split(":")[0], "quick": quick}})):
-                raise ValueError(why)
         except ValueError as exc:
             console.print(f"[red]error:[/red] {escape(str(exc))}")
             raise typer.Exit(code=2) from exc
@@ -295,11 +268,6 @@ def model_step_command(
     if results["config"].get("quick"):
         console.print(f"[bold yellow]note:[/bold yellow] {escape(QUICK_NOTE)}")
     written = [write_json(results, out / "model_step.json")]
-    if write_docs:
-        if why := gpu_docs_refusal(results):
-            console.print(f"[red]error:[/red] {escape(why)}")
-            raise typer.Exit(code=2)
-        written += write_gpu_section(results, docs_dir, "model-step")
     console.print("wrote " + ", ".join(str(p) for p in written))
 
 

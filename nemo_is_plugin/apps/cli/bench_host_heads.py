@@ -1,6 +1,6 @@
 """``nemo-is bench --host-heads``: the hosts' fused LM heads (NeMo-RL's, verl's) against the plugin's, with a progress
-bar; prints the table and the targets, writes ``host_heads.json`` and, from a real GPU run with ``--write-docs``, the
-``host-heads`` GPU section of ``docs/performance.md`` (:mod:`nemo_is_plugin.apps.bench.host_heads_report`)."""
+bar; prints the table and the targets (:mod:`nemo_is_plugin.apps.bench.host_heads_report`) and writes
+``host_heads.json`` (from which ``python -m tools.bench_docs host-heads`` writes the project's docs section)."""
 
 from __future__ import annotations
 
@@ -24,24 +24,17 @@ def host_heads_command(
     nemo_rl_path: Path | None,
     verl_path: Path | None,
     out: Path,
-    write_docs: bool,
-    docs_dir: Path,
     from_json: Path | None,
 ) -> None:
     from rich.markup import escape
 
-    from nemo_is_plugin.apps.bench.gpu_docs import gpu_docs_refusal
     from nemo_is_plugin.apps.bench.host_heads_report import comparability_note, failure_lines, rich_table, targets
-    from nemo_is_plugin.apps.bench.host_heads_report import write_section as write_docs_section
     from nemo_is_plugin.apps.bench.report import write_json
 
     if from_json is not None:
         results = json.loads(from_json.read_text())
     else:
         results = _measure(console, device, dtype, quick, tokens, repeats, models, heads, tp, nemo_rl_path, verl_path)
-        if write_docs and (why := gpu_docs_refusal(results)):
-            console.print(f"[red]error:[/red] {escape(why)}")
-            raise typer.Exit(code=2)
     console.print(rich_table(results))
     for line in failure_lines(results):
         console.print(f"[yellow]{escape(line)}[/yellow]")
@@ -51,12 +44,6 @@ def host_heads_command(
         mark = "[green]met[/green]" if t["ok"] else "[red]not met[/red]"
         console.print(f"{mark}  {escape(t['target'])}: {t['value']:.3g}")
     written = [write_json(results, out / "host_heads.json")]
-    if write_docs:
-        try:
-            written += write_docs_section(results, docs_dir)
-        except ValueError as exc:
-            console.print(f"[red]error:[/red] {escape(str(exc))}")
-            raise typer.Exit(code=2) from exc
     console.print("wrote " + ", ".join(str(p) for p in written))
 
 

@@ -5,7 +5,10 @@ Called the way NeMo-RL's Megatron worker calls a LOGIT loss (NVIDIA-NeMo/RL at 7
 
     loss, metrics = loss_fn(logits, data, global_valid_seqs, global_valid_toks,
                             vocab_parallel_rank=..., vocab_parallel_group=..., context_parallel_group=...,
-                            data_parallel_group=...)   # the last one the plugin's: batch statistics over DP
+                            dp_group=...)   # the last one the plugin's: batch statistics over DP
+
+``dp_group`` is the data-parallel group's name at every entry point (the fused loss, slime's, the DP helpers);
+``data_parallel_group=``, this entry point's former name for it, still works and warns (DeprecationWarning).
 
 - ``logits``: this rank's ``[B, S_local, V/TP]`` (padded batch; ``S_local = S_pad / cp``) or ``[1, N_local, V/TP]`` /
   ``[N_local, V/TP]`` (packed, with ``cu_seqlens_padded``), in the CP order the model ran with (Megatron's
@@ -22,6 +25,7 @@ single-process loss; TP ranks return the same value) and the full-batch metrics.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,6 +39,26 @@ from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank,
 from nemo_is_plugin.loss.clipped_pg import TOKEN_KEYS, ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout, host_ints
 from nemo_is_plugin.loss.masked import EPS, where_mask
+
+_UNSET: Any = object()
+
+
+def _dp_group_alias(dp_group: ProcessGroup | None, data_parallel_group: Any) -> ProcessGroup | None:
+    """``dp_group``, or the group given under its deprecated name ``data_parallel_group`` (a warning); both: an
+    error (the ``**_`` of the call signature would otherwise hide a misspelt or doubled group)."""
+    if data_parallel_group is _UNSET:
+        return dp_group
+    if dp_group is not None:
+        raise TypeError(
+            "LogitClippedPGLoss: pass the data-parallel group once, as dp_group= (data_parallel_group= is "
+            "its deprecated name)"
+        )
+    warnings.warn(
+        "LogitClippedPGLoss(data_parallel_group=...) is deprecated: pass dp_group=... (every entry point's name)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return data_parallel_group
 
 
 def next_token_aligned(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -129,13 +153,15 @@ class LogitClippedPGLoss:
         vocab_parallel_group: ProcessGroup | None = None,
         context_parallel_group: ProcessGroup | None = None,
         *,
-        data_parallel_group: ProcessGroup | None = None,
+        dp_group: ProcessGroup | None = None,
+        data_parallel_group: Any = _UNSET,
         cu_seqlens_padded: torch.Tensor | Sequence[int] | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss of this rank's logits (module docstring). ``data_parallel_group``: the DP ranks a batch statistic
-        (an objective's) is reduced over, beside the CP group; None: this call's batch alone. Every DP rank
-        must then make the same calls."""
+        """The loss of this rank's logits (module docstring). ``dp_group``: the DP ranks a batch statistic (an
+        objective's) is reduced over, beside the CP group; None: this call's batch alone. Every DP rank must then
+        make the same calls. ``data_parallel_group``: the deprecated name of ``dp_group``."""
+        dp_group = _dp_group_alias(dp_group, data_parallel_group)
         if vocab_parallel_rank is not None and vocab_parallel_rank != group_rank(vocab_parallel_group):
             raise ValueError(
                 f"vocab_parallel_rank={vocab_parallel_rank} but this process is rank "
@@ -153,7 +179,7 @@ class LogitClippedPGLoss:
             chunk_size=self.chunk_size,
             with_entropy=self.log_entropy,
         )
-        layout = with_data_parallel(layout, data_parallel_group)
+        layout = with_data_parallel(layout, dp_group)
         extra = {}
         if entropy is not None:
             valid = inputs.token_mask * layout.to_tokens(inputs.sample_mask.to(inputs.token_mask.dtype))

@@ -1,7 +1,8 @@
 """``cppo``: CPPO's trust region (arXiv 2606.10968, "Beyond Uniform Token-Level Trust Region in LLM RL"; Binary-TV
 variant as merged in Tencent-Hunyuan/UniRL ``unirl/algorithms/cppo.py``, PR #58): a position-weighted per-token
 Binary-TV threshold plus a cumulative prefix-average divergence budget. Only the mask changes; the loss on kept tokens
-is -A r (``masked_ratio_surrogate``), r = exp(clamp(c - a, +-20)).
+is -A r (``masked_ratio_surrogate``), r = exp(clamp(c - a, +-20)) (the clamp: ``token_log_ratio_clamp`` when set; the
+same r decides which tokens move toward the anchor).
 
 Per sequence, over its n unmasked tokens at 1-based positions k = 1..n (q: anchor probability, p: current):
 
@@ -46,6 +47,7 @@ from nemo_is_plugin.config.keys import KeySection
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import where_mask
 from nemo_is_plugin.loss.objectives.base import (
+    OBJECTIVE_LOG_RATIO_CLAMP,
     ObjectiveInputs,
     ObjectiveOut,
     TokenRatioObjective,
@@ -53,7 +55,7 @@ from nemo_is_plugin.loss.objectives.base import (
     masked_ratio_surrogate,
     register_objective,
 )
-from nemo_is_plugin.loss.ratios import unmasked_positions
+from nemo_is_plugin.loss.ratios import probability_difference, token_log_ratio, unmasked_positions
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
@@ -143,13 +145,6 @@ def sequence_quantile(values: torch.Tensor, token_mask: torch.Tensor, layout: To
 
 
 @torch.no_grad()
-def cppo_divergence(curr: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    """D = |p - q| in at least float32 (module docstring): what the mask thresholds and the quantile reads."""
-    dtype = torch.promote_types(curr.dtype, torch.float32)
-    return torch.abs(torch.exp(curr.to(dtype)) - torch.exp(anchor.to(dtype)))
-
-
-@torch.no_grad()
 def cppo_mask(
     curr: torch.Tensor,
     anchor: torch.Tensor,
@@ -161,6 +156,7 @@ def cppo_mask(
     w_min: float,
     delta_b: float,
     quantile: torch.Tensor | None = None,
+    log_ratio: torch.Tensor | None = None,
 ) -> PrefixBudgetMask:
     """CPPO Binary-TV keep-mask (module formulas). UniRL's defaults: delta 0.2, w_min 0.8, delta_b 0.02.
 
@@ -170,14 +166,19 @@ def cppo_mask(
             ceiling is 2 delta_b); inf disables the budget.
         quantile: Float[S] each sequence's 0.9-quantile of D, when the caller has it (under CP: from the sequence
             gathered across the group); None computes it here (whole sequences only, see ``sequence_quantile``).
+        log_ratio: Float[*T] the surrogate's log-ratio (``ObjectiveInputs.token_log_ratio``: clamped at
+            ``token_log_ratio_clamp``), whose sign decides a move toward the anchor; None: c - a clamped at
+            ``OBJECTIVE_LOG_RATIO_CLAMP`` (UniRL's 20).
     """
     if not 0.0 < w_min <= 1.0:
         raise ValueError(f"CPPO w_min must be in (0, 1]; got {w_min}")
     if not delta_b >= 0.0:
         raise ValueError(f"CPPO delta_b must be >= 0; got {delta_b}")
-    divergence = cppo_divergence(curr, anchor)
+    divergence = probability_difference(curr, anchor)
     dtype = divergence.dtype
-    ratio = torch.exp((curr - anchor).clamp(-20.0, 20.0))  # UniRL's ratio, in the input dtype
+    if log_ratio is None:
+        log_ratio = token_log_ratio(curr, anchor, OBJECTIVE_LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio.detach())  # the surrogate's ratio (UniRL's clamp at 20 by default), in the input dtype
     toward_anchor = advantages * (ratio - 1.0) <= 0.0
     m = (token_mask != 0).to(dtype)
     k = unmasked_positions(token_mask, layout).to(dtype)
@@ -216,9 +217,10 @@ class Cppo(TokenRatioObjective):
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         keys, layout, curr = CppoKeys.of(t.config), t.layout, t.curr.detach()
+        log_ratio = t.token_log_ratio()
         quantile = None
         if not layout.holds_whole_sequences:  # a CP shard: the quantile from the sequences gathered over the group
-            divergence, whole = layout.gather_sequences(cppo_divergence(curr, t.anchor))
+            divergence, whole = layout.gather_sequences(probability_difference(curr, t.anchor))
             mask, _ = layout.gather_sequences(t.token_mask)
             quantile = sequence_quantile(divergence, mask, whole, BUDGET_QUANTILE)
         budget = cppo_mask(
@@ -231,8 +233,9 @@ class Cppo(TokenRatioObjective):
             w_min=keys.cppo_w_min,
             delta_b=keys.cppo_delta_b,
             quantile=quantile,
+            log_ratio=log_ratio,
         )
-        return ObjectiveOut(masked_ratio_surrogate(t.token_log_ratio(), t.advantages, budget.mask), budget)
+        return ObjectiveOut(masked_ratio_surrogate(log_ratio, t.advantages, budget.mask), budget)
 
     def whole_batch_reason(self, cfg: ClippedPGLossConfig) -> str:
         return "policy_objective='cppo' needs every log-prob of a sequence before any gradient"
@@ -261,7 +264,6 @@ __all__ = [
     "Cppo",
     "CppoKeys",
     "PrefixBudgetMask",
-    "cppo_divergence",
     "cppo_mask",
     "sequence_quantile",
 ]

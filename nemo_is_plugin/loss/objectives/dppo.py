@@ -35,6 +35,7 @@ from nemo_is_plugin.loss.objectives.base import (
     register_objective,
     split_by_sign,
 )
+from nemo_is_plugin.loss.ratios import probability_change
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
@@ -86,7 +87,7 @@ def binary_tv_mask(
     Args:
         curr, anchor, advantages: Float[*T]. delta_low / delta_high: TV thresholds (verl: clip_ratio_low / _high).
     """
-    diff = torch.exp(curr) - torch.exp(anchor)
+    diff = probability_change(curr, anchor)
     keep = torch.where(advantages > 0, diff <= delta_high, diff >= -delta_low)
     return split_by_sign(keep, advantages, diff)
 

@@ -11,11 +11,12 @@ Delta = a - c (a: the anchor, pi_old; c: the current log-prob, detached):
 2. M2 = mean of Delta^2 over the n harmful tokens; with n = 0 or M2 <= budget + 1e-12 no bound applies: the ratio
    bounds are [0, 1e5] (the authors' early return);
 3. otherwise tau^2 = the largest harmful Delta_j^2 whose capped second moment sum_i min(Delta_i^2, Delta_j^2) is below
-   budget * n (0 when there is none), tau = sqrt(tau^2 - 1e-12): the ratio bounds are [exp(-tau), exp(tau)], i.e.
+   budget * n (0 when there is none), tau = |Delta_j| of that token: the ratio bounds are [exp(-tau), exp(tau)], i.e.
    eps_low = 1 - exp(-tau), eps_high = exp(tau) - 1, each raised to its floor when one is set (the authors'
    ``miniclip_low`` / ``_high``; their training scripts leave them unset);
-4. L = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)): PPO's clip (``ppo_clip.ratio_clip_surrogate``), no dual clip;
-   the bounds carry no gradient.
+4. L = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)): PPO's clip, no dual clip, the bounds carry no gradient;
+   applied in log space (``ppo_clip.log_space_clip_surrogate`` at log bounds log(1 - eps_low), log(1 + eps_high)), so
+   the token that sets tau sits exactly on its bound, unclipped (below).
 
 Where it differs from the authors', and why:
 
@@ -27,16 +28,23 @@ Where it differs from the authors', and why:
   searched bit by bit (8 rounds of 256 candidates, each one all-reduce), then tau^2 is the largest harmful Delta^2 at
   or below it (one max all-reduce). The authors' loop (``.item()`` per step) picks the same sorted value up to its
   1e-12 slack terms, which decide only where the capped moment is within n * 1e-12 of the budget.
-- the bounds are computed in float64 (the authors': exp in float32); a tau^2 below 1e-12 gives tau = 0 (the authors'
-  ``sqrt`` of a negative number would fail).
+- the token that sets tau keeps its gradient. The authors take tau = sqrt(Delta_j^2 - 1e-12), just below that token's
+  |Delta_j|, but then round exp(+-tau) to float32 (``torch.exp(torch.tensor(tau))``), which absorbs the slack: with
+  their float32 log-probs the token sits on the bound and is not clipped, except where float32 rounding happens to fall
+  the other way (1 of 200 random batches with tau > 0 in tests/loss/test_m2po.py's measure; with float64 log-probs
+  the rounding decides it in about half of them, 104 of 200). Their M2_after counts the token at its own value, not
+  capped. The plugin takes tau = |Delta_j| exactly (the largest |Delta| among the kept harmful tokens, no square root)
+  and clips in log space, so the token is unclipped in every dtype (a float64 tau 1e-12 short, as before, clipped it,
+  gradient 0, in every float64 batch and 8 of 200 float32 ones). The bounds are computed in float64.
 
 The log-ratio is not clamped (as the authors'), unless ``token_log_ratio_clamp`` is set. Metrics (additive, per token
 of the global count): ``m2po_harmful_fraction``, ``m2po_harmful_log_ratio_sq`` (sum of the harmful Delta^2) and
 ``m2po_capped_log_ratio_sq`` (the same capped at tau^2: the authors' ``M2_after``, which is M2 itself when nothing is
 capped), from which ``finalize_metrics`` derives ``m2po_m2`` and ``m2po_m2_after`` (the authors' ``m2po/M2`` and
-``m2po/M2_after``); the bounds used, ``m2po_clip_low_min`` / ``_max`` and ``m2po_clip_high_min`` / ``_max`` (the
-authors' ``m2po/clip_low`` / ``clip_high``). verl has no ``m2po`` loss mode (the 0.9.1 release's registry, and no M2PO
-page in verl's docs/algo at head): select it in verl with ``policy_loss.nemo_is.policy_objective: m2po``.
+``m2po/M2_after``; 0 when no token is harmful, as the authors log it); the bounds used, ``m2po_clip_low_min`` /
+``_max`` and ``m2po_clip_high_min`` / ``_max`` (the authors' ``m2po/clip_low`` / ``clip_high``). verl has no ``m2po``
+loss mode (the 0.9.1 release's registry, and no M2PO page in verl's docs/algo at head): select it in verl with
+``policy_loss.nemo_is.policy_objective: m2po``.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ from nemo_is_plugin.config.keys import KeySection
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import where_mask
 from nemo_is_plugin.loss.objectives.base import ObjectiveInputs, ObjectiveOut, PolicyObjective, register_objective
-from nemo_is_plugin.loss.objectives.ppo_clip import ratio_clip_surrogate
+from nemo_is_plugin.loss.objectives.ppo_clip import log_space_clip_surrogate
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
@@ -101,10 +109,13 @@ class M2POKeys(KeySection):
 
 @dataclass
 class M2POBounds:
-    """The batch's clip and what its metrics read. eps_low / eps_high: 0-d float64 (after the floors). harmful:
+    """The batch's clip and what its metrics read. log_low / log_high: 0-d float64, the log-ratio bounds the clip
+    applies (log(1 - eps_low), log(1 + eps_high)); eps_low / eps_high: 0-d float64 (after the floors). harmful:
     Bool[*T]. delta_sq: Float64[*T] Delta^2 on harmful tokens, 0 elsewhere. capped: the same capped at tau^2 (not
     capped where no bound applies or tau = 0, as the authors' M2_after)."""
 
+    log_low: torch.Tensor
+    log_high: torch.Tensor
     eps_low: torch.Tensor
     eps_high: torch.Tensor
     harmful: torch.Tensor
@@ -171,19 +182,24 @@ def m2po_bounds(
     unbounded = (n == 0) | (total / n.clamp_min(1.0) <= budget + SLACK)
     target = torch.where(unbounded, 1.0, budget * n)  # any positive target where the search is not used
     x = largest_below(delta_sq, target, layout)
-    kept = torch.where(harmful & (delta_sq <= x), delta_sq, -math.inf).reshape(-1)
-    tau_sq = layout.reduce_batch_max(torch.cat([kept, kept.new_full((1,), -math.inf)]).amax(0, keepdim=True))[0]
+    # tau^2 and tau of the kept harmful token with the largest Delta^2 (its |Delta| itself: no square root, so that
+    # the token sits exactly on the bound), in one max reduction
+    kept = harmful & (delta_sq <= x)
+    neg_inf = torch.full_like(delta_sq, -math.inf)
+    both = torch.stack([torch.where(kept, delta_sq, neg_inf), torch.where(kept, delta.double().abs(), neg_inf)])
+    both = torch.cat([both.reshape(2, -1), both.new_full((2, 1), -math.inf)], dim=1).amax(1)
+    tau_sq, tau = layout.reduce_batch_max(both).unbind(0)
     none_kept = torch.isneginf(tau_sq)  # the authors' k = 0: tau = 0, and M2_after is M2 itself
-    tau = (tau_sq - SLACK).clamp_min(0.0).sqrt()
     tau = torch.where(none_kept, torch.zeros_like(tau), tau)
-    eps_low = torch.where(unbounded, 1.0 - UNBOUNDED_RATIO[0], 1.0 - torch.exp(-tau))
-    eps_high = torch.where(unbounded, UNBOUNDED_RATIO[1] - 1.0, torch.exp(tau) - 1.0)
-    if low_floor is not None:
-        eps_low = eps_low.clamp_min(low_floor)
+    log_low = torch.where(unbounded, math.log(UNBOUNDED_RATIO[0]) if UNBOUNDED_RATIO[0] > 0 else -math.inf, -tau)
+    log_high = torch.where(unbounded, math.log(UNBOUNDED_RATIO[1]), tau)
+    if low_floor is not None:  # eps_low >= floor: the lower ratio bound at most 1 - floor
+        log_low = log_low.clamp_max(math.log1p(-low_floor) if low_floor < 1.0 else -math.inf)
     if high_floor is not None:
-        eps_high = eps_high.clamp_min(high_floor)
+        log_high = log_high.clamp_min(math.log1p(high_floor))
+    eps_low, eps_high = 1.0 - torch.exp(log_low), torch.exp(log_high) - 1.0
     capped = torch.where(unbounded | none_kept, delta_sq, torch.minimum(delta_sq, tau_sq.clamp_min(0.0)))
-    return M2POBounds(eps_low, eps_high, harmful, delta_sq, capped)
+    return M2POBounds(log_low, log_high, eps_low, eps_high, harmful, delta_sq, capped)
 
 
 @register_objective
@@ -208,8 +224,14 @@ class M2PO(PolicyObjective):
             high_floor=keys.m2po_clip_high_floor,
         )
         dtype = log_r.dtype
-        sur = ratio_clip_surrogate(
-            log_r, t.advantages, clip_low=bounds.eps_low.to(dtype), clip_high=bounds.eps_high.to(dtype)
+        sur = log_space_clip_surrogate(
+            log_r,
+            t.advantages,
+            t.positions,
+            eps_low=-bounds.log_low.to(dtype),
+            eps_high=bounds.log_high.to(dtype),
+            eps_c=None,
+            power=0.0,
         )
         return ObjectiveOut(sur, bounds)
 
@@ -230,8 +252,10 @@ class M2PO(PolicyObjective):
 
     def finalize(self, metrics: Mapping[str, float]) -> dict[str, float]:
         fraction = metrics.get("m2po_harmful_fraction")
-        if not fraction:
+        if fraction is None:  # not an m2po loss
             return {}
+        if fraction == 0:  # no harmful token: the authors log M2 = M2_after = 0
+            return {"m2po_m2": 0.0, "m2po_m2_after": 0.0}
         return {
             "m2po_m2": metrics["m2po_harmful_log_ratio_sq"] / fraction,
             "m2po_m2_after": metrics["m2po_capped_log_ratio_sq"] / fraction,

@@ -162,12 +162,13 @@ def log_space_clip_surrogate(
     advantages: torch.Tensor,
     positions: torch.Tensor,
     *,
-    eps_low: float,
-    eps_high: float,
+    eps_low: float | torch.Tensor,
+    eps_high: float | torch.Tensor,
     eps_c: float | None,
     power: float,
 ) -> SurrogateOut:
-    """CTPO position-adaptive clip in log space. positions: Float[*T] n_t >= 1 (see ratios.unmasked_positions)."""
+    """CTPO position-adaptive clip in log space. positions: Float[*T] n_t >= 1 (see ratios.unmasked_positions).
+    eps_low / eps_high: numbers, or 0-d tensors (M2PO's bounds, chosen from the batch on the device)."""
     scale = positions.to(log_ratio.dtype) ** power if power != 0 else torch.ones_like(log_ratio)
     lo, hi = -eps_low * scale, eps_high * scale
     ratio = torch.exp(log_ratio)

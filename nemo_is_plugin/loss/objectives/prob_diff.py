@@ -26,6 +26,7 @@ from nemo_is_plugin.loss.objectives.base import (
     register_objective,
     split_by_sign,
 )
+from nemo_is_plugin.loss.ratios import probability_difference
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
@@ -53,7 +54,7 @@ def probability_difference_mask(
 ) -> TrustMask:
     """Drop a token whose probability moved more than ``threshold`` either way, whatever the advantage sign.
     ``advantages`` only splits the metric quadrants."""
-    diff = torch.abs(torch.exp(curr) - torch.exp(anchor))
+    diff = probability_difference(curr, anchor)
     return split_by_sign(diff <= threshold, advantages, diff)
 
 

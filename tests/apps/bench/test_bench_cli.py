@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from nemo_is_plugin.apps.bench.runner import count_steps, run_benchmark
 from nemo_is_plugin.apps.bench.shapes import QUICK_SHAPES, BenchConfig
 from nemo_is_plugin.apps.cli.bench import register
+from tools.bench_docs.__main__ import main as bench_docs_main
 
 
 def _app() -> typer.Typer:
@@ -42,12 +43,10 @@ def test_quick_bench_writes_results_plots_and_docs(tmp_path):
         "64",
         "--out",
         str(out),
-        "--write-docs",
-        "--docs-dir",
-        str(docs),
     ]
     result = CliRunner().invoke(_app(), args)
     assert result.exit_code == 0, result.output
+    assert bench_docs_main(["cpu", str(out / "results.json"), "--docs-dir", str(docs)]) == 0
     assert "fused_linear" in result.output and "f+b / mm" in result.output and "tiny-b" not in result.output
     # quick numbers are not meaningful: said once, instead of a verdict per performance target
     assert "performance targets are not evaluated" in " ".join(result.output.split())
@@ -81,19 +80,10 @@ def test_quick_bench_writes_results_plots_and_docs(tmp_path):
     # re-rendering a saved run measures nothing and reproduces the page
     (docs / "performance.md").unlink()
     again = CliRunner().invoke(
-        _app(),
-        [
-            "bench",
-            "--from-json",
-            str(out / "results.json"),
-            "--out",
-            str(tmp_path / "out2"),
-            "--write-docs",
-            "--docs-dir",
-            str(docs),
-        ],
+        _app(), ["bench", "--from-json", str(out / "results.json"), "--out", str(tmp_path / "out2")]
     )
     assert again.exit_code == 0, again.output
+    assert bench_docs_main(["cpu", str(tmp_path / "out2" / "results.json"), "--docs-dir", str(docs)]) == 0
     assert (docs / "performance.md").read_text() == page
 
 

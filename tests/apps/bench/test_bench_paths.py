@@ -62,10 +62,10 @@ def test_a_failing_measurement_is_a_failed_row_with_its_error_and_the_run_goes_o
     every row says which chunk-math backend it ran on."""
     from rich.console import Console
 
-    from nemo_is_plugin.apps.bench.docs import render_markdown
     from nemo_is_plugin.apps.bench.failures import failure_lines
     from nemo_is_plugin.apps.bench.report import table_cells
     from nemo_is_plugin.apps.cli.bench import _report
+    from tools.bench_docs.performance_page import render_markdown
 
     def broken(*_args, **_kw):
         raise RuntimeError("CUDA out of memory. Tried to allocate 9 GiB\nsecond line")
@@ -106,7 +106,7 @@ def test_a_failing_measurement_is_a_failed_row_with_its_error_and_the_run_goes_o
     assert f"tiny-a fused_2pass forward+backward: {oom}" in failure_lines(results)
     assert f"- tiny-a fused_2pass forward+backward: {oom}" in render_markdown(results)
     console = Console(record=True, width=300)
-    _report(results, console, tmp_path, False, tmp_path)
+    _report(results, console, tmp_path)
     assert f"failed: tiny-a fused_2pass forward+backward: {oom}" in console.export_text()
     assert results["config"]["quick"] is True
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from nemo_is_plugin.apps.bench import measure
-from nemo_is_plugin.apps.bench.docs import render_markdown
 from nemo_is_plugin.apps.bench.report import derived_rows, markdown_table, memory_fit, targets
+from tools.bench_docs.performance_page import render_markdown
 
 
 def _row(path, fwd, fb, **kw):

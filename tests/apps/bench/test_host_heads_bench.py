@@ -5,7 +5,7 @@
   head), whose source and the JSON record; each measured head's errors against the float64 reference are fp32-small
   (the plugin's drop-ins and NeMo-RL's alike); verl's kernel needs CUDA, so on CPU its row reads failed with verl's
   error (or verl is reported not measured where it is not installed); a NeMo-RL that does not import is reported not
-  measured with the reason; ``--write-docs`` refuses a CPU run;
+  measured with the reason; the docs tool (``python -m tools.bench_docs host-heads``) refuses a CPU run;
 - the targets on a GPU-like result: the ratio, speed-up and memory targets at their thresholds, nothing for a CPU or
   quick run; the docs section from a GPU result names the device, date and versions and keeps the page's other GPU
   sections.
@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 from helpers.fake_nemo_rl_head import write_fake_nemo_rl
 
-from nemo_is_plugin.apps.bench.gpu_docs import markers, splice
-from nemo_is_plugin.apps.bench.host_heads_report import SECTION, render_section, targets, write_section
+from nemo_is_plugin.apps.bench.host_heads_report import SECTION, targets
 from nemo_is_plugin.apps.bench.report import GIB
+from tools.bench_docs.__main__ import main as bench_docs_main
+from tools.bench_docs.gpu_sections import markers, splice
+from tools.bench_docs.host_heads_section import render_section, write_section
 
 from ._cli import run_cli
 
@@ -71,9 +73,12 @@ def test_a_nemo_rl_that_does_not_import_is_reported_not_measured(tmp_path):
     assert "nemo_rl not measured" in proc.stdout
 
 
-def test_write_docs_refuses_a_cpu_run(tmp_path):
-    proc = run_cli("bench", "--host-heads", "--quick", "--head", "plugin", "--out", str(tmp_path), "--write-docs")
-    assert proc.returncode == 2 and "real GPU run" in proc.stdout
+def test_the_docs_tool_refuses_a_cpu_run(tmp_path):
+    proc = run_cli("bench", "--host-heads", "--quick", "--head", "plugin", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    docs = tmp_path / "docs"
+    assert bench_docs_main(["host-heads", str(tmp_path / "host_heads.json"), "--docs-dir", str(docs)]) == 2
+    assert not (docs / "performance.md").exists()
 
 
 def _gpu_result(plugin_ratio=4.2, nemo_rl_s=0.5, plugin_nemo_rl_s=0.1, verl_s=0.12, plugin_verl_s=0.1, peak=1.2):

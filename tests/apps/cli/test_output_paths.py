@@ -40,7 +40,6 @@ CASES = [
     (["compat", "{file}", "--json", "{dir}"], "compat", "--json {dir} is a folder"),
     (["bench", "--out", "{file}"], "bench", "--out {file} is a file"),
     (["bench", "--from-json", "{missing}"], "bench", "--from-json {missing}: no such file"),
-    (["bench", "--write-docs", "--docs-dir", "{file}"], "bench", "--docs-dir {file} is a file"),
     (["bench", "--model-step", "--out", "{under_file}"], "bench", "{file} is a file, not a folder"),
 ]
 
