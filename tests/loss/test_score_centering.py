@@ -225,7 +225,8 @@ def test_nemo_rl_call_from_logits_equals_the_aligned_inputs():
         (
             {"unsliced": True},
             ValueError,
-            r"rollout_topk_logprobs'\] has shape \[2, 3, 4\], expected \[\*T, 4\] with \*T = \[2, 4\] \(the rollout_topk_\* data are \[B, S, k\]",
+            r"rollout_topk_logprobs'\] has shape \[2, 3, 4\], expected \[\*T, 4\] with \*T = \[2, 4\] "
+            r"\(the rollout_topk_\* data are \[B, S, k\]",
         ),
     ],
 )
