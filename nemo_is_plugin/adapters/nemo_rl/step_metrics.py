@@ -12,8 +12,10 @@ So the NeMo-RL adapter reports each of them as the call's extremum times the cal
 sequences (its valid sequences over ``global_valid_seqs``), named ``<stem>/min_mb_mean`` / ``<stem>/max_mb_mean``:
 NeMo-RL's sum then gives the mean over the step's loss calls of each call's extremum, weighted by their sequences
 (with one global batch per step, GRPO's usual setting). M2PO's bounds, which are one value per call, become the mean
-bound the step applied. A call with no valid sequence adds 0. The new names contain neither ``_min`` nor ``_max``
-right after an underscore, so the worker divides them by the number of global batches like every additive metric.
+bound the step applied. A call with no valid sequence adds 0. The suffixes ``/min_mb_mean`` / ``/max_mb_mean`` hold
+neither ``_min`` nor ``_max``, so the worker divides these metrics by the number of global batches like every additive
+metric -- unless the stem holds one: a rejection rule on a ``seq_max_*`` statistic (``is_rejection_sequence_max_k3_*``),
+whose every metric, additive ones included, NeMo-RL then leaves undivided (the same with one global batch per step).
 """
 
 from __future__ import annotations
