@@ -102,6 +102,11 @@ lock:
 	$(LOCK_VENV)/bin/python -m pip install -q -e ".[test]" "transformers>=5.5.3,<5.11,!=5.6.0" "triton==3.9.0"
 	$(LOCK_VENV)/bin/python -m pip install -q --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0" \
 		codetiming cloudpickle orjson
+	# NeMo-RL's DTensor v1 worker's imports (functional_tests/test_nemo_rl_dtensor_step.py runs it from the pinned
+	# source, which is not installable): its hard imports beyond the test extra, without their trees
+	$(LOCK_VENV)/bin/python -m pip install -q --no-deps "accelerate==1.15.0" "datasets==5.2.0" "dill==0.4.1" \
+		"multiprocess==0.70.19" "pandas==3.1.1" "xxhash==4.1.0" "hydra-core==1.3.8" "antlr4-python3-runtime==4.9.3" \
+		"pyzmq==27.3.0" "nvidia-ml-py==13.615.71" "prometheus-client==0.26.0"
 	{ sed -n '/^#/p' $(LOCK); $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable \
 		| sed -E 's/^(torch==[^+]+)\+.*/\1/'; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)

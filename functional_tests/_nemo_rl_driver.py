@@ -7,8 +7,9 @@ What it reproduces (NeMo-RL ``grpo_train`` -> ``policy.train`` -> worker ``train
    and all-reduces both over the DP group: the *global* counts every loss call divides by;
 3. each rank splits its shard into micro-batches, calls the loss once per micro-batch and back-propagates each loss
    (gradient accumulation);
-4. the per-micro-batch metrics of all ranks are gathered and reduced by the driver: summed, except names ending in
-   ``_min`` / ``_max``, reduced with min / max; the step's loss is the sum of the micro-batch losses.
+4. the per-micro-batch metrics of all ranks are gathered and reduced by the driver as ``grpo_train`` does
+   (nemo_rl/algorithms/grpo.py @7ea279ab): NeMo-RL's four extrema ``probs_ratio{,_clamped}_{min,max}`` with min /
+   max, every other key summed; the step's loss is the sum of the micro-batch losses.
 
 Two alternative call patterns of NeMo-RL are emulated per micro-batch:
 
@@ -31,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from nemo_is_plugin.adapters.nemo_rl.step_metrics import NEMO_RL_EXTREMA
 
 MODES = ("direct", "packed", "split")
 
@@ -75,16 +78,16 @@ def local_counts(data: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def reduce_metrics(per_call: list[dict[str, float]]) -> dict[str, float]:
-    """Sum every metric over calls; ``*_min`` / ``*_max`` with min / max (grpo_train's reduction)."""
+    """Sum every metric over calls; NeMo-RL's four extrema with min / max (grpo_train's reduction)."""
     out: dict[str, float] = {}
     for metrics in per_call:
         for k, v in metrics.items():
             v = float(v)
             if k not in out:
                 out[k] = v
-            elif k.endswith("_min"):
+            elif k in NEMO_RL_EXTREMA and k.endswith("_min"):
                 out[k] = min(out[k], v)
-            elif k.endswith("_max"):
+            elif k in NEMO_RL_EXTREMA:
                 out[k] = max(out[k], v)
             else:
                 out[k] += v

@@ -19,6 +19,7 @@ import torch
 
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
 from nemo_is_plugin.adapters.nemo_rl.protocol import MetricNormalizer
+from nemo_is_plugin.adapters.nemo_rl.step_metrics import is_summed_extremum, micro_batch_mean_name
 from nemo_is_plugin.adapters.shared import renormalize
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.metrics import Denominator, MetricValues
@@ -151,8 +152,20 @@ def test_default_table_has_every_metric_once():
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_nemo_rl_metric_normalizations(name):
+    """The loss's table, under the names NeMo-RL's step gets: the plugin's extrema (not NeMo-RL's four) as
+    share-weighted micro-batch means, divided by the sequence count."""
     config, changed = CASES[name]
-    assert NeMoRLLossFn(config).metric_normalizations == {**DEFAULT, **changed}
+    want = {
+        (micro_batch_mean_name(k) if is_summed_extremum(k) else k): (S if is_summed_extremum(k) else v)
+        for k, v in {**DEFAULT, **changed}.items()
+    }
+    assert NeMoRLLossFn(config).metric_normalizations == want
+    assert {k for k, v in want.items() if k.endswith(("_min", "_max"))} <= {
+        "probs_ratio_min",
+        "probs_ratio_max",
+        "probs_ratio_clamped_min",
+        "probs_ratio_clamped_max",
+    }
 
 
 def test_token_sum_loss_is_never_rescaled():

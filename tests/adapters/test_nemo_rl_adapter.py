@@ -11,6 +11,7 @@ from helpers.golden_utils import load_cases
 
 from nemo_is_plugin.adapters.nemo_rl import PARALLEL_STATE, NeMoRLLossFn, build_nemo_rl_loss_fn
 from nemo_is_plugin.adapters.nemo_rl.protocol import LossFunction, LossInputType, LossType, MetricNormalizer
+from nemo_is_plugin.adapters.nemo_rl.step_metrics import for_nemo_rl_step, is_summed_extremum, micro_batch_mean_name
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
 from nemo_is_plugin.loss import ClippedPGLoss
@@ -80,7 +81,9 @@ def test_adapter_is_the_loss_and_reproduces_golden(cid):
     assert isinstance(fn, LossFunction)
     loss, grad, metrics = _call(fn, case)
     ref_loss, ref_grad, ref_metrics = _call(ClippedPGLoss(case["config"]), case)
-    assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad) and metrics == ref_metrics
+    share = ref_metrics["num_valid_samples"] / float(case["global_valid_seqs"])
+    assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
+    assert metrics == for_nemo_rl_step(ref_metrics, share)  # the plugin's extrema named for NeMo-RL's step
     torch.testing.assert_close(loss, case["expected"]["loss"], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(grad, case["expected"]["grad_next_token_logprobs"], rtol=1e-4, atol=1e-6)
 
@@ -103,10 +106,14 @@ def test_protocol_attributes():
 def test_metric_normalizations_cover_every_metric_and_follow_the_rules():
     fn = NeMoRLLossFn(SPLIT_CONFIGS["seq_mask_tis"])
     norms = fn.metric_normalizations
-    assert set(norms) == set(fn.loss.metric_denominators())
+    declared = fn.loss.metric_denominators()
+    assert set(norms) == {micro_batch_mean_name(k) if is_summed_extremum(k) else k for k in declared}
     assert norms["is_oob_ratio"] == MetricNormalizer.SEQUENCES  # seq-mask-tis counts sequences
     assert norms["loss"] == norms["probs_ratio"] == MetricNormalizer.TOKENS
+    # NeMo-RL's own extrema (grpo_train min / max-reduces them) are never rescaled; the plugin's, share-weighted
+    # micro-batch means, are divided by the sequence count
     assert all(v == MetricNormalizer.NONE for k, v in norms.items() if k.endswith(("_min", "_max")))
+    assert norms["is_weight/min_mb_mean"] == norms["is_weight/max_mb_mean"] == MetricNormalizer.SEQUENCES
     assert norms["num_valid_samples"] == norms["positive_nll_loss"] == MetricNormalizer.NONE
     gspo = NeMoRLLossFn(SPLIT_CONFIGS["gspo_nemo_rl"]).metric_normalizations
     assert gspo["loss"] == gspo["kl_penalty"] == gspo["sampling_importance_ratio"] == MetricNormalizer.SEQUENCES
@@ -140,10 +147,15 @@ def test_split_api_rescale_equals_the_direct_call(name):
     xd = x.clone().requires_grad_(True)
     loss, direct = fn(next_token_logprobs=xd, data=data, global_valid_seqs=n_seq, global_valid_toks=n_tok)
     loss.backward()
+    _, core = fn.loss(next_token_logprobs=x, data=data, global_valid_seqs=n_seq, global_valid_toks=n_tok)
+    direct_extrema = {k: v for k, v in core.items() if is_summed_extremum(k)}
 
     xs = x.clone().requires_grad_(True)
-    raw_loss, raw = 0.0, []
+    raw_loss, raw, part_extrema = 0.0, [], []
     for lo, hi in ((0, 2), (2, 5), (5, 6)):
+        part_data = {k: v[lo:hi] for k, v in data.items()}
+        _, own = fn.loss(next_token_logprobs=x[lo:hi], data=part_data, global_valid_seqs=1.0, global_valid_toks=1.0)
+        part_extrema.append({k: (v, float(sm[lo:hi].sum())) for k, v in own.items() if is_summed_extremum(k)})
         part, m = fn(
             next_token_logprobs=xs[lo:hi],
             data={k: v[lo:hi] for k, v in data.items()},
@@ -165,10 +177,18 @@ def test_split_api_rescale_equals_the_direct_call(name):
     assert raw_loss / n == pytest.approx(loss.item(), rel=1e-5, abs=1e-8)
     torch.testing.assert_close(xs.grad / n, xd.grad, rtol=1e-5, atol=1e-8)
     skip = {"sampling_importance_ratio"} if name == "gspo_nemo_rl" else set()  # NeMo-RL's broadcast bug: not additive
+    # the plugin's extrema: not the batch's but each micro-batch's, weighted by its share of the valid sequences
+    # (step_metrics); the direct call is one micro-batch, its share 1
+    want = dict(direct)
+    for name in {k for parts in part_extrema for k in parts}:
+        assert direct[micro_batch_mean_name(name)] == direct_extrema[name]
+        want[micro_batch_mean_name(name)] = sum(
+            parts[name][0] * parts[name][1] / n_seq for parts in part_extrema if parts[name][1] > 0
+        )
     bad = {
-        k: (rescaled[k], direct[k])
-        for k in direct
-        if k not in skip and rescaled[k] != pytest.approx(direct[k], rel=1e-6, abs=1e-12)
+        k: (rescaled[k], want[k])
+        for k in want
+        if k not in skip and rescaled[k] != pytest.approx(want[k], rel=1e-6, abs=1e-12)
     }
     assert not bad
     assert any(v != 0 for k, v in direct.items() if fn.metric_normalizations[k] == MetricNormalizer.SEQUENCES)

@@ -32,9 +32,9 @@ What NeMo-RL's workers rely on (see :mod:`nemo_is_plugin.adapters.nemo_rl.protoc
 
 Loss and metrics are linear in ``1 / global_valid_*`` (NeMo-RL's rule), so micro-batching, DP sharding, NeMo-RL's
 ``SequencePackingLossWrapper`` (one call per packed sequence, metrics summed) and the split API all reproduce the
-direct call. Note that NeMo-RL's packing wrapper min/max-reduces only ``probs_ratio{,_clamped}_{min,max}`` and sums
-every other key: the plugin's other ``*_min``/``*_max`` metrics are only meaningful when the host reduces every
-``_min``/``_max`` name with min/max, as ``grpo_train``'s metric reduction does.
+direct call. NeMo-RL's step (its packing wrapper and ``grpo_train``) min/max-reduces only
+``probs_ratio{,_clamped}_{min,max}`` and sums every other key: the plugin's other extrema are therefore reported as
+share-weighted micro-batch means under names saying so (:mod:`~nemo_is_plugin.adapters.nemo_rl.step_metrics`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ import torch
 from pydantic import BaseModel
 
 from nemo_is_plugin.adapters.nemo_rl.protocol import LossInputType, LossType, MetricNormalizer
+from nemo_is_plugin.adapters.nemo_rl.step_metrics import (
+    SEQUENCE_SHARE,
+    for_nemo_rl_step,
+    is_summed_extremum,
+    renamed_normalizations,
+)
 from nemo_is_plugin.adapters.shared import PARALLEL_STATE, GroupsSpec, check_groups, given_keys, resolve_groups
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
@@ -163,9 +169,11 @@ class NeMoRLLossFn:
         for name in NEMO_RL_CONFIG_ATTRIBUTES:
             setattr(self, name, getattr(self.config, name))
         self.reference_policy_kl_penalty = self.config.effective_kl_penalty
-        # Each metric's denominator as the loss declares it, in the host's enum (same values).
+        # Each metric's denominator as the loss declares it, in the host's enum (same values), under the names
+        # NeMo-RL's step gets (step_metrics: the plugin's extrema as share-weighted micro-batch means).
+        declared = {name: per.value for name, per in self.loss.metric_denominators().items()}
         self.metric_normalizations = {
-            name: MetricNormalizer(per.value) for name, per in self.loss.metric_denominators().items()
+            name: MetricNormalizer(per) for name, per in renamed_normalizations(declared).items()
         }
 
     # ------------------------------------------------------------------ pickling (Ray)
@@ -213,15 +221,28 @@ class NeMoRLLossFn:
             if "data_parallel_group" not in kwargs:  # its deprecated name, passed on as given
                 kwargs.setdefault("dp_group", groups.dp)
             assert self._logit_loss is not None  # _build creates it for input_type LOGIT
-            return self._logit_loss(logits, data, global_valid_seqs, global_valid_toks, **kwargs)
+            loss, metrics = self._logit_loss(logits, data, global_valid_seqs, global_valid_toks, **kwargs)
+            if not any(is_summed_extremum(name) for name in metrics):
+                return loss, metrics
+            # the host's count (a host read where it is a device tensor; NeMo-RL's worker reads it there anyway)
+            seqs = float(global_valid_seqs)
+            return loss, for_nemo_rl_step(metrics, metrics["num_valid_samples"] / seqs if seqs > 0 else 0.0)
         elif next_token_logprobs is None:
             raise TypeError("input_type=LOGPROB: pass next_token_logprobs=[B, S-1]")
-        return self.loss(
-            next_token_logprobs=next_token_logprobs,
-            data=data,
-            global_valid_seqs=global_valid_seqs,
-            global_valid_toks=global_valid_toks,
-        )
+        if not (hasattr(self.loss, "prepare") and hasattr(self.loss, "compute")):  # another registered loss
+            return self.loss(
+                next_token_logprobs=next_token_logprobs,
+                data=data,
+                global_valid_seqs=global_valid_seqs,
+                global_valid_toks=global_valid_toks,
+            )
+        inputs, layout = self.loss.prepare(next_token_logprobs, data, global_valid_seqs, global_valid_toks)
+        # the call's share of the step's valid sequences, read with the loss's metrics (no host read of its own)
+        mask = inputs.sample_mask.double()
+        share = mask.sum() / torch.as_tensor(inputs.global_valid_seqs, dtype=torch.float64, device=mask.device)
+        loss, metrics = self.loss.compute(inputs, layout, extra_metric_sums={SEQUENCE_SHARE: share})
+        metrics = dict(metrics)
+        return loss, for_nemo_rl_step(metrics, metrics.pop(SEQUENCE_SHARE))
 
 
 def build_nemo_rl_loss_fn(
