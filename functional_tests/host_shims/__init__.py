@@ -1,0 +1,10 @@
+"""What it takes to run the hosts' own training steps on a CPU, in one place (the tests' helper, not the package).
+
+The hosts' training steps assume a GPU: a CUDA device, NCCL, Transformer Engine, flash attention. The step tests run
+them on CPU gloo processes with tiny random models; every shim here names the host's file and line it works around
+and the host version it was written against, so that a host upgrade that makes one unnecessary (or wrong) can be
+traced. Nothing here changes what the hosts compute: devices, process-group backends and attention kernels only.
+
+Modules: ``verl`` (verl 0.9.1's platform, model and engine set-up), ``megatron_cpu`` (megatron-core's CUDA-only
+calls, used by verl's Megatron engine); other hosts' modules sit beside them.
+"""
