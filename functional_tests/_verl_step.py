@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from host_shims import verl as verl_shims
 
 # Global batch: ROWS sequences of PROMPT + RESPONSE tokens; two mini-batches (two optimizer steps) of ROWS // 2 rows.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("verl.workers.engine_workers", reason="verl's training stack is not importable (requirements/ci.lock)")
+pytest.importorskip(
+    "verl.workers.engine_workers", reason="verl's training stack is not importable (requirements/ci.lock)"
+)
 
 from _verl_step import assert_same_update, run_step, setup_rank  # noqa: E402
 from distributed._spawn import run_checks  # noqa: E402
