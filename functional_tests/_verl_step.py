@@ -240,3 +240,116 @@ def _as_list(value) -> list[float]:
     if isinstance(value, list | tuple):
         return [float(v) for v in value]
     return [float(value)]
+
+
+# ------------------------------------------------------------------------------------------- the plugin's settings
+
+# The plugin's own settings, each through verl's config (``policy_loss.nemo_is``); ``weights``: verl passes raw token
+# ratios as ``rollout_is_weights`` (docs/verl.md, "Who owns the rollout correction"), from which the plugin recovers
+# log mu. Each with the metric names docs/verl.md documents for it (beyond the plugin's ``actor/nemo_is/`` set).
+NO_KL = {"reference_policy_kl_penalty": 0.0}
+OWN_SETTINGS: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "seqmean_is_tis": (
+        {
+            **NO_KL,
+            "use_importance_sampling_correction": True,
+            "is_correction_level": "sequence_mean",
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 1.05,
+        },
+        (
+            "rollout_corr/rollout_is_mean",
+            "rollout_corr/rollout_is_eff_sample_size",
+            "rollout_corr/rollout_is_seq_max",
+            "rollout_corr/kl",
+            "rollout_corr/chi2_seq",
+            "actor/nemo_is/is_weight_mean",
+            "actor/nemo_is/is_weight_max_micro_batch_mean",
+        ),
+    ),
+    "ctpo": (
+        {
+            **NO_KL,
+            "ratio_level": "cumulative",
+            "log_ratio_clip_low": 0.025,
+            "log_ratio_clip_high": 0.05,
+            "log_ratio_clip_c": 0.05,
+            "clip_position_power": 0.5,
+            "token_log_ratio_clamp": 20.0,
+            "max_log_ratio": 10.0,
+            "use_importance_sampling_correction": True,
+            "is_correction_level": "sequence_mean",
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 5.0,
+        },
+        ("rollout_corr/rollout_is_mean", "actor/pg_clipfrac", "actor/ppo_kl", "actor/nemo_is/clip_fraction"),
+    ),
+    "m2po": (
+        {**NO_KL, "policy_objective": "m2po", "m2po_budget": 0.04},
+        (
+            "actor/nemo_is/m2po_m2",
+            "actor/nemo_is/m2po_m2_after",
+            "actor/nemo_is/m2po_harmful_fraction",
+            "actor/nemo_is/m2po_clip_high_max_micro_batch_mean",
+            "actor/nemo_is/m2po_clip_low_min_micro_batch_mean",
+        ),
+    ),
+    "rejection_prob_diff": (
+        {
+            **NO_KL,
+            "use_importance_sampling_correction": True,
+            "importance_sampling_rejection_rules": [{"statistic": "prob_diff", "aggregation": "token", "max": 0.0005}],
+        },
+        ("actor/nemo_is/is_rejection_token_prob_diff_rejected_fraction", "actor/nemo_is/is_rejected_fraction"),
+    ),
+    "preset_decoupled_k3_rs_token_tis": (
+        {**NO_KL, "rollout_correction": "decoupled_k3_rs_token_tis"},
+        (
+            "rollout_corr/rollout_rs_seq_mean_k3_mean",
+            "rollout_corr/rollout_rs_masked_fraction",
+            "rollout_corr/rollout_is_mean",
+            "rollout_corr/rollout_is_ratio_fraction_high",
+        ),
+    ),
+}
+
+
+class LossSpy:
+    """Counts and records the calls verl's ``ppo_loss`` makes to the plugin's registered loss (the class's
+    ``__call__``, so the object verl fetched from its registry is the one observed)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __enter__(self) -> LossSpy:
+        from nemo_is_plugin.adapters.verl.policy_loss import VerlPolicyLoss
+
+        self._cls, self._orig = VerlPolicyLoss, VerlPolicyLoss.__call__
+        spy = self
+
+        def recording(obj, **kwargs):
+            result = spy._orig(obj, **kwargs)
+            spy.calls.append(
+                {"inputs": {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}, "out": result}
+            )
+            return result
+
+        VerlPolicyLoss.__call__ = recording  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cls.__call__ = self._orig  # type: ignore[method-assign]
+
+
+def assert_metrics_reach_verl(result: StepResult, spy: LossSpy, documented: tuple[str, ...]) -> None:
+    """Every metric the plugin's loss returned reaches verl's step metrics under its name, the documented ones
+    included, one value per optimizer step, all finite; and nothing of verl's own step is non-finite."""
+    returned = set().union(*(call["out"][1].keys() for call in spy.calls))
+    missing = sorted((returned | set(documented)) - set(result.metrics))
+    assert not missing, f"not in verl's metrics: {missing}"
+    for name, value in result.metrics.items():
+        values = _as_list(value)
+        assert all(math.isfinite(v) for v in values), f"{name}: {values}"
+        if name in returned:
+            assert len(values) == 2, (name, values)  # one per optimizer step
+    assert not [n for n in result.params if not torch.isfinite(result.params[n]).all()]

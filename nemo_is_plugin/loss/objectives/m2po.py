@@ -230,8 +230,10 @@ class M2PO(PolicyObjective):
 
     def finalize(self, metrics: Mapping[str, float]) -> dict[str, float]:
         fraction = metrics.get("m2po_harmful_fraction")
-        if not fraction:
+        if fraction is None:
             return {}
+        if not fraction:  # no harmful token: no bound applied; both present (0), so every call reports the same names
+            return {"m2po_m2": 0.0, "m2po_m2_after": 0.0}
         return {
             "m2po_m2": metrics["m2po_harmful_log_ratio_sq"] / fraction,
             "m2po_m2_after": metrics["m2po_capped_log_ratio_sq"] / fraction,
