@@ -130,7 +130,6 @@ def run_step(
 
     model_config = HFModelConfig(
         path=str(model_dir()),
-        load_tokenizer=False,
         use_remove_padding=remove_padding,
         override_config={"attn_implementation": "sdpa"},
         **(model_keys or {}),
@@ -187,10 +186,9 @@ def _actor_engine_keys(engine: str, engine_keys: dict | None) -> dict:
 
     optim = dict(lr=1e-2, clip_grad=1.0, weight_decay=0.0)
     if engine == "megatron":
-        keys = dict(
-            megatron=McoreEngineConfig(forward_only=False, dtype="float32", **(engine_keys or {})),
-            optim=McoreOptimizerConfig(**optim),
-        )
+        engine_config = McoreEngineConfig(forward_only=False, dtype="bfloat16", **(engine_keys or {}))
+        verl_shims.megatron_fp32(engine_config)
+        keys = dict(megatron=engine_config, optim=McoreOptimizerConfig(**optim, lr_decay_steps=10))
     else:
         keys = dict(
             fsdp_config=FSDPEngineConfig(

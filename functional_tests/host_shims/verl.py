@@ -14,7 +14,7 @@ What each piece works around:
   (``verl/utils/distributed.py``, line 83), whose default backend is ``cpu:gloo,<device>:<nccl>``; it initialises
   nothing when a group exists, so the test initialises gloo first.
 - ``tiny_model_dir``: ``HFModelConfig`` (``verl/workers/config/model.py``, ``__post_init__``) reads a model from a
-  path; a tiny random Qwen2 saved locally (no hub download), with ``load_tokenizer=False`` and
+  path; a tiny random Qwen2 and a word-level tokenizer saved locally (no hub download), with
   ``override_config.attn_implementation=sdpa`` (verl's default, ``flash_attention_2``, line 185, needs CUDA).
 """
 
@@ -160,4 +160,21 @@ def tiny_model_dir(path: Path, *, vocab_size: int = 256, hidden: int = 64, layer
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)
     model.save_pretrained(path)
+    # verl's Megatron engine reads the tokenizer's pad id in its forward step
+    # (``verl/workers/engine/megatron/transformer_impl.py`` line 1405): a word-level tokenizer over the same ids
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
     return path
+
+
+def megatron_fp32(engine_config) -> None:
+    """fp32 training on verl's Megatron engine: ``McoreEngineConfig.__post_init__`` (``verl/workers/config/engine.py``
+    line 218) admits only ``bfloat16`` / ``float16``, while the engine itself derives Megatron's ``params_dtype`` /
+    ``bf16`` / ``fp16`` from the value (``verl/workers/engine/megatron/transformer_impl.py``, ``_build_tf_config``,
+    lines 292 and 334) and runs fp32 with ``float32``. Set after validation, so that the steps compare at fp32."""
+    object.__setattr__(engine_config, "dtype", "float32")
