@@ -46,7 +46,6 @@ import types
 import torch
 import torch.nn.functional as F
 
-
 CUDA_TO_CPU_MODULES = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
