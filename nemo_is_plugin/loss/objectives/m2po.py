@@ -30,13 +30,14 @@ Where it differs from the authors', and why:
 - the bounds are computed in float64 (the authors': exp in float32); a tau^2 below 1e-12 gives tau = 0 (the authors'
   ``sqrt`` of a negative number would fail).
 
-The log-ratio is not clamped (as the authors'), unless ``token_log_ratio_clamp`` is set. Metrics (additive, per token
-of the global count): ``m2po_harmful_fraction``, ``m2po_harmful_log_ratio_sq`` (sum of the harmful Delta^2) and
+The log-ratio is not clamped (as the authors'), unless ``token_log_ratio_clamp`` is set. Metrics (additive, per token of
+the global count): ``m2po_harmful_fraction``, ``m2po_harmful_log_ratio_sq`` (sum of the harmful Delta^2) and
 ``m2po_capped_log_ratio_sq`` (the same capped at tau^2: the authors' ``M2_after``, which is M2 itself when nothing is
 capped), from which ``finalize_metrics`` derives ``m2po_m2`` and ``m2po_m2_after`` (the authors' ``m2po/M2`` and
-``m2po/M2_after``); the bounds used, ``m2po_clip_low_min`` / ``_max`` and ``m2po_clip_high_min`` / ``_max`` (the
-authors' ``m2po/clip_low`` / ``clip_high``). verl has no ``m2po`` loss mode (the 0.9.1 release's registry, and no M2PO
-page in verl's docs/algo at head): select it in verl with ``policy_loss.nemo_is.policy_objective: m2po``.
+``m2po/M2_after``; both 0 when no token is harmful, so that every call reports the same names); the bounds used,
+``m2po_clip_low_min`` / ``_max`` and ``m2po_clip_high_min`` / ``_max`` (the authors' ``m2po/clip_low`` / ``clip_high``).
+verl has no ``m2po`` loss mode (the 0.9.1 release's registry, and no M2PO page in verl's docs/algo at head): select it
+in verl with ``policy_loss.nemo_is.policy_objective: m2po``.
 """
 
 from __future__ import annotations
