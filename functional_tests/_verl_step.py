@@ -27,6 +27,7 @@ ROWS, PROMPT, RESPONSE = 8, 6, 8
 MINI_BATCH = ROWS // 2
 MICRO_BATCH_PER_RANK = 1
 VOCAB = 256
+MODEL_DIR_ENV = "NEMO_IS_VERL_STEP_DIR"
 
 
 def setup_rank(rank: int, world_size: int) -> None:
@@ -38,8 +39,9 @@ def setup_rank(rank: int, world_size: int) -> None:
 
 
 def model_dir() -> Path:
-    """One tiny random model per process tree, written by rank 0 (the same bytes for every run)."""
-    root = Path(os.environ.get("NEMO_IS_VERL_STEP_DIR", "/tmp")) / f"nemo_is_verl_step_{os.getppid()}"
+    """The tiny random model, written once by rank 0 into ``$NEMO_IS_VERL_STEP_DIR`` (the test module's temporary
+    directory; the same bytes for every run)."""
+    root = Path(os.environ[MODEL_DIR_ENV]) / "tiny_qwen2"
     if dist.get_rank() == 0 and not (root / "config.json").exists():
         verl_shims.tiny_model_dir(root, vocab_size=VOCAB)
     dist.barrier()

@@ -29,6 +29,7 @@ pytest.importorskip(
 
 import torch.distributed as dist  # noqa: E402
 from _verl_step import (  # noqa: E402
+    MODEL_DIR_ENV,
     OWN_SETTINGS,
     LossSpy,
     assert_metrics_reach_verl,
@@ -125,7 +126,10 @@ if os.environ.get("NEMO_IS_VERL_STEP_ONLY"):  # the DP 1 spawn runs the named ch
 
 @pytest.fixture(scope="module")
 def span_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("m2po_span")
+    """The M2PO span records and the tiny model (``_verl_step.model_dir``), for both spawns of the module."""
+    path = tmp_path_factory.mktemp("verl_step_fsdp")
+    os.environ[MODEL_DIR_ENV] = str(path)
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 import torch  # noqa: E402
 from _verl_step import (  # noqa: E402
+    MODEL_DIR_ENV,
     OWN_SETTINGS,
     LossSpy,
     assert_metrics_reach_verl,
@@ -119,8 +120,9 @@ if os.environ.get("NEMO_IS_VERL_STEP_ONLY"):  # to run one check alone while deb
 
 
 @pytest.fixture(scope="module")
-def gloo_results() -> dict[str, str | None]:
-    """Every check of ``CHECKS`` in one spawn of ``WORLD`` gloo ranks."""
+def gloo_results(tmp_path_factory) -> dict[str, str | None]:
+    """Every check of ``CHECKS`` in one spawn of ``WORLD`` gloo ranks (the tiny model in a temporary directory)."""
+    os.environ[MODEL_DIR_ENV] = str(tmp_path_factory.mktemp("verl_step_megatron"))
     return run_checks(__name__, WORLD)
 
 
