@@ -10,9 +10,11 @@ What each piece works around:
   its ``get_torch_device()`` a module with the memory calls verl makes after each step
   (``verl/workers/engine_workers.py``, ``TrainingWorker._postprocess_output``: ``max_memory_allocated`` /
   ``max_memory_reserved``) and in its engines (``empty_cache``, ``synchronize``, ``set_per_process_memory_fraction``).
-- ``init_gloo``: ``TrainingWorker.__init__`` calls ``initialize_global_process_group_ray``
+- gloo first: ``TrainingWorker.__init__`` calls ``initialize_global_process_group_ray``
   (``verl/utils/distributed.py``, line 83), whose default backend is ``cpu:gloo,<device>:<nccl>``; it initialises
-  nothing when a group exists, so the test initialises gloo first.
+  nothing when a group exists, and the tests' spawn harness (``tests/distributed/_spawn.py``) initialises gloo before
+  any verl code runs.
+- ``megatron_fp32``: fp32 on the Megatron engine (its docstring).
 - ``tiny_model_dir``: ``HFModelConfig`` (``verl/workers/config/model.py``, ``__post_init__``) reads a model from a
   path; a tiny random Qwen2 and a word-level tokenizer saved locally (no hub download), with
   ``override_config.attn_implementation=sdpa`` (verl's default, ``flash_attention_2``, line 185, needs CUDA).
@@ -22,13 +24,9 @@ from __future__ import annotations
 
 import os
 import types
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-
-GROUP_TIMEOUT = timedelta(seconds=300)
 
 
 def _cpu_device_module() -> types.ModuleType:
@@ -128,17 +126,6 @@ def register_cpu_platform() -> None:
     os.environ["VERL_ENGINE_DEVICE"] = "cuda"
     os.environ["VERL_ENGINE_VENDOR"] = "nvidia"
     set_platform(PlatformCPU())
-
-
-def init_gloo(rank: int, world_size: int, port: int) -> None:
-    """The default process group on gloo, before verl's ``initialize_global_process_group_ray`` (a no-op then)."""
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
-    )
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
-    )
 
 
 def tiny_model_dir(path: Path, *, vocab_size: int = 256, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
