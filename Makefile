@@ -91,7 +91,10 @@ golden-verl-loss-modes: setup
 
 # Regenerate $(LOCK) after changing the dependencies in pyproject.toml: resolve the test environment in a scratch venv
 # and freeze it. verl is installed without its declared dependencies (they pin a CUDA torch and downgrade omegaconf),
-# with the few packages its loss module imports; triton runs the GPU log-prob kernel in its CPU interpreter in tests.
+# with the few packages its loss module imports, plus what its training step imports (TrainingWorker, the FSDP and
+# Megatron engines: functional_tests/test_verl_step_*.py): accelerate, datasets (dill, multiprocess, pandas, xxhash),
+# einops, fastapi (starlette, opentelemetry-api), mbridge, peft, uvicorn -- all without their own dependencies, at the
+# versions tested; triton runs the GPU log-prob kernel in its CPU interpreter in tests.
 # Review `git diff $(LOCK)` (and run `make clean test`) before committing it.
 LOCK_VENV := .venv-lock
 lock:
@@ -101,11 +104,12 @@ lock:
 	$(LOCK_VENV)/bin/python -m pip install -q torch==$(TORCH)
 	$(LOCK_VENV)/bin/python -m pip install -q -e ".[test]" "transformers>=5.5.3,<5.11,!=5.6.0" "triton==3.9.0"
 	$(LOCK_VENV)/bin/python -m pip install -q --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0" \
-		codetiming cloudpickle orjson
+		codetiming cloudpickle orjson "accelerate==1.15.0" "datasets==5.2.0" "dill==0.4.1" "einops==0.8.2" \
+		"fastapi==0.165.0" "mbridge==0.15.1" "multiprocess==0.70.19" "opentelemetry-api==1.45.2" "pandas==3.1.1" \
+		"peft==0.21.2" "starlette==1.10.0" "uvicorn==0.54.0" "xxhash==4.1.0"
 	# NeMo-RL's DTensor v1 worker's imports (functional_tests/test_nemo_rl_dtensor_step.py runs it from the pinned
-	# source, which is not installable): its hard imports beyond the test extra, without their trees
-	$(LOCK_VENV)/bin/python -m pip install -q --no-deps "accelerate==1.15.0" "datasets==5.2.0" "dill==0.4.1" \
-		"multiprocess==0.70.19" "pandas==3.1.1" "xxhash==4.1.0" "hydra-core==1.3.8" "antlr4-python3-runtime==4.9.3" \
+	# source, which is not installable), beyond verl's step's above, without their trees
+	$(LOCK_VENV)/bin/python -m pip install -q --no-deps "hydra-core==1.3.8" "antlr4-python3-runtime==4.9.3" \
 		"pyzmq==27.3.0" "nvidia-ml-py==13.615.71" "prometheus-client==0.26.0"
 	{ sed -n '/^#/p' $(LOCK); $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable \
 		| sed -E 's/^(torch==[^+]+)\+.*/\1/'; } > $(LOCK).new

@@ -197,9 +197,37 @@ def test_a_rule_verl_has_no_option_for_reports_under_the_plugins_names_only():
     assert sorted(got) == sorted(want)
     assert all(math.isclose(got[k], v, rel_tol=1e-6, abs_tol=1e-9) for k, v in want.items())
     ours = "actor/nemo_is/is_rejection_token_prob_diff_"
-    assert {ours + s for s in ("mean", "min", "max", "rejected_fraction", "rejected_seq_fraction")} <= set(metrics)
+    names = ("mean", "min_micro_batch_mean", "max_micro_batch_mean", "rejected_fraction", "rejected_seq_fraction")
+    assert {ours + s for s in names} <= set(metrics)
     assert 0 < metrics[ours + "rejected_fraction"] < 1
     # verl's two rules reject nothing on this batch (their rollout_rs_*_masked_fraction above are verl's 0), so the
     # plugin's combined fraction is the prob_diff rule's, which verl's combined fraction would have missed
     assert metrics["actor/nemo_is/is_rejection_rejected_fraction"] == metrics[ours + "rejected_fraction"]
     assert {want[f"{PREFIX}rollout_rs_{o}_masked_fraction"] for o in ("seq_mean_k1", "token_k2")} == {0.0}
+
+
+def test_m2po_reaches_verl_with_its_derived_metrics_and_extrema_named_for_verls_mean():
+    """verl averages every policy-loss metric over micro-batches and DP ranks: the plugin's extrema reach it as
+    ``<name>_micro_batch_mean`` (never under a name that promises an extremum), and M2PO's derived M2 / M2_after
+    (the mean squared log-ratio over the harmful tokens, before and after the cap) are there, computed from the same
+    call's sums."""
+    batch = _batch(beyond_20=False)
+    metrics = _plugin({"policy_objective": "m2po", "m2po_budget": 0.04, "reference_policy_kl_penalty": 0.0}, batch)
+    ours = "actor/nemo_is/"
+    assert not [k for k in metrics if k.startswith(ours) and k.endswith(("_min", "_max"))]
+    assert {ours + f"m2po_clip_{s}_micro_batch_mean" for s in ("low_min", "low_max", "high_min", "high_max")} <= set(
+        metrics
+    )
+    fraction = metrics[ours + "m2po_harmful_fraction"]
+    assert 0 < fraction < 1
+    m2 = metrics[ours + "m2po_harmful_log_ratio_sq"] / fraction
+    assert math.isclose(metrics[ours + "m2po_m2"], m2, rel_tol=1e-12)
+    # the budget binds on this batch: the capped moment is within it, below the uncapped one
+    assert metrics[ours + "m2po_m2_after"] <= 0.04 + 1e-12 < m2
+    # and by hand: the harmful tokens' mean squared log-ratio (A of the row's first valid token, r = pi / pi_old)
+    delta = batch["old"] - batch["log_prob"]
+    first = batch["mask"].double().argmax(-1)
+    adv0 = batch["adv"].gather(1, first[:, None]).expand_as(delta)
+    ratio = (-delta).exp()
+    harmful = batch["mask"] & (((adv0 > 1e-12) & (ratio > 1 + 1e-12)) | ((adv0 < -1e-12) & (ratio < 1 - 1e-12)))
+    assert math.isclose(metrics[ours + "m2po_m2"], (delta[harmful] ** 2).mean().item(), rel_tol=1e-9)

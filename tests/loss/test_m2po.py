@@ -285,3 +285,16 @@ def test_refusals_and_schedule():
     assert why is not None and "batch" in why
     names = ClippedPGLoss({"policy_objective": "m2po"}).metric_denominators()  # the loss traced on meta tensors
     assert {"m2po_harmful_fraction", "m2po_clip_low_min", "m2po_clip_high_max"} <= set(names)
+
+
+def test_derived_metrics_are_reported_with_no_harmful_token():
+    """No harmful token: M2 and M2_after are 0 (no bound applied), present so every call carries the same names
+    (verl's step aggregates each name over all micro-batches and refuses lists of unequal length); without M2PO's
+    metrics there is nothing to derive."""
+    from nemo_is_plugin.loss.objectives.m2po import M2PO
+
+    sums = {"m2po_harmful_fraction": 0.0, "m2po_harmful_log_ratio_sq": 0.0, "m2po_capped_log_ratio_sq": 0.0}
+    assert M2PO().finalize(sums) == {"m2po_m2": 0.0, "m2po_m2_after": 0.0}
+    assert M2PO().finalize({"clip_fraction": 0.5}) == {}
+    sums = {"m2po_harmful_fraction": 0.25, "m2po_harmful_log_ratio_sq": 0.02, "m2po_capped_log_ratio_sq": 0.01}
+    assert M2PO().finalize(sums) == pytest.approx({"m2po_m2": 0.08, "m2po_m2_after": 0.04}, rel=1e-15)

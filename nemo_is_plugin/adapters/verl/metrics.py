@@ -37,6 +37,8 @@ from collections.abc import Mapping
 import torch
 
 from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.metrics import Denominator
+from nemo_is_plugin.loss.objectives import OBJECTIVES
 from nemo_is_plugin.loss.terms import LossTerms
 
 PREFIX = "rollout_corr/"
@@ -45,6 +47,29 @@ _SAME = {"kl": "mismatch_kl_k1", "k3_kl": "mismatch_kl_k3"}
 _PER_ROW = ("training_log_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff")
 _RULE = {"mean": "mean", "max": "max", "min": "min", "masked_fraction": "rejected_fraction"}
 _PER_ROW_LEVELS = ("sequence", "sequence_mean")
+# verl 0.9.1's ppo_loss (verl/workers/utils/losses.py) wraps every policy-loss metric in Metric(aggregation=MEAN), and
+# TrainingWorker.train_mini_batch (verl/workers/engine_workers.py) averages each one over the micro-batches and the DP
+# ranks (Metric.aggregate_dp); a Metric with another aggregation is refused there (Metric.extend). An extremum
+# therefore reaches verl's metrics as the mean of the micro-batches' extrema, and is named so.
+MICRO_BATCH_MEAN = "_micro_batch_mean"
+
+
+def plugin_metrics(local: Mapping[str, float], denominators: Mapping[str, Denominator]) -> dict[str, float]:
+    """The plugin's metrics of one micro-batch as verl receives them (before ``actor/nemo_is/``).
+
+    ``local``: the loss's metrics renormalised to the micro-batch's counts; ``denominators``: each one's
+    :class:`~nemo_is_plugin.loss.metrics.Denominator`. Extrema (``_min`` / ``_max``, no denominator) get the suffix
+    ``_micro_batch_mean`` (what verl makes of them, see ``MICRO_BATCH_MEAN``); the objective's derived statistics
+    (``PolicyObjective.finalize``, e.g. M2PO's ``m2po_m2`` / ``m2po_m2_after``) are added, over this micro-batch (where
+    verl's step computes M2PO's statistic, docs/verl.md), and reach verl averaged like every other metric.
+    """
+    out = {}
+    for name, value in local.items():
+        extremum = denominators.get(name) is Denominator.NONE and name.endswith(("_min", "_max"))
+        out[name + MICRO_BATCH_MEAN if extremum else name] = value
+    for objective in OBJECTIVES.values():
+        out.update(objective.finalize(local))
+    return out
 
 
 def rollout_corr_metrics(
@@ -248,10 +273,12 @@ def rejection_statistics(
 
 
 __all__ = [
+    "MICRO_BATCH_MEAN",
     "PREFIX",
     "VERL_SAFETY_BOUND",
     "is_weight_statistics",
     "off_policy_statistics",
+    "plugin_metrics",
     "rejection_statistics",
     "rollout_corr_metrics",
     "verl_statistics",

@@ -61,7 +61,7 @@ from nemo_is_plugin.adapters.verl.loss_modes import (
     verl_mode_of,
     verl_mode_settings,
 )
-from nemo_is_plugin.adapters.verl.metrics import rollout_corr_metrics, verl_statistics
+from nemo_is_plugin.adapters.verl.metrics import plugin_metrics, rollout_corr_metrics, verl_statistics
 from nemo_is_plugin.config import ClippedPGLossConfig
 
 VERL_LOSS_NAME = "nemo_is.clipped_pg"
@@ -331,7 +331,7 @@ class VerlPolicyLoss:
                 as_tensor(ppo_kl),
                 as_tensor(local.get(lower, 0.0)),
             )
-        out = {f"{METRIC_PREFIX}{k}": v for k, v in local.items()}
+        out = {f"{METRIC_PREFIX}{k}": v for k, v in plugin_metrics(local, metrics.denominators).items()}
         verl_values = dict(zip(VERL_METRIC_NAMES, (local.get(clipfrac, 0.0), ppo_kl, local.get(lower, 0.0))))
         out.update({name: verl_values[name] for name in mode.metrics})
         if reads_mu:  # the plugin measured the true mismatch: verl's rollout_corr/ names where the quantity is the same

@@ -37,11 +37,11 @@ Where it differs from the authors', and why:
   and clips in log space, so the token is unclipped in every dtype (a float64 tau 1e-12 short, as before, clipped it,
   gradient 0, in every float64 batch and 8 of 200 float32 ones). The bounds are computed in float64.
 
-The log-ratio is not clamped (as the authors'), unless ``token_log_ratio_clamp`` is set. Metrics (additive, per token
-of the global count): ``m2po_harmful_fraction``, ``m2po_harmful_log_ratio_sq`` (sum of the harmful Delta^2) and
+The log-ratio is not clamped (as the authors'), unless ``token_log_ratio_clamp`` is set. Metrics (additive, per token of
+the global count): ``m2po_harmful_fraction``, ``m2po_harmful_log_ratio_sq`` (sum of the harmful Delta^2) and
 ``m2po_capped_log_ratio_sq`` (the same capped at tau^2: the authors' ``M2_after``, which is M2 itself when nothing is
 capped), from which ``finalize_metrics`` derives ``m2po_m2`` and ``m2po_m2_after`` (the authors' ``m2po/M2`` and
-``m2po/M2_after``; 0 when no token is harmful, as the authors log it); the bounds used, ``m2po_clip_low_min`` /
+``m2po/M2_after``; 0 when no token is harmful, as the authors log it, so that every call reports the same names); the bounds used, ``m2po_clip_low_min`` /
 ``_max`` and ``m2po_clip_high_min`` / ``_max`` (the authors' ``m2po/clip_low`` / ``clip_high``). verl has no ``m2po``
 loss mode (the 0.9.1 release's registry, and no M2PO page in verl's docs/algo at head): select it in verl with
 ``policy_loss.nemo_is.policy_objective: m2po``.
@@ -252,9 +252,9 @@ class M2PO(PolicyObjective):
 
     def finalize(self, metrics: Mapping[str, float]) -> dict[str, float]:
         fraction = metrics.get("m2po_harmful_fraction")
-        if fraction is None:  # not an m2po loss
+        if fraction is None:
             return {}
-        if fraction == 0:  # no harmful token: the authors log M2 = M2_after = 0
+        if not fraction:  # no harmful token: no bound applied; both present (0), so every call reports the same names
             return {"m2po_m2": 0.0, "m2po_m2_after": 0.0}
         return {
             "m2po_m2": metrics["m2po_harmful_log_ratio_sq"] / fraction,

@@ -1,0 +1,172 @@
+"""verl 0.9.1's real actor update on its FSDP engine (fsdp2, DP 2) on CPU gloo ranks (``_verl_step``: verl's
+``TrainingWorker.train_mini_batch`` -> ``ppo_loss`` -> ``get_policy_loss_fn``, two optimizer steps of two micro-batches
+per rank, fp32, a tiny random Qwen2).
+
+- verl's ``vanilla`` against the plugin selected through verl's own config (``policy_loss.loss_mode=nemo_is.clipped_pg``
+  with an empty ``nemo_is`` section: verl's settings only): the same loss, grad norm and parameters after the two
+  steps (1e-6 relative), remove-padding on and off;
+- the plugin's own settings (``_verl_step.OWN_SETTINGS``): the step runs, every metric the plugin's loss returns reaches
+  verl's step metrics under its name (the documented ones included), nothing non-finite;
+- M2PO's batch statistic in verl's step spans one micro-batch of one DP rank (docs/verl.md): at DP 1 and DP 2 the
+  first step's calls on the same rows give the same M2 and bounds, each call's M2 is its own rows' by hand, and verl's
+  value is the mean of the calls' (``_micro_batch_mean``).
+
+One spawn of two ranks for the module (and one of one rank for the DP 1 half of the M2PO check); ~2.5 min on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "verl.workers.engine_workers",
+    reason="verl's training stack is not importable (verl 0.9.1 with the packages requirements/ci.lock pins for it)",
+)
+
+import torch.distributed as dist  # noqa: E402
+from _verl_step import (  # noqa: E402
+    MODEL_DIR_ENV,
+    OWN_SETTINGS,
+    LossSpy,
+    assert_metrics_reach_verl,
+    assert_same_update,
+    run_step,
+    setup_rank,
+)
+from distributed._spawn import run_checks  # noqa: E402
+
+WORLD = 2
+ENGINE = "fsdp2"
+PLUGIN = "nemo_is.clipped_pg"
+SPAN_DIR_ENV = "NEMO_IS_VERL_M2PO_SPAN_DIR"
+
+
+def setup_workers(rank: int, world_size: int) -> None:
+    setup_rank(rank, world_size)
+
+
+def _native_vs_plugin(remove_padding: bool):
+    def check(rank: int, world_size: int) -> None:
+        native = run_step(ENGINE, remove_padding=remove_padding)
+        with LossSpy() as spy:
+            plugin = run_step(ENGINE, loss_mode=PLUGIN, nemo_is={}, remove_padding=remove_padding)
+        assert len(spy.calls) == 4  # two steps of two micro-batches on this rank, all through the plugin
+        assert_same_update(native, plugin)
+
+    return check
+
+
+def _own_setting(name: str):
+    keys, documented = OWN_SETTINGS[name]
+
+    def check(rank: int, world_size: int) -> None:
+        with LossSpy() as spy:
+            result = run_step(ENGINE, loss_mode=PLUGIN, nemo_is=keys, rollout_is_weights=True)
+        assert len(spy.calls) == 4
+        assert_metrics_reach_verl(result, spy, documented)
+
+    return check
+
+
+def _m2po_span(rank: int, world_size: int) -> None:
+    """Each call's M2 from its own rows by hand; verl's reported value per step = the mean of that step's calls over
+    every rank; the first step's per-row values written out for the DP 1 / DP 2 comparison."""
+    keys, documented = OWN_SETTINGS["m2po"]
+    with LossSpy() as spy:
+        result = run_step(ENGINE, loss_mode=PLUGIN, nemo_is=keys, rollout_is_weights=False)
+    assert_metrics_reach_verl(result, spy, documented)
+    ours = "actor/nemo_is/"
+    records = []
+    for call in spy.calls:
+        x, metrics = call["inputs"], call["out"][1]
+        mask = x["response_mask"].bool()
+        delta = (x["old_log_prob"] - x["log_prob"]).double()
+        first = mask.double().argmax(-1)
+        adv0 = x["advantages"].double().gather(1, first[:, None]).expand_as(delta)
+        ratio = (-delta).exp()
+        harmful = mask & (((adv0 > 1e-12) & (ratio > 1 + 1e-12)) | ((adv0 < -1e-12) & (ratio < 1 - 1e-12)))
+        m2 = (delta[harmful] ** 2).mean().item() if harmful.any() else 0.0
+        assert abs(metrics[ours + "m2po_m2"] - m2) <= 1e-6 * max(m2, 1e-12), (metrics[ours + "m2po_m2"], m2)
+        row = round(float((x["old_log_prob"] * mask).sum()), 4)  # the row's identity: its old log-probs
+        names = (
+            "m2po_m2",
+            "m2po_m2_after",
+            "m2po_clip_high_max_micro_batch_mean",
+            "m2po_clip_low_min_micro_batch_mean",
+        )
+        records.append({"row": row, **{n: float(metrics[ours + n]) for n in names}})
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, records)
+    half = len(records) // 2
+    for step in range(2):
+        calls = [r for rank_records in gathered for r in rank_records[step * half : (step + 1) * half]]
+        for name in ("m2po_m2", "m2po_clip_high_max_micro_batch_mean"):
+            mean = sum(c[name] for c in calls) / len(calls)
+            got = result.metrics[ours + name][step] if rank == 0 else mean
+            assert abs(got - mean) <= 1e-9 * max(abs(mean), 1.0), (name, step, got, mean)
+    out = os.environ.get(SPAN_DIR_ENV)
+    if out and rank == 0:
+        first_step = [r for rank_records in gathered for r in rank_records[:half]]
+        Path(out, f"dp{world_size}.json").write_text(json.dumps(first_step))
+
+
+CHECKS = [
+    ("vanilla_remove_padding", _native_vs_plugin(True)),
+    ("vanilla_padded", _native_vs_plugin(False)),
+    *((f"own_{name}", _own_setting(name)) for name in OWN_SETTINGS if name != "m2po"),
+    ("m2po_span", _m2po_span),
+]
+if os.environ.get("NEMO_IS_VERL_STEP_ONLY"):  # the DP 1 spawn runs the named check alone
+    CHECKS = [(n, f) for n, f in CHECKS if n == os.environ["NEMO_IS_VERL_STEP_ONLY"]]
+
+
+@pytest.fixture(scope="module")
+def span_dir(tmp_path_factory) -> Path:
+    """The M2PO span records and the tiny model (``_verl_step.model_dir``), for both spawns of the module."""
+    path = tmp_path_factory.mktemp("verl_step_fsdp")
+    os.environ[MODEL_DIR_ENV] = str(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gloo_results(span_dir) -> dict[str, str | None]:
+    """Every check of ``CHECKS`` in one spawn of ``WORLD`` gloo ranks (verl's set-up is paid once per module)."""
+    os.environ[SPAN_DIR_ENV] = str(span_dir)
+    try:
+        return run_checks(__name__, WORLD)
+    finally:
+        del os.environ[SPAN_DIR_ENV]
+
+
+@pytest.fixture(scope="module")
+def dp1_results(span_dir) -> dict[str, str | None]:
+    os.environ.update({SPAN_DIR_ENV: str(span_dir), "NEMO_IS_VERL_STEP_ONLY": "m2po_span"})
+    try:
+        return run_checks(__name__, 1)
+    finally:
+        del os.environ[SPAN_DIR_ENV], os.environ["NEMO_IS_VERL_STEP_ONLY"]
+
+
+@pytest.mark.parametrize("name", [name for name, _ in CHECKS])
+def test_verl_fsdp_step(gloo_results, name):
+    assert gloo_results[name] is None, gloo_results[name]
+
+
+def test_m2po_statistic_spans_one_micro_batch_at_dp1_and_dp2(gloo_results, dp1_results, span_dir):
+    """The first step runs every call on the initial parameters: rows the DP 1 and the DP 2 step both hold give the
+    same M2 and bounds, so the statistic saw neither the other rank's rows nor the other micro-batches'."""
+    assert gloo_results["m2po_span"] is None, gloo_results["m2po_span"]
+    assert dp1_results["m2po_span"] is None, dp1_results["m2po_span"]
+    dp1 = {r["row"]: r for r in json.loads((span_dir / "dp1.json").read_text())}
+    dp2 = {r["row"]: r for r in json.loads((span_dir / "dp2.json").read_text())}
+    shared = sorted(set(dp1) & set(dp2))
+    assert len(shared) >= 2, (sorted(dp1), sorted(dp2))
+    for row in shared:
+        for name, value in dp1[row].items():
+            assert value == pytest.approx(dp2[row][name], rel=1e-6, abs=1e-12), (row, name)
+    # and the statistic is not a constant: the rows' M2s differ
+    assert len({round(dp1[r]["m2po_m2"], 9) for r in dp1}) > 1
