@@ -67,12 +67,14 @@ from nemo_is_plugin.adapters.slime.config import (
     tis_config,
 )
 from nemo_is_plugin.adapters.slime.layout import ResponseShard
+from nemo_is_plugin.adapters.slime.metrics import objective_metrics
 from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
 from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups, ProcessGroup
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
+from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.ratios import unmasked_positions
 from nemo_is_plugin.loss.terms import KLSpec, KLWeight, TermInputs, TokenTerms, is_correction_kwargs, token_terms
 
@@ -292,8 +294,8 @@ def slime_metrics(
     batch: Mapping[str, Any],
     shard: ResponseShard,
 ) -> dict[str, torch.Tensor]:
-    """slime's metric names where slime has the quantity, ``nemo_is/...`` otherwise, from the loss's terms; reduced
-    with slime's ``sum_of_sample_mean``."""
+    """slime's metric names where slime has the quantity, ``nemo_is/...`` otherwise, from the loss's terms, and the
+    objective's own (:mod:`~nemo_is_plugin.adapters.slime.metrics`); reduced with slime's ``sum_of_sample_mean``."""
     cfg, sur, corr = t.config, terms.surrogate, t.correction
     with torch.no_grad():
         token_ratio = cfg.effective_ratio_level == "token" or cfg.use_cispo or cfg.disable_ppo_ratio
@@ -310,6 +312,7 @@ def slime_metrics(
         opd = _cat("opd_reverse_kl", shard, batch.get("opd_reverse_kl"))
         if opd is not None:
             out["opd_reverse_kl"] = reduce(opd.to(c.dtype))
+    out.update(objective_metrics(objective_of(cfg), terms.objective, t.layout, t.valid, reduce, PLUGIN_PREFIX))
     return out
 
 
