@@ -1,7 +1,8 @@
 """slime's real ``train_one_step`` (THUDM/slime @624b824a) with the plugin enabled through slime's own entry point
 (``--loss-type custom_loss --custom-loss-function-path nemo_is_plugin.adapters.slime.policy_loss``), on 4 CPU gloo
 ranks (TP 2 x DP 2; TP 4 x DP 1 for the DP 1 runs), see ``_slime_step``. slime's source comes from ``SLIME_PATH``
-(default: the pinned snapshot ../shared/hosts/slime-624b824a); without it every test here skips, naming the variable.
+(default: the pinned snapshot folder slime-624b824a in the hosts folder beside the project); without it every test
+here skips, naming the variable.
 
 - slime's own PPO loss (GRPO, eps 0.2 / 0.28, TIS at 1.5, low_var_kl, entropy) against the plugin with no plugin key:
   the same loss, slime metrics, grad norm and parameters after two optimizer steps (fp32, 1e-6 relative);

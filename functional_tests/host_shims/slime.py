@@ -4,8 +4,8 @@ Written against THUDM/slime @624b824a898ab0ec1fcb4d373004c7f3852bf515 and megatr
 shim names the file and line it works around. None changes what the step computes: an accelerator registered through
 slime's own hook, megatron-core's hard-coded ``"cuda"`` devices kept on the CPU, and imports the step never calls.
 
-- ``slime_path()``: the folder holding ``slime/``, from ``SLIME_PATH`` or the pinned snapshot beside the project
-  (``../shared/hosts/slime-624b824a``); None when neither exists (the tests then skip, naming the variable).
+- ``slime_path()``: the folder holding ``slime/``, from ``SLIME_PATH`` or the pinned snapshot ``slime-624b824a`` in
+  the hosts folder beside the project; None when neither exists (the tests then skip, naming the variable).
 - ``install(get_args)``: once per fresh process, before importing slime's ``model`` module: the stubbed imports,
   megatron-core's CUDA calls (generic megatron-core shims, written here for slime's step) and the CPU accelerator.
 - ``cpu_device()``: a context in which megatron-core's ``"cuda"`` tensors are made on the CPU (enter it around the
@@ -30,7 +30,7 @@ PATH_VARIABLE = "SLIME_PATH"
 PINNED_FOLDER = "slime-624b824a"
 SKIP_REASON = (
     f"slime's source is not here: set {PATH_VARIABLE} to a checkout of THUDM/slime @624b824a (the folder holding "
-    f"slime/), or place the pinned snapshot at ../shared/hosts/{PINNED_FOLDER}"
+    f"slime/), or place the pinned snapshot folder {PINNED_FOLDER} in the hosts folder beside the project"
 )
 
 
