@@ -21,13 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from distributed._spawn import run_checks
 from host_shims import slime as slime_shims
-
-if slime_shims.slime_path() is None:
-    pytest.skip(slime_shims.SKIP_REASON, allow_module_level=True)
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (requirements/ci.lock)")
-
-from distributed._spawn import run_checks  # noqa: E402
 
 WORLD = 4
 # across layouts (TP 2 x DP 2 against TP 4 x DP 1) the fp32 reductions differ in order (the vocab-parallel softmax,
@@ -147,6 +142,9 @@ CHECKS = [
 @pytest.fixture(scope="module")
 def gloo_results() -> dict[str, str | None]:
     """Every check of ``CHECKS`` in one spawn of ``WORLD`` gloo ranks (slime's and megatron-core's imports once)."""
+    if slime_shims.slime_path() is None:
+        pytest.skip(slime_shims.SKIP_REASON)
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (requirements/ci.lock)")
     return run_checks(__name__, WORLD)
 
 
