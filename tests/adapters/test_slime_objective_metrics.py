@@ -86,3 +86,13 @@ def test_extrema_over_tokens_have_no_slime_reduction():
     book = SlimeObjectiveBook(layout, torch.ones(3), lambda x: x.sum(), "nemo_is/")
     with pytest.raises(NotImplementedError, match="no slime reduction"):
         book.extrema("x", torch.arange(3.0), torch.ones(3, dtype=torch.bool))
+
+
+def test_cppo_metrics_reach_slime():
+    got = _call({"policy_objective": "cppo"})
+    names = ("bound_fraction", "exhausted_seq_fraction", "rate_mean", "exhausted_position_fraction")
+    for name in names:
+        assert math.isfinite(got[f"nemo_is/cppo_budget_{name}"]), name
+    # per-sample fractions reduced with slime's per-sample means: within [0, sum_i n_i / d_i]
+    _, factor = _reference()
+    assert 0 <= got["nemo_is/cppo_budget_exhausted_position_fraction"] <= factor + 1e-9
