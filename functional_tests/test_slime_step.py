@@ -4,8 +4,9 @@ ranks (TP 2 x DP 2; TP 4 x DP 1 for the DP 1 runs), see ``_slime_step``. slime's
 (default: the pinned snapshot folder slime-624b824a in the hosts folder beside the project); without it every test
 here skips, naming the variable.
 
-- slime's own PPO loss (GRPO, eps 0.2 / 0.28, TIS at 1.5, low_var_kl, entropy) against the plugin with no plugin key:
-  the same loss, slime metrics, grad norm and parameters after two optimizer steps (fp32, 1e-6 relative);
+- slime's own PPO loss (GRPO, eps 0.2 / 0.28, TIS at 1.5, low_var_kl, entropy) against the plugin with no plugin key,
+  as the whole loss and as slime's TIS function: the same loss, slime metrics, grad norm and parameters after two
+  optimizer steps (fp32, 1e-6 relative);
 - the plugin's own settings (sequence_mean IS with TIS, CTPO, M2PO, a rejection rule): the step runs, every metric
   docs/slime.md lists for the setting reaches slime's logged metrics under that name, nothing non-finite;
 - what M2PO's batch statistic spans in slime: one loss call on every DP rank together (slime deals micro-batch k of a
@@ -53,6 +54,7 @@ CTPO = {
     "token_log_ratio_clamp": 20.0,
     "max_log_ratio": 10.0,
 }
+TIS_FUNCTION = "nemo_is_plugin.adapters.slime.tis_function"
 M2PO = {"policy_objective": "m2po", "m2po_budget": 0.02}
 SEQUENCE_MEAN_TIS = {"is_correction_level": "sequence_mean", "truncated_importance_sampling_type": "tis"}
 # the plugin's settings: (name, plugin keys, the metrics docs/slime.md lists for them beyond slime's and the clip ones)
@@ -85,6 +87,9 @@ def _native_vs_plugin(rank: int, world_size: int) -> None:
     for i, (got, want) in enumerate(zip(plugin.metrics, native.metrics, strict=True)):
         for name in SLIME_NAMES:  # the metrics too; ppo_kl is a mean of both signs: relative to max(|value|, 1)
             assert abs(got[name] - want[name]) <= 1e-6 * max(abs(want[name]), 1.0), (i, name, got[name], want[name])
+    # the other entry point: slime's own PPO loss with the plugin's TIS function (--custom-tis-function-path)
+    tis = step.run_steps(step.slime_args(custom_tis_function_path=TIS_FUNCTION, nemo_is={}), tp=2)
+    step.assert_same_update(tis, native, keys=SLIME_NAMES, floor=1.0)
     clipped = [(m["pg_clipfrac"], m["tis_clipfrac"]) for m in native.metrics]
     assert all(pg > 0 for pg, _ in clipped) and any(tis > 0 for _, tis in clipped), clipped  # both clips act
 
