@@ -45,6 +45,11 @@ M2PO_NAMES = (
     "nemo_is/m2po_m2",
     "nemo_is/m2po_m2_after",
 )
+RULE_NAMES = (
+    "nemo_is/is_rejection_sequence_max_k2_mean",
+    "nemo_is/is_rejection_sequence_max_k2_rejected_fraction",
+    "nemo_is/is_rejection_rejected_fraction",
+)
 CTPO = {
     "ratio_level": "cumulative",
     "log_ratio_clip_low": 0.025,
@@ -65,7 +70,7 @@ SETTINGS: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     (
         "rejection_rule",
         {"importance_sampling_rejection_rules": [{"statistic": "k2", "aggregation": "sequence_max", "max": 0.05}]},
-        IS_NAMES,
+        IS_NAMES + RULE_NAMES,
     ),
 ]
 # what each run of the module's spawn produced, on rank 0: name -> StepRun (read by the checks after the runs)
@@ -111,7 +116,10 @@ def _plugin_settings(rank: int, world_size: int) -> None:
     m2po = RUNS["m2po"].metrics
     assert any(m["nemo_is/m2po_clip_high_mean"] < 1.0 for m in m2po), m2po
     assert any(m["nemo_is/m2po_m2_after"] < m["nemo_is/m2po_m2"] for m in m2po), m2po
-    assert any(m["nemo_is/is_rejected_fraction"] > 0 for m in RUNS["rejection_rule"].metrics)
+    runs = RUNS["rejection_rule"].metrics
+    rejected = [(m["nemo_is/is_rejected_fraction"], m[RULE_NAMES[1]], m[RULE_NAMES[2]]) for m in runs]
+    assert any(r > 0 for r, _, _ in rejected), rejected
+    assert all(abs(a - b) < 1e-7 and abs(a - c) < 1e-7 for a, b, c in rejected), rejected  # the one rule rejects
 
 
 def _m2po_spans_one_call_across_dp(rank: int, world_size: int) -> None:

@@ -89,15 +89,24 @@ def _cat(name: str, shard: ResponseShard, values: Sequence[torch.Tensor] | None)
 
 def is_metrics(corr: ISCorrection) -> dict[str, torch.Tensor]:
     """Per-token IS metrics: slime's ``tis`` / ``tis_clipfrac`` / ``tis_abs`` (raw weight, weight changed or
-    zeroed, |raw - 1|) and the plugin's final weight and rejected fraction. slime reduces them itself."""
+    zeroed, |raw - 1|), the plugin's final weight and rejected fraction, and per rejection rule its statistic and
+    rejected fraction. slime reduces them itself."""
     raw = corr.raw_weights
-    return {
+    out = {
         "tis": raw,
         "tis_clipfrac": (corr.out_of_band | corr.rejected).to(raw.dtype),
         "tis_abs": (raw - 1).abs(),
         PLUGIN_PREFIX + "is_weight": corr.weights,
         PLUGIN_PREFIX + "is_rejected_fraction": corr.rejected.to(raw.dtype),
     }
+    # per rejection rule (the loss's names): its statistic (a sequence's value on each of its tokens) and the tokens it
+    # rejects, then the tokens all rules together reject
+    for rule in corr.rules:
+        out[f"{PLUGIN_PREFIX}is_rejection_{rule.name}_mean"] = rule.token_stat.to(raw.dtype)
+        out[f"{PLUGIN_PREFIX}is_rejection_{rule.name}_rejected_fraction"] = (~rule.keep).to(raw.dtype)
+    if corr.rules_keep is not None:
+        out[PLUGIN_PREFIX + "is_rejection_rejected_fraction"] = (~corr.rules_keep).to(raw.dtype)
+    return out
 
 
 def _masks_reject(cfg: ClippedPGLossConfig) -> bool:
