@@ -245,6 +245,7 @@ def build(args: Namespace, tp: int) -> tuple[list[Any], Any, Any]:
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         gradient_accumulation_fusion=False,
+        calculate_per_token_loss=args.calculate_per_token_loss,  # slime passes its flag to megatron's config
     )
     module = TinyLM(config)
     rank = mpu.get_tensor_model_parallel_rank()

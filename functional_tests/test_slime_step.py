@@ -5,8 +5,8 @@ ranks (TP 2 x DP 2; TP 4 x DP 1 for the DP 1 runs), see ``_slime_step``. slime's
 here skips, naming the variable.
 
 - slime's own PPO loss (GRPO, eps 0.2 / 0.28, TIS at 1.5, low_var_kl, entropy) against the plugin with no plugin key,
-  as the whole loss and as slime's TIS function: the same loss, slime metrics, grad norm and parameters after two
-  optimizer steps (fp32, 1e-6 relative);
+  as the whole loss and as slime's TIS function, and with --calculate-per-token-loss: the same loss, slime metrics,
+  grad norm and parameters after two optimizer steps (fp32, 1e-6 relative);
 - the plugin's own settings (sequence_mean IS with TIS, CTPO, M2PO, a rejection rule): the step runs, every metric
   docs/slime.md lists for the setting reaches slime's logged metrics under that name, nothing non-finite;
 - what M2PO's batch statistic spans in slime: one loss call on every DP rank together (slime deals micro-batch k of a
@@ -95,6 +95,11 @@ def _native_vs_plugin(rank: int, world_size: int) -> None:
     # the other entry point: slime's own PPO loss with the plugin's TIS function (--custom-tis-function-path)
     tis = step.run_steps(step.slime_args(custom_tis_function_path=TIS_FUNCTION, nemo_is={}), tp=2)
     step.assert_same_update(tis, native, keys=SLIME_NAMES, floor=1.0)
+    # slime's per-token reduction (--calculate-per-token-loss: token sums, megatron divides by the step's tokens)
+    per_token = step.run_steps(step.slime_args(calculate_per_token_loss=True), tp=2)
+    per_token_plugin = step.run_steps(step.plugin_args({}, calculate_per_token_loss=True), tp=2)
+    step.assert_same_update(per_token_plugin, per_token, keys=SLIME_NAMES, floor=1.0)
+    assert abs(per_token.metrics[0]["loss"] - native.metrics[0]["loss"]) > 1e-4  # another reduction
     clipped = [(m["pg_clipfrac"], m["tis_clipfrac"]) for m in native.metrics]
     assert all(pg > 0 for pg, _ in clipped) and any(tis > 0 for _, tis in clipped), clipped  # both clips act
 
