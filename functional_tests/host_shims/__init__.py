@@ -6,5 +6,6 @@ and the host version it was written against, so that a host upgrade that makes o
 traced. Nothing here changes what the hosts compute: devices, process-group backends and attention kernels only.
 
 Modules: ``verl`` (verl 0.9.1's platform, model and engine set-up), ``megatron_cpu`` (megatron-core's CUDA-only
-calls, used by verl's Megatron engine); other hosts' modules sit beside them.
+calls, used by verl's Megatron engine), ``nemo_rl`` (NeMo-RL @7ea279ab's DTensor v1 worker), ``slime`` (slime
+@624b824a's ``train_one_step`` on gloo processes, and the stubbed imports it needs).
 """

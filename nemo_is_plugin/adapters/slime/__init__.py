@@ -7,7 +7,8 @@ so the two entry points are attributes of this package, under these exact names:
 - ``--custom-tis-function-path nemo_is_plugin.adapters.slime.tis_function``: the IS correction inside slime's PPO loss.
 
 Modules: ``entry_points`` (the two entry points, :class:`SlimePolicyLoss` and :class:`SlimeISCorrection`), ``config``
-(slime's flags -> plugin keys, ``LOSS_FLAGS``), ``layout`` (this rank's response tokens in slime's CP layout). The
+(slime's flags -> plugin keys, ``LOSS_FLAGS``), ``layout`` (this rank's response tokens in slime's CP layout),
+``metrics`` (the policy objective's own metrics, reduced as slime reduces its metrics). The
 process groups are megatron-core's (slime's ``mpu``): slime runs with megatron-core, the ``megatron`` extra here; the
 entry points read them at their first call and name the extra when megatron-core is not installed.
 """

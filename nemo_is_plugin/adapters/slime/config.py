@@ -62,7 +62,7 @@ LOSS_FLAGS: dict[str, tuple[str, str]] = {
         "grpo / ppo / reinforce_plus_plus(_baseline): advantages only, token ratio; gspo: ratio_level sequence; "
         "cispo: use_cispo",
     ),
-    "--eps-clip": ("mapped", "ratio_clip_min"),
+    "--eps-clip": ("mapped", "ratio_clip_min (PPO's clip: left out under another policy_objective, which replaces it)"),
     "--eps-clip-high": ("mapped", "ratio_clip_max (slime: --eps-clip when unset)"),
     "--eps-clip-c": ("mapped", "ratio_clip_c (dual clip; slime's CISPO ignores it, warned)"),
     "--use-kl-loss": ("mapped", "adds slime's KL term kl_loss_coef * KL(pi_theta || pi_ref) to the loss"),
@@ -250,6 +250,11 @@ def policy_config(args: Any, user: Mapping[str, Any]) -> ClippedPGLossConfig:
         base.update(tis_keys(args, _is_function_kind(args)))
     if {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user) or user.get("use_cispo"):
         base.pop("ratio_clip_c", None)
+    if user.get("policy_objective", "ppo_clip") != "ppo_clip":
+        # slime's --eps-clip* are PPO's clip, which another objective replaces with its own trust region (the config
+        # refuses its clip keys); slime always has --eps-clip, so they are left out rather than refused
+        for key in ("ratio_clip_min", "ratio_clip_max", "ratio_clip_c"):
+            base.pop(key, None)
     keys = _overlay_is(base, user) if applies_is(args) else {**base, **user}
     cfg = ClippedPGLossConfig(**keys)
     if cfg.effective_kl_penalty != 0 and _arg(args, "use_kl_loss", False):

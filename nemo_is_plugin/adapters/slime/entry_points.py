@@ -67,12 +67,14 @@ from nemo_is_plugin.adapters.slime.config import (
     tis_config,
 )
 from nemo_is_plugin.adapters.slime.layout import ResponseShard
+from nemo_is_plugin.adapters.slime.metrics import objective_metrics
 from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
 from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups, ProcessGroup
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
+from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.ratios import unmasked_positions
 from nemo_is_plugin.loss.terms import KLSpec, KLWeight, TermInputs, TokenTerms, is_correction_kwargs, token_terms
 
@@ -87,15 +89,24 @@ def _cat(name: str, shard: ResponseShard, values: Sequence[torch.Tensor] | None)
 
 def is_metrics(corr: ISCorrection) -> dict[str, torch.Tensor]:
     """Per-token IS metrics: slime's ``tis`` / ``tis_clipfrac`` / ``tis_abs`` (raw weight, weight changed or
-    zeroed, |raw - 1|) and the plugin's final weight and rejected fraction. slime reduces them itself."""
+    zeroed, |raw - 1|), the plugin's final weight and rejected fraction, and per rejection rule its statistic and
+    rejected fraction. slime reduces them itself."""
     raw = corr.raw_weights
-    return {
+    out = {
         "tis": raw,
         "tis_clipfrac": (corr.out_of_band | corr.rejected).to(raw.dtype),
         "tis_abs": (raw - 1).abs(),
         PLUGIN_PREFIX + "is_weight": corr.weights,
         PLUGIN_PREFIX + "is_rejected_fraction": corr.rejected.to(raw.dtype),
     }
+    # per rejection rule (the loss's names): its statistic (a sequence's value on each of its tokens) and the tokens it
+    # rejects, then the tokens all rules together reject
+    for rule in corr.rules:
+        out[f"{PLUGIN_PREFIX}is_rejection_{rule.name}_mean"] = rule.token_stat.to(raw.dtype)
+        out[f"{PLUGIN_PREFIX}is_rejection_{rule.name}_rejected_fraction"] = (~rule.keep).to(raw.dtype)
+    if corr.rules_keep is not None:
+        out[PLUGIN_PREFIX + "is_rejection_rejected_fraction"] = (~corr.rules_keep).to(raw.dtype)
+    return out
 
 
 def _masks_reject(cfg: ClippedPGLossConfig) -> bool:
@@ -292,8 +303,8 @@ def slime_metrics(
     batch: Mapping[str, Any],
     shard: ResponseShard,
 ) -> dict[str, torch.Tensor]:
-    """slime's metric names where slime has the quantity, ``nemo_is/...`` otherwise, from the loss's terms; reduced
-    with slime's ``sum_of_sample_mean``."""
+    """slime's metric names where slime has the quantity, ``nemo_is/...`` otherwise, from the loss's terms, and the
+    objective's own (:mod:`~nemo_is_plugin.adapters.slime.metrics`); reduced with slime's ``sum_of_sample_mean``."""
     cfg, sur, corr = t.config, terms.surrogate, t.correction
     with torch.no_grad():
         token_ratio = cfg.effective_ratio_level == "token" or cfg.use_cispo or cfg.disable_ppo_ratio
@@ -310,6 +321,7 @@ def slime_metrics(
         opd = _cat("opd_reverse_kl", shard, batch.get("opd_reverse_kl"))
         if opd is not None:
             out["opd_reverse_kl"] = reduce(opd.to(c.dtype))
+    out.update(objective_metrics(objective_of(cfg), terms.objective, t.layout, t.valid, reduce, PLUGIN_PREFIX))
     return out
 
 

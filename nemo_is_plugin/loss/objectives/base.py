@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -27,7 +27,21 @@ from nemo_is_plugin.loss.ratios import token_log_ratio
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
-    from nemo_is_plugin.loss.metrics import MetricBook
+
+
+class ObjectiveBook(Protocol):
+    """What an objective's ``report`` writes its metrics to: the loss's ``MetricBook``, or a host adapter's book that
+    reduces them as its host does (``adapters/slime/metrics.py``)."""
+
+    layout: TokenLayout
+    valid: torch.Tensor
+
+    def token_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None: ...
+
+    def seq_mean(self, name: str, per_seq: torch.Tensor, sample_mask: torch.Tensor) -> None: ...
+
+    def extrema(self, name: str, values: torch.Tensor, valid: torch.Tensor) -> None: ...
+
 
 # verl (compute_policy_loss_dppo_tv / _sapo) and UniRL (_cppo_mask) clamp the token log-ratio here before exp.
 OBJECTIVE_LOG_RATIO_CLAMP = 20.0
@@ -126,7 +140,7 @@ class PolicyObjective:
         objectives that clamp log r first, or stop its gradient, do not."""
         return False
 
-    def report(self, book: MetricBook, out: ObjectiveOut, sample_mask: torch.Tensor) -> None:
+    def report(self, book: ObjectiveBook, out: ObjectiveOut, sample_mask: torch.Tensor) -> None:
         """The objective's own metrics, beside the clip fractions every objective reports from its indicators."""
 
     def finalize(self, metrics: Mapping[str, float]) -> dict[str, float]:

@@ -59,7 +59,7 @@ from nemo_is_plugin.loss.ratios import probability_difference, token_log_ratio, 
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
-    from nemo_is_plugin.loss.metrics import MetricBook
+    from nemo_is_plugin.loss.objectives.base import ObjectiveBook
 
 
 class CppoKeys(KeySection):
@@ -240,7 +240,7 @@ class Cppo(TokenRatioObjective):
     def whole_batch_reason(self, cfg: ClippedPGLossConfig) -> str:
         return "policy_objective='cppo' needs every log-prob of a sequence before any gradient"
 
-    def report(self, book: MetricBook, out: ObjectiveOut, sample_mask: torch.Tensor) -> None:
+    def report(self, book: ObjectiveBook, out: ObjectiveOut, sample_mask: torch.Tensor) -> None:
         budget: PrefixBudgetMask = out.state
         exhausted = torch.isfinite(budget.first_exhausted)
         book.token_mean("cppo_budget_bound_fraction", budget.budget_bound.double())

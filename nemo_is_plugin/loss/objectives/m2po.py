@@ -66,7 +66,7 @@ from nemo_is_plugin.loss.objectives.ppo_clip import log_space_clip_surrogate
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
-    from nemo_is_plugin.loss.metrics import MetricBook
+    from nemo_is_plugin.loss.objectives.base import ObjectiveBook
 
 # The authors' constants: the sign and ratio slack of a harmful token, the slack of the budget test and of tau, and
 # the ratio bounds when nothing is constrained.
@@ -241,7 +241,7 @@ class M2PO(PolicyObjective):
     def whole_batch_reason(self, cfg: ClippedPGLossConfig) -> str:
         return "policy_objective='m2po' needs every log-prob of the batch before any gradient (its clip bounds)"
 
-    def report(self, book: MetricBook, out: ObjectiveOut, sample_mask: torch.Tensor) -> None:
+    def report(self, book: ObjectiveBook, out: ObjectiveOut, sample_mask: torch.Tensor) -> None:
         bounds: M2POBounds = out.state
         book.token_mean("m2po_harmful_fraction", bounds.harmful.double())
         book.token_mean("m2po_harmful_log_ratio_sq", bounds.delta_sq)
