@@ -41,10 +41,10 @@ The log-ratio is not clamped (as the authors'), unless ``token_log_ratio_clamp``
 the global count): ``m2po_harmful_fraction``, ``m2po_harmful_log_ratio_sq`` (sum of the harmful Delta^2) and
 ``m2po_capped_log_ratio_sq`` (the same capped at tau^2: the authors' ``M2_after``, which is M2 itself when nothing is
 capped), from which ``finalize_metrics`` derives ``m2po_m2`` and ``m2po_m2_after`` (the authors' ``m2po/M2`` and
-``m2po/M2_after``; 0 when no token is harmful, as the authors log it, so that every call reports the same names); the bounds used, ``m2po_clip_low_min`` /
-``_max`` and ``m2po_clip_high_min`` / ``_max`` (the authors' ``m2po/clip_low`` / ``clip_high``). verl has no ``m2po``
-loss mode (the 0.9.1 release's registry, and no M2PO page in verl's docs/algo at head): select it in verl with
-``policy_loss.nemo_is.policy_objective: m2po``.
+``m2po/M2_after``; 0 when no token is harmful, as the authors log it, so that every call reports the same names);
+the bounds used, ``m2po_clip_low_min`` / ``_max`` and ``m2po_clip_high_min`` / ``_max`` (the authors'
+``m2po/clip_low`` / ``clip_high``). verl has no ``m2po`` loss mode (the 0.9.1 release's registry, and no M2PO page in
+verl's docs/algo at head): select it in verl with ``policy_loss.nemo_is.policy_objective: m2po``.
 """
 
 from __future__ import annotations
