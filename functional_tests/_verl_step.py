@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from host_shims import verl as verl_shims
+from host_shims.plugin_settings import CTPO
 
 # Global batch: ROWS sequences of PROMPT + RESPONSE tokens; two mini-batches (two optimizer steps) of ROWS // 2 rows.
 ROWS, PROMPT, RESPONSE = 8, 6, 8
@@ -278,13 +279,7 @@ OWN_SETTINGS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "ctpo": (
         {
             **NO_KL,
-            "ratio_level": "cumulative",
-            "log_ratio_clip_low": 0.025,
-            "log_ratio_clip_high": 0.05,
-            "log_ratio_clip_c": 0.05,
-            "clip_position_power": 0.5,
-            "token_log_ratio_clamp": 20.0,
-            "max_log_ratio": 10.0,
+            **CTPO,
             "use_importance_sampling_correction": True,
             "is_correction_level": "sequence_mean",
             "truncated_importance_sampling_type": "tis",

@@ -21,6 +21,7 @@ import pytest
 import torch
 from _nemo_rl_step import make_batch, run_steps, write_tiny_model
 from host_shims.nemo_rl import SKIP_REASON, nemo_rl_path
+from host_shims.plugin_settings import CTPO
 
 from nemo_is_plugin import finalize_metrics
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
@@ -49,13 +50,7 @@ PLUGIN_SETTINGS = {
     "sequence_mean_tis": {**NEMO_RL_TIS, "is_correction_level": "sequence_mean"},
     "ctpo": {
         "reference_policy_kl_penalty": 0.0,
-        "ratio_level": "cumulative",
-        "log_ratio_clip_low": 0.025,
-        "log_ratio_clip_high": 0.05,
-        "log_ratio_clip_c": 0.05,
-        "clip_position_power": 0.5,
-        "token_log_ratio_clamp": 20.0,
-        "max_log_ratio": 10.0,
+        **CTPO,
         "use_importance_sampling_correction": True,
         "is_correction_level": "sequence_mean",
         "truncated_importance_sampling_type": "tis",

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from distributed._spawn import run_checks
 from host_shims import slime as slime_shims
+from host_shims.plugin_settings import CTPO
 
 WORLD = 4
 # across layouts (TP 2 x DP 2 against TP 4 x DP 1) the fp32 reductions differ in order (the vocab-parallel softmax,
@@ -50,15 +51,6 @@ RULE_NAMES = (
     "nemo_is/is_rejection_sequence_max_k2_rejected_fraction",
     "nemo_is/is_rejection_rejected_fraction",
 )
-CTPO = {
-    "ratio_level": "cumulative",
-    "log_ratio_clip_low": 0.025,
-    "log_ratio_clip_high": 0.05,
-    "log_ratio_clip_c": 0.05,
-    "clip_position_power": 0.5,
-    "token_log_ratio_clamp": 20.0,
-    "max_log_ratio": 10.0,
-}
 TIS_FUNCTION = "nemo_is_plugin.adapters.slime.tis_function"
 M2PO = {"policy_objective": "m2po", "m2po_budget": 0.02}
 SEQUENCE_MEAN_TIS = {"is_correction_level": "sequence_mean", "truncated_importance_sampling_type": "tis"}

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+
+from host_shims.cuda_to_cpu import CudaToCpu
 
 PATH_VARIABLE = "NEMO_RL_PATH"
 PINNED_FOLDER = "nemo_rl-7ea279ab"
@@ -73,32 +74,11 @@ def stub_unused_imports() -> None:
     sys.modules.setdefault("torch.utils.tensorboard", _empty_module("torch.utils.tensorboard", SummaryWriter=_Unused))
 
 
-def _cpu(device: Any) -> Any:
-    if isinstance(device, str) and device.startswith("cuda"):
-        return "cpu"
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.device("cpu")
-    return device
-
-
-class _CudaToCpu(TorchFunctionMode):
+def cpu_device() -> CudaToCpu:
     """dtensor_policy_worker.py:618, 675, 704, 739, 759, 999 (``torch.tensor(..., device="cuda")``, ``.cuda()``),
     :652 (``data.to("cuda")``) and nemo_rl/models/dtensor/parallelize.py:855, 867 (the grad norm's ``device="cuda"``)
     place tensors on a GPU by name; here they stay on the CPU."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if "device" in kwargs:
-            kwargs["device"] = _cpu(kwargs["device"])
-        if func is torch.Tensor.to:
-            args = tuple(_cpu(a) for a in args)
-        return func(*args, **kwargs)
-
-
-def cpu_device() -> _CudaToCpu:
-    return _CudaToCpu()
+    return CudaToCpu()
 
 
 def install() -> None:

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+
+from host_shims.cuda_to_cpu import CudaToCpu
 
 PATH_VARIABLE = "SLIME_PATH"
 PINNED_FOLDER = "slime-624b824a"
@@ -81,38 +82,14 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
 
-def _cpu(device: Any) -> Any:
-    if isinstance(device, str) and device.startswith("cuda"):
-        return "cpu"
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.device("cpu")
-    return device
-
-
-class _CudaToCpu(TorchFunctionMode):
+def cpu_device() -> CudaToCpu:
     """megatron-core 0.16.1 names the GPU when it makes tensors: pipeline_parallel/schedules.py:596
     (``total_num_tokens``), distributed/param_and_grad_buffer.py:783-806 (the grad buffer, on
     ``torch.cuda.current_device()``), optimizer/optimizer.py:473-485 and :1141 (the loss scale and overflow buffers),
     optimizer/clip_grads.py:90-115 (the grad norm). Here they are made on the CPU. It also checks the type by name:
     clip_grads.py:167 asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` (and optimizer/optimizer.py:671-699
     sorts parameters by those names): a CPU tensor's ``type()`` answers with its CUDA name."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
-        if "device" in kwargs:
-            kwargs["device"] = _cpu(kwargs["device"])
-        if func is torch.Tensor.to:
-            args = tuple(_cpu(a) for a in args)
-        return func(*args, **kwargs)
-
-
-def cpu_device() -> _CudaToCpu:
-    return _CudaToCpu()
+    return CudaToCpu(cuda_type_names=True)
 
 
 def _cpu_accelerator() -> Any:
