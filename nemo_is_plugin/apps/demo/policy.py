@@ -29,9 +29,14 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _owned_logits(shard: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
-    """This rank's addend of the logits at global vocabulary ``ids [..., k]``: its own logit where it owns the id (the
-    shard holds ids vocab_start .. vocab_start + V/TP - 1), 0 elsewhere; summed over the TP ranks, the full logit."""
+def owned_logits(shard: torch.Tensor, labels: torch.Tensor, head_ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """This rank's addend of the logits at the label and the head ids: ``[B, T, 1 + k]``, its own logit where it owns
+    the id (the shard holds ids vocab_start .. vocab_start + V/TP - 1), 0 elsewhere; summed over TP, the full logits.
+
+    Megatron's vocab_parallel_cross_entropy overwrites its input in place (logits - max, then exp), and the gather
+    keeps its input for backward: the cross entropy gets its own copy of the shard (:meth:`MegatronPolicy.
+    logprobs_and_head`)."""
+    ids = torch.cat([labels[..., None], head_ids], dim=-1)
     local = ids - vocab_start
     owned = (local >= 0) & (local < shard.shape[-1])
     picked = shard.gather(-1, local.clamp(0, shard.shape[-1] - 1))
@@ -39,14 +44,10 @@ def _owned_logits(shard: torch.Tensor, ids: torch.Tensor, vocab_start: int) -> t
 
 
 def vocab_parallel_head(
-    shard: torch.Tensor,
-    label_logprobs: torch.Tensor,
-    labels: torch.Tensor,
-    head_ids: torch.Tensor,
-    vocab_start: int,
-    reduce: Callable[[torch.Tensor], torch.Tensor],
+    owned: torch.Tensor, label_logprobs: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
-    """Log-probs at ``head_ids [B, T, k]`` from the vocab-parallel pass that gave ``label_logprobs [B, T]``.
+    """Log-probs at the head ids ``[B, T, k]`` from the vocab-parallel pass that gave ``label_logprobs [B, T]``;
+    ``owned``: :func:`owned_logits` of this rank's shard.
 
     The normaliser is the label's own: log Z = logit_label - log p_label (no second log-softmax, which would skew the
     tail ratio rho), so log p_v = logit_v - logit_label + log p_label. Logits at ids the rank does not own are summed in
@@ -54,13 +55,10 @@ def vocab_parallel_head(
     so each rank's shard gets the gradient of the ids it owns; identity at TP = 1). The gradient through log Z is the
     softmax, as through a log-softmax: d(logit_label - log p_label) = onehot - (onehot - softmax).
     """
-    both = reduce(
-        torch.cat(
-            [_owned_logits(shard, labels[..., None], vocab_start), _owned_logits(shard, head_ids, vocab_start)], -1
-        )
-    )
-    log_z = both[..., 0] - label_logprobs
-    return both[..., 1:] - log_z[..., None]
+    both = reduce(owned)
+    # (logit_v - logit_label) + log p_label: at v = label exactly log p_label, bit for bit (the loss's
+    # score_centering_sampled_in_head compares the two)
+    return (both[..., 1:] - both[..., :1]) + label_logprobs[..., None]
 
 
 class MegatronPolicy:
@@ -125,12 +123,14 @@ class MegatronPolicy:
         logits = self.model(padded, pos, mask)  # [B, Sp, V/TP]
         target = padded[:, 1:s]
         shard = logits[:, : s - 1].float().contiguous()
-        label = -tensor_parallel.vocab_parallel_cross_entropy(shard, target)
-        if head_ids is None:
-            return label, None
-        reduce = tensor_parallel.reduce_from_tensor_model_parallel_region if self.tp_size > 1 else _identity
         rank = self.rank if self.tp_size > 1 else 0
-        return label, vocab_parallel_head(shard, label, target, head_ids, rank * shard.shape[-1], reduce)
+        if head_ids is None:
+            return -tensor_parallel.vocab_parallel_cross_entropy(shard, target), None
+        owned = owned_logits(shard, target, head_ids, rank * shard.shape[-1])
+        # the cross entropy overwrites its input in place: a copy, so the gather's saved shard stays intact
+        label = -tensor_parallel.vocab_parallel_cross_entropy(shard.clone(), target)
+        reduce = tensor_parallel.reduce_from_tensor_model_parallel_region if self.tp_size > 1 else _identity
+        return label, vocab_parallel_head(owned, label, reduce)
 
     @torch.no_grad()
     def score(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nemo_is_plugin.apps.demo.loop import DEFAULT_HEAD, head_size
-from nemo_is_plugin.apps.demo.policy import _owned_logits, vocab_parallel_head
+from nemo_is_plugin.apps.demo.policy import owned_logits, vocab_parallel_head
 from nemo_is_plugin.apps.demo.settings import load_loss_settings
 
 
@@ -22,9 +22,12 @@ def test_head_at_tp1_is_the_float64_log_softmax_with_its_gradient():
     logits, labels, ids = case()
     full = torch.log_softmax(logits, -1)
     label = full.gather(-1, labels[..., None])[..., 0]  # stands in for vocab_parallel_cross_entropy's -loss
-    head = vocab_parallel_head(logits, label, labels, ids, 0, lambda x: x)
+    head = vocab_parallel_head(owned_logits(logits, labels, ids, 0), label, lambda x: x)
     ref = full.gather(-1, ids)
     torch.testing.assert_close(head, ref, rtol=0, atol=1e-12)
+    # at the label's own id the head's value is the label's, bit for bit (fp32 too)
+    h32 = vocab_parallel_head(owned_logits(logits.float(), labels, labels[..., None], 0), label.float(), lambda x: x)
+    assert torch.equal(h32[..., 0], label.float())
     w = torch.randn(head.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     (g,) = torch.autograd.grad((w * head).sum() + label.sum(), logits, retain_graph=True)
     (g_ref,) = torch.autograd.grad((w * ref).sum() + label.sum(), logits)
@@ -39,10 +42,9 @@ def test_head_at_tp2_sums_the_owning_shards_logits(rank):
     full = torch.log_softmax(logits, -1)
     label = full.gather(-1, labels[..., None])[..., 0]
     other = 1 - rank
-    other_part = torch.cat(
-        [_owned_logits(shards[other], labels[..., None], other * v), _owned_logits(shards[other], ids, other * v)], -1
-    ).detach()  # the all-reduce's other addend (its backward is the identity: no gradient to the other rank)
-    head = vocab_parallel_head(shards[rank], label, labels, ids, rank * v, lambda x: x + other_part)
+    # the all-reduce's other addend (its backward is the identity: no gradient to the other rank)
+    other_part = owned_logits(shards[other], labels, ids, other * v).detach()
+    head = vocab_parallel_head(owned_logits(shards[rank], labels, ids, rank * v), label, lambda x: x + other_part)
     torch.testing.assert_close(head, full.gather(-1, ids), rtol=0, atol=1e-12)
     assert {int(i) // v for i in ids.flatten()} == {0, 1}  # the head's ids fall on both shards
 
