@@ -122,12 +122,6 @@ def trainer_logprobs(policy: TinyPolicy, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
 
-def log_prob_gap(policy: TinyPolicy, rollout: Rollout) -> float:
-    """mean |log p_train(y) - log q(y)| over every generated token of the rollout."""
-    with torch.no_grad():
-        return float((trainer_logprobs(policy, rollout.tokens) - rollout.q).abs().mean())
-
-
 def nemo_rl_batch(rollout: Rollout, advantages: torch.Tensor, prev: torch.Tensor) -> dict[str, torch.Tensor]:
     """The rollout in NeMo-RL's layout: [B, S] tensors with column 0 for BOS, the head [B, S, k] (BOS row empty)."""
     b, s = rollout.tokens.shape
