@@ -38,7 +38,7 @@ def _decoder_worker(precisions, port, queue) -> None:
     out = {}
     for precision in precisions:
         dec = KVCachedDecoder(shape, state, precision)
-        toks, lps, _ = dec.sample(
+        toks, lps, _, _ = dec.sample(
             prompts, 48, eos_id=task.EOS, pad_id=task.PAD, ignore_eos=True, generator=torch.Generator().manual_seed(1)
         )
         ref = _megatron_logprobs(policy, torch.cat([prompts, toks], dim=1))[:, prompts.shape[1] - 1 :]

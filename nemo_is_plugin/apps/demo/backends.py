@@ -16,9 +16,17 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
 
 
-def make_backend(name: str, shape: ModelShape, precision: str, temperature: float, seed: int) -> RolloutBackend:
+def make_backend(
+    name: str, shape: ModelShape, precision: str, temperature: float, seed: int, top_k: int = 0
+) -> RolloutBackend:
+    """``top_k > 0``: the backend also returns its top-k head per token (score centering); only ``cpu`` does."""
     if name == "cpu":
-        return CPUBackend(shape, precision, temperature)
+        return CPUBackend(shape, precision, temperature, top_k)
+    if top_k:
+        raise ValueError(
+            f"a score-centering setting needs the sampler's top-{top_k} head: only the cpu backend returns it "
+            "(use --backend cpu, or leave the score-centering setting out)"
+        )
     if name == "vllm":
         if not vllm_available():
             raise RuntimeError(

@@ -94,7 +94,8 @@ class KVCachedDecoder:
     """Autoregressive sampler over the Megatron GPT weights with a per-layer KV cache.
 
     ``sample(prompts [B, P], max_new_tokens, ...)`` returns ``tokens [B, R]`` and the engine's log-probs of the
-    sampled tokens ``logprobs [B, R]`` (fp32, from the engine-precision logits, like vLLM's ``logprobs=0``).
+    sampled tokens ``logprobs [B, R]`` (fp32, from the engine-precision logits, like vLLM's ``logprobs=0``), and with
+    ``top_k = k`` its top-k head per generated token (score centering's ``rollout_topk_ids`` / ``_logprobs``).
     """
 
     def __init__(self, shape: ModelShape, state: dict[str, torch.Tensor], precision: str = "bf16") -> None:
@@ -204,13 +205,17 @@ class KVCachedDecoder:
         ignore_eos: bool,
         generator: torch.Generator,
         temperature: float = 1.0,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        top_k: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SamplerHead | None]:
         """Sample continuations of prompts [B, P] (all the same length).
 
-        Returns ``tokens [B, R]`` (``pad_id`` after a sequence ended), ``logprobs [B, R]`` (0 on padding) and
-        ``mask [B, R]`` (1 on generated tokens, EOS included). With ``ignore_eos`` every row runs to
-        ``max_new_tokens`` (vLLM's ``ignore_eos=True``: EOS is sampled and kept like any token).
+        Returns ``tokens [B, R]`` (``pad_id`` after a sequence ended), ``logprobs [B, R]`` (0 on padding),
+        ``mask [B, R]`` (1 on generated tokens, EOS included) and, with ``top_k > 0``, the sampler's head
+        (:class:`SamplerHead`, None without). With ``ignore_eos`` every row runs to ``max_new_tokens`` (vLLM's
+        ``ignore_eos=True``: EOS is sampled and kept like any token).
         """
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no head), got {top_k}")
         b, p = prompts.shape
         if p + max_new_tokens > self.shape.max_seq_len:
             raise ValueError(f"prompt {p} + {max_new_tokens} new tokens exceeds max_seq_len {self.shape.max_seq_len}")
@@ -218,12 +223,15 @@ class KVCachedDecoder:
         logits = self._step(prompts, 0, cache)[:, -1]
         tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long)
         logprobs = torch.zeros(b, max_new_tokens)
+        head = SamplerHead.empty(b, max_new_tokens, top_k) if top_k else None
         alive = torch.ones(b, dtype=torch.bool)
         for i in range(max_new_tokens):
             lp = torch.log_softmax(logits / temperature, dim=-1)
             nxt = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
             tokens[:, i] = torch.where(alive, nxt, pad_id)
             logprobs[:, i] = torch.where(alive, lp.gather(-1, nxt[:, None]).squeeze(-1), 0.0)
+            if head is not None:
+                head.record(i, lp, alive)
             if not ignore_eos:
                 alive &= nxt != eos_id
                 if not alive.any():
@@ -236,4 +244,26 @@ class KVCachedDecoder:
             mask[:, i] = (~ended).long()
             if not ignore_eos:
                 ended |= tokens[:, i] == eos_id
-        return tokens, logprobs, mask
+        return tokens, logprobs, mask, head
+
+
+@dataclass
+class SamplerHead:
+    """The sampler's top-k head per generated token, from the distribution it sampled from (the temperature-scaled
+    log-softmax of the engine-precision logits, vLLM's processed log-probs): ``ids [B, R, k]`` (long, by descending
+    log-prob) and ``logprobs [B, R, k]`` fp32. Slots past the vocabulary and tokens after a sequence ended are
+    empty: id 0, log-prob -inf (zero mass, no gradient in the loss)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch: int, length: int, k: int) -> SamplerHead:
+        return cls(torch.zeros(batch, length, k, dtype=torch.long), torch.full((batch, length, k), float("-inf")))
+
+    def record(self, i: int, lp: torch.Tensor, alive: torch.Tensor) -> None:
+        """Position i's head from ``lp [B, V]`` (the log-softmax sampled from); rows not ``alive`` stay empty."""
+        k = min(self.ids.shape[-1], lp.shape[-1])
+        top, idx = lp.topk(k, dim=-1)
+        self.ids[:, i, :k] = torch.where(alive[:, None], idx, 0)
+        self.logprobs[:, i, :k] = torch.where(alive[:, None], top, float("-inf"))

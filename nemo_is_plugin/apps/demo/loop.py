@@ -28,6 +28,8 @@ from nemo_is_plugin.apps.demo.model import ModelShape
 from nemo_is_plugin.apps.demo.records import RunRecords
 from nemo_is_plugin.apps.demo.settings import DemoConfig, PhaseSection
 
+DEFAULT_HEAD = 8  # score centering's head size for a setting without score_centering_top_k (half the vocabulary)
+
 Hook = Callable[[str, dict[str, Any]], None]  # (event, payload): "phase", "step", "info"
 
 
@@ -55,6 +57,13 @@ def combine_minibatches(metrics: list[dict[str, float]]) -> dict[str, float]:
         else:
             out[key] = sum(values) / len(values)
     return finalize_metrics(out)
+
+
+def head_size(loss_settings: dict[str, dict]) -> int:
+    """The sampler head the rollout must return: the largest ``score_centering_top_k`` of the score-centering settings
+    (a setting without one gets :data:`DEFAULT_HEAD`), 0 when no setting centres."""
+    ks = [s.get("score_centering_top_k") or DEFAULT_HEAD for s in loss_settings.values() if s.get("score_centering")]
+    return max(ks, default=0)
 
 
 class GRPODemo:
@@ -97,6 +106,7 @@ class GRPODemo:
             cfg.seed,
             num_cpus=0.5,
             num_gpus=gpu,
+            top_k=head_size(loss_settings),
         )
 
     # ------------------------------------------------------------------ pieces
@@ -115,7 +125,7 @@ class GRPODemo:
         """Mean exact-match reward of the current policy (one sample per prompt, short phase, fixed prompts)."""
         self._sync()
         prompts = task.make_prompts(self.cfg.eval.prompts, self.cfg.num_digits, torch.Generator().manual_seed(seed))
-        tokens, _, _ = self._generate(prompts, self.cfg.short.model_copy(update={"ignore_eos": False}), seed)
+        tokens, *_ = self._generate(prompts, self.cfg.short.model_copy(update={"ignore_eos": False}), seed)
         return float(task.rewards(prompts, tokens).mean())
 
     def _step(self, name: str, phase_name: str, phase: PhaseSection, step: int, gen: torch.Generator) -> dict:
@@ -123,7 +133,7 @@ class GRPODemo:
         self._sync()
         prompts = task.make_prompts(phase.prompts_per_step, self.cfg.num_digits, gen)
         prompts = prompts.repeat_interleave(phase.group_size, dim=0)  # groups are consecutive rows
-        tokens, gen_lp, mask = self._generate(
+        tokens, gen_lp, mask, head_ids, head_lp = self._generate(
             prompts, phase, seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
         )
         t_rollout = time.perf_counter() - t0
@@ -142,6 +152,11 @@ class GRPODemo:
             "generation_logprobs": torch.cat([zeros, gen_lp], dim=1),
             "reference_policy_logprobs": prev,  # no reference model: KL penalty is 0 in every demo setting
         }
+        if self.settings[name].get("score_centering"):  # the sampler's head, [B, S, k]: prompt rows empty (-inf)
+            k = self.settings[name].get("score_centering_top_k") or DEFAULT_HEAD  # ranked: the top k are the first k
+            head_ids, head_lp = head_ids[..., :k], head_lp[..., :k]
+            data["rollout_topk_ids"] = torch.cat([torch.zeros(b, p, k, dtype=head_ids.dtype), head_ids], dim=1)
+            data["rollout_topk_logprobs"] = torch.cat([torch.full((b, p, k), float("-inf")), head_lp], dim=1)
         t1 = time.perf_counter()
         metrics = self.policy.train(data, name, self.settings[name], self.cfg.grpo.minibatches)
         t_train = time.perf_counter() - t1

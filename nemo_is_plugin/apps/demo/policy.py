@@ -21,6 +21,44 @@ from nemo_is_plugin.apps.demo.task import PAD, sft_batch
 from nemo_is_plugin.distributed.parallel.data_parallel import combine_metrics
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
+HEAD_IDS = "rollout_topk_ids"  # score centering's sampler head ids in the batch, [B, S, k]; with them the loss gets
+HEAD_LOGPROBS = "curr_topk_logprobs"  # the trainer's log-probs at those ids, [B, S-1, k]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def owned_logits(shard: torch.Tensor, labels: torch.Tensor, head_ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """This rank's addend of the logits at the label and the head ids: ``[B, T, 1 + k]``, its own logit where it owns
+    the id (the shard holds ids vocab_start .. vocab_start + V/TP - 1), 0 elsewhere; summed over TP, the full logits.
+
+    Megatron's vocab_parallel_cross_entropy overwrites its input in place (logits - max, then exp), and the gather
+    keeps its input for backward: the cross entropy gets its own copy of the shard (:meth:`MegatronPolicy.
+    logprobs_and_head`)."""
+    ids = torch.cat([labels[..., None], head_ids], dim=-1)
+    local = ids - vocab_start
+    owned = (local >= 0) & (local < shard.shape[-1])
+    picked = shard.gather(-1, local.clamp(0, shard.shape[-1] - 1))
+    return torch.where(owned, picked, torch.zeros_like(picked))
+
+
+def vocab_parallel_head(
+    owned: torch.Tensor, label_logprobs: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """Log-probs at the head ids ``[B, T, k]`` from the vocab-parallel pass that gave ``label_logprobs [B, T]``;
+    ``owned``: :func:`owned_logits` of this rank's shard.
+
+    The normaliser is the label's own: log Z = logit_label - log p_label (no second log-softmax, which would skew the
+    tail ratio rho), so log p_v = logit_v - logit_label + log p_label. Logits at ids the rank does not own are summed in
+    over TP by ``reduce`` (Megatron's reduce_from_tensor_model_parallel_region: all-reduce forward, identity backward,
+    so each rank's shard gets the gradient of the ids it owns; identity at TP = 1). The gradient through log Z is the
+    softmax, as through a log-softmax: d(logit_label - log p_label) = onehot - (onehot - softmax).
+    """
+    both = reduce(owned)
+    # (logit_v - logit_label) + log p_label: at v = label exactly log p_label, bit for bit (the loss's
+    # score_centering_sampled_in_head compares the two)
+    return (both[..., 1:] - both[..., :1]) + label_logprobs[..., None]
 
 
 class MegatronPolicy:
@@ -68,6 +106,13 @@ class MegatronPolicy:
         Uses megatron's vocab_parallel_cross_entropy on the [B, S, V/TP] logits shard: every TP rank gets the full,
         identical values.
         """
+        return self.logprobs_and_head(tokens)[0]
+
+    def logprobs_and_head(
+        self, tokens: torch.Tensor, head_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`logprobs` and, with ``head_ids [B, S-1, k]``, the log-probs at those ids (score centering's
+        ``curr_topk_logprobs``) from the same logits shard and the same normaliser (:func:`vocab_parallel_head`)."""
         from megatron.core import tensor_parallel
 
         s = tokens.shape[1]
@@ -77,7 +122,15 @@ class MegatronPolicy:
         pos = torch.arange(sp).expand_as(padded)
         logits = self.model(padded, pos, mask)  # [B, Sp, V/TP]
         target = padded[:, 1:s]
-        return -tensor_parallel.vocab_parallel_cross_entropy(logits[:, : s - 1].float().contiguous(), target)
+        shard = logits[:, : s - 1].float().contiguous()
+        rank = self.rank if self.tp_size > 1 else 0
+        if head_ids is None:
+            return -tensor_parallel.vocab_parallel_cross_entropy(shard, target), None
+        owned = owned_logits(shard, target, head_ids, rank * shard.shape[-1])
+        # the cross entropy overwrites its input in place: a copy, so the gather's saved shard stays intact
+        label = -tensor_parallel.vocab_parallel_cross_entropy(shard.clone(), target)
+        reduce = tensor_parallel.reduce_from_tensor_model_parallel_region if self.tp_size > 1 else _identity
+        return label, vocab_parallel_head(owned, label, reduce)
 
     @torch.no_grad()
     def score(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -123,7 +176,8 @@ class MegatronPolicy:
         """One GRPO update on a rollout batch: ``minibatches`` optimizer steps over its consecutive slices.
 
         ``data`` holds NeMo-RL's [B, S] tensors (input_ids, token_mask, advantages, prev_logprobs,
-        generation_logprobs, reference_policy_logprobs) and sample_mask [B]. Returns one metrics dict per optimizer
+        generation_logprobs, reference_policy_logprobs), sample_mask [B] and, for a score-centering setting, the
+        sampler head rollout_topk_ids / rollout_topk_logprobs [B, S, k]. Returns one metrics dict per optimizer
         step (additive metrics summed over micro-batches, plus grad_norm).
         """
         self.model.train()
@@ -139,7 +193,11 @@ class MegatronPolicy:
             per_micro = []
             for sl in self._micro_batches(per, mb["input_ids"].shape[1]):
                 micro = {key: v[sl] for key, v in mb.items()}
-                curr = self.logprobs(micro["input_ids"])
+                curr, head = self.logprobs_and_head(
+                    micro["input_ids"], micro[HEAD_IDS][:, 1:] if HEAD_IDS in micro else None
+                )
+                if head is not None:  # a score-centering setting: the loss reads the trainer's head log-probs here
+                    micro[HEAD_LOGPROBS] = head
                 loss, m = loss_fn(
                     next_token_logprobs=curr, data=micro, global_valid_seqs=valid_seqs, global_valid_toks=valid_toks
                 )

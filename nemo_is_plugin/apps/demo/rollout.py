@@ -20,11 +20,15 @@ from nemo_is_plugin.apps.demo.task import EOS, PAD
 
 @dataclass
 class RolloutOutput:
-    """``tokens [B, R]`` (PAD after the end), ``logprobs [B, R]`` fp32 (0 on padding), ``mask [B, R]`` 0/1 long."""
+    """``tokens [B, R]`` (PAD after the end), ``logprobs [B, R]`` fp32 (0 on padding), ``mask [B, R]`` 0/1 long;
+    with a head size k the sampler's top-k head per token, ``topk_ids`` / ``topk_logprobs [B, R, k]`` (-inf: empty
+    slot; see :class:`~nemo_is_plugin.apps.demo.decoder.SamplerHead`)."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
     mask: torch.Tensor
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
 
 
 class RolloutBackend(Protocol):
@@ -38,8 +42,8 @@ class RolloutBackend(Protocol):
 class CPUBackend:
     """The embedded sampler: a KV-cached decoder whose numerics differ from Megatron's (see ``decoder``)."""
 
-    def __init__(self, shape: ModelShape, precision: str, temperature: float = 1.0) -> None:
-        self.shape, self.precision, self.temperature = shape, precision, temperature
+    def __init__(self, shape: ModelShape, precision: str, temperature: float = 1.0, top_k: int = 0) -> None:
+        self.shape, self.precision, self.temperature, self.top_k = shape, precision, temperature, top_k
         self._decoder: KVCachedDecoder | None = None
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -48,7 +52,7 @@ class CPUBackend:
     def generate(self, prompts: torch.Tensor, max_new_tokens: int, *, ignore_eos: bool, seed: int) -> RolloutOutput:
         if self._decoder is None:
             raise RuntimeError("load_weights() before generate()")
-        tokens, logprobs, mask = self._decoder.sample(
+        tokens, logprobs, mask, head = self._decoder.sample(
             prompts,
             max_new_tokens,
             eos_id=EOS,
@@ -56,5 +60,8 @@ class CPUBackend:
             ignore_eos=ignore_eos,
             generator=torch.Generator().manual_seed(seed),
             temperature=self.temperature,
+            top_k=self.top_k,
         )
-        return RolloutOutput(tokens, logprobs, mask)
+        if head is None:
+            return RolloutOutput(tokens, logprobs, mask)
+        return RolloutOutput(tokens, logprobs, mask, head.ids, head.logprobs)

@@ -64,18 +64,20 @@ class PolicyActor:
 class RolloutActor:
     """Holds a rollout backend (``backends.make_backend``) and serves generate() calls."""
 
-    def __init__(self, shape: dict, backend: str, precision: str, temperature: float, seed: int) -> None:
+    def __init__(
+        self, shape: dict, backend: str, precision: str, temperature: float, seed: int, top_k: int = 0
+    ) -> None:
         torch.set_num_threads(1)
         from nemo_is_plugin.apps.demo.backends import make_backend
 
-        self.backend = make_backend(backend, ModelShape(**shape), precision, temperature, seed)
+        self.backend = make_backend(backend, ModelShape(**shape), precision, temperature, seed, top_k)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         self.backend.load_weights(state)
 
     def generate(self, prompts: torch.Tensor, max_new_tokens: int, ignore_eos: bool, seed: int):
         out = self.backend.generate(prompts, max_new_tokens, ignore_eos=ignore_eos, seed=seed)
-        return out.tokens, out.logprobs, out.mask
+        return out.tokens, out.logprobs, out.mask, out.topk_ids, out.topk_logprobs
 
 
 class PolicyGroup:
@@ -129,8 +131,9 @@ def rollout_actor(
     seed: int,
     num_cpus: float,
     num_gpus: float = 0.0,
+    top_k: int = 0,
 ):
     import ray
 
     actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RolloutActor)
-    return actor.remote(asdict(shape), backend, precision, temperature, seed)
+    return actor.remote(asdict(shape), backend, precision, temperature, seed, top_k)

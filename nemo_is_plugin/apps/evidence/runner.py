@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-EXPERIMENTS = ("is_collapse", "ctpo_variance", "kl_gradient_bias", "objectives", "rejection")
+EXPERIMENTS = ("is_collapse", "ctpo_variance", "kl_gradient_bias", "objectives", "rejection", "drift")
 JSON_NAME = "evidence_numbers.json"
 FIGURES = {
     "is_collapse": ("evidence_is_collapse.png", "evidence_is_lr_scale.png"),
@@ -22,6 +22,7 @@ FIGURES = {
     "kl_gradient_bias": ("evidence_kl_gradient_bias.png",),
     "objectives": ("evidence_objectives.png",),
     "rejection": ("evidence_rejection.png",),
+    "drift": ("evidence_drift.png",),
 }
 
 
@@ -29,7 +30,7 @@ FIGURES = {
 class Sizes:
     """Monte Carlo sizes: sequences per (distribution, length); CTPO samples and horizon; KL samples; the policy
     objectives' batch (sequences, tokens) and the lengths of their GMPO / CPPO sweeps; the rejection rules' batch and
-    the lengths of their sequence panel."""
+    the lengths of their sequence panel; the drift experiment's GRPO steps, batch and seeds."""
 
     is_num_seqs: int = 256
     ctpo_num_samples: int = 400_000
@@ -41,6 +42,9 @@ class Sizes:
     rejection_num_seqs: int = 128
     rejection_length: int = 128
     rejection_lengths: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
+    drift_steps: int = 100
+    drift_batch: int = 64
+    drift_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
 
 
 FULL = Sizes()
@@ -55,6 +59,9 @@ QUICK = Sizes(
     rejection_num_seqs=64,
     rejection_length=64,
     rejection_lengths=(8, 32, 128),
+    drift_steps=8,
+    drift_batch=16,
+    drift_seeds=(0, 1),
 )
 
 
@@ -62,6 +69,7 @@ def step_count(only: Sequence[str] = EXPERIMENTS) -> int:
     """Number of progress messages :func:`run_evidence` emits (for a progress bar's total)."""
     from nemo_is_plugin.apps.evidence import (
         ctpo_variance,
+        drift,
         is_collapse,
         kl_gradient_bias,
         objective_experiment,
@@ -69,6 +77,7 @@ def step_count(only: Sequence[str] = EXPERIMENTS) -> int:
     )
 
     counts = {
+        "drift": drift.step_count(),
         "is_collapse": len(is_collapse.default_distributions()) * len(is_collapse.LENGTHS),
         "ctpo_variance": len(ctpo_variance.CHI2_VALUES),
         "kl_gradient_bias": len(kl_gradient_bias.ALL_VARIANTS),
@@ -92,6 +101,8 @@ def run_evidence(
     """
     from nemo_is_plugin.apps.evidence import (
         ctpo_variance,
+        drift,
+        drift_plots,
         is_collapse,
         kl_gradient_bias,
         objective_experiment,
@@ -159,6 +170,17 @@ def run_evidence(
         say("plotting rejection rules")
         files.append(rejection_plots.plot_rejection(res, out_dir / FIGURES["rejection"][0]))
         results["rejection"] = res
+    if "drift" in names:
+        # seeds offset by the run's seed: each drift seed is its own paired (SC off / on) replicate
+        res = drift.run_drift(
+            steps=sizes.drift_steps,
+            batch=sizes.drift_batch,
+            seeds=[seed + s for s in sizes.drift_seeds],
+            progress=say,
+        )
+        say("plotting drift")
+        files.append(drift_plots.plot_drift(res, out_dir / FIGURES["drift"][0]))
+        results["drift"] = res
     results["headline"] = headline(results)
     results["files"] = [str(f) for f in files]
     # allow_nan=False: the file must be strict JSON (a NaN would mean a bug upstream, so fail loudly).
@@ -217,4 +239,8 @@ def headline(results: dict) -> dict:
         from nemo_is_plugin.apps.evidence.rejection import headline as rejection_headline
 
         out["rejection"] = rejection_headline(results["rejection"])
+    if "drift" in results:
+        from nemo_is_plugin.apps.evidence.drift import headline as drift_headline
+
+        out["drift"] = drift_headline(results["drift"])
     return out
