@@ -130,7 +130,7 @@ def test_nemo_rl_names_are_nemo_rls_generation_keys():
     gen = _typed_dict_keys(Path(root) / "nemo_rl/models/generation/interfaces.py", "GenerationConfig")
     vllm = Path(root) / "nemo_rl/models/generation/vllm/config.py"
     vllm_keys = _typed_dict_keys(vllm, "VllmSpecificArgs") | _typed_dict_keys(vllm, "VllmConfig")
-    for key, dotted in NEMO_RL_NAMES.items():
+    for dotted in NEMO_RL_NAMES.values():
         parts = dotted.split(".")[2:]  # below policy.generation
         if parts[0] == "vllm_cfg":
             assert parts[1] in vllm_keys, dotted
