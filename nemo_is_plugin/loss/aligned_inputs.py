@@ -116,6 +116,7 @@ def align_nemo_rl_inputs(
             head["rollout_topk_logprobs"],
             head[CURR_HEAD_KEY],
             names=("data['rollout_topk_ids']", "data['rollout_topk_logprobs']", f"data['{CURR_HEAD_KEY}']"),
+            hint=f" (the rollout_topk_* data are [B, S, k], sliced [:, 1:]; {CURR_HEAD_KEY} is [B, S-1, k])",
         )
         sliced.update({k: v for k, v in head.items() if v is not None})
     curr = next_token_logprobs

@@ -147,10 +147,11 @@ def check_head_inputs(
     curr: torch.Tensor | None,
     *,
     names: tuple[str, str, str] = ("rollout_topk_ids", "rollout_topk_logprobs", "curr_topk_logprobs"),
+    hint: str = "",
 ) -> None:
     """Shapes and dtypes of the head tensors (no host read): each ``[*T, k]`` with ``*T = token_shape`` and k =
-    ``top_k`` when set; ids integer, log-probs floating point. Raises ``ValueError`` / ``TypeError`` naming the
-    tensor, or ``KeyError`` for a missing one."""
+    ``top_k`` when set; ids integer, log-probs floating point. ``hint`` is appended to a shape error. Raises
+    ``ValueError`` / ``TypeError`` naming the tensor, or ``KeyError`` for a missing one."""
     tensors = dict(zip(names, (ids, sampler, curr)))
     missing = [name for name, t in tensors.items() if t is None]
     if missing:
@@ -163,7 +164,7 @@ def check_head_inputs(
         assert t is not None
         expect = "[*T, k]" if top_k is None else f"[*T, {top_k}]"
         if t.dim() != len(token_shape) + 1 or tuple(t.shape[:-1]) != tuple(token_shape):
-            raise ValueError(f"{name} has shape {list(t.shape)}, expected {expect} with *T = {list(token_shape)}")
+            raise ValueError(f"{name} has shape {list(t.shape)}, expected {expect} with *T = {list(token_shape)}{hint}")
         if top_k is not None and t.shape[-1] != top_k:
             raise ValueError(f"{name} has k = {t.shape[-1]} log-probs per token, score_centering_top_k = {top_k}")
         if k is not None and t.shape[-1] != k:
