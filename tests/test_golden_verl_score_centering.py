@@ -106,3 +106,16 @@ def test_verls_own_term_and_a_head_without_score_centering_are_refused():
             {**ACTOR, "policy_loss": {"nemo_is": {"rollout_correction": off}}},
             rollout_topk_ids=case["inputs"]["rollout_topk_ids"],
         )
+
+
+def test_verls_key_maps_to_the_plugins_and_composes_beyond_verls_bypass_mode():
+    from nemo_is_plugin.adapters.verl import verl_config
+    from nemo_is_plugin.adapters.verl.config import rollout_correction_keys
+
+    rc = {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"}
+    assert "score_centering" not in rollout_correction_keys(rc)
+    keys = rollout_correction_keys({**rc, "score_centering": True})
+    assert keys["score_centering"] is True and keys["truncated_importance_sampling_type"] == "icepop"
+    # decoupled PPO (bypass_mode: false), which verl refuses with score centering: the plugin's PPO against pi_old
+    cfg = verl_config(keys, ACTOR, "token-mean", horizon=7, weights_only=False)
+    assert cfg.score_centering and cfg.policy_objective == "ppo_clip" and cfg.old_policy_logprobs == "prev"
