@@ -178,6 +178,28 @@ def check_head_inputs(
 
 
 @torch.no_grad()
+def check_head_values(
+    counted: torch.Tensor, sampler: torch.Tensor, curr: torch.Tensor, names: tuple[str, str], tolerance: float
+) -> None:
+    """Refuse, in one host read, what the term cannot compute on the tokens it acts on (``counted``, bool [*T]): a
+    sampler log-prob that is NaN, +inf or above ``tolerance`` (a -inf is an empty slot), and a trainer log-prob that is
+    not finite in a filled slot (its coefficient times -inf). Other tokens may hold anything (padding)."""
+    filled = torch.isfinite(sampler) & counted.unsqueeze(-1)
+    bad_q = counted.unsqueeze(-1) & ((sampler != -math.inf) & ~filled | (sampler > tolerance))
+    bad_p = filled & ~torch.isfinite(curr)
+    flags = torch.stack([bad_q.sum(), bad_p.sum()]).tolist()  # the one host read
+    for name, bad, count in ((names[0], bad_q, flags[0]), (names[1], bad_p, flags[1])):
+        if count:
+            first = [int(i) for i in bad.nonzero()[0]]
+            value = (sampler if name == names[0] else curr)[tuple(first)].item()
+            raise ValueError(
+                f"{name} holds {count} value(s) the score-centering term cannot use on counted tokens (NaN, +inf or "
+                f"positive sampler log-probs; non-finite trainer log-probs where the sampler's are finite), first at "
+                f"{first} = {value!r}; mark an empty head slot with -inf in both"
+            )
+
+
+@torch.no_grad()
 def score_centering_metrics(
     book: MetricBook,
     out: CenteringOut,
@@ -225,6 +247,7 @@ __all__ = [
     "CenteringOut",
     "centering_term",
     "check_head_inputs",
+    "check_head_values",
     "label_and_head_logprobs",
     "score_centering_metrics",
 ]

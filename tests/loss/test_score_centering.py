@@ -6,6 +6,7 @@ tests/distributed/test_score_centering_cp.py."""
 from __future__ import annotations
 
 import math
+import re
 
 import pydantic
 import pytest
@@ -305,3 +306,39 @@ def test_its_keys_are_refused_without_it(key, value):
 def test_the_fused_single_pass_refuses_it():
     cfg = ClippedPGLossConfig(score_centering=True)
     assert "head log-probs" in (single_pass_blocker(cfg, TokenLayout.padded(1, 2)) or "")
+
+
+@pytest.mark.parametrize(
+    "where, key, value, refused",
+    [
+        ((0, 2, 1), "rollout_topk_logprobs", math.nan, "rollout_topk_logprobs'] holds 1 value"),
+        ((0, 2, 1), "rollout_topk_logprobs", math.inf, "rollout_topk_logprobs'] holds 1 value"),
+        ((0, 2, 1), "rollout_topk_logprobs", 0.5, "rollout_topk_logprobs'] holds 1 value"),
+        ((0, 2, 1), "curr_topk_logprobs", -math.inf, "curr_topk_logprobs'] holds 1 value"),
+        ((1, 3, 0), "rollout_topk_logprobs", math.nan, None),  # a padding token: never read
+        ((0, 2, 1), "rollout_topk_logprobs", -math.inf, None),  # an empty slot
+    ],
+)
+def test_nemo_rl_head_values_are_checked_on_counted_tokens(where, key, value, refused):
+    d = batch(7, b=2, t=4)
+    d["mask"][1, 3] = 0.0
+    data = nemo_rl_data(d)
+    curr = torch.log_softmax(d["logits"], -1).gather(-1, d["ids"].unsqueeze(-1)).squeeze(-1)
+    data["curr_topk_logprobs"] = torch.log_softmax(d["logits"].detach(), -1).gather(-1, d["head_ids"])
+    b, s, j = where
+    data[key][b, s + (key == "rollout_topk_logprobs"), j] = value  # [B, S] data: column s + 1 is token s
+    if refused is None:
+        loss, _ = ClippedPGLoss(TIS)(curr, data, 2, 7)
+        assert torch.isfinite(loss)
+    else:
+        with pytest.raises(ValueError, match=re.escape(refused) + r".*first at \[0, 2, 1\]"):
+            ClippedPGLoss(TIS)(curr, data, 2, 7)
+
+
+def test_the_fused_lm_head_loss_refuses_it():
+    from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
+
+    d = batch(8, b=1, t=2)
+    h, w = torch.randn(1, 2, 3, dtype=torch.float64), torch.randn(V, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="fused LM-head loss does not compute"):
+        fused_linear_pg_loss(ClippedPGLoss(TIS), h, w, d["ids"], nemo_rl_data(d), 1, 2)

@@ -154,6 +154,11 @@ def fused_linear_pg_loss(
         differentiable w.r.t. ``hidden`` and ``weight``.
     """
     check_grad_weight_out(weight, grad_weight_out)
+    if loss_fn.config.score_centering:
+        raise ValueError(
+            "score_centering needs the trainer's log-probs at the sampler's head ids, which the fused LM-head loss "
+            "does not compute: use the unfused loss (logits) or score_centering: false"
+        )
     # shape and dtype only: the log-probs' dtype (fp64 for fp64 inputs, else fp32) sets the dL/dc arithmetic's
     placeholder = torch.zeros(target.shape, dtype=acc_dtype(compute_dtype(hidden)), device=hidden.device)
     inputs, layout = loss_fn.prepare(placeholder, data, global_valid_seqs, global_valid_toks, layout)
