@@ -119,3 +119,16 @@ def test_verls_key_maps_to_the_plugins_and_composes_beyond_verls_bypass_mode():
     # decoupled PPO (bypass_mode: false), which verl refuses with score centering: the plugin's PPO against pi_old
     cfg = verl_config(keys, ACTOR, "token-mean", horizon=7, weights_only=False)
     assert cfg.score_centering and cfg.policy_objective == "ppo_clip" and cfg.old_policy_logprobs == "prev"
+
+
+def test_a_missing_head_tensor_is_named_in_verls_words():
+    case = SAME[0]
+    inputs = case["inputs"]
+    with pytest.raises(ConfigError, match=r"got no topk_log_probs"):
+        VerlPolicyLoss()(
+            *(inputs[k] for k in ("rollout_log_probs", "rollout_log_probs", "advantages", "response_mask")),
+            "token-mean",
+            {**ACTOR, "policy_loss": {"nemo_is": {"rollout_correction": dict(case["params"]["rollout_correction"])}}},
+            rollout_topk_ids=inputs["rollout_topk_ids"],
+            rollout_topk_log_probs=inputs["rollout_topk_log_probs"],
+        )

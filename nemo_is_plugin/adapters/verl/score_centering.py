@@ -42,8 +42,8 @@ def head_inputs(score_centering: bool, extra: Mapping[str, Any]) -> dict[str, to
 
     Raises ``VerlConfigError`` for verl's own ``sc_correction`` (its bypass loss's term: the plugin computes its own,
     so adding verl's would count the centring twice and dropping it would hide it) and for head tensors given without
-    ``score_centering`` (they would be silently unused); a missing head tensor with ``score_centering`` on is the
-    loss's ``KeyError`` naming it.
+    ``score_centering`` (they would be silently unused), and for a head tensor missing with it on (named as verl's
+    argument).
     """
     if extra.get("sc_correction") is not None:
         raise VerlConfigError(
@@ -59,6 +59,13 @@ def head_inputs(score_centering: bool, extra: Mapping[str, Any]) -> dict[str, to
                 "in policy_loss.nemo_is, or stop passing the head"
             )
         return {}
+    missing = [k for k in (*HEAD_FIELDS, TRAINER_HEAD) if k not in given]
+    if missing:
+        raise VerlConfigError(
+            f"score centering is on but the policy loss got no {', '.join(missing)}: pass verl's head fields and the "
+            f"trainer's log-probs at them ({TRAINER_HEAD}, [B, T, k]; docs/verl.md, Score centering), or set "
+            "rollout_correction.score_centering: false"
+        )
     return {
         "rollout_topk_ids": extra.get("rollout_topk_ids"),
         "rollout_topk_logprobs": extra.get("rollout_topk_log_probs"),
