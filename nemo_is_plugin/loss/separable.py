@@ -32,6 +32,10 @@ The batch constants (:class:`~nemo_is_plugin.loss.terms.TermInputs`) are compute
 :func:`~nemo_is_plugin.loss.terms.loss_terms` binding; the IS correction among them is handed to the loss's metrics
 pass so that it is not computed twice.
 
+Score centering adds ``sum_t a_t sg(A_t) sum_v sg(c_tv) log p_tv`` over each token's k head log-probs, as local as
+the rest: :meth:`TokenLossGradient.with_head` gives the chunk's ``dL/dc_head [n, k]`` beside ``dL/dc [n]``, for the
+head to scatter onto the head ids' logits (the fused LM-head loss refuses score centering until it does).
+
 Shapes: the constants are flat ``[N]`` (the token tensors of the layout, flattened in memory order); a chunk is a
 slice of ``[0, N)``; chunks are visited in order.
 """
@@ -60,7 +64,7 @@ def is_token_separable(config: ClippedPGLossConfig) -> bool:
     ``force_on_policy_ratio`` is excluded: it takes the old log-probs, hence the IS weights, from ``c`` itself; so is
     ``old_policy_logprobs='generation'`` (bypass), whose IS weights and rejections measure ``c`` against mu.
     """
-    if config.force_on_policy_ratio or config.bypasses_prev or config.score_centering:
+    if config.force_on_policy_ratio or config.bypasses_prev:
         return False
     objective = objective_of(config)
     return objective.whole_batch_reason(config) is None and not objective.causal(config)
@@ -69,10 +73,6 @@ def is_token_separable(config: ClippedPGLossConfig) -> bool:
 def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> str | None:
     """Why the loss gradient of a chunk cannot be known from the log-probs seen so far; None when it can."""
     level = config.effective_ratio_level
-    if config.score_centering:
-        return (
-            "score_centering's term also differentiates the head log-probs [n, k], which the single pass does not take"
-        )
     if config.force_on_policy_ratio:
         return "force_on_policy_ratio takes the old log-probs (and the IS weights) from the current ones"
     if config.bypasses_prev:
@@ -125,25 +125,44 @@ class TokenLossGradient:
         )
 
     def __call__(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
+        if self.constants.head_sampler is not None:
+            raise ValueError("score_centering: the chunk gradient has a head part too; call with_head(sl, c, c_head)")
+        return self._grads(sl, c, None)[0]
+
+    def with_head(self, sl: slice, c: torch.Tensor, c_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dL/dc [n], dL/dc_head [n, k])`` of the chunk ``sl`` under ``score_centering``: the head part is each
+        token's sg(A) a_t c_v, to be scattered onto the head ids' logits as the label's gradient is onto its own."""
+        grad, head = self._grads(sl, c, c_head)
+        assert head is not None
+        return grad, head
+
+    def _grads(self, sl: slice, c: torch.Tensor, c_head: torch.Tensor | None):
         a = self.agg_weight[sl]
         with torch.enable_grad():  # the fused forward runs without grad mode
             leaf = c.detach().to(a.dtype).requires_grad_(True)
-            (grad,) = torch.autograd.grad(self.chunk_terms(sl, leaf), leaf, grad_outputs=a)
+            head = None if c_head is None else c_head.detach().to(a.dtype).requires_grad_(True)
+            leaves = [leaf] if head is None else [leaf, head]
+            grads = torch.autograd.grad(self.chunk_terms(sl, leaf, head), leaves, grad_outputs=a, allow_unused=True)
         # the loss's where_mask: tokens with a = 0 add exactly 0, whatever inf/NaN their terms' derivatives hold
-        grad = torch.where(a != 0, grad, 0.0)
+        grad = torch.where(a != 0, grads[0], 0.0) if grads[0] is not None else torch.zeros_like(leaf)
+        head_grad = None
+        if head is not None:
+            g_head = torch.zeros_like(head) if grads[1] is None else grads[1]
+            head_grad = torch.where((a != 0).unsqueeze(-1), g_head, 0.0)
         t = self.constants
         if t.nll_tokens is not None and t.nll_count is not None:  # the NLL is linear in c: q_t is its derivative
             # no positive sample: the tokens are all 0 and so is q (the loss drops the term): no branch, no sync
             q = t.nll_tokens[sl] / (t.nll_count.to(a.dtype) + EPS)
             grad = grad - t.config.positive_example_nll_weight * q
-        return grad
+        return grad, head_grad
 
-    def chunk_terms(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
-        """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` of the chunk ``sl`` (``[n]``), by the loss's own
-        :func:`~nemo_is_plugin.loss.terms.token_terms`: the loss is ``sum_t a_t x_t`` plus the NLL term."""
+    def chunk_terms(self, sl: slice, c: torch.Tensor, c_head: torch.Tensor | None = None) -> torch.Tensor:
+        """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` (+ the score-centering term of ``c_head [n, k]``) of the chunk
+        ``sl`` (``[n]``), by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms`: the loss is
+        ``sum_t a_t x_t`` plus the NLL term."""
         t, prefix = self.constants.chunk(sl), self.prefix
         causal = None if prefix is None else (lambda p: prefix.anchor(sl, c, p, t.token_mask, t.positions))
-        return token_terms(t, c, causal=causal).combined(t.kl_coef)
+        return token_terms(t, c, c_head=c_head, causal=causal).combined(t.kl_coef)
 
 
 class PrefixCarry:

@@ -1,7 +1,7 @@
 """Score centering's inputs and wiring (float64): -inf padding of the head, a sampled token outside it, empty rows,
 packed rows equal to padded ones, batch normalisation, NeMo-RL's call (data keys, logits), the config's refusals, the
-fused single pass's refusal. The expectation property itself: test_score_centering_exact.py; CP shards:
-tests/distributed/test_score_centering_cp.py."""
+single pass's chunk gradients (label and head), the fused LM-head loss's refusal. The expectation property itself:
+test_score_centering_exact.py; CP shards: tests/distributed/test_score_centering_cp.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.separable import single_pass_blocker
+from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
 
 V, K = 11, 4
 SC = {"reference_policy_kl_penalty": 0.0, "score_centering": True}
@@ -303,9 +303,27 @@ def test_its_keys_are_refused_without_it(key, value):
     assert getattr(ClippedPGLossConfig(score_centering=True, **{key: value}), key) == value
 
 
-def test_the_fused_single_pass_refuses_it():
-    cfg = ClippedPGLossConfig(score_centering=True)
-    assert "head log-probs" in (single_pass_blocker(cfg, TokenLayout.padded(1, 2)) or "")
+@pytest.mark.parametrize("config", [SC, {**TIS, "importance_sampling_batch_normalize": True}], ids=["f=1", "tis-bn"])
+def test_the_chunk_gradients_equal_the_whole_batch_gradients(config):
+    """The fused single pass's chunk gradient (separable.TokenLossGradient.with_head), chunk by chunk: dL/dc and
+    dL/dc_head of the whole batch's loss (a masked row included)."""
+    d = batch(9, b=3, t=5)
+    d["mask"][2, 3:] = 0.0
+    inputs = inputs_of(d)
+    c = inputs.curr_logprobs.detach().clone().requires_grad_(True)
+    head = inputs.curr_topk_logprobs.detach().clone().requires_grad_(True)  # type: ignore[union-attr]
+    inputs.curr_logprobs, inputs.curr_topk_logprobs = c, head
+    loss = ClippedPGLoss(config)
+    layout = TokenLayout.padded(3, 5)
+    assert single_pass_blocker(loss.config, layout) is None
+    want_c, want_head = torch.autograd.grad(loss.compute(inputs, layout)[0], (c, head))
+    chunks = TokenLossGradient.build(loss, inputs, layout)
+    flat_c, flat_head = c.detach().reshape(-1), head.detach().reshape(-1, K)
+    parts = [chunks.with_head(slice(i, min(i + 4, 15)), flat_c[i : i + 4], flat_head[i : i + 4]) for i in (0, 4, 8, 12)]
+    torch.testing.assert_close(torch.cat([g for g, _ in parts]), want_c.reshape(-1), rtol=1e-13, atol=1e-16)
+    torch.testing.assert_close(torch.cat([h for _, h in parts]), want_head.reshape(-1, K), rtol=1e-13, atol=1e-16)
+    with pytest.raises(ValueError, match="call with_head"):
+        chunks(slice(0, 4), flat_c[:4])
 
 
 @pytest.mark.parametrize(
