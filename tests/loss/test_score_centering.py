@@ -360,3 +360,18 @@ def test_the_fused_lm_head_loss_refuses_it():
     h, w = torch.randn(1, 2, 3, dtype=torch.float64), torch.randn(V, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="fused LM-head loss does not compute"):
         fused_linear_pg_loss(ClippedPGLoss(TIS), h, w, d["ids"], nemo_rl_data(d), 1, 2)
+
+
+def test_the_logits_path_without_score_centering_and_its_misuse():
+    d = batch(10, b=2, t=3)
+    data = nemo_rl_data(d)
+    logits = torch.cat([d["logits"], torch.zeros(2, 1, V, dtype=torch.float64)], 1)
+    plain = {"reference_policy_kl_penalty": 0.0}
+    curr = torch.log_softmax(d["logits"], -1).gather(-1, d["ids"].unsqueeze(-1)).squeeze(-1)
+    want, _ = ClippedPGLoss(plain)(curr, data, 2, 6)
+    got, _ = ClippedPGLoss(plain)(None, data, 2, 6, logits=logits)
+    torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
+    with pytest.raises(ValueError, match="pass next_token_logprobs or logits, not both"):
+        ClippedPGLoss(plain)(curr, data, 2, 6, logits=logits)
+    with pytest.raises(KeyError, match="input_ids"):
+        ClippedPGLoss(plain)(None, {k: v for k, v in data.items() if k != "input_ids"}, 2, 6, logits=logits)
