@@ -19,7 +19,6 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from nemo_is_plugin.adapters.sampler_checks import SLIME_NAMES, check_sampler, slime_sampling
 from nemo_is_plugin.adapters.shared import MissingPluginConfigError
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
 
@@ -212,8 +211,6 @@ def applies_is(args: Any) -> bool:
 def policy_config(args: Any, user: Mapping[str, Any]) -> ClippedPGLossConfig:
     """The config of the full loss: slime's flags as plugin keys, overlaid by the user's keys."""
     refuse_flags(args)
-    if user.get("score_centering"):  # the SGLang head must be the distribution sampled (adapters/sampler_checks.py)
-        check_sampler(slime_sampling(args), SLIME_NAMES, engine="sglang")
     refused = sorted(k for k in REDUCER_KEYS if k in user)
     if refused:
         raise SlimeConfigError(
