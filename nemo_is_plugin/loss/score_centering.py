@@ -31,6 +31,7 @@ from nemo_is_plugin.loss.metrics import Denominator, MetricBook
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.correction import ISCorrection
 
 CalibrationKind = Literal["none", "tis", "icepop"]
 
@@ -42,8 +43,6 @@ class Calibration:
     none    f(r) = 1                          (IS off: plain score centering)
     tis     f(r) = clamp(r, low or 0, high)   (truncated IS)
     icepop  f(r) = r 1[low <= r <= high]      (masked IS, IcePop / MIS)
-
-    ``scale``: 1 / the batch normalisation's divisor (``importance_sampling_batch_normalize``), else None.
     """
 
     kind: CalibrationKind = "none"
@@ -69,6 +68,24 @@ class Calibration:
             return torch.exp(log_r.clamp(lo, hi))
         in_band = (log_r >= lo) & (log_r <= hi)
         return torch.where(in_band, torch.exp(log_r.clamp(max=hi)), torch.zeros_like(log_r))
+
+
+@dataclass(frozen=True)
+class CenteringSpec:
+    """Score centering's batch constants besides the sampler head: f, the tail floor, and 1 / the divisor of
+    ``importance_sampling_batch_normalize`` (the coefficients are divided as the weights are; None without it)."""
+
+    calibration: Calibration
+    tail_floor: float
+    scale: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, cfg: ClippedPGLossConfig, correction: ISCorrection | None) -> CenteringSpec:
+        scale = None
+        if cfg.importance_sampling_batch_normalize and correction is not None:
+            factor = correction.batch_norm_factor  # the weights were divided by it where it is positive
+            scale = torch.where(factor > 0, 1.0 / factor, torch.ones_like(factor))
+        return cls(Calibration.of(cfg), cfg.score_centering_tail_floor, scale)
 
 
 @dataclass
@@ -245,6 +262,7 @@ def score_centering_metrics(
 __all__ = [
     "Calibration",
     "CenteringOut",
+    "CenteringSpec",
     "centering_term",
     "check_head_inputs",
     "check_head_values",

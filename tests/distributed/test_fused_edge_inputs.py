@@ -19,8 +19,10 @@ from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_line
 from nemo_is_plugin.loss.output_checks import NonFiniteLossError
 from nemo_is_plugin.loss.separable import single_pass_blocker
 
-ROWS = config_grid().rows[::3]
-IDS = [f"{3 * i:03d}-{row_id(r)}"[:90] for i, r in enumerate(ROWS)]
+# Every third config; those with score centering are refused by the fused loss until its head computes the head
+# ids' log-probs (tests/loss/test_score_centering.py checks the refusal), so they are left out here.
+ROWS = [r for r in config_grid().rows[::3] if r["score_centering"] == "off"]
+IDS = [row_id(r)[:90] for r in ROWS]
 NAMES = {"clean", "empty_row", "all_tokens_masked", "positive_rounding", "gen=nan@pad", "prev=huge@pad"}
 NAMES |= {f"gen={v}@valid" for v in ("-inf", "+inf", "nan", "huge")} | {"prev=huge@valid", "prev=nan@valid"}
 NAMES |= {"gen=-inf@first", "gen=-inf@two_rows", "gen=-inf+nan@same_row", "ref=huge@valid", "ref=nan@valid"}

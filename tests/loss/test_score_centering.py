@@ -375,3 +375,14 @@ def test_the_logits_path_without_score_centering_and_its_misuse():
         ClippedPGLoss(plain)(curr, data, 2, 6, logits=logits)
     with pytest.raises(KeyError, match="input_ids"):
         ClippedPGLoss(plain)(None, {k: v for k, v in data.items() if k != "input_ids"}, 2, 6, logits=logits)
+
+
+def test_its_metrics_declare_their_denominators_without_data():
+    """The shape-only trace (what the NeMo-RL adapter advertises as metric_normalizations) carries the head too."""
+    from nemo_is_plugin.loss.metrics import Denominator
+
+    for aggregation, loss_per in (("token-mean", Denominator.TOKENS), ("seq-mean-token-mean", Denominator.SEQUENCES)):
+        got = ClippedPGLoss({**SC, "loss_aggregation": aggregation}).metric_denominators()
+        assert got["score_centering_loss"] == got["loss"] == loss_per
+        assert got["score_centering_drift"] == got["score_centering_sampled_in_head"] == Denominator.TOKENS
+    assert not any(k.startswith("score_centering") for k in ClippedPGLoss({}).metric_denominators())
