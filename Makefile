@@ -8,7 +8,7 @@ TORCH := 2.13.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 
 .PHONY: setup lint test demo bench bench-docs evidence lock clean golden golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo setup-stacks test-stacks lock-stacks golden-slime \
-	golden-verl-loss-modes
+	golden-verl-loss-modes golden-verl-score-centering
 
 # Every package at the exact version of $(LOCK), installed without resolution (--no-deps), then the project.
 $(STAMP): pyproject.toml $(LOCK)
@@ -53,14 +53,15 @@ evidence: setup
 # tolerances (exit 1 on a difference). docs/testing.md, "Refreshing the golden suites", says how to adopt a change.
 # The verl loss-mode suite was written from the verl 0.9.1 release, which $(LOCK) installs: golden-verl-loss-modes
 # runs that installed package (or, given VERL_LOSS_MODES=<checkout>, that checkout; the tag v0.9.1 reproduces it).
-# `make golden NEMO_RL=... VERL=... CTPO=... SLIME=...` runs it and the targets whose checkout is given, and names the
-# checkouts not given (their suites are skipped).
+# `make golden NEMO_RL=... VERL=... CTPO=... SLIME=... VERL_SC=...` runs it and the targets whose checkout is given,
+# and names the checkouts not given (their suites are skipped).
 GOLDEN_OUT ?= runs/golden
 GOLDEN_RUN = $(PY) -m tools.golden.$(1) --repo $(2) --out $(GOLDEN_OUT)/$(1) --check
 GOLDEN_TARGETS := golden-verl-loss-modes $(if $(NEMO_RL),golden-nemo-rl golden-nemo-rl-compat) $(if $(VERL),golden-verl) $(if $(CTPO),golden-ctpo) \
-	$(if $(SLIME),golden-slime)
+	$(if $(SLIME),golden-slime) $(if $(VERL_SC),golden-verl-score-centering)
 GOLDEN_CHECKOUTS_MISSING := $(if $(NEMO_RL),,NEMO_RL=<NVIDIA-NeMo/RL>) $(if $(VERL),,VERL=<verl>) \
-	$(if $(CTPO),,CTPO=<horizon-llm/CTPO>) $(if $(SLIME),,SLIME=<THUDM/slime>)
+	$(if $(CTPO),,CTPO=<horizon-llm/CTPO>) $(if $(SLIME),,SLIME=<THUDM/slime>) \
+	$(if $(VERL_SC),,VERL_SC=<verl at the score-centering suite's commit>)
 
 golden: $(GOLDEN_TARGETS)
 	$(if $(strip $(GOLDEN_CHECKOUTS_MISSING)),@echo "make golden: skipped the suites of the checkouts not given: $(strip $(GOLDEN_CHECKOUTS_MISSING))")
@@ -84,6 +85,11 @@ golden-ctpo: setup
 golden-slime: setup
 	$(if $(SLIME),,$(error set SLIME to a checkout of THUDM/slime))
 	$(call GOLDEN_RUN,slime,$(SLIME))
+
+# The score-centering suite records a later verl commit than golden-verl's (its README): a second checkout, VERL_SC.
+golden-verl-score-centering: setup
+	$(if $(VERL_SC),,$(error set VERL_SC to a checkout of verl-project/verl at the commit tests/data/golden/verl_score_centering/README.md names))
+	$(call GOLDEN_RUN,verl_score_centering,$(VERL_SC))
 
 golden-verl-loss-modes: setup
 	$(PY) -m tools.golden.verl_loss_modes $(if $(VERL_LOSS_MODES),--repo $(VERL_LOSS_MODES),--installed) \

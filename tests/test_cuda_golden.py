@@ -13,7 +13,8 @@ Tolerances and why:
   exact). verl's golden values are weights and masks, not a loss call's outputs: those calls are compared with the
   same call on the CPU (loss / gradient rtol 1e-5, atol 1e-6; metrics rtol 1e-4, atol 1e-6).
 - bf16 log-prob inputs (current, prev, generation, reference log-probs cast to bf16; slime: the logits and the batch's
-  or TIS call's log-probs; masks, advantages, counts as stored): compared with the same bf16 inputs on the CPU, not
+  or TIS call's log-probs; verl score centering: the logits, whose label and head log-probs the loss takes in
+  fp32; masks, advantages, counts as stored): compared with the same bf16 inputs on the CPU, not
   with the fp32 golden values. The loss upcasts bf16 log-probs to fp32 before any arithmetic, so both devices run the
   same fp32 math on the same (exactly representable) values and differ only by fp32 rounding (op order, exp / log
   implementations): loss rtol 1e-4 / atol 1e-6 and metrics rtol 1e-4 / atol 1e-6 as for fp32. The gradient comes back

@@ -97,7 +97,7 @@ def test_rollout_rs_lists_follow_verls_rules():
     "rc, match",
     [
         ({"rollout_token_veto_threshold": 1e-4}, "replaced in verl by rollout_rs: seq_max_k2"),
-        ({"rollout_is_level": "token"}, r"not verl 0\.9\.1 keys"),
+        ({"rollout_is_level": "token"}, r"not verl's keys"),
         ({"rollout_is": "geometric"}, "must be 'token', 'sequence' or null"),
         ({"loss_type": "ppo"}, "must be 'ppo_clip' or 'reinforce'"),
         ({"rollout_is": "token", "rollout_is_threshold": "2_1"}, "lower <= upper"),

@@ -13,6 +13,11 @@ format:
   which the CPU suite checks, so these calls are compared with the same call on CPU;
 - verl loss modes (``mode`` + ``loss_agg_mode``; suite verl_loss_modes): the plugin's objective functions composed as
   helpers/golden_objectives.py does (not yet a config call), checked against verl's loss, gradient and metrics.
+- verl score centering (``params["rollout_correction"]`` + ``inputs["rollout_topk_ids"]``; suite
+  verl_score_centering): the verl adapter's ``VerlPolicyLoss`` with verl's keys and batch fields
+  (helpers/golden_verl_sc.py), d loss / d logits (cast to the dtype), checked against verl's loss, gradient and metrics
+  except on the -inf-slot cases, which the plugin reads differently (docs/verl.md; compared with the same call on CPU);
+  the case the plugin refuses (score centering with a rejection rule) is left out like an error case.
 - slime (suite slime, parts ``policy/`` and ``tis/``; slime's outputs are top-level entries of the case): the full
   loss ``SlimePolicyLoss`` through slime's ``loss_function`` (tests/adapters/slime_host.py; ``logits`` and the batch's
   log-probs cast to the dtype), checked against slime's loss, logit gradient and metrics; the TIS function
@@ -39,6 +44,7 @@ from helpers.golden_ctpo import ctpo_config, ctpo_inputs, loss_rtol
 from helpers.golden_objectives import objective_loss
 from helpers.golden_utils import GOLDEN, finite_grad, load_named_cases, metric_close
 from helpers.golden_verl import loss_inputs, plugin_keys
+from helpers.golden_verl_sc import adapter_call, assert_like_verl, neg_inf_slots, plugin_refuses
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.adapters.slime import SlimeISCorrection, SlimePolicyLoss
 from nemo_is_plugin.loss import LossInputs
@@ -127,7 +133,10 @@ def _golden_calls(suite_names: tuple[str, ...]) -> tuple[PluginCall, ...]:
 
 
 def raises(case: dict) -> bool:
-    """Whether the case's expected result is an error (slime's cases, outputs at the top, have none)."""
+    """Whether the case's expected result is an error (slime's cases, outputs at the top, have none), or a verl
+    score-centering case the plugin refuses (it raises before any tensor exists, as an error case does)."""
+    if "rollout_correction" in case.get("params", {}):
+        return "error" in case["expected"] or plugin_refuses(case)
     return "error" in case.get("expected", {})
 
 
@@ -139,6 +148,8 @@ def case_format(case: dict) -> str:
     if "function" in case and "pg_loss" in case.get("inputs", {}):
         return "slime_tis"
     params = case.get("params", {})
+    if "rollout_correction" in params and "rollout_topk_ids" in case.get("inputs", {}):
+        return "verl_score_centering"
     if "loss_mode" in params:
         return "ctpo"
     if "rollout_is" in params:
@@ -166,6 +177,9 @@ def plugin_calls(suite: str, case: dict) -> list[PluginCall]:
         ]
     if fmt == "verl_loss_modes":
         return [PluginCall(suite, case["id"], _objective_runner(case), _objective_check(case), fmt)]
+    if fmt == "verl_score_centering":
+        check = None if neg_inf_slots(case) else _verl_sc_check(case)
+        return [PluginCall(suite, case["id"], _verl_sc_runner(case), check, fmt)]
     # verl's call through the project's own mapping of algorithm.rollout_correction (weights, rejections, metrics)
     configs = {"mapping": plugin_keys(case["params"])}
     inputs, _ = loss_inputs(case)
@@ -247,6 +261,24 @@ def _objective_runner(case: dict) -> Runner:
         return Outcome(loss, {"curr_logprobs": grad}, {k: float(v) for k, v in metrics.items()})
 
     return run
+
+
+def _verl_sc_runner(case: dict) -> Runner:
+    """The verl adapter on a verl score-centering case (helpers/golden_verl_sc.py), logits cast to the dtype."""
+
+    def run(device, dtype, guard) -> Outcome:
+        with guard():
+            loss, grad, metrics = adapter_call(case, device, dtype)
+        return Outcome(loss, {"logits": grad}, {k: float(v) for k, v in metrics.items()})
+
+    return run
+
+
+def _verl_sc_check(case: dict) -> Callable[[Outcome], None]:
+    def check(out: Outcome) -> None:
+        assert_like_verl(case, out.loss, out.grads["logits"], out.metrics)
+
+    return check
 
 
 def _slime_values(values: dict, device, dtype) -> dict:

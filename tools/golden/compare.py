@@ -14,7 +14,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tools.golden import common, ctpo, nemo_rl, nemo_rl_compat, slime, verl_loss_modes, verl_rollout_corr
+from tools.golden import (
+    common,
+    ctpo,
+    nemo_rl,
+    nemo_rl_compat,
+    slime,
+    verl_loss_modes,
+    verl_rollout_corr,
+    verl_score_centering,
+)
 
 SUITES = {
     suite.name: suite
@@ -25,6 +34,7 @@ SUITES = {
         verl_rollout_corr.SUITE,
         verl_loss_modes.SUITE,
         slime.SUITE,
+        verl_score_centering.SUITE,
     )
 }
 

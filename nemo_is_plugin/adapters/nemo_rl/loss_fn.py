@@ -265,9 +265,31 @@ def build_nemo_rl_loss_fn(
         if overrides:
             raise ValueError("overrides apply to YAML / mapping configs, not to a validated ClippedPGLossConfig")
         return NeMoRLLossFn(config, **options)
-    from nemo_is_plugin.adapters.recipes import to_loss_mapping
+    from nemo_is_plugin.adapters.recipes import load_yaml, loss_section
 
-    return NeMoRLLossFn(to_loss_mapping(config, overrides, section), **options)
+    whole = load_yaml(config, overrides, section)
+    keys = loss_section(whole, section)
+    check_generation_for_score_centering(whole, keys)
+    return NeMoRLLossFn(keys, **options)
+
+
+def check_generation_for_score_centering(master: Any, keys: Mapping[str, Any]) -> None:
+    """With ``score_centering: true``, refuse (one line each) the ``policy.generation`` settings of a master config
+    under which vLLM's recorded head is not the distribution it sampled from
+    (:mod:`nemo_is_plugin.adapters.sampler_checks`); a config without ``policy.generation`` is not checked."""
+    if not keys.get("score_centering"):
+        return
+    from omegaconf import OmegaConf
+
+    from nemo_is_plugin.adapters.sampler_checks import NEMO_RL_NAMES, check_sampler, nemo_rl_generation_settings
+
+    generation = OmegaConf.select(master, "policy.generation") if OmegaConf.is_config(master) else None
+    if generation is None:
+        return
+    container = OmegaConf.to_container(generation, resolve=True)
+    section = {str(k): v for k, v in container.items()} if isinstance(container, Mapping) else {}
+    settings, backend = nemo_rl_generation_settings(section)
+    check_sampler(settings, NEMO_RL_NAMES, head_k=keys.get("score_centering_top_k"), engine=backend)
 
 
 def dump_rollouts(

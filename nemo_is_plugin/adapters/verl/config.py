@@ -36,6 +36,7 @@ ROLLOUT_CORRECTION_KEYS = (
     "rollout_rs_threshold",
     "bypass_mode",
     "loss_type",
+    "score_centering",  # verl-project/verl PR #8010 (after 0.9.1)
 )
 # algorithm/rollout_correction.yaml: the values of keys a Hydra config leaves out.
 ROLLOUT_CORRECTION_DEFAULTS = {
@@ -46,6 +47,7 @@ ROLLOUT_CORRECTION_DEFAULTS = {
     "rollout_rs_threshold": None,
     "bypass_mode": False,
     "loss_type": "ppo_clip",
+    "score_centering": False,
 }
 
 
@@ -227,7 +229,7 @@ def rollout_correction_keys(rollout_correction: Any) -> dict[str, Any]:
             else ""
         )
         raise VerlConfigError(
-            f"algorithm.rollout_correction key(s) {unknown} are not verl 0.9.1 keys "
+            f"algorithm.rollout_correction key(s) {unknown} are not verl's keys "
             f"({', '.join(ROLLOUT_CORRECTION_KEYS)}){hint}"
         )
     rc = {**ROLLOUT_CORRECTION_DEFAULTS, **rc}
@@ -269,6 +271,8 @@ def rollout_correction_keys(rollout_correction: Any) -> dict[str, Any]:
             keys.update(disable_ppo_ratio=True, ratio_clip_c=None)
     elif loss_type != "ppo_clip":
         _ignored("loss_type", "verl reads it in bypass mode only (bypass_mode: false here)")
+    if rc["score_centering"]:  # f follows from the IS truncation above; the plugin's contradictions say what composes
+        keys["score_centering"] = True
     return keys
 
 

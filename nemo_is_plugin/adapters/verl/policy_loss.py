@@ -62,6 +62,7 @@ from nemo_is_plugin.adapters.verl.loss_modes import (
     verl_mode_settings,
 )
 from nemo_is_plugin.adapters.verl.metrics import plugin_metrics, rollout_corr_metrics, verl_statistics
+from nemo_is_plugin.adapters.verl.score_centering import VERL_SC_METRICS, head_inputs, verl_centering_statistics
 from nemo_is_plugin.config import ClippedPGLossConfig
 
 VERL_LOSS_NAME = "nemo_is.clipped_pg"
@@ -250,7 +251,7 @@ class VerlPolicyLoss:
         config: Any = None,
         rollout_is_weights: torch.Tensor | None = None,
         rollout_log_probs: torch.Tensor | None = None,
-        **_: Any,
+        **extra: Any,
     ):
         from nemo_is_plugin.loss import LossInputs
         from nemo_is_plugin.loss.layout import TokenLayout
@@ -259,6 +260,7 @@ class VerlPolicyLoss:
         b, t = log_prob.shape
         keys = self.keys_for(config)
         plugin_cfg = self.resolve(config, loss_agg_mode, t, keys=keys).config
+        head = head_inputs(plugin_cfg.score_centering, extra)  # verl's head fields (adapters/verl/score_centering.py)
         # the plugin reads log mu (it owns the correction, or bypass mode: pi_old = mu) and reports verl's rollout_corr/
         # statistics, as verl's own bypass loss does; else verl's weights, if any, multiply the loss
         reads_mu = reads_rollout_logprobs(plugin_cfg)
@@ -306,14 +308,17 @@ class VerlPolicyLoss:
             sample_mask=torch.ones(b, dtype=m.dtype, device=m.device),
             global_valid_seqs=own["local_seqs"] if info_seq is None else info_seq,
             global_valid_toks=own["local_toks"] if info_tok is None else info_tok,
+            **head,
         )
         terms = loss_fn.terms(inputs, TokenLayout.padded(b, t, device=log_prob.device))
+        own.update(verl_centering_statistics(terms, head.get("curr_topk_logprobs")))
         parts = loss_fn.reduce(terms)
         if reads_mu:  # verl's rollout_corr/ statistics from the loss's own IS correction (read in the same host sync)
             own.update(verl_statistics(terms))
         metrics, read = loss_fn.metrics(terms, parts, read_with=own)
         loss = parts.loss
         local_toks, local_seqs, ppo_kl = read.pop("local_toks"), read.pop("local_seqs"), read.pop("ppo_kl")
+        verl_sc = {name: read.pop(name) for name in VERL_SC_METRICS if name in read}
         n_tok = local_toks if info_tok is None else info_tok
         n_seq = local_seqs if info_seq is None else info_seq
         if loss_agg_mode == "token-sum":
@@ -339,6 +344,7 @@ class VerlPolicyLoss:
                 rollout_corr_metrics(local, loss_fn.config, rows=b, seqs_with_tokens=local_seqs, seq_count=local_seqs)
             )
             out.update(read)  # verl's statistics the loss's metrics do not carry (verl_metrics.verl_statistics)
+        out.update(verl_sc)
         return loss, out
 
     @staticmethod

@@ -18,11 +18,13 @@ def synthetic_batch(
     policy_drift: float = 0.05,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    head_k: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return ``(next_token_logprobs [B, S-1], data)`` with NeMo-RL's keys ([B, S] tensors, sample_mask [B]).
 
     gen = prev + N(mismatch_mean, mismatch_std) per token (the rollout engine's error); curr = prev + N(0, drift).
     Responses have random lengths and a 4-token prompt, masked out like NeMo-RL's token_mask.
+    ``head_k``: also a top-k head for score centering (:func:`synthetic_head`).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: the synthetic batch needs at least 1 sequence")
@@ -54,4 +56,33 @@ def synthetic_batch(
         "reference_policy_logprobs": clamp(ref),
         "rewards": rewards,
     }
+    if head_k is not None:
+        data.update(synthetic_head(batch_size, seq_len, head_k, mismatch_std=mismatch_std, generator=g, dtype=dtype))
     return clamp(curr)[:, 1:].contiguous(), data
+
+
+def synthetic_head(
+    batch_size: int,
+    seq_len: int,
+    k: int,
+    *,
+    mismatch_std: float,
+    generator: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+    head_mass: float = 0.9,
+) -> dict[str, torch.Tensor]:
+    """Score centering's head in NeMo-RL's keys: ``rollout_topk_ids`` / ``rollout_topk_logprobs`` ``[B, S, k]`` and
+    ``curr_topk_logprobs`` ``[B, S-1, k]``. Ids 0..k-1; the sampler's head holds ``head_mass`` of its distribution,
+    spread by a softmax of N(0, 1) scores; the trainer's scores differ by N(0, mismatch_std) (so its head mass too)."""
+    if k < 1:
+        raise ValueError(f"head_k={k}: the head needs at least one token")
+    shape = (batch_size, seq_len, k)
+    scores = torch.randn(shape, generator=generator, dtype=torch.float64)
+    drift = mismatch_std * torch.randn(shape, generator=generator, dtype=torch.float64)
+    sampler = torch.log_softmax(scores, -1) + torch.log(torch.tensor(head_mass, dtype=torch.float64))
+    trainer = torch.log_softmax(scores + drift, -1) + torch.log(torch.tensor(head_mass, dtype=torch.float64))
+    return {
+        "rollout_topk_ids": torch.arange(k).expand(shape).contiguous(),
+        "rollout_topk_logprobs": sampler.to(dtype),
+        "curr_topk_logprobs": trainer[:, 1:].to(dtype).contiguous(),
+    }

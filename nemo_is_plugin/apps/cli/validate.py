@@ -47,7 +47,8 @@ def validate(
     """Validate RECIPE and print its loss and metrics on a synthetic batch with a rollout/training mismatch."""
     from rich.console import Console
 
-    from nemo_is_plugin.adapters.recipes import load_loss_spec
+    from nemo_is_plugin.adapters.nemo_rl.loss_fn import check_generation_for_score_centering
+    from nemo_is_plugin.adapters.recipes import load_loss_spec, load_yaml
     from nemo_is_plugin.apps.cli.synthetic_batch import synthetic_batch
     from nemo_is_plugin.config import ConfigError, UnknownConfigKeyWarning
 
@@ -60,6 +61,11 @@ def validate(
         with warnings.catch_warnings():  # unknown keys are this command's verdict below, not a Python warning
             warnings.simplefilter("ignore", UnknownConfigKeyWarning)
             spec = load_loss_spec(recipe, overrides=override or (), section=section)
+        if spec.config.score_centering:  # a master config's sampling settings; a head in the synthetic batch
+            check_generation_for_score_centering(load_yaml(recipe, override or (), section), spec.config.model_dump())
+            batch = synthetic_batch(
+                batch_size, seq_len, mismatch_std=mismatch_std, head_k=spec.config.score_centering_top_k or 8
+            )
     except (ConfigError, ValueError) as exc:
         message = str(exc)  # the recipe's path once: most messages start with it
         _fail(

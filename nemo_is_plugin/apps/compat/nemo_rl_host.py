@@ -92,6 +92,11 @@ class NeMoRLHost:
         master = load_yaml(config, overrides)
         _refuse_other_losses(master)
         section = loss_section(master)
+        if section.get("score_centering"):
+            raise ConfigError(
+                "score_centering: NeMo-RL's ClippedPGLossFn has no score centering and compat's batches (synthetic or "
+                "a rollout dump) hold no sampler head: compare without it (nemo-is validate runs it on a synthetic one)"
+            )
         section.pop("name", None)
         with warnings.catch_warnings():  # reported below: a key neither loss reads is most likely a typo
             warnings.simplefilter("ignore", UnknownConfigKeyWarning)

@@ -139,6 +139,8 @@ class VerlHost:
         rc = {**ROLLOUT_CORRECTION_DEFAULTS, **_node(cfg, ROLLOUT_CORRECTION)}
         if rc.get("bypass_mode"):
             raise VerlCompatConfigError(f"{ROLLOUT_CORRECTION}.bypass_mode=true: {BYPASS_REASON}")
+        if rc.pop("score_centering", False):  # verl computes it in bypass mode only, from heads a dump does not hold
+            raise VerlCompatConfigError(f"{ROLLOUT_CORRECTION}.score_centering=true: {BYPASS_REASON}")
         self._actor_keys = {k: actor[k] for k in ACTOR_LOSS_KEYS if actor.get(k) is not None}
         self._loss_keys = {k: policy_loss[k] for k in OTHER_POLICY_LOSS_KEYS if policy_loss.get(k) is not None}
         self._rc = {k: v for k, v in rc.items() if k not in ("bypass_mode", "loss_type")}

@@ -222,3 +222,22 @@ def test_pydantic_bad_value_is_shown_and_the_path_once(tmp_path):
     assert result.exit_code == 2
     assert "[type=value_error, input_value=-1, input_type=int]" in result.output  # not swallowed as rich markup
     assert result.output.count(str(path)) == 1 and result.output.startswith(f"invalid recipe: {path}: invalid")
+
+
+def test_score_centering_runs_on_a_synthetic_head_and_a_master_configs_sampling_is_checked(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("loss_fn:\n  score_centering: true\n  score_centering_top_k: 4\n")
+    result = _validate(path, "--json")
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(result.output)["metrics"]
+    # the synthetic head holds 0.9 of each distribution: tails 0.1 (to float32 rounding), so rho = 1
+    assert metrics["score_centering_sampler_tail"] == pytest.approx(0.1, abs=1e-5)
+    assert metrics["score_centering_tail_ratio"] == pytest.approx(1.0, abs=1e-3)
+    master = tmp_path / "m.yaml"
+    master.write_text(
+        "policy:\n  generation: {backend: vllm, temperature: 1.0, top_p: 0.95, top_k: null, vllm_cfg: {}}\n"
+        "loss_fn:\n  score_centering: true\n"
+    )
+    result = CliRunner().invoke(app, ["validate", str(master)])
+    assert result.exit_code == 2
+    assert "policy.generation.top_p=0.95: score centering needs the head" in result.output

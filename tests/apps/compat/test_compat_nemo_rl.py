@@ -176,6 +176,12 @@ def test_a_config_the_plugin_refuses_exits_2_before_comparing(fake_nemo_rl, tmp_
     assert "truncated_importance_sampling" in output
 
 
+def test_score_centering_is_refused_in_one_line_before_comparing(fake_nemo_rl, tmp_path):
+    code, report, output = compat(tmp_path, MASTER.replace("loss_fn:\n", "loss_fn:\n  score_centering: true\n", 1))
+    assert code == 2 and report is None
+    assert "score_centering: NeMo-RL's ClippedPGLossFn has no score centering" in " ".join(output.split())
+
+
 def test_without_nemo_rl_installed_one_line_names_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "nemo_rl", None)  # not importable, whatever the machine has
     code, report, output = compat(tmp_path, MASTER)

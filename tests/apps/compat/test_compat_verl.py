@@ -134,6 +134,8 @@ def test_a_dropped_verl_metric_is_caught(tmp_path, monkeypatch):
 def test_configs_compat_cannot_compare_exit_2_with_the_reason(tmp_path):
     code, _, output = compat(tmp_path, verl_config(extra="    bypass_mode: true\n"))
     assert code == 2 and "apply_bypass_mode" in output
+    code, _, output = compat(tmp_path, verl_config(extra="    score_centering: true\n"))
+    assert code == 2 and "score_centering=true" in output and "apply_bypass_mode" in output
     code, _, output = compat(tmp_path, verl_config(extra="    rollout_token_veto_threshold: 1.0e-4\n"))
     assert code == 2 and "rollout_token_veto_threshold" in output
     # a file verl reads nothing from (here a NeMo-RL loss_fn section) would only compare verl's defaults
