@@ -209,8 +209,8 @@ def score_centering_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     if masks:
         out.append(
             f"{why} with {', '.join(masks)}: a rejection reads the sampled token itself (and its sequence), so the "
-            "score it keeps is not f(p/q) of that token and the centred gradient is not zero-mean (verl, miles and "
-            "vime refuse it too): use 'tis' or 'icepop'"
+            "score it keeps is not f(p/q) of that token and the centred gradient is not zero-mean (miles and "
+            "vime refuse it too; verl runs it): use 'tis' or 'icepop'"
         )
     if cfg.bypasses_prev and not cfg.disable_ppo_ratio:
         out.append(
