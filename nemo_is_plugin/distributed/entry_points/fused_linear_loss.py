@@ -47,13 +47,13 @@ from nemo_is_plugin.distributed.head.fused_linear import (
     chunk_logits,
     fused_linear_logprobs,
 )
-from nemo_is_plugin.distributed.head.vocab_parallel import reduce_partials
+from nemo_is_plugin.distributed.head.vocab_parallel import reduce_partials_and_head
 from nemo_is_plugin.distributed.parallel.collectives import all_gather
 from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
-from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup
 from nemo_is_plugin.kernels.gemm import acc_dtype, compute_dtype
+from nemo_is_plugin.kernels.head_ids import dense_grad, head_logprobs, valid_head_grad
 from nemo_is_plugin.kernels.softmax_partials import finalize_partials
-from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
@@ -71,25 +71,39 @@ def _scale_(grad: torch.Tensor | None, s: torch.Tensor, skip: bool) -> torch.Ten
 
 
 class _SinglePassFusedLoss(torch.autograd.Function):
+    """The single pass. ``token_grad(sl, c)`` is ``dL/dc`` of the chunk's log-probs ``c [n]``; with ``head_ids``
+    ``token_grad(sl, c, c_head)`` returns ``(dL/dc, dL/dc_head [n, k])``, ``c_head`` the chunk's head log-probs (same
+    lse). ``finish(logprob, head)`` (``head`` None without ``head_ids``) returns the loss value."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, target, token_grad, finish, opts: HeadOptions):
+    def forward(ctx, hidden, weight, target, head_ids, token_grad, finish, opts: HeadOptions):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        start, end = local_vocab_range(weight.shape[0], group_rank(opts.tp_group))
-        local_t, owned = localize_target(target.reshape(-1), start, end)
         # a caller's main_grad buffer receives dW scaled by the upstream gradient, known in the backward only
-        chunks = HeadChunks(hidden, weight, local_t, owned, dataclasses.replace(opts, grad_weight_out=None))
+        chunks = HeadChunks.build(hidden, weight, target, head_ids, dataclasses.replace(opts, grad_weight_out=None))
         logprob = torch.empty(chunks.n, dtype=chunks.acc, device=chunks.x.device)
+        head = None if chunks.head is None else logprob.new_empty(chunks.head[0].shape)
         grad_x, grad_w = chunks.grad_buffers(need_x, need_w, weight)
         inv_t = opts.inv_temperature
         for sl in chunks.slices():
             x_c = chunks.x[sl].to(chunks.dtype)
             z = chunk_logits(x_c, chunks.w, chunks.zbuf)  # GEMM 1
             lt, ow, col = chunks.rows(sl)
+            head_z = chunks.head_logits(sl, z)  # before pass 1 consumes z
             local = chunks.math.partials(z, lt, ow, col, inv_t)  # pass 1
-            lp, lse, _ = finalize_partials(reduce_partials(local, opts.tp_group))
+            merged, head_z = reduce_partials_and_head(local, head_z, opts.tp_group)  # one all-reduce SUM
+            lp, lse, _ = finalize_partials(merged)
             logprob[sl] = lp
-            g = token_grad(sl, lp)
+            g_head = None
+            if head is not None and head_z is not None and chunks.head is not None:
+                valid = chunks.head[2][sl]
+                head[sl] = head_lp = head_logprobs(head_z, lse, valid)
+                g, g_head = token_grad(sl, lp, head_lp)
+                g_head = valid_head_grad(g_head, valid, lp.dtype)
+                g = dense_grad(g, g_head)
+            else:
+                g = token_grad(sl, lp)
             dz = chunks.math.single_pass_grad(z, local, lse, lt, ow, col, g, inv_t, inv_t)  # pass 2
+            dz = chunks.add_head_grad_(sl, dz, g_head)
             chunks.chunk_grads(sl, dz, x_c, grad_x, grad_w)  # GEMMs 2 and 3
         ctx.grad_x = chunks.finish_grad_x(grad_x, hidden)
         del chunks
@@ -100,7 +114,7 @@ class _SinglePassFusedLoss(torch.autograd.Function):
             ctx.grad_w = grad_w.buf if grad_w.buf is not None else torch.zeros_like(opts.grad_weight_out)
         else:
             ctx.grad_w = grad_w.result()
-        return finish(logprob.reshape(target.shape))
+        return finish(logprob.reshape(target.shape), None if head is None else head.reshape(head_ids.shape))
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -112,7 +126,7 @@ class _SinglePassFusedLoss(torch.autograd.Function):
         else:
             grad_w = _scale_(ctx.grad_w, grad_loss, skip)
         ctx.grad_x = ctx.grad_w = ctx.grad_weight_out = None
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def fused_linear_pg_loss(
@@ -183,7 +197,7 @@ def fused_linear_pg_loss(
     token_grad = TokenLossGradient.build(loss_fn, inputs, layout)
     metrics: dict[str, Any] = {}
 
-    def finish(logprob: torch.Tensor) -> torch.Tensor:
+    def finish(logprob: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
         done = dataclasses.replace(inputs, curr_logprobs=logprob)
         loss, m = loss_fn.compute(done, layout, is_correction=token_grad.correction)
         metrics.update(m)
@@ -192,7 +206,7 @@ def fused_linear_pg_loss(
     opts = HeadOptions(
         tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype, grad_weight_out
     )
-    loss = _SinglePassFusedLoss.apply(hidden, weight, target, token_grad, finish, opts)
+    loss = _SinglePassFusedLoss.apply(hidden, weight, target, None, token_grad, finish, opts)
     return loss, metrics
 
 
