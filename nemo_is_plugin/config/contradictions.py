@@ -90,6 +90,7 @@ def contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     out.extend(_rejection_contradictions(cfg))
     out.extend(_rule_contradictions(cfg))
     out.extend(_objective_contradictions(cfg))
+    out.extend(score_centering_contradictions(cfg))
     needs_is = cfg.importance_sampling_batch_normalize or cfg.is_correction_level is not None
     rejects = tis in REJECTION_TYPES or bool(cfg.rejection_rules)
     if needs_is and not cfg.use_importance_sampling_correction and not rejects:
@@ -159,3 +160,62 @@ def _objective_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     if cfg.ratio_level is not None and cfg.ratio_level not in objective.ratio_levels:
         out.append(f"policy_objective={chosen!r} uses {objective.ratio}: unset ratio_level={cfg.ratio_level!r}")
     return out + objective.refusals(cfg)
+
+
+def score_centering_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
+    """What ``score_centering`` composes with (docs/config.md, *Score centering*): the term subtracts the sampler's
+    expected f-weighted score of one token, f = the token IS weight's truncation as a function of p_v / q_v, so every
+    setting whose weight of the sampled token's score is not such an f of that token alone is refused."""
+    if not cfg.score_centering:
+        keys = ("score_centering_top_k", "score_centering_tail_floor")
+        unread = [k for k in keys if getattr(cfg, k) != type(cfg).model_fields[k].default]
+        return [f"{k} is read with score_centering: true only: set score_centering or unset {k}" for k in unread]
+    why = "score_centering"
+    out = []
+    if cfg.policy_objective != "ppo_clip":
+        out.append(
+            f"{why} centres the score of PPO / REINFORCE's token policy gradient; policy_objective="
+            f"{cfg.policy_objective!r} weights a token's score by its own gate or trust mask, which the head "
+            "coefficients do not model: use ppo_clip or score_centering: false"
+        )
+    if cfg.effective_ratio_level != "token":
+        out.append(
+            f"{why} subtracts one token's expected score; ratio_level={cfg.effective_ratio_level!r} (GSPO / CTPO) "
+            "weights it by a ratio of the whole sequence or prefix: use ratio_level: token"
+        )
+    if cfg.use_importance_sampling_correction and cfg.effective_is_level != "token":
+        out.append(
+            f"{why}'s f is a function of one token's ratio p_v/q_v; is_correction_level={cfg.effective_is_level!r} "
+            "weights a token by the other tokens' ratios, which the head cannot evaluate: use is_correction_level: "
+            "token"
+        )
+    tis = cfg.truncated_importance_sampling_type
+    if cfg.use_importance_sampling_correction and tis is None:
+        out.append(
+            f"{why} with untruncated IS weights has f(r) = r, whose centring coefficients are exactly 0 (the IS "
+            "weight removes the drift itself): add truncated_importance_sampling_type 'tis' or 'icepop', or set "
+            "use_importance_sampling_correction: false (f = 1)"
+        )
+    masks = [
+        name
+        for name, on in (
+            (f"truncated_importance_sampling_type={tis!r}", tis in SEQUENCE_MASK_TYPES),
+            ("importance_sampling_rejection", cfg.importance_sampling_rejection is not None),
+            ("importance_sampling_rejection_rules", bool(cfg.importance_sampling_rejection_rules)),
+            ("importance_sampling_veto_threshold", cfg.importance_sampling_veto_threshold is not None),
+        )
+        if on
+    ]
+    if masks:
+        out.append(
+            f"{why} with {', '.join(masks)}: a rejection reads the sampled token itself (and its sequence), so the "
+            "score it keeps is not f(p/q) of that token and the centred gradient is not zero-mean (verl, miles and "
+            "vime refuse it too): use 'tis' or 'icepop'"
+        )
+    if cfg.bypasses_prev and not cfg.disable_ppo_ratio:
+        out.append(
+            f"{why} with old_policy_logprobs='generation': the PPO ratio p/mu (and its clip) multiplies the sampled "
+            "token's score, which f does not include: set disable_ppo_ratio: true (REINFORCE, verl's setting) or "
+            "old_policy_logprobs: prev"
+        )
+    return out

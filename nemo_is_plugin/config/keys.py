@@ -260,6 +260,35 @@ class LossKeys(BaseModel):
         description="pi_old of the policy ratio: 'prev' (three policies) or 'generation' (verl's bypass_mode: "
         "r = pi_theta / mu, and the IS weights / rejections measure the current policy, detached, against mu).",
     )
+    # ---- score centering (arXiv 2609.20807; verl's algorithm.rollout_correction.score_centering) ----
+    score_centering: bool = Field(
+        False,
+        description="Add the score-centering term +sg(A) sum_{v in H} sg(c_v) log p_v over the sampler's top-k head H "
+        "(c_v = q_v f(p_v/q_v) - alpha p_v, the tail modelled as rho p): it subtracts the sampler-expected weighted "
+        "score, cancelling the drift E_q[A] E_q[grad log p] of a mismatched sampler. f follows from the IS "
+        "truncation (docs/config.md, Score centering). Needs rollout_topk_ids / rollout_topk_logprobs in the batch.",
+    )
+    score_centering_top_k: Annotated[
+        int | None,
+        NumericRange(
+            low=1,
+            why="k is the number of sampler top-k log-probs recorded per token (the head H); the head needs one",
+            fix="use the rollout engine's top-k log-prob count (e.g. 32 or 128), or null to take k from the data",
+        ),
+    ] = Field(None, description="k, the sampler head size; the batch's [*, k] head tensors are checked against it.")
+    score_centering_tail_floor: Annotated[
+        float,
+        NumericRange(
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            high_open=True,
+            why="rho = max(1 - Q_H, eps) / max(1 - P_H, eps) divides tail masses; eps <= 0 lets a head covering the "
+            "whole vocabulary divide by 0, eps >= 1 makes rho = 1 always (no tail model)",
+            fix="use 1e-6 (the paper, verl, SkyRL, vime)",
+        ),
+    ] = Field(1e-6, description="eps, the floor of both tail masses 1 - Q_H and 1 - P_H in rho.")
+
     strict_input_checks: bool = Field(
         False,
         description="Raise on non-finite generation log-probs and on positive log-probs (above the dtype's "

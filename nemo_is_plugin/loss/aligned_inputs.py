@@ -11,9 +11,15 @@ import torch
 from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.loss.input_validation import validate_loss_inputs
 from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.score_centering import check_head_inputs
 
 # NeMo-RL's data keys; [B, S] tensors are sliced [:, 1:] to align with next-token log-probs [B, S-1].
 TOKEN_KEYS = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
+# Score centering's sampler head: [B, S, k] tensors, sliced [:, 1:] like generation_logprobs (the head of the token
+# at position s is recorded where its log-prob is). curr_topk_logprobs, the trainer's log-probs at those ids, is
+# [B, S-1, k], aligned like next_token_logprobs (not sliced).
+HEAD_KEYS = ("rollout_topk_ids", "rollout_topk_logprobs")
+CURR_HEAD_KEY = "curr_topk_logprobs"
 
 
 @dataclass
@@ -36,6 +42,13 @@ class LossInputs:
     # NeMo-RL's current log-probs without top-k / top-p filtering (same shape as curr_logprobs, requires grad): the
     # KL penalty and its weight use them when present.
     curr_logprobs_unfiltered: torch.Tensor | None = None
+    # Score centering (``score_centering: true``): the sampler's top-k head of each token, [*T, k]. rollout_topk_ids:
+    # integer vocabulary ids; rollout_topk_logprobs: the sampler's full-vocabulary log-probs q_v at them (-inf marks an
+    # empty slot: zero mass, no gradient); curr_topk_logprobs: the trainer's log-probs p_v at the same ids, requires
+    # grad, from the same log-softmax as curr_logprobs (a second normalisation would skew the tail ratio rho).
+    rollout_topk_ids: torch.Tensor | None = None
+    rollout_topk_logprobs: torch.Tensor | None = None
+    curr_topk_logprobs: torch.Tensor | None = None
 
     @classmethod
     def from_tokens(
@@ -61,6 +74,9 @@ class LossInputs:
             global_valid_toks=global_valid_toks,
             rewards=data.get("rewards"),
             curr_logprobs_unfiltered=tokens.get("curr_logprobs_unfiltered"),
+            rollout_topk_ids=tokens.get("rollout_topk_ids"),
+            rollout_topk_logprobs=tokens.get("rollout_topk_logprobs"),
+            curr_topk_logprobs=tokens.get(CURR_HEAD_KEY),
         )
 
 
@@ -90,6 +106,18 @@ def align_nemo_rl_inputs(
     sliced = {k: data[k][:, 1:] for k in TOKEN_KEYS if k in data}
     if "curr_logprobs_unfiltered" in data and cfg.effective_kl_penalty != 0:  # NeMo-RL reads it only then
         sliced["curr_logprobs_unfiltered"] = data["curr_logprobs_unfiltered"]  # already [B, S-1]
+    if cfg.score_centering:
+        head = {k: data[k][:, 1:] if k in data else None for k in HEAD_KEYS}
+        head[CURR_HEAD_KEY] = data.get(CURR_HEAD_KEY)  # already [B, S-1, k]
+        check_head_inputs(
+            tuple(next_token_logprobs.shape),
+            cfg.score_centering_top_k,
+            head["rollout_topk_ids"],
+            head["rollout_topk_logprobs"],
+            head[CURR_HEAD_KEY],
+            names=("data['rollout_topk_ids']", "data['rollout_topk_logprobs']", f"data['{CURR_HEAD_KEY}']"),
+        )
+        sliced.update({k: v for k, v in head.items() if v is not None})
     curr = next_token_logprobs
     if layout is None:
         layout = TokenLayout.padded(curr.shape[0], curr.shape[1], device=curr.device)

@@ -22,8 +22,8 @@ import torch
 
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError, load_loss_config
 from nemo_is_plugin.loss.aggregation import aggregate
+from nemo_is_plugin.loss.aligned_inputs import CURR_HEAD_KEY, LossInputs, align_nemo_rl_inputs
 from nemo_is_plugin.loss.aligned_inputs import TOKEN_KEYS as TOKEN_KEYS  # re-exported: distributed/ imports it here
-from nemo_is_plugin.loss.aligned_inputs import LossInputs, align_nemo_rl_inputs
 from nemo_is_plugin.loss.correction import ISCorrection
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
@@ -37,18 +37,20 @@ from nemo_is_plugin.loss.metrics import (
 from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.output_checks import check_finite_loss, input_anomalies, warn_input_anomalies
 from nemo_is_plugin.loss.registry import NAME_KEY, get_loss, split_name
+from nemo_is_plugin.loss.score_centering import label_and_head_logprobs, score_centering_metrics
 from nemo_is_plugin.loss.terms import LossTerms, loss_terms
 
 
 @dataclass
 class LossParts:
     """The loss of one call and its parts (0-d tensors): the IS-weighted policy term, the KL term (beta included),
-    the positive-sample NLL (before its weight)."""
+    the positive-sample NLL (before its weight), the score-centering term (0 without it)."""
 
     loss: torch.Tensor
     actor: torch.Tensor
     kl: torch.Tensor
     nll: torch.Tensor
+    centering: torch.Tensor | None = None
 
 
 class ClippedPGLoss:
@@ -72,9 +74,30 @@ class ClippedPGLoss:
         global_valid_toks: torch.Tensor | float,
         *,
         layout: TokenLayout | None = None,
+        logits: torch.Tensor | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, MetricValues]:
+        """``logits``: ``[B, S, V]`` (temperature-scaled) instead of ``next_token_logprobs`` (pass None): the label
+        log-probs (``data['input_ids'][:, 1:]``) and, with ``score_centering``, the head's (``curr_topk_logprobs``)
+        come from one log-softmax of ``logits[:, :-1]``."""
+        if logits is not None:
+            next_token_logprobs, data = self._logprobs_from_logits(next_token_logprobs, logits, data)
         return self.compute(*self.prepare(next_token_logprobs, data, global_valid_seqs, global_valid_toks, layout))
+
+    def _logprobs_from_logits(
+        self, next_token_logprobs: torch.Tensor | None, logits: torch.Tensor, data: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+        if next_token_logprobs is not None:
+            raise ValueError("pass next_token_logprobs or logits, not both (logits: the loss computes the log-probs)")
+        if "input_ids" not in data:
+            raise KeyError("logits given: data needs 'input_ids' [B, S] (the labels are input_ids[:, 1:])")
+        labels = data["input_ids"][:, 1:]
+        if not self.config.score_centering:
+            return label_and_head_logprobs(logits[:, :-1], labels, labels.unsqueeze(-1))[0], data
+        if "rollout_topk_ids" not in data:
+            raise KeyError("score_centering: true needs data['rollout_topk_ids'] [B, S, k] (the sampler's head ids)")
+        label, head = label_and_head_logprobs(logits[:, :-1], labels, data["rollout_topk_ids"][:, 1:])
+        return label, {**data, CURR_HEAD_KEY: head}
 
     def prepare(
         self,
@@ -141,7 +164,11 @@ class ClippedPGLoss:
             # Without positive tokens the sum is an exact 0 (and its gradient too): no host-side test of the count.
             nll = where_mask(-c, t.nll_tokens).sum() / (t.nll_count.to(c.dtype) + EPS)
         loss = actor_loss + kl_loss + cfg.positive_example_nll_weight * nll
-        return LossParts(loss, actor_loss, kl_loss, nll)
+        centering = None
+        if terms.tokens.centering is not None:  # the same aggregation (mask, normaliser) as the policy term
+            centering = reduce(terms.tokens.centering.term)
+            loss = loss + centering
+        return LossParts(loss, actor_loss, kl_loss, nll, centering)
 
     def metrics(
         self,
@@ -198,6 +225,11 @@ class ClippedPGLoss:
         book.token_mean("input_positive_logprob_fraction", positive)
         book.mismatch(terms.is_prev, g, t.token_mask * torch.isfinite(g).to(g.dtype), terms.sample_mask)
         book.clip_by_position(sur, t.positions)
+        if terms.tokens.centering is not None and parts.centering is not None:
+            head = src.curr_topk_logprobs
+            assert head is not None  # loss_terms required it
+            sc = terms.tokens.centering
+            score_centering_metrics(book, sc, parts.centering, loss_per, terms.curr, head, t.advantages, t.is_weight)
         objective_of(cfg).report(book, terms.tokens.objective, terms.sample_mask)
         for name, value in (extra_metric_sums or {}).items():
             book.add_sum(name, value, Denominator.NONE)
@@ -221,6 +253,10 @@ class ClippedPGLoss:
         names and their denominators depend on the config alone."""
         meta = torch.empty(1, 1, device="meta")  # one token of one sequence; every input may be the same tensor
         inputs = LossInputs(meta, meta, meta, meta, meta, meta, meta[0], 1.0, 1.0, rewards=meta[0])
+        if self.config.score_centering:
+            head = meta.unsqueeze(-1)
+            inputs.rollout_topk_ids = torch.empty(1, 1, 1, dtype=torch.long, device="meta")
+            inputs.rollout_topk_logprobs = inputs.curr_topk_logprobs = head
         _, metrics = self.compute(inputs, TokenLayout.padded(1, 1, device=meta.device))
         return metrics.denominators
 

@@ -104,8 +104,8 @@ def finalize_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
 
     Adds, where their inputs are present: ``is_weight_std``, ``is_weight_ess`` (normalised effective sample size
     (E w)^2 / E[w^2] in (0, 1]), the same for ``is_raw_weight_*``, ``chi2_token``, ``chi2_seq``,
-    ``clip_rate/pos_<bucket>`` (clipped tokens / tokens at those positions) and each policy objective's own
-    (``PolicyObjective.finalize``).
+    ``clip_rate/pos_<bucket>`` (clipped tokens / tokens at those positions), ``score_centering_share``
+    (``loss/score_centering.py``) and each policy objective's own (``PolicyObjective.finalize``).
     """
     out = dict(metrics)
     for prefix in ("is_weight", "is_raw_weight"):
@@ -124,4 +124,7 @@ def finalize_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
             out[f"clip_rate/pos_{name}"] = clipped / tokens
     for objective in OBJECTIVES.values():
         out.update(objective.finalize(metrics))
+    sc, pg = metrics.get("score_centering_grad_abs"), metrics.get("score_centering_pg_grad_abs")
+    if sc is not None and pg is not None:  # score centering's share of the head-score coefficients
+        out["score_centering_share"] = sc / (sc + pg) if sc + pg > 0 else 0.0
     return out

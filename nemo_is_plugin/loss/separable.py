@@ -60,7 +60,7 @@ def is_token_separable(config: ClippedPGLossConfig) -> bool:
     ``force_on_policy_ratio`` is excluded: it takes the old log-probs, hence the IS weights, from ``c`` itself; so is
     ``old_policy_logprobs='generation'`` (bypass), whose IS weights and rejections measure ``c`` against mu.
     """
-    if config.force_on_policy_ratio or config.bypasses_prev:
+    if config.force_on_policy_ratio or config.bypasses_prev or config.score_centering:
         return False
     objective = objective_of(config)
     return objective.whole_batch_reason(config) is None and not objective.causal(config)
@@ -69,6 +69,10 @@ def is_token_separable(config: ClippedPGLossConfig) -> bool:
 def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> str | None:
     """Why the loss gradient of a chunk cannot be known from the log-probs seen so far; None when it can."""
     level = config.effective_ratio_level
+    if config.score_centering:
+        return (
+            "score_centering's term also differentiates the head log-probs [n, k], which the single pass does not take"
+        )
     if config.force_on_policy_ratio:
         return "force_on_policy_ratio takes the old log-probs (and the IS weights) from the current ones"
     if config.bypasses_prev:

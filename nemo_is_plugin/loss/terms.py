@@ -29,6 +29,7 @@ from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives import ObjectiveInputs, ObjectiveOut, SurrogateOut, objective_of
 from nemo_is_plugin.loss.ratios import unmasked_positions
+from nemo_is_plugin.loss.score_centering import Calibration, CenteringOut, centering_term
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
@@ -107,6 +108,8 @@ class TermInputs:
     kl_coef: float = 0.0
     nll_tokens: torch.Tensor | None = None
     nll_count: torch.Tensor | None = None
+    head_sampler: torch.Tensor | None = None
+    centering: CenteringSpec | None = None
 
     _TOKEN_FIELDS = (
         "prev",
@@ -120,38 +123,62 @@ class TermInputs:
         "nll_tokens",
     )
 
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TermInputs:
+    def _map(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> TermInputs:
         changes: dict[str, Any] = {
             k: None if getattr(self, k) is None else fn(getattr(self, k)) for k in self._TOKEN_FIELDS
         }
+        if self.head_sampler is not None:
+            changes["head_sampler"] = (head_fn or fn)(self.head_sampler)
         return dataclasses.replace(self, **changes)
 
     def flat(self) -> TermInputs:
-        """The token tensors flattened in memory order (the fused single pass's ``[N]``)."""
-        return self._map(lambda t: t.reshape(-1))
+        """The token tensors flattened in memory order (the fused single pass's ``[N]``; heads ``[N, k]``)."""
+        return self._map(lambda t: t.reshape(-1), lambda h: h.reshape(-1, h.shape[-1]))
 
     def chunk(self, sl: slice) -> TermInputs:
         """The flat constants of the chunk ``sl`` (after :meth:`flat`)."""
         return self._map(lambda t: t[sl])
 
 
+@dataclass(frozen=True)
+class CenteringSpec:
+    """Score centering's batch constants besides the sampler head (``loss/score_centering.py``): f, the tail floor,
+    and 1 / the batch normalisation's divisor (None without it)."""
+
+    calibration: Calibration
+    tail_floor: float
+    scale: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, cfg: ClippedPGLossConfig, correction: ISCorrection | None) -> CenteringSpec:
+        scale = None
+        if cfg.importance_sampling_batch_normalize and correction is not None:
+            factor = correction.batch_norm_factor  # the weights were divided by it where it is positive
+            scale = torch.where(factor > 0, 1.0 / factor, torch.ones_like(factor))
+        return cls(Calibration.of(cfg), cfg.score_centering_tail_floor, scale)
+
+
 @dataclass
 class TokenTerms:
     """The per-token terms of :func:`token_terms`. objective: the chosen objective's surrogate (its per-token loss and
     indicators) and the state its metrics read. actor: w_t sur_t. kl: the per-token KL before its coefficient (None
-    without a KL term)."""
+    without a KL term). centering: the score-centering term and its statistics (None without ``score_centering``)."""
 
     objective: ObjectiveOut
     actor: torch.Tensor
     kl: torch.Tensor | None
+    centering: CenteringOut | None = None
 
     @property
     def surrogate(self) -> SurrogateOut:
         return self.objective.surrogate
 
     def combined(self, kl_coef: float) -> torch.Tensor:
-        """x_t = w_t sur_t + beta kl_t (the loss is its aggregation plus the NLL term)."""
-        return self.actor if self.kl is None else self.actor + kl_coef * self.kl
+        """x_t = w_t sur_t + beta kl_t (+ the score-centering term; the loss is its aggregation plus the NLL term)."""
+        x = self.actor if self.kl is None else self.actor + kl_coef * self.kl
+        return x if self.centering is None else x + self.centering.term
 
 
 def token_terms(
@@ -159,10 +186,13 @@ def token_terms(
     c: torch.Tensor,
     *,
     c_kl: torch.Tensor | None = None,
+    c_head: torch.Tensor | None = None,
     causal: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> TokenTerms:
     """The per-token terms of the current log-probs ``c`` (requires grad) on the constants ``t``.
 
+    ``c_head``: the current log-probs at the sampler's head ids ``[*T, k]`` (requires grad), read by score centering
+    (``t.head_sampler`` set), from the same log-softmax as ``c``.
     ``c_kl``: the log-probs the KL reads when they differ from ``c`` (NeMo-RL's unfiltered ones under top-k / top-p).
     ``causal``: the fused single pass's cumulative ratio (``separable``): its stop-gradient value from the ratio's
     anchor and the running sums of the earlier chunks.
@@ -182,7 +212,24 @@ def token_terms(
     )
     sur = objective.surrogate
     actor = sur.loss if t.is_weight is None else t.is_weight * sur.loss
-    return TokenTerms(objective, actor, kl)
+    centering = None
+    if t.head_sampler is not None and t.centering is not None:
+        if c_head is None:
+            raise ValueError("score centering needs the current log-probs at the head ids (c_head)")
+        # the tokens the term acts on: counted, with a finite generation log-prob (without one the sampler's
+        # distribution at that position is not what it recorded: the IS weight is 0 there too)
+        counted = (t.valid != 0) & torch.isfinite(t.generation)
+        spec = t.centering
+        centering = centering_term(
+            c_head.to(c.dtype),
+            t.head_sampler,
+            t.advantages,
+            counted,
+            spec.calibration,
+            tail_floor=spec.tail_floor,
+            scale=spec.scale,
+        )
+    return TokenTerms(objective, actor, kl, centering)
 
 
 @dataclass
@@ -310,6 +357,10 @@ def term_inputs(
         kl_coef=beta,
         nll_tokens=pos,
         nll_count=count,
+        head_sampler=as_f(required_input(inputs.rollout_topk_logprobs, "rollout_topk_logprobs"))
+        if cfg.score_centering
+        else None,
+        centering=CenteringSpec.of(cfg, correction) if cfg.score_centering else None,
     )
 
 
@@ -333,10 +384,13 @@ def loss_terms(
     # KL on the unfiltered log-probs under top-k / top-p (NeMo-RL: the reference's are unfiltered too).
     unfiltered = inputs.curr_logprobs_unfiltered
     c_kl = None if t.reference is None or unfiltered is None else unfiltered.to(c.dtype)
+    c_head = None
+    if cfg.score_centering:
+        c_head = required_input(inputs.curr_topk_logprobs, "curr_topk_logprobs").to(c.dtype)
     return LossTerms(
         source=inputs,
         inputs=t,
-        tokens=token_terms(t, c, c_kl=c_kl),
+        tokens=token_terms(t, c, c_kl=c_kl, c_head=c_head),
         curr=c,
         is_prev=is_prev(cfg, c, t.prev),
         sample_mask=inputs.sample_mask.to(c.dtype),
@@ -346,6 +400,7 @@ def loss_terms(
 
 
 __all__ = [
+    "CenteringSpec",
     "KLSpec",
     "LossTerms",
     "TermInputs",

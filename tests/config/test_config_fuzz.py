@@ -4,6 +4,7 @@ it was given; a valid config survives a dump/reload; malformed YAML recipes give
 from __future__ import annotations
 
 import math
+import re
 import string
 from pathlib import Path
 from typing import Any
@@ -111,9 +112,11 @@ def test_load_loss_config_rejects_non_mappings(bad):
 # ------------------------------------------------------------------------------------ non-finite hyper-parameters
 
 
-def test_every_float_field_is_covered():
-    floats = {n for n, f in ClippedPGLossConfig.model_fields.items() if "float" in str(f.annotation)}
-    assert floats == set(ACTIVATING_KEYS)
+def test_every_numeric_field_is_covered():
+    numeric = {
+        n for n, f in ClippedPGLossConfig.model_fields.items() if re.search(r"\b(float|int)\b", str(f.annotation))
+    }
+    assert numeric == set(ACTIVATING_KEYS)
 
 
 @pytest.mark.parametrize(

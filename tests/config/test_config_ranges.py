@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import typing
 from pathlib import Path
 
 import pydantic
@@ -30,19 +31,25 @@ def _refused(key: str, value: float) -> str:
 
 
 def test_every_numeric_field_has_a_range():
-    numeric = {n for n, f in ClippedPGLossConfig.model_fields.items() if "float" in str(f.annotation)}
+    numeric = {n for n, f in ClippedPGLossConfig.model_fields.items() if {"float", "int"} & _types(f.annotation)}
     assert numeric == set(NUMERIC_RANGES) == set(ACTIVATING_KEYS)
 
 
+def _types(annotation) -> set[str]:
+    return {getattr(a, "__name__", str(a)) for a in typing.get_args(annotation) or (annotation,)}
+
+
 def _cases() -> list[tuple[str, float, bool]]:
-    """(key, value, accepted) at and around each finite end, plus one interior point."""
+    """(key, value, accepted) at and around each finite end (one step out: 1e-6, or 1 for an integer key), plus one
+    interior point."""
     out = []
     for key, r in NUMERIC_RANGES.items():
+        step = 1 if "float" not in _types(ClippedPGLossConfig.model_fields[key].annotation) else 1e-6
         for end, is_open, outward in ((r.low, r.low_open, -1.0), (r.high, r.high_open, +1.0)):
             if end is None:
                 continue
             out.append((key, end, not is_open))
-            out.append((key, end + outward * 1e-6, False))
+            out.append((key, end + outward * step, False))
         lo = r.low if r.low is not None else (r.high - 2.0)
         hi = r.high if r.high is not None else (lo + 2.0)
         out.append((key, (lo + hi) / 2, True))

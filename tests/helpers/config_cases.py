@@ -36,6 +36,8 @@ ACTIVATING_KEYS: dict[str, dict[str, Any]] = {
     ),
     "importance_sampling_veto_threshold": {},
     "loss_aggregation_norm": dict(loss_aggregation="seq-mean-token-sum-norm"),
+    "score_centering_top_k": dict(score_centering=True),
+    "score_centering_tail_floor": dict(score_centering=True),
     "dppo_delta_low": dict(policy_objective="dppo_tv", dppo_delta_high=0.28),
     "dppo_delta_high": dict(policy_objective="dppo_tv", dppo_delta_low=0.2),
     "dppo_ratio_cap": dict(policy_objective="dppo_kl", dppo_delta_low=0.2, dppo_delta_high=0.28),
