@@ -32,6 +32,10 @@ The batch constants (:class:`~nemo_is_plugin.loss.terms.TermInputs`) are compute
 :func:`~nemo_is_plugin.loss.terms.loss_terms` binding; the IS correction among them is handed to the loss's metrics
 pass so that it is not computed twice.
 
+Score centering's term reads the token's head log-probs ``c_head [n, k]`` too (the same lse as ``c``): it is linear in
+them with detached coefficients computed from the chunk's own values, so the chunk's ``dL/dc_head`` comes from the
+same autograd call; the fused single pass hands both to the head (``kernels/head_ids.py``).
+
 Shapes: the constants are flat ``[N]`` (the token tensors of the layout, flattened in memory order); a chunk is a
 slice of ``[0, N)``; chunks are visited in order.
 """
@@ -69,10 +73,6 @@ def is_token_separable(config: ClippedPGLossConfig) -> bool:
 def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> str | None:
     """Why the loss gradient of a chunk cannot be known from the log-probs seen so far; None when it can."""
     level = config.effective_ratio_level
-    if config.score_centering:
-        return (
-            "score_centering's term also differentiates the head log-probs [n, k], which the single pass does not take"
-        )
     if config.force_on_policy_ratio:
         return "force_on_policy_ratio takes the old log-probs (and the IS weights) from the current ones"
     if config.bypasses_prev:
@@ -124,26 +124,41 @@ class TokenLossGradient:
             prefix=PrefixCarry(cfg, layout) if objective_of(cfg).causal(cfg) else None,
         )
 
-    def __call__(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
+    @property
+    def wants_head(self) -> bool:
+        """Score centering: the gradient also needs (and returns) the chunk's head log-probs ``[n, k]``."""
+        return self.constants.head_sampler is not None
+
+    def __call__(self, sl: slice, c: torch.Tensor, c_head: torch.Tensor | None = None):
+        """``dL/dc [n]``; with score centering (``c_head``, the chunk's head log-probs ``[n, k]`` from the same lse)
+        ``(dL/dc [n], dL/dc_head [n, k])``."""
         a = self.agg_weight[sl]
         with torch.enable_grad():  # the fused forward runs without grad mode
             leaf = c.detach().to(a.dtype).requires_grad_(True)
-            (grad,) = torch.autograd.grad(self.chunk_terms(sl, leaf), leaf, grad_outputs=a)
+            leaves = [leaf]
+            head_leaf = None
+            if c_head is not None:
+                head_leaf = c_head.detach().to(a.dtype).requires_grad_(True)
+                leaves.append(head_leaf)
+            grads = torch.autograd.grad(self.chunk_terms(sl, leaf, head_leaf), leaves, grad_outputs=a)
         # the loss's where_mask: tokens with a = 0 add exactly 0, whatever inf/NaN their terms' derivatives hold
-        grad = torch.where(a != 0, grad, 0.0)
+        grad = torch.where(a != 0, grads[0], 0.0)
         t = self.constants
         if t.nll_tokens is not None and t.nll_count is not None:  # the NLL is linear in c: q_t is its derivative
             # no positive sample: the tokens are all 0 and so is q (the loss drops the term): no branch, no sync
             q = t.nll_tokens[sl] / (t.nll_count.to(a.dtype) + EPS)
             grad = grad - t.config.positive_example_nll_weight * q
-        return grad
+        if c_head is None:
+            return grad
+        return grad, torch.where(a.unsqueeze(-1) != 0, grads[1], 0.0)
 
-    def chunk_terms(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
-        """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` of the chunk ``sl`` (``[n]``), by the loss's own
-        :func:`~nemo_is_plugin.loss.terms.token_terms`: the loss is ``sum_t a_t x_t`` plus the NLL term."""
+    def chunk_terms(self, sl: slice, c: torch.Tensor, c_head: torch.Tensor | None = None) -> torch.Tensor:
+        """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` (+ score centering's term of ``c_head``) of the chunk ``sl``
+        (``[n]``), by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms`: the loss is ``sum_t a_t x_t``
+        plus the NLL term."""
         t, prefix = self.constants.chunk(sl), self.prefix
         causal = None if prefix is None else (lambda p: prefix.anchor(sl, c, p, t.token_mask, t.positions))
-        return token_terms(t, c, causal=causal).combined(t.kl_coef)
+        return token_terms(t, c, c_head=c_head, causal=causal).combined(t.kl_coef)
 
 
 class PrefixCarry:

@@ -55,6 +55,7 @@ from nemo_is_plugin.kernels.gemm import acc_dtype, compute_dtype
 from nemo_is_plugin.kernels.head_ids import dense_grad, head_logprobs, valid_head_grad
 from nemo_is_plugin.kernels.softmax_partials import finalize_partials
 from nemo_is_plugin.loss import ClippedPGLoss
+from nemo_is_plugin.loss.aligned_inputs import CURR_HEAD_KEY
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
 
@@ -129,6 +130,17 @@ class _SinglePassFusedLoss(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None
 
 
+def _with_head_placeholder(
+    loss_fn: ClippedPGLoss, data: Mapping[str, torch.Tensor], placeholder: torch.Tensor
+) -> Mapping[str, torch.Tensor]:
+    """Score centering: the head log-probs this entry point computes stand as zeros ``[B, T, k]`` while the inputs
+    are prepared (shape and dtype only; without head ids ``prepare`` names what is missing)."""
+    ids = data.get("rollout_topk_ids")
+    if not loss_fn.config.score_centering or ids is None or CURR_HEAD_KEY in data:
+        return data
+    return {**data, CURR_HEAD_KEY: placeholder.new_zeros((*placeholder.shape, ids.shape[-1]))}
+
+
 def fused_linear_pg_loss(
     loss_fn: ClippedPGLoss,
     hidden: torch.Tensor,
@@ -159,6 +171,10 @@ def fused_linear_pg_loss(
             single pass the chunks accumulate into a dW-sized temporary (``grad_weight_dtype``) during the forward,
             added to ``grad_weight_out`` times the upstream gradient in the backward (one pass over V/TP x H).
         data, global_valid_seqs, global_valid_toks, layout: as ``ClippedPGLoss.__call__`` (``data`` is ``[B, S]``).
+            With ``score_centering``, ``data['rollout_topk_ids']`` / ``['rollout_topk_logprobs']`` ``[B, S, k]`` (the
+            sampler's head, sliced like the log-probs): the head's log-probs come from the label's chunk and lse
+            (``kernels/head_ids.py``; ``curr_topk_logprobs`` is computed here), and the single pass takes the term's
+            ``dL/d(head log-probs)`` chunk by chunk (``separable.TokenLossGradient``).
         dp_group: the DP ranks a batch statistic (an objective's) is reduced over; None: this call's batch.
         single_pass: None = whenever the config and layout allow it (``separable.single_pass_blocker``); True =
             require it (ValueError with the reason otherwise); False = always the two-pass schedule.
@@ -170,7 +186,10 @@ def fused_linear_pg_loss(
     check_grad_weight_out(weight, grad_weight_out)
     # shape and dtype only: the log-probs' dtype (fp64 for fp64 inputs, else fp32) sets the dL/dc arithmetic's
     placeholder = torch.zeros(target.shape, dtype=acc_dtype(compute_dtype(hidden)), device=hidden.device)
+    data = _with_head_placeholder(loss_fn, data, placeholder)
     inputs, layout = loss_fn.prepare(placeholder, data, global_valid_seqs, global_valid_toks, layout)
+    # score centering: the sampler's head ids of each next-token position ([B, T, k], sliced like the log-probs)
+    head_ids = inputs.rollout_topk_ids if loss_fn.config.score_centering else None
     layout = with_data_parallel(layout, dp_group)
     why = single_pass_blocker(loss_fn.config, layout)
     if single_pass and why is not None:
@@ -188,7 +207,11 @@ def fused_linear_pg_loss(
             backend=backend,
             grad_weight_out=grad_weight_out,
             grad_weight_dtype=grad_weight_dtype,
+            head_ids=head_ids,
         )
+        if head_ids is not None:
+            lp, head = lp
+            data = {**data, CURR_HEAD_KEY: head}
         return loss_fn(lp, data, global_valid_seqs, global_valid_toks, layout=layout)  # validates lp's values too
 
     if sequence_parallel:
@@ -199,6 +222,8 @@ def fused_linear_pg_loss(
 
     def finish(logprob: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
         done = dataclasses.replace(inputs, curr_logprobs=logprob)
+        if head is not None:
+            done = dataclasses.replace(done, curr_topk_logprobs=head)
         loss, m = loss_fn.compute(done, layout, is_correction=token_grad.correction)
         metrics.update(m)
         return loss.detach()
@@ -206,7 +231,7 @@ def fused_linear_pg_loss(
     opts = HeadOptions(
         tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype, grad_weight_out
     )
-    loss = _SinglePassFusedLoss.apply(hidden, weight, target, None, token_grad, finish, opts)
+    loss = _SinglePassFusedLoss.apply(hidden, weight, target, head_ids, token_grad, finish, opts)
     return loss, metrics
 
 
