@@ -4,7 +4,10 @@ Score centering (arXiv 2609.20807) needs the trainer's log-probs of the sampler'
 the label's softmax pass (:mod:`~nemo_is_plugin.kernels.head_ids`). Per model shape and LM-head path this times a
 forward + backward of the head with ``k`` head ids per token against the same head without them (``k = 0``), every
 job once per round, rounds interleaved (best round on CPU, median on CUDA: :class:`~nemo_is_plugin.apps.bench.device.
-BenchDevice`), and reports each time as a ratio to the ``k = 0`` time of its path in the same run. Paths:
+BenchDevice`), and reports each time as a ratio to the ``k = 0`` time of its path in the same run. On CUDA the clock
+is CUDA events; on a CPU it is the process's CPU time (``time.process_time``), not the wall clock: on a shared machine
+the other processes' load stretches wall times by tens of percent from one call to the next, CPU time far less, and
+the head's extra work is a few percent. Paths:
 
 - ``from_logits``: ``logits = hidden @ W^T`` (autograd), then :func:`vocab_parallel_logprobs` (the LOGIT loss's head);
 - ``fused_2pass``: :func:`fused_linear_logprobs` (forward, recomputing backward: 4 GEMMs);
@@ -19,6 +22,8 @@ random ids, the label among them for most tokens, a few ``-1`` padding slots.
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -136,11 +141,25 @@ def _jobs(bench: BenchDevice, shape: ModelShape, cfg: HeadCostConfig) -> dict[tu
     return {(p, k): make(p, k) for p in cfg.paths for k in cfg.ks}
 
 
+def cpu_seconds(fn: Callable[[], object]) -> float:
+    """CPU seconds of this process during one call of ``fn`` (all its threads), the collector paused as in timeit."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.process_time()
+        fn()
+        return time.process_time() - start
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def run_head_cost(cfg: HeadCostConfig, progress: Callable[[str], None] = lambda _: None) -> dict:
     """Time every (shape, path, k) and return the rows (seconds and ratio to k = 0 of the same path) with the
     machine's description."""
     bench = BenchDevice.resolve(cfg.device, cfg.dtype)
     torch.set_num_threads(cfg.threads)
+    clock = bench.time_call if bench.is_cuda else cpu_seconds
     rows = []
     for shape in cfg.shapes:
         jobs = _jobs(bench, shape, cfg)
@@ -153,7 +172,7 @@ def run_head_cost(cfg: HeadCostConfig, progress: Callable[[str], None] = lambda 
         for r in range(cfg.repeats):
             progress(f"{shape.name}: round {r + 1}/{cfg.repeats}")
             for name, job in jobs.items():
-                seconds[name].append(bench.time_call(job))
+                seconds[name].append(clock(job))
         for (path, k), times in seconds.items():
             t = bench.summarise(times)
             base = bench.summarise(seconds[(path, 0)])
@@ -174,6 +193,7 @@ def run_head_cost(cfg: HeadCostConfig, progress: Callable[[str], None] = lambda 
         quick=cfg.quick_run,
         statistic=bench.statistic,
         dtype=dtype_name(bench.dtype),
+        clock="CUDA events" if bench.is_cuda else "process CPU time",
         device=bench.device.type,
     )
     return dict(config=config, machine=bench.describe(), rows=rows)
@@ -208,7 +228,8 @@ def head_cost_table(results: dict):
     ks = [k for k in cfg["ks"] if k]
     table = Table(
         title=f"score-centering head: forward + backward, {cfg['tokens']} tokens, {cfg['dtype']} on "
-        f"{results['machine']['device_name']} ({cfg['statistic']} of {cfg['repeats']} rounds)"
+        f"{results['machine']['device_name']} ({cfg['statistic']} of {cfg['repeats']} rounds, "
+        f"{cfg.get('clock', 'wall clock')})"
     )
     for col in ("model", "path", "k = 0 (s)", *(f"k = {k} / k = 0" for k in ks)):
         table.add_column(col)

@@ -23,6 +23,11 @@ Two schedules, same loss, metrics and gradients:
   out of memory order): :func:`fused_linear_logprobs` (log-probs of every token), the loss on them, then its
   recomputing backward: the loss gradient of a token needs log-probs that come later.
 
+Score centering (``score_centering: true``): the head ids ``data['rollout_topk_ids']`` go to the head, whose chunks
+also give the head's log-probs from the same lse (:mod:`~nemo_is_plugin.kernels.head_ids`); in the single pass
+``g`` of a chunk is ``(dL/dc, dL/dc_head)`` from one autograd call over the term (linear in ``c_head`` with detached
+coefficients), pass 2 runs with ``dL/dc + sum_k dL/dc_head`` and the ids' columns take their scatter-adds.
+
 Parallelism: TP (vocab-sharded weight) and sequence parallelism; not CP (the batch would need the sharding that
 :class:`~nemo_is_plugin.distributed.entry_points.logit_loss.LogitClippedPGLoss` does: use that entry point under CP).
 
