@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.device_guard import assert_identical, count_host_syncs, run_guarded_and_plain
 from helpers.head_reference import head_reference
 
 from nemo_is_plugin import build_loss_fn
@@ -131,3 +132,24 @@ def test_a_head_of_the_wrong_k_is_refused():
         _fused(p, config, single_pass=None)
     with pytest.raises(ValueError, match="score_centering_top_k = 4"):
         _logit_loss(p, config)
+
+
+def test_entry_points_with_the_head_are_device_clean_and_add_no_host_sync():
+    """Under the CPU device guard the centred fused loss (single pass) and LOGIT loss give the plain run's results bit
+    for bit, and read the device back no more often than without the term."""
+    p = centering_problem()
+    off = {k: v for k, v in CONFIGS["tis"].items() if k != "score_centering"}
+
+    def run(config):
+        def go():
+            with count_host_syncs() as syncs:
+                fused = _fused(p, config, single_pass=True)
+                logit = _logit_loss(p, config)
+            return (fused, logit), len(syncs)
+
+        return go
+
+    (got, syncs), (want, _) = run_guarded_and_plain(run(CONFIGS["tis"]))
+    assert_identical(got, want)
+    _, syncs_off = run(off)()
+    assert syncs <= syncs_off, (syncs, syncs_off)
