@@ -34,7 +34,7 @@ def _problem(seed: int, dtype=torch.float64, scale: float = 1.0):
 
 
 def _ref_grads(hidden, weight, target, ids, c_label, c_head, temperature=1.0):
-    h, w = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    h, w = hidden.double().clone().requires_grad_(True), weight.double().clone().requires_grad_(True)
     label, head = head_reference(h @ w.t() / temperature, target, ids)
     head_loss(label, head, c_label, c_head).backward()
     return label.detach(), head.detach(), h.grad, w.grad
@@ -258,3 +258,18 @@ def test_sequence_head_refuses_the_head_with_the_training_filter():
     labels, ids = torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, K, dtype=torch.long)
     with pytest.raises(ValueError, match="not available with top-k / top-p"):
         next_token_logprobs(hidden, weight, labels, None, top_k=3, head_ids=ids)
+
+
+def test_empty_rows_and_an_empty_head():
+    """No tokens (an empty micro-batch) and k = 0 both give empty head log-probs and the plain gradient."""
+    hidden, weight, target, _, c_label, _ = _problem(11)
+    for n, k in ((0, K), (N, 0)):
+        ids = torch.zeros(n, k, dtype=torch.long)
+        h, w = hidden[:n].clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, head = fused_linear_logprobs(h, w, target[:n], chunk_size=4, head_ids=ids)
+        lp2, head2 = vocab_parallel_logprobs((h @ w.t()).detach(), target[:n], chunk_size=4, head_ids=ids)
+        assert head.shape == head2.shape == (n, k)
+        (lp * c_label[:n]).sum().backward()
+        _, _, dx, dw = _ref_grads(hidden[:n], weight, target[:n], ids, c_label[:n], torch.zeros(n, k).double())
+        torch.testing.assert_close(h.grad, dx, rtol=1e-11, atol=1e-11)
+        torch.testing.assert_close(w.grad, dw, rtol=1e-11, atol=1e-11)

@@ -172,7 +172,7 @@ class HeadChunks:
         head = None
         if head_ids is not None:
             vocab = weight.shape[0] * group_size(opts.tp_group)
-            head = localize_head(head_ids.reshape(local_t.shape[0], -1), start, end, vocab)
+            head = localize_head(head_ids.reshape(local_t.shape[0], head_ids.shape[-1]), start, end, vocab)
         return cls(hidden, weight, local_t, owned, opts, with_entropy=with_entropy, head=head)
 
     def slices(self) -> Iterator[slice]:

@@ -103,7 +103,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         head = None
         if head_ids is not None:
             head_local, head_owned, head_valid = localize_head(
-                head_ids.reshape(n, -1), start, end, vocab_local * group_size(tp_group)
+                head_ids.reshape(n, head_ids.shape[-1]), start, end, vocab_local * group_size(tp_group)
             )
             head = flat.new_empty(head_local.shape, dtype=math.acc)
         for sl in chunk_slices(n, chunk_size):
