@@ -111,6 +111,16 @@ def _aggregation(cfg: ClippedPGLossConfig) -> str:
     return f"{agg} ({source}{norm}; over the global valid token / sequence counts)"
 
 
+def _score_centering(cfg: ClippedPGLossConfig) -> str:
+    if not cfg.score_centering:
+        return "off"
+    kind = cfg.truncated_importance_sampling_type if cfg.use_importance_sampling_correction else None
+    lo, hi = _g(cfg.truncated_importance_sampling_ratio_min or 0), _g(cfg.truncated_importance_sampling_ratio)
+    f = {None: "1", "tis": f"clamp(r, {lo}, {hi})", "icepop": f"r 1[{lo} <= r <= {hi}]"}.get(kind, str(kind))
+    k = "the data's" if cfg.score_centering_top_k is None else str(cfg.score_centering_top_k)
+    return f"on: f(r) = {f}, head k = {k}, tail floor {_g(cfg.score_centering_tail_floor)}"
+
+
 def effective_settings(cfg: ClippedPGLossConfig) -> dict[str, str]:
     """Every effective choice of ``cfg`` in words, in the loss's order (ratio, clip, IS, KL, aggregation)."""
     is_on = cfg.use_importance_sampling_correction
@@ -128,6 +138,7 @@ def effective_settings(cfg: ClippedPGLossConfig) -> dict[str, str]:
         "positive-example NLL": (
             f"weight {_g(cfg.positive_example_nll_weight)}" if cfg.positive_example_nll_weight else "off"
         ),
+        "score centering": _score_centering(cfg),
     }
 
 

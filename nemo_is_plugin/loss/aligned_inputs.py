@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.loss.input_validation import validate_loss_inputs
+from nemo_is_plugin.loss.input_validation import POSITIVE_LOGPROB_TOLERANCE, validate_loss_inputs
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.score_centering import check_head_inputs
+from nemo_is_plugin.loss.score_centering import check_head_inputs, check_head_values
 
 # NeMo-RL's data keys; [B, S] tensors are sliced [:, 1:] to align with next-token log-probs [B, S-1].
 TOKEN_KEYS = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
@@ -116,9 +116,15 @@ def align_nemo_rl_inputs(
             head["rollout_topk_logprobs"],
             head[CURR_HEAD_KEY],
             names=("data['rollout_topk_ids']", "data['rollout_topk_logprobs']", f"data['{CURR_HEAD_KEY}']"),
+            hint=f" (the rollout_topk_* data are [B, S, k], sliced [:, 1:]; {CURR_HEAD_KEY} is [B, S-1, k])",
         )
         sliced.update({k: v for k, v in head.items() if v is not None})
     curr = next_token_logprobs
     if layout is None:
         layout = TokenLayout.padded(curr.shape[0], curr.shape[1], device=curr.device)
+    if cfg.score_centering:
+        counted = (sliced["token_mask"] != 0) & (layout.to_tokens(data["sample_mask"]) != 0)
+        q, p = sliced["rollout_topk_logprobs"], sliced[CURR_HEAD_KEY]
+        names = ("data['rollout_topk_logprobs']", f"data['{CURR_HEAD_KEY}']")
+        check_head_values(counted, q, p, names, POSITIVE_LOGPROB_TOLERANCE.get(q.dtype, 1e-4))
     return LossInputs.from_tokens(curr, sliced, data, global_valid_seqs, global_valid_toks), layout

@@ -31,6 +31,7 @@ from nemo_is_plugin.loss.metrics import Denominator, MetricBook
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.correction import ISCorrection
 
 CalibrationKind = Literal["none", "tis", "icepop"]
 
@@ -42,8 +43,6 @@ class Calibration:
     none    f(r) = 1                          (IS off: plain score centering)
     tis     f(r) = clamp(r, low or 0, high)   (truncated IS)
     icepop  f(r) = r 1[low <= r <= high]      (masked IS, IcePop / MIS)
-
-    ``scale``: 1 / the batch normalisation's divisor (``importance_sampling_batch_normalize``), else None.
     """
 
     kind: CalibrationKind = "none"
@@ -69,6 +68,24 @@ class Calibration:
             return torch.exp(log_r.clamp(lo, hi))
         in_band = (log_r >= lo) & (log_r <= hi)
         return torch.where(in_band, torch.exp(log_r.clamp(max=hi)), torch.zeros_like(log_r))
+
+
+@dataclass(frozen=True)
+class CenteringSpec:
+    """Score centering's batch constants besides the sampler head: f, the tail floor, and 1 / the divisor of
+    ``importance_sampling_batch_normalize`` (the coefficients are divided as the weights are; None without it)."""
+
+    calibration: Calibration
+    tail_floor: float
+    scale: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, cfg: ClippedPGLossConfig, correction: ISCorrection | None) -> CenteringSpec:
+        scale = None
+        if cfg.importance_sampling_batch_normalize and correction is not None:
+            factor = correction.batch_norm_factor  # the weights were divided by it where it is positive
+            scale = torch.where(factor > 0, 1.0 / factor, torch.ones_like(factor))
+        return cls(Calibration.of(cfg), cfg.score_centering_tail_floor, scale)
 
 
 @dataclass
@@ -147,10 +164,11 @@ def check_head_inputs(
     curr: torch.Tensor | None,
     *,
     names: tuple[str, str, str] = ("rollout_topk_ids", "rollout_topk_logprobs", "curr_topk_logprobs"),
+    hint: str = "",
 ) -> None:
     """Shapes and dtypes of the head tensors (no host read): each ``[*T, k]`` with ``*T = token_shape`` and k =
-    ``top_k`` when set; ids integer, log-probs floating point. Raises ``ValueError`` / ``TypeError`` naming the
-    tensor, or ``KeyError`` for a missing one."""
+    ``top_k`` when set; ids integer, log-probs floating point. ``hint`` is appended to a shape error. Raises
+    ``ValueError`` / ``TypeError`` naming the tensor, or ``KeyError`` for a missing one."""
     tensors = dict(zip(names, (ids, sampler, curr)))
     missing = [name for name, t in tensors.items() if t is None]
     if missing:
@@ -163,7 +181,7 @@ def check_head_inputs(
         assert t is not None
         expect = "[*T, k]" if top_k is None else f"[*T, {top_k}]"
         if t.dim() != len(token_shape) + 1 or tuple(t.shape[:-1]) != tuple(token_shape):
-            raise ValueError(f"{name} has shape {list(t.shape)}, expected {expect} with *T = {list(token_shape)}")
+            raise ValueError(f"{name} has shape {list(t.shape)}, expected {expect} with *T = {list(token_shape)}{hint}")
         if top_k is not None and t.shape[-1] != top_k:
             raise ValueError(f"{name} has k = {t.shape[-1]} log-probs per token, score_centering_top_k = {top_k}")
         if k is not None and t.shape[-1] != k:
@@ -174,6 +192,28 @@ def check_head_inputs(
             raise TypeError(f"{name} has dtype {t.dtype}, expected an integer dtype (vocabulary ids)")
         if name != names[0] and not t.is_floating_point():
             raise TypeError(f"{name} has dtype {t.dtype}, expected a floating-point dtype")
+
+
+@torch.no_grad()
+def check_head_values(
+    counted: torch.Tensor, sampler: torch.Tensor, curr: torch.Tensor, names: tuple[str, str], tolerance: float
+) -> None:
+    """Refuse, in one host read, what the term cannot compute on the tokens it acts on (``counted``, bool [*T]): a
+    sampler log-prob that is NaN, +inf or above ``tolerance`` (a -inf is an empty slot), and a trainer log-prob that is
+    not finite in a filled slot (its coefficient times -inf). Other tokens may hold anything (padding)."""
+    filled = torch.isfinite(sampler) & counted.unsqueeze(-1)
+    bad_q = counted.unsqueeze(-1) & ((sampler != -math.inf) & ~filled | (sampler > tolerance))
+    bad_p = filled & ~torch.isfinite(curr)
+    flags = torch.stack([bad_q.sum(), bad_p.sum()]).tolist()  # the one host read
+    for name, bad, count in ((names[0], bad_q, flags[0]), (names[1], bad_p, flags[1])):
+        if count:
+            first = [int(i) for i in bad.nonzero()[0]]
+            value = (sampler if name == names[0] else curr)[tuple(first)].item()
+            raise ValueError(
+                f"{name} holds {count} value(s) the score-centering term cannot use on counted tokens (NaN, +inf or "
+                f"positive sampler log-probs; non-finite trainer log-probs where the sampler's are finite), first at "
+                f"{first} = {value!r}; mark an empty head slot with -inf in both"
+            )
 
 
 @torch.no_grad()
@@ -222,8 +262,10 @@ def score_centering_metrics(
 __all__ = [
     "Calibration",
     "CenteringOut",
+    "CenteringSpec",
     "centering_term",
     "check_head_inputs",
+    "check_head_values",
     "label_and_head_logprobs",
     "score_centering_metrics",
 ]

@@ -32,9 +32,9 @@ The batch constants (:class:`~nemo_is_plugin.loss.terms.TermInputs`) are compute
 :func:`~nemo_is_plugin.loss.terms.loss_terms` binding; the IS correction among them is handed to the loss's metrics
 pass so that it is not computed twice.
 
-Score centering's term reads the token's head log-probs ``c_head [n, k]`` too (the same lse as ``c``): it is linear in
-them with detached coefficients computed from the chunk's own values, so the chunk's ``dL/dc_head`` comes from the
-same autograd call; the fused single pass hands both to the head (``kernels/head_ids.py``).
+Score centering adds ``sum_t a_t sg(A_t) sum_v sg(c_tv) log p_tv`` over each token's k head log-probs, as local as
+the rest: :meth:`TokenLossGradient.with_head` gives the chunk's ``dL/dc_head [n, k]`` beside ``dL/dc [n]``, for the
+head to scatter onto the head ids' logits (the fused LM-head loss's single pass: ``kernels/head_ids.py``).
 
 Shapes: the constants are flat ``[N]`` (the token tensors of the layout, flattened in memory order); a chunk is a
 slice of ``[0, N)``; chunks are visited in order.
@@ -64,7 +64,7 @@ def is_token_separable(config: ClippedPGLossConfig) -> bool:
     ``force_on_policy_ratio`` is excluded: it takes the old log-probs, hence the IS weights, from ``c`` itself; so is
     ``old_policy_logprobs='generation'`` (bypass), whose IS weights and rejections measure ``c`` against mu.
     """
-    if config.force_on_policy_ratio or config.bypasses_prev or config.score_centering:
+    if config.force_on_policy_ratio or config.bypasses_prev:
         return False
     objective = objective_of(config)
     return objective.whole_batch_reason(config) is None and not objective.causal(config)
@@ -124,38 +124,42 @@ class TokenLossGradient:
             prefix=PrefixCarry(cfg, layout) if objective_of(cfg).causal(cfg) else None,
         )
 
-    @property
-    def wants_head(self) -> bool:
-        """Score centering: the gradient also needs (and returns) the chunk's head log-probs ``[n, k]``."""
-        return self.constants.head_sampler is not None
+    def __call__(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
+        if self.constants.head_sampler is not None:
+            raise ValueError("score_centering: the chunk gradient has a head part too; call with_head(sl, c, c_head)")
+        return self._grads(sl, c, None)[0]
 
-    def __call__(self, sl: slice, c: torch.Tensor, c_head: torch.Tensor | None = None):
-        """``dL/dc [n]``; with score centering (``c_head``, the chunk's head log-probs ``[n, k]`` from the same lse)
-        ``(dL/dc [n], dL/dc_head [n, k])``."""
+    def with_head(self, sl: slice, c: torch.Tensor, c_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dL/dc [n], dL/dc_head [n, k])`` of the chunk ``sl`` under ``score_centering``: the head part is each
+        token's sg(A) a_t c_v, to be scattered onto the head ids' logits as the label's gradient is onto its own."""
+        grad, head = self._grads(sl, c, c_head)
+        assert head is not None
+        return grad, head
+
+    def _grads(self, sl: slice, c: torch.Tensor, c_head: torch.Tensor | None):
         a = self.agg_weight[sl]
         with torch.enable_grad():  # the fused forward runs without grad mode
             leaf = c.detach().to(a.dtype).requires_grad_(True)
-            leaves = [leaf]
-            head_leaf = None
-            if c_head is not None:
-                head_leaf = c_head.detach().to(a.dtype).requires_grad_(True)
-                leaves.append(head_leaf)
-            grads = torch.autograd.grad(self.chunk_terms(sl, leaf, head_leaf), leaves, grad_outputs=a)
+            head = None if c_head is None else c_head.detach().to(a.dtype).requires_grad_(True)
+            leaves = [leaf] if head is None else [leaf, head]
+            grads = torch.autograd.grad(self.chunk_terms(sl, leaf, head), leaves, grad_outputs=a, allow_unused=True)
         # the loss's where_mask: tokens with a = 0 add exactly 0, whatever inf/NaN their terms' derivatives hold
-        grad = torch.where(a != 0, grads[0], 0.0)
+        grad = torch.where(a != 0, grads[0], 0.0) if grads[0] is not None else torch.zeros_like(leaf)
+        head_grad = None
+        if head is not None:
+            g_head = torch.zeros_like(head) if grads[1] is None else grads[1]
+            head_grad = torch.where((a != 0).unsqueeze(-1), g_head, 0.0)
         t = self.constants
         if t.nll_tokens is not None and t.nll_count is not None:  # the NLL is linear in c: q_t is its derivative
             # no positive sample: the tokens are all 0 and so is q (the loss drops the term): no branch, no sync
             q = t.nll_tokens[sl] / (t.nll_count.to(a.dtype) + EPS)
             grad = grad - t.config.positive_example_nll_weight * q
-        if c_head is None:
-            return grad
-        return grad, torch.where(a.unsqueeze(-1) != 0, grads[1], 0.0)
+        return grad, head_grad
 
     def chunk_terms(self, sl: slice, c: torch.Tensor, c_head: torch.Tensor | None = None) -> torch.Tensor:
-        """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` (+ score centering's term of ``c_head``) of the chunk ``sl``
-        (``[n]``), by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms`: the loss is ``sum_t a_t x_t``
-        plus the NLL term."""
+        """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` (+ the score-centering term of ``c_head [n, k]``) of the chunk
+        ``sl`` (``[n]``), by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms`: the loss is
+        ``sum_t a_t x_t`` plus the NLL term."""
         t, prefix = self.constants.chunk(sl), self.prefix
         causal = None if prefix is None else (lambda p: prefix.anchor(sl, c, p, t.token_mask, t.positions))
         return token_terms(t, c, c_head=c_head, causal=causal).combined(t.kl_coef)

@@ -29,7 +29,7 @@ from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives import ObjectiveInputs, ObjectiveOut, SurrogateOut, objective_of
 from nemo_is_plugin.loss.ratios import unmasked_positions
-from nemo_is_plugin.loss.score_centering import Calibration, CenteringOut, centering_term
+from nemo_is_plugin.loss.score_centering import CenteringOut, CenteringSpec, centering_term
 
 if TYPE_CHECKING:
     from nemo_is_plugin.config.model import ClippedPGLossConfig
@@ -140,24 +140,6 @@ class TermInputs:
     def chunk(self, sl: slice) -> TermInputs:
         """The flat constants of the chunk ``sl`` (after :meth:`flat`)."""
         return self._map(lambda t: t[sl])
-
-
-@dataclass(frozen=True)
-class CenteringSpec:
-    """Score centering's batch constants besides the sampler head (``loss/score_centering.py``): f, the tail floor,
-    and 1 / the batch normalisation's divisor (None without it)."""
-
-    calibration: Calibration
-    tail_floor: float
-    scale: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, cfg: ClippedPGLossConfig, correction: ISCorrection | None) -> CenteringSpec:
-        scale = None
-        if cfg.importance_sampling_batch_normalize and correction is not None:
-            factor = correction.batch_norm_factor  # the weights were divided by it where it is positive
-            scale = torch.where(factor > 0, 1.0 / factor, torch.ones_like(factor))
-        return cls(Calibration.of(cfg), cfg.score_centering_tail_floor, scale)
 
 
 @dataclass
@@ -400,7 +382,6 @@ def loss_terms(
 
 
 __all__ = [
-    "CenteringSpec",
     "KLSpec",
     "LossTerms",
     "TermInputs",

@@ -31,6 +31,8 @@ VALID, FIRST, ONE = (0, 4), (1, 1), (2, 1)  # [B, S] coordinates of valid tokens
 PAD, SAMPLE_MASKED = (1, 7), (3, 3)  # a padding token (token_mask 0), a token of the masked-out sample
 HUGE = -120.0  # a log-prob 120 nats below the others: |log r| >= 100 against each of them
 KEYS = {"gen": "generation_logprobs", "prev": "prev_logprobs", "ref": "reference_policy_logprobs"}
+HEAD_K = 3  # score centering's head size (helpers.config_space: score_centering_top_k)
+HEAD_KEYS = ("rollout_topk_logprobs", "curr_topk_logprobs")
 
 
 def base_batch(dtype: torch.dtype = torch.float64, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -55,6 +57,12 @@ def base_batch(dtype: torch.dtype = torch.float64, seed: int = 0) -> tuple[torch
         "rewards": torch.tensor([1.0, 0.0, 1.0, 1.0]),
     }
     curr = (prev + noise(0.03)).clamp(max=-1e-3)[:, 1:].to(dtype)
+    # score centering's head (read with score_centering only): ids, the sampler's [B, S, K] and the trainer's
+    # [B, S-1, K] log-probs, each of the K head tokens with probability in [0.05, 0.25]
+    head_q = torch.log(0.05 + 0.2 * torch.rand(B, S, HEAD_K, generator=g, dtype=torch.float64))
+    data["rollout_topk_ids"] = torch.arange(HEAD_K).expand(B, S, HEAD_K).clone()
+    data["rollout_topk_logprobs"] = head_q.to(dtype)
+    data["curr_topk_logprobs"] = (head_q[:, 1:] + noise(0.05)[:, 1:, None]).clamp(max=-1e-3).to(dtype)
     return curr, data
 
 
@@ -134,7 +142,21 @@ def _other_edges() -> list[EdgeInput]:
     def nan_advantage(curr, data):
         data["advantages"][VALID] = math.nan
 
+    def head(key: str, position: tuple[int, int], value: float):
+        def apply(curr, data):  # every slot of the token's head; curr_topk_logprobs is [B, S-1, K] already aligned
+            i, j = position
+            data[key][i, j - (key == "curr_topk_logprobs")] = value
+
+        return apply
+
+    head_edges = [
+        EdgeInput(f"{short}={name}@{place}", head(key, pos, value), key, value, place, (pos,))
+        for short, key in (("head_q", "rollout_topk_logprobs"), ("head_p", "curr_topk_logprobs"))
+        for name, value in (("nan", math.nan), ("-inf", -math.inf))
+        for place, pos in (("valid", VALID), ("pad", PAD))
+    ]
     return [
+        *head_edges,
         EdgeInput("positive_rounding", rounding, where="valid"),
         EdgeInput("prev=log3@valid", log3_prev, "prev_logprobs", math.log(3.0), "valid", (VALID,)),
         EdgeInput("curr=log3@valid", log3_curr, None, math.log(3.0), "valid", (VALID,)),
@@ -155,6 +177,8 @@ def reads(cfg: ClippedPGLossConfig, key: str) -> bool:
         return not cfg.force_on_policy_ratio and not cfg.bypasses_prev
     if key == "reference_policy_logprobs":
         return cfg.effective_kl_penalty != 0
+    if key in HEAD_KEYS:
+        return cfg.score_centering
     return True
 
 
@@ -198,6 +222,12 @@ def expectation(cfg: ClippedPGLossConfig, edge: EdgeInput, dtype: torch.dtype = 
         return Expectation("ok")
     if not reads(cfg, edge.key):
         return Expectation("same")
+    if edge.key in HEAD_KEYS:
+        # score centering reads the head of counted tokens only; a sampler's -inf is an empty slot (all empty: no
+        # term), anything else non-finite there is refused, as is a trainer -inf in a slot the sampler fills
+        if edge.where != "valid" or (edge.key == "rollout_topk_logprobs" and edge.value == -math.inf):
+            return Expectation("same" if edge.where != "valid" else "ok")
+        return Expectation("refused", edge.key)
     anchor = edge.key == old_policy_key(cfg)
     finite = edge.value is not None and math.isfinite(edge.value)
     if not finite and (strict or edge.key != "generation_logprobs" or anchor):

@@ -1,6 +1,6 @@
 """Every edge input on every path of the whole config space (issue 31): a pairwise covering grid of valid configs
-(``helpers.config_space``: 14 factors — policy objective, ratio level, clip, pi_old, IS switch and level, truncation,
-rejection, veto, KL, aggregation, batch normalisation, NLL, input mode) crossed with the edge inputs of
+(``helpers.config_space``: 15 factors — policy objective, ratio level, clip, pi_old, IS switch and level, truncation,
+rejection, veto, KL, aggregation, batch normalisation, NLL, input mode, score centering) crossed with the edge inputs of
 ``helpers.edge_inputs`` (non-finite and huge generation / prev / reference log-probs on valid, padding and
 masked-out tokens, positive log-probs, empty and one-token rows, all-masked batches, a NaN advantage).
 
@@ -77,6 +77,14 @@ def expected_infeasible() -> set[tuple[str, str, str, str]]:
     out |= {("is_level", lv, "truncation", "seq-mask-tis") for lv in ("sequence", "cumulative")}
     for t, r in itertools.product(("seq-mask-tis", "seq-mis", "geo-rs"), ("seq-mis_band", "geo-rs_band")):
         out.add(("truncation", t, "rejection", r))  # a sequence-masking type already rejects sequences
+    # score centering: ppo_clip at the token ratio level, token IS weights, no rejection (config/contradictions.py)
+    sc = ("score_centering", "on")
+    out |= {(*f, *sc) for f in _other_objectives("ppo_clip")}
+    out |= {("ratio", r, *sc) for r in FACTORS["ratio"] if r not in ("unset", "token")}
+    out |= {("is_level", lv, *sc) for lv in ("sequence", "sequence_mean", "cumulative")}
+    out |= {("truncation", t, *sc) for t in ("seq-mask-tis", "seq-mis", "geo-rs")}
+    out |= {("rejection", r, *sc) for r in FACTORS["rejection"] if r != "none"}
+    out.add(("veto", "on", *sc))
     return out
 
 
@@ -162,6 +170,8 @@ def padded_inputs(curr: torch.Tensor, data: dict) -> LossInputs:
     n_seq, n_tok = counts(data)
     tokens = {k: data[k][:, 1:] for k in ("prev_logprobs", "generation_logprobs", "reference_policy_logprobs")}
     tokens.update(advantages=data["advantages"][:, 1:], token_mask=data["token_mask"][:, 1:])
+    tokens.update({k: data[k][:, 1:] for k in ("rollout_topk_ids", "rollout_topk_logprobs")})
+    tokens["curr_topk_logprobs"] = data["curr_topk_logprobs"]
     return LossInputs.from_tokens(curr, tokens, data, n_seq, n_tok)
 
 
@@ -177,6 +187,7 @@ def compute(loss_fn, inputs: LossInputs, layout) -> Outcome:
 
 
 FIELDS = ("curr_logprobs", "prev_logprobs", "generation_logprobs", "reference_logprobs", "advantages", "token_mask")
+FIELDS += ("rollout_topk_ids", "rollout_topk_logprobs", "curr_topk_logprobs")
 
 
 @pytest.mark.parametrize("index", range(len(ROWS)), ids=IDS)
@@ -216,5 +227,5 @@ def _pack(t: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Row i's first ``lengths[i]`` tokens (the row padded with masked zeros up to it), rows back to back."""
     rows = []
     for row, n in zip(t, lengths):
-        rows += [row[:n], row.new_zeros(max(n - row.shape[0], 0))]
+        rows += [row[:n], row.new_zeros((max(n - row.shape[0], 0), *row.shape[1:]))]
     return torch.cat(rows)

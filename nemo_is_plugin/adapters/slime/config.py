@@ -221,6 +221,11 @@ def policy_config(args: Any, user: Mapping[str, Any]) -> ClippedPGLossConfig:
         raise SlimeConfigError("positive_example_nll_weight needs per-sample rewards, which slime's loss does not get")
     if user.get("use_kl_in_reward"):
         raise SlimeConfigError("use_kl_in_reward: slime's reward-side KL is --kl-coef; remove the key")
+    if user.get("score_centering"):
+        raise SlimeConfigError(
+            "score_centering: slime's batch does not carry the sampler's top-k head (ids and log-probs) to the loss "
+            "yet, so the term would be dropped; remove the key"
+        )
     estimator = _arg(args, "advantage_estimator", "grpo")
     eps = float(_arg(args, "eps_clip", 0.2))
     base: dict[str, Any] = {

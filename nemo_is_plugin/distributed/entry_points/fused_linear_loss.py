@@ -236,7 +236,8 @@ def fused_linear_pg_loss(
     opts = HeadOptions(
         tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype, grad_weight_out
     )
-    loss = _SinglePassFusedLoss.apply(hidden, weight, target, head_ids, token_grad, finish, opts)
+    chunk_grad = token_grad if head_ids is None else token_grad.with_head  # (dL/dc, dL/dc_head) per chunk
+    loss = _SinglePassFusedLoss.apply(hidden, weight, target, head_ids, chunk_grad, finish, opts)
     return loss, metrics
 
 
