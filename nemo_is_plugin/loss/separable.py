@@ -34,7 +34,7 @@ pass so that it is not computed twice.
 
 Score centering adds ``sum_t a_t sg(A_t) sum_v sg(c_tv) log p_tv`` over each token's k head log-probs, as local as
 the rest: :meth:`TokenLossGradient.with_head` gives the chunk's ``dL/dc_head [n, k]`` beside ``dL/dc [n]``, for the
-head to scatter onto the head ids' logits (the fused LM-head loss refuses score centering until it does).
+head to scatter onto the head ids' logits (the fused LM-head loss's single pass: ``kernels/head_ids.py``).
 
 Shapes: the constants are flat ``[N]`` (the token tensors of the layout, flattened in memory order); a chunk is a
 slice of ``[0, N)``; chunks are visited in order.

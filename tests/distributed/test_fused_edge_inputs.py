@@ -19,9 +19,8 @@ from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_line
 from nemo_is_plugin.loss.output_checks import NonFiniteLossError
 from nemo_is_plugin.loss.separable import single_pass_blocker
 
-# Every third config; those with score centering are refused by the fused loss until its head computes the head
-# ids' log-probs (tests/loss/test_score_centering.py checks the refusal), so they are left out here.
-ROWS = [r for r in config_grid().rows[::3] if r["score_centering"] == "off"]
+# Every third config, score centering's included (the head's log-probs from the labels' pass, kernels/head_ids.py).
+ROWS = config_grid().rows[::3]
 IDS = [row_id(r)[:90] for r in ROWS]
 NAMES = {"clean", "empty_row", "all_tokens_masked", "positive_rounding", "gen=nan@pad", "prev=huge@pad"}
 NAMES |= {f"gen={v}@valid" for v in ("-inf", "+inf", "nan", "huge")} | {"prev=huge@valid", "prev=nan@valid"}
@@ -55,9 +54,13 @@ def run(cfg, case, mode):
     loss_fn = build_loss_fn(cfg)
     try:
         if mode == "naive":
-            lp = torch.log_softmax(h @ w.T, -1).gather(-1, target[..., None])[..., 0]
+            logp = torch.log_softmax(h @ w.T, -1)
+            lp = logp.gather(-1, target[..., None])[..., 0]
+            if "rollout_topk_ids" in data:  # score centering's head from the same log-softmax
+                data = {**data, "curr_topk_logprobs": logp.gather(-1, data["rollout_topk_ids"][:, 1:])}
             loss, metrics = loss_fn(lp, data, n_seq, n_tok)
         else:
+            data = {k: v for k, v in data.items() if k != "curr_topk_logprobs"}  # the fused head computes it
             kw = dict(chunk_size=CHUNK, single_pass=None if mode == "single" else False)
             loss, metrics = fused_linear_pg_loss(loss_fn, h, w, target, data, n_seq, n_tok, **kw)
     except ValueError as exc:

@@ -1,6 +1,6 @@
 """Score centering's inputs and wiring (float64): -inf padding of the head, a sampled token outside it, empty rows,
 packed rows equal to padded ones, batch normalisation, NeMo-RL's call (data keys, logits), the config's refusals, the
-single pass's chunk gradients (label and head), the fused LM-head loss's refusal. The expectation property itself:
+single pass's chunk gradients (label and head), the fused LM-head loss's head. The expectation property itself:
 test_score_centering_exact.py; CP shards: tests/distributed/test_score_centering_cp.py."""
 
 from __future__ import annotations
@@ -353,13 +353,28 @@ def test_nemo_rl_head_values_are_checked_on_counted_tokens(where, key, value, re
             ClippedPGLoss(TIS)(curr, data, 2, 7)
 
 
-def test_the_fused_lm_head_loss_refuses_it():
+def test_the_fused_lm_head_loss_computes_the_head_in_its_pass():
+    """The fused LM-head loss from hidden states (its single pass, and two passes) equals the call on the logits
+    (one log-softmax): loss and the hidden states' gradient. Its TP / CP and padding cases:
+    tests/distributed/test_score_centering_entry_points.py and test_score_centering_parallel.py."""
     from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
 
-    d = batch(8, b=1, t=2)
-    h, w = torch.randn(1, 2, 3, dtype=torch.float64), torch.randn(V, 3, dtype=torch.float64)
-    with pytest.raises(ValueError, match="fused LM-head loss does not compute"):
-        fused_linear_pg_loss(ClippedPGLoss(TIS), h, w, d["ids"], nemo_rl_data(d), 1, 2)
+    d = batch(8, b=2, t=4)
+    data = nemo_rl_data(d)
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(2, 4, 6, generator=g, dtype=torch.float64), torch.randn(V, 6, generator=g).double()
+    h = hidden.clone().requires_grad_(True)
+    logits = torch.cat([h @ weight.t(), torch.zeros(2, 1, V, dtype=torch.float64)], 1)
+    want, _ = ClippedPGLoss(TIS)(None, data, 2, 8, logits=logits)
+    (want_grad,) = torch.autograd.grad(want, h)
+    for single_pass in (True, False):
+        h = hidden.clone().requires_grad_(True)
+        loss, _ = fused_linear_pg_loss(
+            ClippedPGLoss(TIS), h, weight, d["ids"], data, 2, 8, chunk_size=3, single_pass=single_pass
+        )
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(h.grad, want_grad, rtol=1e-11, atol=1e-14)
 
 
 def test_the_logits_path_without_score_centering_and_its_misuse():

@@ -1,10 +1,11 @@
 """``nemo-is bench``: LM head -> log-prob -> PG loss benchmark of the naive, from-logits, fused-linear (one and two
 passes, torch and Triton backends), Liger and cut-cross-entropy paths against the bare GEMM, on CPU or CUDA; with
 ``--model-step``, training steps of a megatron-core MoE GPT model with the naive and the fused loss; with
-``--host-heads``, the hosts' own fused LM heads against the plugin's (``cli/bench_host_heads.py``). Prints a rich
-table, writes JSON + PNG (the project's ``docs/performance.md`` is written from that JSON by its tooling,
-``python -m tools.bench_docs``, outside the installed package). Heavy imports (torch, matplotlib, liger, megatron)
-happen inside the command."""
+``--host-heads``, the hosts' own fused LM heads against the plugin's (``cli/bench_host_heads.py``); with
+``--score-centering-head``, the LM-head paths with score centering's k head ids per token against the same paths
+without them (``cli/bench_head_cost.py``). Prints a rich table, writes JSON + PNG (the project's
+``docs/performance.md`` is written from that JSON by its tooling, ``python -m tools.bench_docs``, outside the installed
+package). Heavy imports (torch, matplotlib, liger, megatron) happen inside the command."""
 
 from __future__ import annotations
 
@@ -59,6 +60,15 @@ def bench(
         help="The hosts' own fused LM heads (NeMo-RL's, verl's) against the plugin's drop-ins for them, instead.",
     ),
     heads: list[str] | None = typer.Option(None, "--head", help="--host-heads: head(s) to run (default: all)."),
+    score_centering_head: bool = typer.Option(
+        False,
+        "--score-centering-head",
+        help="The cost of score centering's head (the log-probs of k sampler top-k ids per token, same pass): the "
+        "from_logits, fused_2pass and fused_linear heads with k ids against the same heads without them.",
+    ),
+    head_ks: list[int] | None = typer.Option(
+        None, "--head-k", help="--score-centering-head: head sizes k (default 32 and 128; k = 0 always runs)."
+    ),
     nemo_rl_path: Path | None = typer.Option(
         None, help="--host-heads: a NeMo-RL checkout (the directory holding nemo_rl/) when NeMo-RL is not installed."
     ),
@@ -88,6 +98,25 @@ def bench(
     console = Console()
     if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, 130))
+    if score_centering_head:
+        from nemo_is_plugin.apps.cli.bench_head_cost import head_cost_command
+
+        head_cost_command(
+            console,
+            device=device,
+            dtype=dtype,
+            quick=quick,
+            tokens=tokens,
+            repeats=repeats,
+            models=models,
+            paths=paths,
+            ks=head_ks,
+            chunk_size=chunk_size,
+            threads=threads,
+            out=out,
+            from_json=from_json[0] if from_json else None,
+        )
+        return
     if host_heads:
         from nemo_is_plugin.apps.cli.bench_host_heads import host_heads_command
 

@@ -23,6 +23,11 @@ Two schedules, same loss, metrics and gradients:
   out of memory order): :func:`fused_linear_logprobs` (log-probs of every token), the loss on them, then its
   recomputing backward: the loss gradient of a token needs log-probs that come later.
 
+Score centering (``score_centering: true``): the head ids ``data['rollout_topk_ids']`` go to the head, whose chunks
+also give the head's log-probs from the same lse (:mod:`~nemo_is_plugin.kernels.head_ids`); in the single pass
+``g`` of a chunk is ``(dL/dc, dL/dc_head)`` from one autograd call over the term (linear in ``c_head`` with detached
+coefficients), pass 2 runs with ``dL/dc + sum_k dL/dc_head`` and the ids' columns take their scatter-adds.
+
 Parallelism: TP (vocab-sharded weight) and sequence parallelism; not CP (the batch would need the sharding that
 :class:`~nemo_is_plugin.distributed.entry_points.logit_loss.LogitClippedPGLoss` does: use that entry point under CP).
 
@@ -47,14 +52,15 @@ from nemo_is_plugin.distributed.head.fused_linear import (
     chunk_logits,
     fused_linear_logprobs,
 )
-from nemo_is_plugin.distributed.head.vocab_parallel import reduce_partials
+from nemo_is_plugin.distributed.head.vocab_parallel import reduce_partials_and_head
 from nemo_is_plugin.distributed.parallel.collectives import all_gather
 from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
-from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup
 from nemo_is_plugin.kernels.gemm import acc_dtype, compute_dtype
+from nemo_is_plugin.kernels.head_ids import dense_grad, head_logprobs, valid_head_grad
 from nemo_is_plugin.kernels.softmax_partials import finalize_partials
-from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target
 from nemo_is_plugin.loss import ClippedPGLoss
+from nemo_is_plugin.loss.aligned_inputs import CURR_HEAD_KEY
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
 
@@ -71,25 +77,39 @@ def _scale_(grad: torch.Tensor | None, s: torch.Tensor, skip: bool) -> torch.Ten
 
 
 class _SinglePassFusedLoss(torch.autograd.Function):
+    """The single pass. ``token_grad(sl, c)`` is ``dL/dc`` of the chunk's log-probs ``c [n]``; with ``head_ids``
+    ``token_grad(sl, c, c_head)`` returns ``(dL/dc, dL/dc_head [n, k])``, ``c_head`` the chunk's head log-probs (same
+    lse). ``finish(logprob, head)`` (``head`` None without ``head_ids``) returns the loss value."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, target, token_grad, finish, opts: HeadOptions):
+    def forward(ctx, hidden, weight, target, head_ids, token_grad, finish, opts: HeadOptions):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        start, end = local_vocab_range(weight.shape[0], group_rank(opts.tp_group))
-        local_t, owned = localize_target(target.reshape(-1), start, end)
         # a caller's main_grad buffer receives dW scaled by the upstream gradient, known in the backward only
-        chunks = HeadChunks(hidden, weight, local_t, owned, dataclasses.replace(opts, grad_weight_out=None))
+        chunks = HeadChunks.build(hidden, weight, target, head_ids, dataclasses.replace(opts, grad_weight_out=None))
         logprob = torch.empty(chunks.n, dtype=chunks.acc, device=chunks.x.device)
+        head = None if chunks.head is None else logprob.new_empty(chunks.head[0].shape)
         grad_x, grad_w = chunks.grad_buffers(need_x, need_w, weight)
         inv_t = opts.inv_temperature
         for sl in chunks.slices():
             x_c = chunks.x[sl].to(chunks.dtype)
             z = chunk_logits(x_c, chunks.w, chunks.zbuf)  # GEMM 1
             lt, ow, col = chunks.rows(sl)
+            head_z = chunks.head_logits(sl, z)  # before pass 1 consumes z
             local = chunks.math.partials(z, lt, ow, col, inv_t)  # pass 1
-            lp, lse, _ = finalize_partials(reduce_partials(local, opts.tp_group))
+            merged, head_z = reduce_partials_and_head(local, head_z, opts.tp_group)  # one all-reduce SUM
+            lp, lse, _ = finalize_partials(merged)
             logprob[sl] = lp
-            g = token_grad(sl, lp)
+            g_head = None
+            if head is not None and head_z is not None and chunks.head is not None:
+                valid = chunks.head[2][sl]
+                head[sl] = head_lp = head_logprobs(head_z, lse, valid)
+                g, g_head = token_grad(sl, lp, head_lp)
+                g_head = valid_head_grad(g_head, valid, lp.dtype)
+                g = dense_grad(g, g_head)
+            else:
+                g = token_grad(sl, lp)
             dz = chunks.math.single_pass_grad(z, local, lse, lt, ow, col, g, inv_t, inv_t)  # pass 2
+            dz = chunks.add_head_grad_(sl, dz, g_head)
             chunks.chunk_grads(sl, dz, x_c, grad_x, grad_w)  # GEMMs 2 and 3
         ctx.grad_x = chunks.finish_grad_x(grad_x, hidden)
         del chunks
@@ -100,7 +120,7 @@ class _SinglePassFusedLoss(torch.autograd.Function):
             ctx.grad_w = grad_w.buf if grad_w.buf is not None else torch.zeros_like(opts.grad_weight_out)
         else:
             ctx.grad_w = grad_w.result()
-        return finish(logprob.reshape(target.shape))
+        return finish(logprob.reshape(target.shape), None if head is None else head.reshape(head_ids.shape))
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -112,7 +132,18 @@ class _SinglePassFusedLoss(torch.autograd.Function):
         else:
             grad_w = _scale_(ctx.grad_w, grad_loss, skip)
         ctx.grad_x = ctx.grad_w = ctx.grad_weight_out = None
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
+
+
+def _with_head_placeholder(
+    loss_fn: ClippedPGLoss, data: Mapping[str, torch.Tensor], placeholder: torch.Tensor
+) -> Mapping[str, torch.Tensor]:
+    """Score centering: the head log-probs this entry point computes stand as zeros ``[B, T, k]`` while the inputs
+    are prepared (shape and dtype only; without head ids ``prepare`` names what is missing)."""
+    ids = data.get("rollout_topk_ids")
+    if not loss_fn.config.score_centering or ids is None or CURR_HEAD_KEY in data:
+        return data
+    return {**data, CURR_HEAD_KEY: placeholder.new_zeros((*placeholder.shape, ids.shape[-1]))}
 
 
 def fused_linear_pg_loss(
@@ -145,6 +176,10 @@ def fused_linear_pg_loss(
             single pass the chunks accumulate into a dW-sized temporary (``grad_weight_dtype``) during the forward,
             added to ``grad_weight_out`` times the upstream gradient in the backward (one pass over V/TP x H).
         data, global_valid_seqs, global_valid_toks, layout: as ``ClippedPGLoss.__call__`` (``data`` is ``[B, S]``).
+            With ``score_centering``, ``data['rollout_topk_ids']`` / ``['rollout_topk_logprobs']`` ``[B, S, k]`` (the
+            sampler's head, sliced like the log-probs): the head's log-probs come from the label's chunk and lse
+            (``kernels/head_ids.py``; ``curr_topk_logprobs`` is computed here), and the single pass takes the term's
+            ``dL/d(head log-probs)`` chunk by chunk (``separable.TokenLossGradient``).
         dp_group: the DP ranks a batch statistic (an objective's) is reduced over; None: this call's batch.
         single_pass: None = whenever the config and layout allow it (``separable.single_pass_blocker``); True =
             require it (ValueError with the reason otherwise); False = always the two-pass schedule.
@@ -154,14 +189,12 @@ def fused_linear_pg_loss(
         differentiable w.r.t. ``hidden`` and ``weight``.
     """
     check_grad_weight_out(weight, grad_weight_out)
-    if loss_fn.config.score_centering:
-        raise ValueError(
-            "score_centering needs the trainer's log-probs at the sampler's head ids, which the fused LM-head loss "
-            "does not compute: use the unfused loss (logits) or score_centering: false"
-        )
     # shape and dtype only: the log-probs' dtype (fp64 for fp64 inputs, else fp32) sets the dL/dc arithmetic's
     placeholder = torch.zeros(target.shape, dtype=acc_dtype(compute_dtype(hidden)), device=hidden.device)
+    data = _with_head_placeholder(loss_fn, data, placeholder)
     inputs, layout = loss_fn.prepare(placeholder, data, global_valid_seqs, global_valid_toks, layout)
+    # score centering: the sampler's head ids of each next-token position ([B, T, k], sliced like the log-probs)
+    head_ids = inputs.rollout_topk_ids if loss_fn.config.score_centering else None
     layout = with_data_parallel(layout, dp_group)
     why = single_pass_blocker(loss_fn.config, layout)
     if single_pass and why is not None:
@@ -179,7 +212,11 @@ def fused_linear_pg_loss(
             backend=backend,
             grad_weight_out=grad_weight_out,
             grad_weight_dtype=grad_weight_dtype,
+            head_ids=head_ids,
         )
+        if head_ids is not None:
+            lp, head = lp
+            data = {**data, CURR_HEAD_KEY: head}
         return loss_fn(lp, data, global_valid_seqs, global_valid_toks, layout=layout)  # validates lp's values too
 
     if sequence_parallel:
@@ -188,8 +225,10 @@ def fused_linear_pg_loss(
     token_grad = TokenLossGradient.build(loss_fn, inputs, layout)
     metrics: dict[str, Any] = {}
 
-    def finish(logprob: torch.Tensor) -> torch.Tensor:
+    def finish(logprob: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
         done = dataclasses.replace(inputs, curr_logprobs=logprob)
+        if head is not None:
+            done = dataclasses.replace(done, curr_topk_logprobs=head)
         loss, m = loss_fn.compute(done, layout, is_correction=token_grad.correction)
         metrics.update(m)
         return loss.detach()
@@ -197,7 +236,8 @@ def fused_linear_pg_loss(
     opts = HeadOptions(
         tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype, grad_weight_out
     )
-    loss = _SinglePassFusedLoss.apply(hidden, weight, target, token_grad, finish, opts)
+    chunk_grad = token_grad if head_ids is None else token_grad.with_head  # (dL/dc, dL/dc_head) per chunk
+    loss = _SinglePassFusedLoss.apply(hidden, weight, target, head_ids, chunk_grad, finish, opts)
     return loss, metrics
 
 

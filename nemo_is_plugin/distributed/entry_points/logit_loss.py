@@ -14,7 +14,9 @@ Called the way NeMo-RL's Megatron worker calls a LOGIT loss (NVIDIA-NeMo/RL at 7
   ``[N_local, V/TP]`` (packed, with ``cu_seqlens_padded``), in the CP order the model ran with (Megatron's
   load-balanced order by default). bf16 or fp32.
 - ``data``: NeMo-RL's un-sharded ``[B, S]`` tensors (``input_ids``, ``token_mask``, ``advantages``, ``prev_logprobs``,
-  ``generation_logprobs``, optional ``reference_policy_logprobs``), ``sample_mask [B]``, optional ``rewards [B]``.
+  ``generation_logprobs``, optional ``reference_policy_logprobs``), ``sample_mask [B]``, optional ``rewards [B]``;
+  with ``score_centering``, the sampler's head ``rollout_topk_ids`` / ``rollout_topk_logprobs`` ``[B, S, k]``, whose
+  trainer log-probs come from the labels' pass (``kernels/head_ids.py``: same lse, one all-reduce over TP).
 
 Position s of the logits predicts token s+1, so the data are shifted left by one (NeMo-RL's ``[:, 1:]`` slice), the last
 position and every padding position masked out, and then each rank keeps its own tokens. The log-probs come from the
@@ -36,9 +38,11 @@ from nemo_is_plugin.distributed.parallel.context_parallel import cp_layout
 from nemo_is_plugin.distributed.parallel.cp_sharding import CPOrder
 from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
 from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank, group_size
+from nemo_is_plugin.loss.aligned_inputs import CURR_HEAD_KEY, HEAD_KEYS
 from nemo_is_plugin.loss.clipped_pg import TOKEN_KEYS, ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout, host_ints
 from nemo_is_plugin.loss.masked import EPS, where_mask
+from nemo_is_plugin.loss.score_centering import check_head_inputs
 
 _UNSET: Any = object()
 
@@ -86,8 +90,13 @@ def logit_loss_inputs(
     cu_seqlens_padded: torch.Tensor | Sequence[int] | None = None,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    with_head: bool = False,
 ) -> tuple[LossInputs, TokenLayout, torch.Tensor | None]:
-    """Build (LossInputs, CP layout, entropy or None) for this rank's tokens. See the module docstring for shapes."""
+    """Build (LossInputs, CP layout, entropy or None) for this rank's tokens. See the module docstring for shapes.
+
+    ``with_head`` (score centering): ``data['rollout_topk_ids']`` and ``['rollout_topk_logprobs']`` ``[B, S, k]`` are
+    aligned and sharded like the other token tensors, and the trainer's log-probs at the ids (``curr_topk_logprobs``)
+    come from the labels' pass and lse (each TP rank gathers the ids it owns; one all-reduce)."""
     ids = data["input_ids"]
     num_seqs, seq_len = ids.shape
     cp = group_size(cp_group)
@@ -109,14 +118,42 @@ def logit_loss_inputs(
             raise ValueError(f"packed logits hold {logits.shape[0]} tokens x {cp} CP ranks, cu_seqlens {cu[-1]}")
 
     target = _local(next_token_aligned(ids, width), layout)
-    out = vocab_parallel_logprobs(
-        logits, target.reshape(logits.shape[:-1]), tp_group, chunk_size=chunk_size, with_entropy=with_entropy
-    )
-    curr, entropy = out if with_entropy else (out, None)
     local = {k: _local(next_token_aligned(data[k], width), layout) for k in TOKEN_KEYS if k in data}
+    if with_head:
+        local.update(_local_head(data, layout, width))
+    head_ids = local.get("rollout_topk_ids")
+    out = vocab_parallel_logprobs(
+        logits,
+        target.reshape(logits.shape[:-1]),
+        tp_group,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+        head_ids=None if head_ids is None else head_ids.reshape(*logits.shape[:-1], head_ids.shape[-1]),
+    )
+    outs = list(out) if isinstance(out, tuple) else [out]
+    curr, entropy = outs[0], outs[1] if with_entropy else None
     shape = layout.shape
+    if head_ids is not None:
+        local[CURR_HEAD_KEY] = outs[-1].reshape(*shape, head_ids.shape[-1])
     inputs = LossInputs.from_tokens(curr.reshape(shape), local, data, global_valid_seqs, global_valid_toks)
     return inputs, layout, None if entropy is None else entropy.reshape(shape)
+
+
+def _local_head(data: Mapping[str, torch.Tensor], layout: TokenLayout, width: int) -> dict[str, torch.Tensor]:
+    """This rank's ``[*T_local, k]`` score-centering head tensors of ``data``'s ``[B, S, k]`` ones."""
+    missing = [k for k in HEAD_KEYS if k not in data]
+    if missing:
+        raise KeyError(
+            f"score_centering: true needs data[{missing[0]!r}] [B, S, k] (the sampler's top-k head of each token); "
+            "set score_centering: false or record the head (docs/config.md)"
+        )
+    batch = tuple(data["input_ids"].shape)
+    for key in HEAD_KEYS:
+        if data[key].dim() != 3 or tuple(data[key].shape[:2]) != batch:
+            raise ValueError(
+                f"data[{key!r}] has shape {list(data[key].shape)}, expected [B, S, k] with [B, S] = {list(batch)}"
+            )
+    return {k: _local(next_token_aligned(data[k], width), layout) for k in HEAD_KEYS}
 
 
 class LogitClippedPGLoss:
@@ -178,7 +215,16 @@ class LogitClippedPGLoss:
             cu_seqlens_padded=cu_seqlens_padded,
             chunk_size=self.chunk_size,
             with_entropy=self.log_entropy,
+            with_head=self.loss.config.score_centering,
         )
+        if self.loss.config.score_centering:
+            check_head_inputs(
+                layout.shape,
+                self.loss.config.score_centering_top_k,
+                inputs.rollout_topk_ids,
+                inputs.rollout_topk_logprobs,
+                inputs.curr_topk_logprobs,
+            )
         layout = with_data_parallel(layout, dp_group)
         extra = {}
         if entropy is not None:

@@ -18,6 +18,11 @@ with ``g = dL/dlog p``, ``h = dL/dH`` the upstream gradients. Saved for backward
 reads and one write of each chunk element by the elementwise passes. :mod:`fused_linear_loss` runs the loss in the
 same loop when the loss allows it (3 GEMMs).
 
+With ``head_ids [..., k]`` (score centering's sampler head, :mod:`~nemo_is_plugin.kernels.head_ids`) each chunk also
+gathers the k ids' logits it owns before pass 1 (k gathers per token), summed over TP in the same all-reduce as the
+target logit, normalised by the same lse; the backward's pass 2 runs with ``g_y + sum_k g_k`` and two scatter-adds
+move ``g_k`` to the ids' columns. GEMMs unchanged.
+
 Why a custom autograd.Function and not autograd over the chunks: autograd would keep every chunk's logits alive
 until the backward. Here the loss sees only ``logprobs [N]``; sequence-level ratios need the whole sequence's log-probs
 before any per-token gradient is known, and plain autograd already orders the work that way.
@@ -42,9 +47,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_is_plugin.distributed.head.vocab_parallel import reduce_partials
+from nemo_is_plugin.distributed.head.vocab_parallel import reduce_partials_and_head
 from nemo_is_plugin.distributed.parallel.collectives import all_gather, all_reduce_sum
-from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank
+from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank, group_size
 from nemo_is_plugin.kernels.chunk_math import ChunkMath, resolve_backend
 from nemo_is_plugin.kernels.chunking import chunk_slices, plan_chunks
 from nemo_is_plugin.kernels.gemm import (
@@ -53,6 +58,15 @@ from nemo_is_plugin.kernels.gemm import (
     chunk_logits,
     compute_dtype,
     default_grad_weight_dtype,
+)
+from nemo_is_plugin.kernels.head_ids import (
+    add_head_columns_,
+    check_head_ids,
+    dense_grad,
+    head_logits,
+    head_logprobs,
+    localize_head,
+    valid_head_grad,
 )
 from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials, empty_partials, finalize_partials, partials_rows
 from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target, owned_column
@@ -67,6 +81,7 @@ def check_head_inputs(
     *,
     backend: str = "auto",
     with_entropy: bool = False,
+    head_ids: torch.Tensor | None = None,
 ) -> int:
     """Raise ValueError naming the argument unless the shapes and settings of an LM-head call agree; returns the chunk
     size in tokens (``plan_chunks``: ``device_chunk_size`` of the backend that will run when ``chunk_size`` is None)."""
@@ -76,6 +91,8 @@ def check_head_inputs(
         raise ValueError(f"weight {tuple(weight.shape)} must be [V/TP, H] with H = {hidden.shape[-1]}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if head_ids is not None:
+        check_head_ids(head_ids, tuple(target.shape))
     _, chunk = plan_chunks(backend, hidden.device, compute_dtype(hidden), weight.shape[0], chunk_size, with_entropy)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -122,6 +139,7 @@ class HeadChunks:
         opts: HeadOptions,
         *,
         with_entropy: bool = False,
+        head: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ):
         self.x = hidden.reshape(-1, hidden.shape[-1])
         self.n, self.vocab = self.x.shape[0], weight.shape[0]
@@ -130,6 +148,7 @@ class HeadChunks:
         self.w = weight.to(self.dtype)  # no copy unless the CPU upcast applies
         self.local_t, self.owned = target_local, owned
         self.target_column = owned_column(target_local, owned)
+        self.head = head  # (local column, owned, valid) [N, k] of the head ids, or None
         self.opts = opts
         self.backend = resolve_backend(opts.backend, self.x.device, self.dtype)
         rows = min(opts.chunk_size, self.n)
@@ -145,8 +164,33 @@ class HeadChunks:
         )
         self.zbuf = torch.empty(rows, self.vocab, dtype=self.dtype, device=self.x.device)
 
+    @classmethod
+    def build(cls, hidden, weight, target, head_ids, opts: HeadOptions, *, with_entropy: bool = False) -> HeadChunks:
+        """The chunks of a call: this rank's columns of the target ``[...]`` and of the head ids ``[..., k]``."""
+        start, end = local_vocab_range(weight.shape[0], group_rank(opts.tp_group))
+        local_t, owned = localize_target(target.reshape(-1), start, end)
+        head = None
+        if head_ids is not None:
+            vocab = weight.shape[0] * group_size(opts.tp_group)
+            head = localize_head(head_ids.reshape(local_t.shape[0], head_ids.shape[-1]), start, end, vocab)
+        return cls(hidden, weight, local_t, owned, opts, with_entropy=with_entropy, head=head)
+
     def slices(self) -> Iterator[slice]:
         return chunk_slices(self.n, self.opts.chunk_size)
+
+    def head_logits(self, sl: slice, z: torch.Tensor) -> torch.Tensor | None:
+        """The chunk's head logits ``[n, k]`` (scaled by 1/T, 0 where another shard owns the id), read from ``z``
+        before pass 1; None without head ids."""
+        if self.head is None:
+            return None
+        return head_logits(z, self.head[0][sl], self.head[1][sl], self.opts.inv_temperature, self.acc)
+
+    def add_head_grad_(self, sl: slice, dz: torch.Tensor, grad_head: torch.Tensor | None) -> torch.Tensor:
+        """Pass 2 ran with ``g_y + sum_k g_k``: move ``s g_k`` from the target column to the head ids' columns."""
+        if self.head is None or grad_head is None:
+            return dz
+        lt, ow = self.local_t[sl], self.owned[sl]
+        return add_head_columns_(dz, lt, ow, self.head[0][sl], self.head[1][sl], grad_head, self.opts.inv_temperature)
 
     def rows(self, sl: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(local target, owned, target column) of the chunk ``sl``."""
@@ -176,62 +220,79 @@ class HeadChunks:
         return grad_x.to(hidden.dtype).reshape(hidden.shape)
 
 
-def _chunk_partials(chunks: HeadChunks, with_entropy: bool) -> SoftmaxPartials:
-    """Pass 1 over every chunk (GEMM 1 + partials), written into ``[N]`` buffers."""
+def _chunk_partials(chunks: HeadChunks, with_entropy: bool) -> tuple[SoftmaxPartials, torch.Tensor | None]:
+    """Pass 1 over every chunk (GEMM 1 + partials), written into ``[N]`` buffers; the head logits ``[N, k]``."""
     out = empty_partials(chunks.n, with_entropy, chunks.x.new_empty(0, dtype=chunks.acc))
+    head = None if chunks.head is None else chunks.x.new_empty(chunks.head[0].shape, dtype=chunks.acc)
     inv_t = chunks.opts.inv_temperature
     for sl in chunks.slices():
         z = chunk_logits(chunks.x[sl].to(chunks.dtype), chunks.w, chunks.zbuf)  # GEMM 1
+        if head is not None and chunks.head is not None:  # before pass 1 consumes z
+            head[sl] = head_logits(z, chunks.head[0][sl], chunks.head[1][sl], inv_t, chunks.acc)
         chunks.math.partials(z, *chunks.rows(sl), inv_t, partials_rows(out, sl))
-    return out
+    return out, head
 
 
 class _FusedLinearLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, opts: HeadOptions, with_entropy: bool):
-        start, end = local_vocab_range(weight.shape[0], group_rank(opts.tp_group))
-        local_t, owned = localize_target(target.reshape(-1), start, end)
-        chunks = HeadChunks(hidden, weight, local_t, owned, opts, with_entropy=with_entropy)
-        partials = _chunk_partials(chunks, with_entropy)
-        del chunks
-        logprob, lse, entropy = finalize_partials(reduce_partials(partials, opts.tp_group))
+    def forward(ctx, hidden, weight, target, head_ids, opts: HeadOptions, with_entropy: bool):
+        chunks = HeadChunks.build(hidden, weight, target, head_ids, opts, with_entropy=with_entropy)
+        partials, head = _chunk_partials(chunks, with_entropy)
+        merged, head = reduce_partials_and_head(partials, head, opts.tp_group)
+        logprob, lse, entropy = finalize_partials(merged)
 
         ctx.opts = opts
-        ctx.save_for_backward(hidden, weight, local_t, owned, lse, entropy if with_entropy else None)
+        saved_head = (None, None, None) if chunks.head is None else chunks.head
+        ctx.save_for_backward(
+            hidden, weight, chunks.local_t, chunks.owned, lse, entropy if with_entropy else None, *saved_head
+        )
         # entropy is None exactly when with_entropy is False (the partials then have no entropy field)
         out_entropy = logprob.new_empty(0) if entropy is None else entropy.reshape(target.shape)
-        if entropy is None:
-            ctx.mark_non_differentiable(out_entropy)
-        return logprob.reshape(target.shape), out_entropy
+        out_head = logprob.new_empty(0)
+        if head is not None and chunks.head is not None:
+            out_head = head_logprobs(head, lse, chunks.head[2]).reshape(head_ids.shape)
+        del chunks
+        for unused, absent in ((out_entropy, entropy is None), (out_head, head is None)):
+            if absent:
+                ctx.mark_non_differentiable(unused)
+        return logprob.reshape(target.shape), out_entropy, out_head
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy):
-        hidden, weight, local_t, owned, lse, entropy = ctx.saved_tensors
+    def backward(ctx, grad_logprob, grad_entropy, grad_head):
+        hidden, weight, local_t, owned, lse, entropy, *saved_head = ctx.saved_tensors
+        head = None if saved_head[0] is None else (saved_head[0], saved_head[1], saved_head[2])
         opts: HeadOptions = ctx.opts
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         use_h = grad_entropy is not None and entropy is not None
-        chunks = HeadChunks(hidden, weight, local_t, owned, opts, with_entropy=use_h)
+        chunks = HeadChunks(hidden, weight, local_t, owned, opts, with_entropy=use_h, head=head)
         g_lp = None if grad_logprob is None else grad_logprob.reshape(-1).to(lse.dtype)
         g_h = grad_entropy.reshape(-1).to(lse.dtype) if use_h else None
+        g_head = None
+        if head is not None and grad_head is not None:
+            g_head = valid_head_grad(grad_head.reshape(head[2].shape), head[2], lse.dtype)
         grad_x, grad_w = chunks.grad_buffers(need_x, need_w, weight)
         inv_t = opts.inv_temperature
         for sl in chunks.slices():
             x_c = chunks.x[sl].to(chunks.dtype)
             z = chunk_logits(x_c, chunks.w, chunks.zbuf)  # GEMM 1, recomputed
+            g_dense = None if g_lp is None else g_lp[sl]
+            if g_head is not None:
+                g_dense = dense_grad(g_dense, g_head[sl])
             dz = chunks.math.logits_grad(
                 z,
                 z,
                 *chunks.rows(sl),
                 lse[sl],
-                None if g_lp is None else g_lp[sl],
+                g_dense,
                 entropy[sl] if use_h else None,
                 None if g_h is None else g_h[sl],
                 inv_t,
                 inv_t,
             )
+            dz = chunks.add_head_grad_(sl, dz, None if g_head is None else g_head[sl])
             chunks.chunk_grads(sl, dz, x_c, grad_x, grad_w)  # GEMMs 2 and 3
         grad_x = chunks.finish_grad_x(grad_x, hidden)
-        return grad_x, None if grad_w is None else grad_w.result(), None, None, None
+        return grad_x, None if grad_w is None else grad_w.result(), None, None, None, None
 
 
 def fused_linear_logprobs(
@@ -248,6 +309,7 @@ def fused_linear_logprobs(
     grad_weight_out: torch.Tensor | None = None,
     grad_weight_dtype: torch.dtype | None = None,
     reduce_grad_hidden: bool = True,
+    head_ids: torch.Tensor | None = None,
 ):
     """Log-prob of ``target`` under ``softmax(hidden @ W.T / temperature)`` with W's rows sharded over ``tp_group``.
 
@@ -274,9 +336,13 @@ def fused_linear_logprobs(
         reduce_grad_hidden: without ``sequence_parallel``, True = the full ``dL/dhidden`` on every rank (all-reduced
             over TP here); False = this rank's vocab shard's share only, for a caller whose own op sums it over TP
             (verl's fused forward: Megatron's ``gather_from_sequence_parallel_region`` reduce-scatters it).
+        head_ids: integer ``[..., k]`` global ids whose log-probs are also wanted (score centering's sampler head),
+            from the same chunk and lse as the target's (:mod:`~nemo_is_plugin.kernels.head_ids`); an id outside
+            ``[0, V)`` gives ``-inf`` and no gradient.
 
     Returns:
-        fp32 ``[...]`` log-probs, or ``(logprobs, entropy)`` when ``with_entropy``. Differentiable w.r.t. ``hidden``
+        fp32 ``[...]`` log-probs, or ``(logprobs, entropy)`` when ``with_entropy``; with ``head_ids`` the ``[..., k]``
+        head log-probs are appended to that tuple. Differentiable w.r.t. ``hidden``
         (full gradient on every rank; the shard's under ``sequence_parallel``) and ``weight`` (this shard's rows).
     """
     check_grad_weight_out(weight, grad_weight_out)
@@ -284,12 +350,13 @@ def fused_linear_logprobs(
         # all_gather's backward is the reduce-scatter of the per-rank partial dX: no second all-reduce inside.
         hidden = all_gather(hidden, tp_group, dim=0)
     chunk = check_head_inputs(
-        hidden, weight, target, temperature, chunk_size, backend=backend, with_entropy=with_entropy
+        hidden, weight, target, temperature, chunk_size, backend=backend, with_entropy=with_entropy, head_ids=head_ids
     )
     reduce_x = reduce_grad_hidden and not sequence_parallel
     opts = HeadOptions(tp_group, chunk, 1.0 / temperature, backend, reduce_x, grad_weight_dtype, grad_weight_out)
-    logprob, entropy = _FusedLinearLogprob.apply(hidden, weight, target, opts, with_entropy)
-    return (logprob, entropy) if with_entropy else logprob
+    logprob, entropy, head = _FusedLinearLogprob.apply(hidden, weight, target, head_ids, opts, with_entropy)
+    outs = (logprob,) + ((entropy,) if with_entropy else ()) + (() if head_ids is None else (head,))
+    return outs if len(outs) > 1 else logprob
 
 
 __all__ = ["HeadChunks", "HeadOptions", "check_grad_weight_out", "check_head_inputs", "fused_linear_logprobs"]

@@ -94,9 +94,10 @@ class SequenceLayout:
         return gather_padded(x, self.cp_group, self.cp_order, dim=1)
 
     def roll(self, labels: torch.Tensor) -> torch.Tensor:
-        """Full labels (``[b, S]`` padded, ``[T]`` packed) rolled left by one position within each sequence."""
+        """Full labels (``[b, S, ...]`` padded, ``[T, ...]`` packed) rolled left by one position within each
+        sequence."""
         if not self.packed:
-            return labels.roll(-1, dims=-1)
+            return labels.roll(-1, dims=1)
         cu = self.cu_seqlens_padded
         assert cu is not None
         nxt = torch.arange(1, labels.shape[0] + 1, device=labels.device)
@@ -112,16 +113,16 @@ def local_next_labels(labels: torch.Tensor, layout: SequenceLayout, local_len: i
 
     ``labels``: ``[b, S_local]`` / ``[1, T_local]`` (this CP rank's share, as Megatron feeds its model) or the full
     ``[b, S]`` / ``[1, T]``; which one is read off its length against ``local_len`` (the rows this rank holds).
-    Returns ``[b, local_len]``."""
+    Trailing dims ride along (score centering's head ids ``[b, S, k]``). Returns ``[b, local_len, ...]``."""
     size = layout.cp_size
-    length = labels.shape[-1]
+    length = labels.shape[1]
     if length not in (local_len, local_len * size):
         raise ValueError(
             f"labels of length {length} fit neither this rank's {local_len} positions nor the full sequence's "
             f"{local_len * size} (CP size {size})"
         )
     if layout.packed:
-        if labels.dim() != 2 or labels.shape[0] != 1:
+        if labels.dim() < 2 or labels.shape[0] != 1:
             raise ValueError(f"packed labels must be [1, T], got {tuple(labels.shape)}")
         flat = labels[0]
         if size > 1 and length == local_len:
@@ -148,6 +149,7 @@ def next_token_logprobs(
     backend: str = "auto",
     top_k: int | None = None,
     top_p: float | None = None,
+    head_ids: torch.Tensor | None = None,
 ):
     """Log-probs (and entropy) of each position's next label from sequence-first hidden states, CP-gathered.
 
@@ -161,6 +163,11 @@ def next_token_logprobs(
         layout: padded or packed, CP group and order (None: padded, no CP).
         top_k, top_p: NeMo-RL's training-time filter (:mod:`~nemo_is_plugin.distributed.head.filtered_head`); when it
             filters, the result is ``(filtered, unfiltered)`` log-probs (no entropy).
+        head_ids: score centering's sampler head, integer ``[b, S, k]`` / this CP rank's ``[b, S/cp, k]`` (packed:
+            ``[1, T, k]`` / ``[1, T/cp, k]``), aligned with ``labels`` (slot ``s`` holds the ids the sampler ranked
+            for token ``s``) and rolled with them; their log-probs come from the labels' pass and lse
+            (:mod:`~nemo_is_plugin.kernels.head_ids`) and are appended to the result, ``[b, S, k]`` (``[T, k]``),
+            CP-gathered like the log-probs. Not with the top-k / top-p filter.
 
     Returns:
         ``[b, S]`` (packed: ``[T]``) log-probs of ``labels`` rolled by one within each sequence, the full sequence on
@@ -177,9 +184,14 @@ def next_token_logprobs(
         raise ValueError(f"labels give targets {tuple(target.shape)} for hidden states {tuple(hidden.shape)}")
     vocab = weight.shape[0] * group_size(tp)
     owned = ((target >= 0) & (target < vocab)).t()
+    head = None if head_ids is None else local_next_labels(head_ids, layout, local_len)  # [b, local_len, k]
+    if head is not None and head.shape[:2] != target.shape:
+        raise ValueError(f"head_ids give {tuple(head.shape)} for targets {tuple(target.shape)}")
     if filtering(top_k, top_p):
         if with_entropy:
             raise ValueError("with_entropy is not available with top-k / top-p filtering")
+        if head is not None:
+            raise ValueError("head_ids (score centering) are not available with top-k / top-p filtering")
         full_rows = all_gather(hidden, tp, dim=0) if sequence_parallel else hidden  # backward: reduce-scatter
         outs = list(
             filtered_linear_logprobs(
@@ -205,10 +217,11 @@ def next_token_logprobs(
             with_entropy=with_entropy,
             sequence_parallel=sequence_parallel,
             backend=backend,
+            head_ids=None if head is None else head.transpose(0, 1),
         )
-        outs = list(out) if with_entropy else [out]
+        outs = list(out) if isinstance(out, tuple) else [out]
     outs[0] = torch.where(owned, outs[0], outs[0] - outs[0].detach())  # 0 where no rank owns the target
-    results = [r.t() for r in outs]  # [b, local_len]
+    results = [r.transpose(0, 1) for r in outs]  # [b, local_len(, k)]
     if layout.packed:
         results = [r[0] for r in results]
     results = [layout.gather(r) for r in results]
