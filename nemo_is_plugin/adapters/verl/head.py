@@ -30,6 +30,7 @@ function, a changed signature or a module that no longer calls it by name raises
 
 from __future__ import annotations
 
+import dis
 import importlib
 import inspect
 import logging
@@ -86,7 +87,10 @@ linear_cross_entropy.nemo_is_head = True  # type: ignore[attr-defined]  # marks 
 
 
 def _references(module: ModuleType, name: str) -> bool:
-    """Whether code defined in ``module`` (functions, methods, nested functions) looks ``name`` up as a global."""
+    """Whether code defined in ``module`` (functions, methods, nested functions) loads ``name`` as a global: the
+    binding the patch replaces. ``co_names`` is not enough: an attribute access (``kernel.linear_cross_entropy(...)``)
+    puts the name there too, and the patch would then rebind a global nobody calls; so the bytecode is read, and only
+    a ``LOAD_GLOBAL`` / ``LOAD_NAME`` of ``name`` counts (``LOAD_ATTR`` / ``LOAD_METHOD`` do not)."""
     seen: set[int] = set()
     codes = []
     for value in vars(module).values():
@@ -97,7 +101,9 @@ def _references(module: ModuleType, name: str) -> bool:
         if id(code) in seen:
             continue
         seen.add(id(code))
-        if name in code.co_names:
+        if name in code.co_names and any(
+            ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval == name for ins in dis.get_instructions(code)
+        ):
             return True
         codes += [c for c in code.co_consts if inspect.iscode(c)]
     return False
