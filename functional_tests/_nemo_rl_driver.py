@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers.gloo import init_gloo  # imports torch.distributed.nn.functional before any process group (see there)
 
 from nemo_is_plugin.adapters.nemo_rl.step_metrics import NEMO_RL_EXTREMA
 
@@ -171,7 +172,7 @@ def finish_step(sc: Scenario, parts: list[dict[str, Any]]) -> StepResult:
 
 def _worker(rank: int, world_size: int, store: str, scenarios: list[Scenario], out_path: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    init_gloo(rank, world_size, f"file://{store}")
     try:
         group = dist.new_group(list(range(world_size)), backend="gloo")  # explicit DP group, never the default one
         results = []

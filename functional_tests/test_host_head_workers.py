@@ -188,7 +188,11 @@ def test_verl_workers_read_the_switch_from_verl_model_config(worker_python, tmp_
     )
     out = _result(proc)
     assert out["hooked"]
-    assert out["hooks"] == ["verl.workers.config.model", "verl.workers.engine.megatron.transformer_impl"]
+    assert out["hooks"] == [
+        "verl.models.transformers.monkey_patch",  # nemo_is refused on FSDP models (adapters/verl/head.py)
+        "verl.workers.config.model",
+        "verl.workers.engine.megatron.transformer_impl",
+    ]
     assert "also set actor_rollout_ref.model.use_fused_kernels=True" in out["refused"]
 
 

@@ -170,6 +170,11 @@ CHANGED = {
         "    return _HEAD(\n        hidden_states,",
         "no longer calls from_parallel_hidden_states_to_logprobs by name",
     ),
+    "called_by_attribute": (  # the name stays in co_names, but no global is loaded: the patch would not reach it
+        "    return from_parallel_hidden_states_to_logprobs(\n        hidden_states,",
+        "    return _OTHER.from_parallel_hidden_states_to_logprobs(\n        hidden_states,",
+        "no longer calls from_parallel_hidden_states_to_logprobs by name",
+    ),
 }
 
 
@@ -179,6 +184,9 @@ def test_a_changed_nemo_rl_is_refused_and_its_import_fails_under_the_switch(fake
     text = MODEL.read_text()
     assert old in text
     text = text.replace(old, new) + "\n_HEAD = from_parallel_hidden_states_to_logprobs\n" * (change != "missing")
+    text += "\nimport types\n_OTHER = types.SimpleNamespace(from_parallel_hidden_states_to_logprobs=_HEAD)\n" * (
+        change == "called_by_attribute"
+    )
     fake_nemo_rl(text)
     module = importlib.import_module(head.TARGET_MODULE)
     with pytest.raises(HostPatchError, match=message):

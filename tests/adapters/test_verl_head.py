@@ -7,7 +7,8 @@ tests/distributed/test_host_heads_tp.py):
   (1e-12): log-probs, entropy, dX and dW with a temperature; ``reduction`` sum / mean as verl's;
 - the patch replaces the function in both of verl's fused-forward modules (the Megatron output-processor hook / patched
   forward and the 1F1B overlap path), keeps the originals, and refuses a verl whose kernel signature changed or whose
-  module no longer calls it by name;
+  module no longer calls it by name (a global load: verl's real modules edited to call
+  ``kernel_module.linear_cross_entropy(...)`` by attribute are refused);
 - the switch, ``fused_kernel_options.impl_backend=nemo_is``: verl's real ``HFModelConfig`` (built from a tiny local
   Hugging Face config) carries the entry point's check (``nemo_is`` without ``use_fused_kernels`` is refused); the
   engine hook installs the head when an engine's config asks for it and verl kept its fused kernels on, not otherwise,
@@ -21,6 +22,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import inspect
 import json
 import logging
 import sys
@@ -246,3 +248,55 @@ def test_an_engine_without_the_hooked_method_is_reported_where_the_config_asks(m
     with pytest.raises(HostPatchError, match="does not exist in this verl"):
         verl_head._on_engine_module(module)
     assert sys.modules.get(verl_head.ENGINE_MODULE) is not module
+
+
+@pytest.mark.parametrize("name", verl_head.FUSED_MODULES)
+def test_a_verl_calling_its_kernel_by_attribute_is_refused(name, monkeypatch):
+    """verl's real fused module, edited to keep the import but call ``kernel_module.linear_cross_entropy(...)``: the
+    name stays in the functions' ``co_names`` (attribute access), but no global is loaded, so rebinding the global
+    would leave verl's kernel running; the check refuses it. The unedited source passes."""
+    module = importlib.import_module(name)
+    source = Path(module.__file__).read_text()
+    assert "= linear_cross_entropy(" in source  # the call shape the edit rewrites (verl 0.9.1)
+    kernel = importlib.import_module(verl_head.KERNEL_MODULE)
+    edited = source.replace(
+        f"from {verl_head.KERNEL_MODULE} import linear_cross_entropy",
+        f"import {verl_head.KERNEL_MODULE} as kernel_module\n"
+        f"from {verl_head.KERNEL_MODULE} import linear_cross_entropy",
+    ).replace("= linear_cross_entropy(", "= kernel_module.linear_cross_entropy(")
+    assert edited.count("kernel_module.linear_cross_entropy(") == source.count("= linear_cross_entropy(")
+    for text, refused in ((source, False), (edited, True)):
+        synthetic = ModuleType(name + "_synthetic")
+        synthetic.__file__ = module.__file__
+        monkeypatch.setitem(sys.modules, synthetic.__name__, synthetic)  # dataclasses look their module up
+        exec(compile(text, module.__file__, "exec"), vars(synthetic))
+        codes = [v.__code__ for v in vars(synthetic).values() if inspect.isfunction(v)]
+        for code in codes:  # nested functions too
+            codes += [c for c in code.co_consts if inspect.iscode(c)]
+        assert any("linear_cross_entropy" in c.co_names for c in codes)  # what the old co_names check accepted
+        if refused:
+            with pytest.raises(HostPatchError, match="no longer calls linear_cross_entropy by name"):
+                verl_head.check_targets([synthetic], kernel)
+        else:
+            verl_head.check_targets([synthetic], kernel)
+
+
+def test_nemo_is_on_verl_fsdp_models_is_refused_before_any_forward(capsys):
+    """verl's FSDP engine builds its model through ``apply_monkey_patch`` -> ``patch_forward_with_backends`` (looked
+    up as a global at call time), which skips any backend but verl's own and leaves the forward without the
+    ``log_probs`` the engine reads. The entry point's hook refuses ``nemo_is`` there with one line; verl's own
+    values pass through to verl's function."""
+    import dis
+
+    monkey_patch = importlib.import_module(verl_head.FSDP_PATCH_MODULE)
+    verl_head.install_hooks()  # as the verl.plugins entry point does (the module is imported: hooked now)
+    apply = monkey_patch.apply_monkey_patch.__code__
+    loads = {i.argval for i in dis.get_instructions(apply) if i.opname == "LOAD_GLOBAL"}
+    assert verl_head.FSDP_PATCH in loads  # verl calls it by its global name, the binding the hook replaces
+    patch = getattr(monkey_patch, verl_head.FSDP_PATCH)
+    assert patch.nemo_is_hook
+    with pytest.raises(HostPatchError) as refused:
+        patch(torch.nn.Linear(1, 1), use_fused_kernels=True, fused_kernels_backend="nemo_is")
+    assert str(refused.value) == verl_head.FSDP_REFUSAL and "\n" not in str(refused.value)
+    assert patch(torch.nn.Linear(1, 1), use_fused_kernels=False, fused_kernels_backend="nemo_is") is None
+    assert "Skipping monkey patch for Linear" in capsys.readouterr().out  # verl's own function ran

@@ -18,13 +18,11 @@ import socket
 import tempfile
 import time
 import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-GROUP_TIMEOUT = timedelta(seconds=120)
+from helpers.gloo import init_gloo  # imports torch.distributed.nn.functional before any process group (see there)
 
 
 def free_port() -> int:
@@ -42,9 +40,7 @@ def _log_time(rank: int, what: str, since: float) -> None:
 def _entry(rank: int, world_size: int, port: int, module_name: str, out_path: str) -> None:
     start = time.perf_counter()
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
-    )
+    init_gloo(rank, world_size, f"tcp://127.0.0.1:{port}")
     try:
         module = importlib.import_module(module_name)
         _log_time(rank, "import", start)

@@ -13,6 +13,8 @@ import socket
 
 import torch
 
+from helpers import gloo  # noqa: F401  # the workers below init gloo (MegatronPolicy): see helpers/gloo.py
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -41,6 +41,7 @@ silently leaves NeMo-RL's own head running.
 from __future__ import annotations
 
 import contextlib
+import dis
 import inspect
 import os
 from types import ModuleType
@@ -167,13 +168,24 @@ def check_target(module: ModuleType) -> None:
             f"{where} has changed: its parameters are {found}, the plugin's head stands in for {list(PARAMS)} "
             f"(NeMo-RL {NEMO_RL_COMMIT}); unset {SWITCH_ENV} until the plugin supports this NeMo-RL"
         )
-    caller = getattr(module, CALLER, None)
-    names = getattr(getattr(caller, "__code__", None), "co_names", ())
-    if TARGET not in names:
+    if not _loads_global(getattr(getattr(module, CALLER, None), "__code__", None), TARGET):
         raise HostPatchError(
             f"{module.__name__}.{CALLER} no longer calls {TARGET} by name, so replacing it would change nothing; "
             f"unset {SWITCH_ENV} (written for NeMo-RL {NEMO_RL_COMMIT})"
         )
+
+
+def _loads_global(code: Any, name: str) -> bool:
+    """Whether ``code`` (or a function nested in it) loads ``name`` as a global: the binding the patch replaces.
+    ``co_names`` also holds attribute names (``other.from_parallel_hidden_states_to_logprobs(...)``), which the patch
+    does not reach, so the bytecode is read."""
+    codes = [code] if inspect.iscode(code) else []
+    while codes:
+        current = codes.pop()
+        if any(i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and i.argval == name for i in dis.get_instructions(current)):
+            return True
+        codes += [c for c in current.co_consts if inspect.iscode(c)]
+    return False
 
 
 def patch_nemo_rl(module: ModuleType) -> None:

@@ -47,6 +47,7 @@ import torch
 from pydantic import BaseModel
 
 from nemo_is_plugin.adapters.nemo_rl.protocol import LossInputType, LossType, MetricNormalizer
+from nemo_is_plugin.adapters.nemo_rl.startup import check_switch_in_effect
 from nemo_is_plugin.adapters.nemo_rl.step_metrics import (
     SEQUENCE_SHARE,
     for_nemo_rl_step,
@@ -208,6 +209,7 @@ class NeMoRLLossFn:
         logits: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        check_switch_in_effect()  # NEMO_IS_NEMO_RL_HEAD=1 with NeMo-RL's own head in use stops the run here
         if data is None or global_valid_seqs is None or global_valid_toks is None:
             raise TypeError("NeMoRLLossFn needs data, global_valid_seqs and global_valid_toks")
         if self.input_type == LossInputType.LOGIT:

@@ -11,7 +11,8 @@ overlap path (``verl/models/mcore/model_forward_1f1b_overlap.py``) all call the 
 with ``hidden [T, 1, H]`` (sequence-parallel rows already all-gathered by Megatron's
 ``gather_from_sequence_parallel_region``), ``weight [V/TP, H]``, ``labels [1, T]`` already rolled and CP-sharded by
 verl, and gets ``[T]`` fp32 log-probs and entropy of ``softmax(h W^T / temperature)``; the hidden states' gradient it
-returns is this rank's share, summed over TP by the gather's backward (a reduce-scatter).
+returns is this rank's share: with sequence parallelism the gather's backward sums the shares over TP (a
+reduce-scatter); without it each rank keeps its share, as verl's kernel does.
 
 :func:`linear_cross_entropy` here takes the same arguments and returns the same thing, computed by the plugin's chunked
 head (:func:`~nemo_is_plugin.distributed.head.fused_linear.fused_linear_logprobs` with ``reduce_grad_hidden=False``).
@@ -30,6 +31,7 @@ function, a changed signature or a module that no longer calls it by name raises
 
 from __future__ import annotations
 
+import dis
 import importlib
 import inspect
 import logging
@@ -47,6 +49,12 @@ TARGET = "linear_cross_entropy"
 KERNEL_MODULE = "verl.utils.kernel.linear_cross_entropy"
 FUSED_MODULES = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
 CONFIG_MODULE, ENGINE_MODULE = "verl.workers.config.model", "verl.workers.engine.megatron.transformer_impl"
+FSDP_PATCH_MODULE, FSDP_PATCH = "verl.models.transformers.monkey_patch", "patch_forward_with_backends"
+FSDP_REFUSAL = (
+    f"fused_kernel_options.impl_backend={BACKEND} with use_fused_kernels=True on a Hugging Face (FSDP) model: the "
+    "plugin's head runs in verl's Megatron engine only, and verl would skip its fused patch and fail on the missing "
+    "log_probs; use the Megatron engine, or set impl_backend to torch or triton"
+)
 ENGINE_CLASS, ENGINE_METHOD = "MegatronEngine", "_maybe_enable_fused_kernels"
 KERNEL_PARAMS = ("ctx", "hidden", "weight", "labels", "temperature", "reduction", "dist_process_group")
 _STATE: dict[str, Any] = {"requested": False, "engine_unsupported": None}
@@ -86,7 +94,10 @@ linear_cross_entropy.nemo_is_head = True  # type: ignore[attr-defined]  # marks 
 
 
 def _references(module: ModuleType, name: str) -> bool:
-    """Whether code defined in ``module`` (functions, methods, nested functions) looks ``name`` up as a global."""
+    """Whether code defined in ``module`` (functions, methods, nested functions) loads ``name`` as a global: the
+    binding the patch replaces. ``co_names`` is not enough: an attribute access (``kernel.linear_cross_entropy(...)``)
+    puts the name there too, and the patch would then rebind a global nobody calls; so the bytecode is read, and only
+    a ``LOAD_GLOBAL`` / ``LOAD_NAME`` of ``name`` counts (``LOAD_ATTR`` / ``LOAD_METHOD`` do not)."""
     seen: set[int] = set()
     codes = []
     for value in vars(module).values():
@@ -97,7 +108,9 @@ def _references(module: ModuleType, name: str) -> bool:
         if id(code) in seen:
             continue
         seen.add(id(code))
-        if name in code.co_names:
+        if name in code.co_names and any(
+            ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval == name for ins in dis.get_instructions(code)
+        ):
             return True
         codes += [c for c in code.co_consts if inspect.iscode(c)]
     return False
@@ -194,12 +207,30 @@ def _on_engine_module(module: ModuleType) -> None:
     setattr(cls, ENGINE_METHOD, _maybe_enable_fused_kernels)
 
 
+def _on_fsdp_patch_module(module: ModuleType) -> None:
+    """verl's FSDP models choose their fused forward in ``patch_forward_with_backends`` (called by
+    ``apply_monkey_patch`` while the engine builds the model, before any forward), which skips any backend but its
+    own: ``nemo_is`` there is refused with :data:`FSDP_REFUSAL` instead of a late ``AttributeError``."""
+    original = getattr(module, FSDP_PATCH, None)
+    if original is None or getattr(original, "nemo_is_hook", False):
+        return
+
+    def patch_forward_with_backends(model, use_fused_kernels=False, fused_kernels_backend=None, *args, **kwargs):
+        if use_fused_kernels and fused_kernels_backend == BACKEND:
+            raise HostPatchError(FSDP_REFUSAL)
+        return original(model, use_fused_kernels, fused_kernels_backend, *args, **kwargs)
+
+    patch_forward_with_backends.nemo_is_hook = True  # type: ignore[attr-defined]
+    setattr(module, FSDP_PATCH, patch_forward_with_backends)
+
+
 def install_hooks() -> None:
     """Register the config and engine hooks (the ``verl.plugins`` entry point calls this in every verl process)."""
     from nemo_is_plugin.adapters.import_hooks import when_imported
 
     when_imported(CONFIG_MODULE, "nemo_is.verl_head.config", _on_config_module)
     when_imported(ENGINE_MODULE, "nemo_is.verl_head.engine", _on_engine_module)
+    when_imported(FSDP_PATCH_MODULE, "nemo_is.verl_head.fsdp", _on_fsdp_patch_module)
 
 
 def head_installed() -> bool:

@@ -12,7 +12,8 @@ the recipe named by ``$NEMO_IS_LOSS_CONFIG``; with neither, the first call raise
 Older verl: set ``VERL_USE_EXTERNAL_MODULES=nemo_is_plugin.adapters.verl.plugin`` instead.
 
 It also registers the hooks of the plugin's head for verl's Megatron fused forward (``adapters/verl/head.py``: active
-only where verl's model config sets ``fused_kernel_options.impl_backend=nemo_is``).
+only where verl's model config sets ``fused_kernel_options.impl_backend=nemo_is``; on verl's FSDP models that
+value is refused while verl builds the model).
 """
 
 from nemo_is_plugin.adapters.verl.policy_loss import register_verl_loss
