@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from helpers import gloo  # noqa: F401  (torch.distributed.nn.functional before init_process_group: helpers/gloo.py)
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, SEQ = 64, 32, 2, 4, 2, 12
 

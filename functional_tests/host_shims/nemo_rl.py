@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers import gloo  # noqa: F401  (torch.distributed.nn.functional before init_process_group: helpers/gloo.py)
 
 from host_shims.cuda_to_cpu import CudaToCpu
 
