@@ -1,6 +1,6 @@
 """The combination checks of a loss config: every contradiction NeMo-RL rejects, plus the plugin's own.
 
-Each message names the fields and the fix. Run by :class:`~nemo_is_plugin.config.model.ClippedPGLossConfig` once
+Each message names the fields and the fix. Run by :class:`~nemo_is_plugin.loss.config_model.ClippedPGLossConfig` once
 every field is valid (types, choices and numeric ranges are the fields' own, in :mod:`~nemo_is_plugin.config.keys` and
 the objectives' key sections). The checks of one policy objective are its module's (``PolicyObjective.refusals``,
 ``KeySection.unread``); the ones here are the IS, aggregation and KL checks and the rules every objective shares
@@ -16,7 +16,7 @@ from nemo_is_plugin.config.keys import REJECTION_TYPES, SEQUENCE_MASK_TYPES, TOK
 from nemo_is_plugin.loss.objectives import key_sections, objective_of
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 
 def contradictions(cfg: ClippedPGLossConfig) -> list[str]:

@@ -26,7 +26,7 @@ from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.ratios import token_log_ratio
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
     from nemo_is_plugin.loss.metrics import MetricBook
 
 # verl (compute_policy_loss_dppo_tv / _sapo) and UniRL (_cppo_mask) clamp the token log-ratio here before exp.

@@ -3,9 +3,10 @@
 The keys themselves (type, default, choices, range) are the fields of :class:`~nemo_is_plugin.config.keys.LossKeys`
 and of each policy objective's :class:`~nemo_is_plugin.config.keys.KeySection`, declared in the objective's module
 (``nemo_is_plugin/loss/objectives/``) next to its formula: the only places where defaults live. This module imports no
-torch itself, but it imports the objective modules (which do) to assemble the model: the config sits above them in
-the layers (docs/design.md, *Layers*). Every NeMo-RL ``ClippedPGLossConfig``
-key is accepted with NeMo-RL's name, type and default, so an existing NeMo-RL ``loss_fn`` section validates unchanged.
+torch itself, but it imports the objective modules (which do) to assemble the model, so it sits in the loss layer,
+above them; ``nemo_is_plugin.config`` re-exports its names lazily (docs/design.md, *Layers*). Every NeMo-RL
+``ClippedPGLossConfig`` key is accepted with NeMo-RL's name, type and default, so an existing NeMo-RL ``loss_fn``
+section validates unchanged.
 The new fields default to ``None`` / off, in which case the loss reproduces NeMo-RL's ``ClippedPGLossFn``.
 
 Formulas (p = prev_logprobs, g = generation_logprobs, c = current log-probs, m = token mask, t = 1-based position among
