@@ -14,6 +14,7 @@ import sys
 TORCH_FREE = (
     "nemo_is_plugin",
     "nemo_is_plugin.config",
+    "nemo_is_plugin.config.contradictions",
     "nemo_is_plugin.config.errors",
     "nemo_is_plugin.config.field_types",
     "nemo_is_plugin.config.keys",

@@ -19,6 +19,7 @@ from nemo_is_plugin.loss.objectives.base import (
     PolicyObjective,
     SurrogateOut,
     key_sections,
+    objective_contradictions,
     objective_of,
     register_objective,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "PolicyObjective",
     "SurrogateOut",
     "key_sections",
+    "objective_contradictions",
     "objective_names",
     "objective_of",
     "register_objective",

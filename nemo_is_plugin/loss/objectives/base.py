@@ -178,6 +178,27 @@ def key_sections() -> list[tuple[type[KeySection], list[str]]]:
     return list(out.items())
 
 
+def objective_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
+    """The config checks every objective shares (run by ``ClippedPGLossConfig`` with the generic ones of
+    :mod:`nemo_is_plugin.config.contradictions`): the keys of the objectives not chosen (each section's
+    :meth:`~nemo_is_plugin.config.keys.KeySection.unread`), the chosen objective's required keys and ratio level, then
+    its own refusals."""
+    chosen = cfg.policy_objective
+    out = [
+        msg
+        for section, readers in key_sections()
+        if chosen not in readers
+        for msg in section.unread(cfg, readers, chosen)
+    ]
+    objective = objective_of(cfg)
+    for key in objective.required:
+        if getattr(cfg, key) is None:
+            out.append(f"policy_objective={chosen!r} needs {key} (see docs/objectives.md)")
+    if cfg.ratio_level is not None and cfg.ratio_level not in objective.ratio_levels:
+        out.append(f"policy_objective={chosen!r} uses {objective.ratio}: unset ratio_level={cfg.ratio_level!r}")
+    return out + objective.refusals(cfg)
+
+
 def none_like(like: torch.Tensor) -> torch.Tensor:
     """An all-False indicator shaped like ``like``."""
     return torch.zeros_like(like, dtype=torch.bool)
