@@ -50,7 +50,18 @@ from nemo_is_plugin.config.unknown_keys import (
     strict_keys_default,
     unknown_keys_message,
 )
-from nemo_is_plugin.loss.objectives import OBJECTIVES, key_sections, objective_contradictions, objective_names
+from nemo_is_plugin.loss.objectives import (
+    OBJECTIVES,
+    key_sections,
+    load_entry_point_objectives,
+    objective_contradictions,
+    objective_names,
+    seal_registry,
+)
+
+# Other packages' objectives (entry-point group nemo_is_plugin.objectives) register before the model is built from the
+# registry. This module is imported on first use (nemo_is_plugin.config re-exports it lazily), and built once.
+load_entry_point_objectives()
 
 if TYPE_CHECKING:
     from pydantic_core import InitErrorDetails  # a TypedDict: a type only
@@ -143,6 +154,8 @@ class ClippedPGLossConfig(_Keys):
 
         return uses_log_space_clip(self)
 
+
+seal_registry(ClippedPGLossConfig.__qualname__)
 
 # Every numeric key's interval, read from its field (the docs' range table and the tests compare against it).
 NUMERIC_RANGES: dict[str, NumericRange] = {

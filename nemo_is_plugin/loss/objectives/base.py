@@ -154,12 +154,28 @@ OBJECTIVES: dict[str, PolicyObjective] = {}
 DEFAULT_OBJECTIVE = "ppo_clip"
 
 
+# Set once ClippedPGLossConfig is built from the registry: its keys and policy_objective choices are fixed then.
+_SEALED_BY: list[str] = []
+
+
+def seal_registry(by: str) -> None:
+    """Refuse registrations from now on: ``by`` (what was built from the registry) would not see them."""
+    _SEALED_BY.append(by)
+
+
 def register_objective(cls: type[PolicyObjective]) -> type[PolicyObjective]:
-    """Class decorator: register one instance of ``cls`` under ``cls.name`` (a name registered twice is an error)."""
+    """Class decorator: register one instance of ``cls`` under ``cls.name`` (a name registered twice is an error, and
+    so is a registration once the config model is built)."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
     if cls.name in OBJECTIVES:
         raise ValueError(f"policy_objective {cls.name!r} is registered twice ({cls.__name__})")
+    if _SEALED_BY:
+        raise ValueError(
+            f"policy_objective {cls.name!r} ({cls.__name__}) is registered after {_SEALED_BY[0]} was built from the "
+            "registry, so its keys and name would be unknown to the config: name its module in the entry-point group "
+            "'nemo_is_plugin.objectives', or import it before the config is first used"
+        )
     OBJECTIVES[cls.name] = cls()
     return cls
 
