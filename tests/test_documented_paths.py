@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from nemo_is_plugin.loss.objectives import ENTRY_POINT_GROUP as OBJECTIVE_ENTRY_POINT_GROUP
 from nemo_is_plugin.loss.registry import ENTRY_POINT_GROUP
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(
     [ROOT / "README.md", ROOT / "pyproject.toml", *(ROOT / "docs").glob("*.md"), *(ROOT / "configs").rglob("*.yaml")]
 )
-# Names that look like paths but are not: the loss entry-point group is a name in package metadata.
-NOT_PATHS = {ENTRY_POINT_GROUP}
+# Names that look like paths but are not: the loss and objective entry-point groups are names in package metadata.
+NOT_PATHS = {ENTRY_POINT_GROUP, OBJECTIVE_ENTRY_POINT_GROUP}
 
 _FROM_IMPORT = re.compile(r"from\s+(nemo_is_plugin[\w.]*)\s+import\s+(\([^)]*\)|[\w ,]+)")
 _IMPORT = re.compile(r"^\s*import\s+(nemo_is_plugin[\w.]*)", re.M)

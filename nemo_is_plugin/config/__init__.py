@@ -1,15 +1,20 @@
-"""The loss configuration (pydantic v2; no config module imports torch): with the objectives' key sections, the only
-place where defaults live.
+"""The loss configuration's schema (pydantic v2; importing this package imports no torch): with the objectives' key
+sections, the only place where defaults live.
 
 Modules: ``keys`` (every generic key, one field each: type, default, choices, valid range with why and fix; and
 :class:`~nemo_is_plugin.config.keys.KeySection`, what a policy objective's keys are declared as, in its module),
-``model`` (:class:`ClippedPGLossConfig`: the generic keys and every registered objective's section, the unknown-key
-policy, the combination checks and the derived choices, and
-:func:`load_loss_config`), ``field_types`` (what fields are built from: :class:`NumericRange`, a bool-refusing number,
-the KL estimator vocabulary), ``rejection_rule`` (:class:`RejectionRule`, verl's ``rollout_rs`` options),
-``contradictions`` (the combination checks), ``unknown_keys`` (warn or refuse unknown keys), ``errors`` (the exception
-and warning types), ``effective`` (every derived choice in words).
+``field_types`` (what fields are built from: :class:`NumericRange`, a bool-refusing number, the KL estimator
+vocabulary), ``rejection_rule`` (:class:`RejectionRule`, verl's ``rollout_rs`` options), ``contradictions`` (the
+combination checks), ``unknown_keys`` (warn or refuse unknown keys), ``errors`` (the exception and warning types).
+
+The assembled model, :class:`ClippedPGLossConfig` (the generic keys and every registered objective's section) with
+:func:`load_loss_config`, ``NUMERIC_RANGES`` and ``PolicyObjective``, is built from the objective modules (torch) and
+lives in the loss layer (``nemo_is_plugin.loss.config_model``; docs/design.md, *Layers*). This package re-exports those
+names lazily (PEP 562 ``__getattr__``), so ``from nemo_is_plugin.config import ClippedPGLossConfig`` keeps working and
+loads the objectives on first use, while importing the schema alone stays torch-free.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from nemo_is_plugin.config.errors import (
     ConfigError,
@@ -31,7 +36,6 @@ from nemo_is_plugin.config.keys import (
     RejectionType,
     TruncationType,
 )
-from nemo_is_plugin.config.model import NUMERIC_RANGES, ClippedPGLossConfig, PolicyObjective, load_loss_config
 from nemo_is_plugin.config.rejection_rule import (
     REJECTION_LOG_RATIO_CLAMP,
     VERL_RS_AGGREGATIONS,
@@ -47,6 +51,28 @@ from nemo_is_plugin.config.unknown_keys import (
     strict_keys_default,
     unknown_keys_message,
 )
+
+if TYPE_CHECKING:
+    from nemo_is_plugin.loss.config_model import (
+        NUMERIC_RANGES,
+        ClippedPGLossConfig,
+        PolicyObjective,
+        load_loss_config,
+    )
+
+# The assembled model's names: loaded on first use, since building the model imports the objective modules (torch).
+_ASSEMBLED = frozenset({"NUMERIC_RANGES", "ClippedPGLossConfig", "PolicyObjective", "load_loss_config"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ASSEMBLED:
+        from nemo_is_plugin.loss import config_model
+
+        value = getattr(config_model, name)
+        globals()[name] = value  # later look-ups skip this hook
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "NUMERIC_RANGES",

@@ -1,26 +1,25 @@
 """The combination checks of a loss config: every contradiction NeMo-RL rejects, plus the plugin's own.
 
-Each message names the fields and the fix. Run by :class:`~nemo_is_plugin.config.model.ClippedPGLossConfig` once
+Each message names the fields and the fix. Run by :class:`~nemo_is_plugin.loss.config_model.ClippedPGLossConfig` once
 every field is valid (types, choices and numeric ranges are the fields' own, in :mod:`~nemo_is_plugin.config.keys` and
-the objectives' key sections). The checks of one policy objective are its module's (``PolicyObjective.refusals``,
-``KeySection.unread``); the ones here are the IS, aggregation and KL checks and the rules every objective shares
-(required keys, ``ratio_level``). Imports no torch itself (it reads the objective registry).
+the objectives' key sections). The checks here read the generic keys only (:class:`~nemo_is_plugin.config.keys.
+LossKeys`): IS, rejection, aggregation, KL and score centering. The rules every objective shares (required keys,
+``ratio_level``, the other objectives' unread keys) are the objective registry's
+(:func:`~nemo_is_plugin.loss.objectives.base.objective_contradictions`), and each objective's own are its module's;
+the caller passes their messages in, so that the joined message keeps one order.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
-from nemo_is_plugin.config.keys import REJECTION_TYPES, SEQUENCE_MASK_TYPES, TOKEN_AGGREGATIONS
-from nemo_is_plugin.loss.objectives import key_sections, objective_of
-
-if TYPE_CHECKING:
-    from nemo_is_plugin.config.model import ClippedPGLossConfig
+from nemo_is_plugin.config.keys import REJECTION_TYPES, SEQUENCE_MASK_TYPES, TOKEN_AGGREGATIONS, LossKeys
 
 
-def contradictions(cfg: ClippedPGLossConfig) -> list[str]:
-    """Every contradiction NeMo-RL rejects, plus the plugin's own; each message names the fields and the fix."""
+def contradictions(cfg: LossKeys, policy_objective: str, objective_messages: list[str]) -> list[str]:
+    """Every contradiction NeMo-RL rejects, plus the plugin's own; each message names the fields and the fix.
+    ``objective_messages``: the objective registry's checks of ``policy_objective``, placed after the rejection
+    rules'."""
     out: list[str] = []
     tis = cfg.truncated_importance_sampling_type
     lo, hi = cfg.truncated_importance_sampling_ratio_min, cfg.truncated_importance_sampling_ratio
@@ -89,8 +88,8 @@ def contradictions(cfg: ClippedPGLossConfig) -> list[str]:
 
     out.extend(_rejection_contradictions(cfg))
     out.extend(_rule_contradictions(cfg))
-    out.extend(_objective_contradictions(cfg))
-    out.extend(score_centering_contradictions(cfg))
+    out.extend(objective_messages)
+    out.extend(score_centering_contradictions(cfg, policy_objective))
     needs_is = cfg.importance_sampling_batch_normalize or cfg.is_correction_level is not None
     rejects = tis in REJECTION_TYPES or bool(cfg.rejection_rules)
     if needs_is and not cfg.use_importance_sampling_correction and not rejects:
@@ -101,7 +100,7 @@ def contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     return out
 
 
-def _rejection_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
+def _rejection_contradictions(cfg: LossKeys) -> list[str]:
     rej = cfg.importance_sampling_rejection
     lo, hi = cfg.importance_sampling_rejection_min, cfg.importance_sampling_rejection_max
     if rej is None:
@@ -128,7 +127,7 @@ def _rejection_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     return out
 
 
-def _rule_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
+def _rule_contradictions(cfg: LossKeys) -> list[str]:
     out = []
     names = [rule.name for rule in cfg.rejection_rules]
     for name in sorted({n for n in names if names.count(n) > 1}):
@@ -143,26 +142,7 @@ def _rule_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     return out
 
 
-def _objective_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
-    """The keys of the objectives not chosen (each section's :meth:`~nemo_is_plugin.config.keys.KeySection.unread`),
-    the chosen objective's required keys and ratio level, then its own refusals."""
-    chosen = cfg.policy_objective
-    out = [
-        msg
-        for section, readers in key_sections()
-        if chosen not in readers
-        for msg in section.unread(cfg, readers, chosen)
-    ]
-    objective = objective_of(cfg)
-    for key in objective.required:
-        if getattr(cfg, key) is None:
-            out.append(f"policy_objective={chosen!r} needs {key} (see docs/objectives.md)")
-    if cfg.ratio_level is not None and cfg.ratio_level not in objective.ratio_levels:
-        out.append(f"policy_objective={chosen!r} uses {objective.ratio}: unset ratio_level={cfg.ratio_level!r}")
-    return out + objective.refusals(cfg)
-
-
-def score_centering_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
+def score_centering_contradictions(cfg: LossKeys, policy_objective: str) -> list[str]:
     """What ``score_centering`` composes with (docs/config.md, *Score centering*): the term subtracts the sampler's
     expected f-weighted score of one token, f = the token IS weight's truncation as a function of p_v / q_v, so every
     setting whose weight of the sampled token's score is not such an f of that token alone is refused."""
@@ -172,10 +152,10 @@ def score_centering_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
         return [f"{k} is read with score_centering: true only: set score_centering or unset {k}" for k in unread]
     why = "score_centering"
     out = []
-    if cfg.policy_objective != "ppo_clip":
+    if policy_objective != "ppo_clip":
         out.append(
             f"{why} centres the score of PPO / REINFORCE's token policy gradient; policy_objective="
-            f"{cfg.policy_objective!r} weights a token's score by its own gate or trust mask, which the head "
+            f"{policy_objective!r} weights a token's score by its own gate or trust mask, which the head "
             "coefficients do not model: use ppo_clip or score_centering: false"
         )
     if cfg.effective_ratio_level != "token":

@@ -3,7 +3,7 @@
 To change a key, edit its field here: the validation (type, choices, range), the error messages and the JSON schema
 follow from it (the range table of docs/config.md is checked against it by tests/config/test_config_ranges.py). The
 keys of one policy objective live with its formula, in its module (``nemo_is_plugin/loss/objectives/<name>.py``), as a
-:class:`KeySection`; :class:`~nemo_is_plugin.config.model.ClippedPGLossConfig` is these keys plus every registered
+:class:`KeySection`; :class:`~nemo_is_plugin.loss.config_model.ClippedPGLossConfig` is these keys plus every registered
 objective's section, with the combination checks and the derived choices. Imports without torch.
 """
 
@@ -72,8 +72,9 @@ class KeySection(BaseModel):
 
 
 class LossKeys(BaseModel):
-    """The generic keys of :class:`~nemo_is_plugin.config.ClippedPGLossConfig`, without its checks and derived choices
-    (each policy objective's own keys are its :class:`KeySection`).
+    """The generic keys of :class:`~nemo_is_plugin.config.ClippedPGLossConfig` and the choices derived from them
+    (``effective_*``, ``rejection_rules``, ``bypasses_prev``), without its checks (each policy objective's own keys are
+    its :class:`KeySection`).
 
     The first block is NeMo-RL's ``ClippedPGLossConfig`` (commit 7ea279ab): names, types and defaults unchanged, so an
     existing NeMo-RL ``loss_fn`` section validates unchanged. The second block holds the plugin's independent choices
@@ -294,3 +295,42 @@ class LossKeys(BaseModel):
         description="Raise on non-finite generation log-probs and on positive log-probs (above the dtype's "
         "rounding tolerance) instead of computing them as NeMo-RL does and reporting them in the input_* metrics.",
     )
+
+    # ------------------------------------------------------------------ derived choices
+    @property
+    def effective_ratio_level(self) -> RatioLevel:
+        if self.ratio_level is not None:
+            return self.ratio_level
+        return "sequence" if self.sequence_level_importance_ratios else "token"
+
+    @property
+    def effective_is_level(self) -> ISCorrectionLevel:
+        if self.is_correction_level is not None:
+            return self.is_correction_level
+        return "sequence" if self.sequence_level_importance_ratios else "token"
+
+    @property
+    def effective_loss_aggregation(self) -> LossAggregation:
+        if self.loss_aggregation is not None:
+            return self.loss_aggregation
+        return "token-mean" if self.token_level_loss else "seq-mean-token-mean"
+
+    @property
+    def effective_kl_penalty(self) -> float:
+        """NeMo-RL puts the KL into the reward when use_kl_in_reward is set, so the loss's penalty is 0."""
+        return 0.0 if self.use_kl_in_reward else self.reference_policy_kl_penalty
+
+    @property
+    def rejection_rules(self) -> tuple[RejectionRule, ...]:
+        """Every rejection rule: ``importance_sampling_rejection`` (a k1 rule) first, then the listed rules."""
+        rules = tuple(self.importance_sampling_rejection_rules)
+        lo, hi = self.importance_sampling_rejection_min, self.importance_sampling_rejection_max
+        # An incomplete or inverted band is reported by the config check, not here.
+        if self.importance_sampling_rejection is not None and lo is not None and hi is not None and lo <= hi:
+            rules = (RejectionRule.from_band(self.importance_sampling_rejection, lo, hi), *rules)
+        return rules
+
+    @property
+    def bypasses_prev(self) -> bool:
+        """True when the generation log-probs are pi_old (verl's bypass mode)."""
+        return self.old_policy_logprobs == "generation"

@@ -30,7 +30,7 @@ import torch
 from nemo_is_plugin.loss.metrics import Denominator, MetricBook
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
     from nemo_is_plugin.loss.correction import ISCorrection
 
 CalibrationKind = Literal["none", "tis", "icepop"]

@@ -32,7 +32,7 @@ from nemo_is_plugin.loss.ratios import unmasked_positions
 from nemo_is_plugin.loss.score_centering import CenteringOut, CenteringSpec, centering_term
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 KLWeight = Literal["score_function", "generation", "anchor", "none"]
 

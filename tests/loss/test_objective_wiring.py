@@ -349,7 +349,7 @@ def test_default_objective_is_ppo_clip_and_dumps_reload():
 
 
 def test_effective_settings_spell_out_the_objective():
-    from nemo_is_plugin.config.effective import effective_settings
+    from nemo_is_plugin.loss.effective import effective_settings
 
     for name, cfg in OBJECTIVES.items():
         said = effective_settings(ClippedPGLossConfig(**cfg))

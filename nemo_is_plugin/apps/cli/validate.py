@@ -152,7 +152,7 @@ def _finite(x: Any) -> Any:
 
 
 def _json_report(recipe, section, spec, loss, grad_norm, metrics) -> dict[str, Any]:
-    from nemo_is_plugin.config.effective import effective_settings
+    from nemo_is_plugin.loss.effective import effective_settings
 
     return {
         "valid": True,
@@ -173,7 +173,7 @@ def _print_report(console, recipe, section, spec, loss, grad_norm, metrics, show
     from rich.table import Table
     from rich.text import Text
 
-    from nemo_is_plugin.config.effective import effective_settings
+    from nemo_is_plugin.loss.effective import effective_settings
 
     changed = spec.config.model_dump(exclude_defaults=True)
     head = f"[green]valid[/green] {escape(str(recipe))} (loss {spec.name})"

@@ -26,7 +26,7 @@ from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.ratios import token_log_ratio
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 
 class ObjectiveBook(Protocol):
@@ -168,12 +168,28 @@ OBJECTIVES: dict[str, PolicyObjective] = {}
 DEFAULT_OBJECTIVE = "ppo_clip"
 
 
+# Set once ClippedPGLossConfig is built from the registry: its keys and policy_objective choices are fixed then.
+_SEALED_BY: list[str] = []
+
+
+def seal_registry(by: str) -> None:
+    """Refuse registrations from now on: ``by`` (what was built from the registry) would not see them."""
+    _SEALED_BY.append(by)
+
+
 def register_objective(cls: type[PolicyObjective]) -> type[PolicyObjective]:
-    """Class decorator: register one instance of ``cls`` under ``cls.name`` (a name registered twice is an error)."""
+    """Class decorator: register one instance of ``cls`` under ``cls.name`` (a name registered twice is an error, and
+    so is a registration once the config model is built)."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
     if cls.name in OBJECTIVES:
         raise ValueError(f"policy_objective {cls.name!r} is registered twice ({cls.__name__})")
+    if _SEALED_BY:
+        raise ValueError(
+            f"policy_objective {cls.name!r} ({cls.__name__}) is registered after {_SEALED_BY[0]} was built from the "
+            "registry, so its keys and name would be unknown to the config: name its module in the entry-point group "
+            "'nemo_is_plugin.objectives', or import it before the config is first used"
+        )
     OBJECTIVES[cls.name] = cls()
     return cls
 
@@ -190,6 +206,27 @@ def key_sections() -> list[tuple[type[KeySection], list[str]]]:
         if objective.keys is not None:
             out.setdefault(objective.keys, []).append(name)
     return list(out.items())
+
+
+def objective_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
+    """The config checks every objective shares (run by ``ClippedPGLossConfig`` with the generic ones of
+    :mod:`nemo_is_plugin.config.contradictions`): the keys of the objectives not chosen (each section's
+    :meth:`~nemo_is_plugin.config.keys.KeySection.unread`), the chosen objective's required keys and ratio level, then
+    its own refusals."""
+    chosen = cfg.policy_objective
+    out = [
+        msg
+        for section, readers in key_sections()
+        if chosen not in readers
+        for msg in section.unread(cfg, readers, chosen)
+    ]
+    objective = objective_of(cfg)
+    for key in objective.required:
+        if getattr(cfg, key) is None:
+            out.append(f"policy_objective={chosen!r} needs {key} (see docs/objectives.md)")
+    if cfg.ratio_level is not None and cfg.ratio_level not in objective.ratio_levels:
+        out.append(f"policy_objective={chosen!r} uses {objective.ratio}: unset ratio_level={cfg.ratio_level!r}")
+    return out + objective.refusals(cfg)
 
 
 def none_like(like: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ from nemo_is_plugin.loss.objectives.base import (
 from nemo_is_plugin.loss.ratios import probability_difference, token_log_ratio, unmasked_positions
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
     from nemo_is_plugin.loss.objectives.base import ObjectiveBook
 
 

@@ -38,7 +38,7 @@ from nemo_is_plugin.loss.objectives.base import (
 from nemo_is_plugin.loss.ratios import probability_change
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 # verl's guard inside the Binary-KL log (verl.trainer.ppo.core_algos.compute_policy_loss_dppo_kl).
 BINARY_KL_EPS = 1e-8

@@ -65,7 +65,7 @@ from nemo_is_plugin.loss.objectives.base import ObjectiveInputs, ObjectiveOut, P
 from nemo_is_plugin.loss.objectives.ppo_clip import log_space_clip_surrogate
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
     from nemo_is_plugin.loss.objectives.base import ObjectiveBook
 
 # The authors' constants: the sign and ratio slack of a harmful token, the slack of the budget test and of tau, and

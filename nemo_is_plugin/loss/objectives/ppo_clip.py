@@ -38,7 +38,7 @@ from nemo_is_plugin.loss.objectives.base import (
 from nemo_is_plugin.loss.ratios import policy_log_ratio, straight_through_log_ratio
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 CAUSAL_LEVELS = ("cumulative", "cumulative_mean")
 # PPO's clip keys and ratio switches, which every other objective replaces by its own trust region or gate.

@@ -26,7 +26,7 @@ from nemo_is_plugin.loss.objectives.base import (
 )
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.config.model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 
 class SapoKeys(KeySection):

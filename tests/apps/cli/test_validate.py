@@ -14,7 +14,7 @@ import nemo_is_plugin
 from nemo_is_plugin.adapters import nemo_rl
 from nemo_is_plugin.apps.cli.main import app
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
-from nemo_is_plugin.config.effective import effective_settings
+from nemo_is_plugin.loss.effective import effective_settings
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "configs" / "examples" / "nemo_rl_grpo_tis.yaml"

@@ -3,9 +3,10 @@
 The keys themselves (type, default, choices, range) are the fields of :class:`~nemo_is_plugin.config.keys.LossKeys`
 and of each policy objective's :class:`~nemo_is_plugin.config.keys.KeySection`, declared in the objective's module
 (``nemo_is_plugin/loss/objectives/``) next to its formula: the only places where defaults live. This module imports no
-torch itself, but it imports the objective modules (which do) to assemble the model: the config sits above them in
-the layers (docs/design.md, *Layers*). Every NeMo-RL ``ClippedPGLossConfig``
-key is accepted with NeMo-RL's name, type and default, so an existing NeMo-RL ``loss_fn`` section validates unchanged.
+torch itself, but it imports the objective modules (which do) to assemble the model, so it sits in the loss layer,
+above them; ``nemo_is_plugin.config`` re-exports its names lazily (docs/design.md, *Layers*). Every NeMo-RL
+``ClippedPGLossConfig`` key is accepted with NeMo-RL's name, type and default, so an existing NeMo-RL ``loss_fn``
+section validates unchanged.
 The new fields default to ``None`` / off, in which case the loss reproduces NeMo-RL's ``ClippedPGLossFn``.
 
 Formulas (p = prev_logprobs, g = generation_logprobs, c = current log-probs, m = token mask, t = 1-based position among
@@ -41,19 +42,26 @@ from nemo_is_plugin.config.errors import ConfigError, ConfigValidationError
 from nemo_is_plugin.config.field_types import NumericRange
 from nemo_is_plugin.config.keys import (
     TOKEN_AGGREGATIONS,
-    ISCorrectionLevel,
-    LossAggregation,
     LossKeys,
-    RatioLevel,
 )
-from nemo_is_plugin.config.rejection_rule import RejectionRule
 from nemo_is_plugin.config.unknown_keys import (
     STRICT_KEYS_OVERRIDE,
     check_unknown_keys,
     strict_keys_default,
     unknown_keys_message,
 )
-from nemo_is_plugin.loss.objectives import OBJECTIVES, key_sections, objective_names
+from nemo_is_plugin.loss.objectives import (
+    OBJECTIVES,
+    key_sections,
+    load_entry_point_objectives,
+    objective_contradictions,
+    objective_names,
+    seal_registry,
+)
+
+# Other packages' objectives (entry-point group nemo_is_plugin.objectives) register before the model is built from the
+# registry. This module is imported on first use (nemo_is_plugin.config re-exports it lazily), and built once.
+load_entry_point_objectives()
 
 if TYPE_CHECKING:
     from pydantic_core import InitErrorDetails  # a TypedDict: a type only
@@ -132,35 +140,13 @@ class ClippedPGLossConfig(_Keys):
         if self.loss_aggregation is not None and "token_level_loss" not in self.model_fields_set:
             self.__dict__["token_level_loss"] = self.loss_aggregation in TOKEN_AGGREGATIONS
         # Runs only once every field is valid: out-of-range values were refused by their NumericRange already.
-        errors = [msg for msg in contradictions(self) if msg]
+        shared = objective_contradictions(self)  # the rules every objective shares, then the objective's own
+        errors = [msg for msg in contradictions(self, self.policy_objective, shared) if msg]
         if errors:
             raise ConfigError("; ".join(errors))
         return self
 
-    # ------------------------------------------------------------------ derived choices
-    @property
-    def effective_ratio_level(self) -> RatioLevel:
-        if self.ratio_level is not None:
-            return self.ratio_level
-        return "sequence" if self.sequence_level_importance_ratios else "token"
-
-    @property
-    def effective_is_level(self) -> ISCorrectionLevel:
-        if self.is_correction_level is not None:
-            return self.is_correction_level
-        return "sequence" if self.sequence_level_importance_ratios else "token"
-
-    @property
-    def effective_loss_aggregation(self) -> LossAggregation:
-        if self.loss_aggregation is not None:
-            return self.loss_aggregation
-        return "token-mean" if self.token_level_loss else "seq-mean-token-mean"
-
-    @property
-    def effective_kl_penalty(self) -> float:
-        """NeMo-RL puts the KL into the reward when use_kl_in_reward is set, so the loss's penalty is 0."""
-        return 0.0 if self.use_kl_in_reward else self.reference_policy_kl_penalty
-
+    # ------------------------------------------------------------------ derived choices (the generic ones: LossKeys)
     @property
     def uses_log_space_clip(self) -> bool:
         """Whether PPO's clip is CTPO's log-space clip (``log_ratio_clip_low`` / ``_high`` set)."""
@@ -168,21 +154,8 @@ class ClippedPGLossConfig(_Keys):
 
         return uses_log_space_clip(self)
 
-    @property
-    def rejection_rules(self) -> tuple[RejectionRule, ...]:
-        """Every rejection rule: ``importance_sampling_rejection`` (a k1 rule) first, then the listed rules."""
-        rules = tuple(self.importance_sampling_rejection_rules)
-        lo, hi = self.importance_sampling_rejection_min, self.importance_sampling_rejection_max
-        # An incomplete or inverted band is reported by the config check, not here.
-        if self.importance_sampling_rejection is not None and lo is not None and hi is not None and lo <= hi:
-            rules = (RejectionRule.from_band(self.importance_sampling_rejection, lo, hi), *rules)
-        return rules
 
-    @property
-    def bypasses_prev(self) -> bool:
-        """True when the generation log-probs are pi_old (verl's bypass mode)."""
-        return self.old_policy_logprobs == "generation"
-
+seal_registry(ClippedPGLossConfig.__qualname__)
 
 # Every numeric key's interval, read from its field (the docs' range table and the tests compare against it).
 NUMERIC_RANGES: dict[str, NumericRange] = {

@@ -8,7 +8,7 @@ spells each one out, with where it came from.
 
 from __future__ import annotations
 
-from nemo_is_plugin.config.model import ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.objectives.ppo_clip import PPOClipKeys
 
