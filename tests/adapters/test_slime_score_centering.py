@@ -15,7 +15,7 @@ import argparse
 import pytest
 import torch
 
-from adapters.slime_host import loss_function
+from adapters.slime_host import loss_function, sum_of_sample_mean
 from nemo_is_plugin.adapters.sampler_checks import ScoreCenteringSamplerError
 from nemo_is_plugin.adapters.shared import given_keys
 from nemo_is_plugin.adapters.slime import SlimePolicyLoss
@@ -37,7 +37,7 @@ SETTINGS = {  # slime flags, plugin keys
 SC_METRICS = ("sampler_tail", "trainer_tail", "tail_ratio", "drift", "grad_abs", "pg_grad_abs", "sampled_in_head")
 
 
-def _case(seed: int = 0) -> dict:
+def head_case(seed: int = 0) -> dict:
     """A packed micro-batch: logits [1, T, V], the samples' tokens, and the sampler's head of each response token."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(1, sum(TOTALS), V, generator=g, dtype=torch.float64)
@@ -75,7 +75,7 @@ def _case(seed: int = 0) -> dict:
     return {"logits": logits, "batch": batch}
 
 
-def _args(flags: dict, keys: dict, **more) -> argparse.Namespace:
+def head_args(flags: dict, keys: dict, **more) -> argparse.Namespace:
     values = {
         "loss_type": "custom_loss",
         "advantage_estimator": "grpo",
@@ -143,8 +143,8 @@ def _plugin(case: dict, cfg: ClippedPGLossConfig):
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_slime_head_equals_the_plugins_loss(name):
     flags, keys = SETTINGS[name]
-    case = _case()
-    args = _args(flags, keys)
+    case = head_case()
+    args = head_args(flags, keys)
     loss, grad, metrics = _slime(case, args)
     slime_cfg = policy_config(args, keys)
     assert slime_cfg.score_centering and slime_cfg.score_centering_top_k == K
@@ -167,17 +167,41 @@ def test_slime_head_equals_the_plugins_loss(name):
 
 
 def test_a_missing_head_is_named():
-    case = _case()
+    case = head_case()
     del case["batch"]["rollout_topk_log_probs"]
     with pytest.raises(KeyError, match="rollout_topk_log_probs"):
-        _slime(case, _args({}, {}))
+        _slime(case, head_args({}, {}))
+
+
+class DiskRef:
+    """Stands for slime's ``DiskTensorRef`` (a spilled head): indexable, not a tensor."""
+
+    def __getitem__(self, index):
+        return self
+
+
+def test_a_spilled_head_is_refused():
+    case = head_case()
+    case["batch"]["rollout_topk_token_ids"][1] = DiskRef()
+    with pytest.raises(TypeError, match="disk reference"):
+        _slime(case, head_args({}, {}))
+
+
+def test_head_rows_must_match_the_responses():
+    case = head_case()
+    batch = case["batch"]
+    batch["rollout_topk_log_probs"][0] = batch["rollout_topk_log_probs"][0][1:]  # 3 rows for a 4-token response
+    with pytest.raises(ValueError, match="rollout_topk_log_probs"):  # slime's call, no sharding model in between
+        SlimePolicyLoss()(head_args({}, {}), batch, case["logits"], sum_of_sample_mean(batch, 0, 1, True))
 
 
 def test_the_plugin_key_alone_turns_it_on_with_k_from_the_batch():
-    case = _case()
-    on_flag = _slime(case, _args({}, {}))
-    on_key = _slime(case, _args({}, {"score_centering": True}, use_score_centering=False, score_centering_top_k=None))
-    off = _slime(case, _args({}, {}, use_score_centering=False))
+    case = head_case()
+    on_flag = _slime(case, head_args({}, {}))
+    on_key = _slime(
+        case, head_args({}, {"score_centering": True}, use_score_centering=False, score_centering_top_k=None)
+    )
+    off = _slime(case, head_args({}, {}, use_score_centering=False))
     torch.testing.assert_close(on_key[0], on_flag[0], rtol=0, atol=0)
     assert abs(float(on_flag[0] - off[0])) > 1e-4
 
@@ -188,10 +212,10 @@ def test_the_plugin_key_alone_turns_it_on_with_k_from_the_batch():
 )
 def test_sampling_that_invalidates_the_head_is_refused(flags, match):
     with pytest.raises(ConfigError, match=match):  # top-k: the sampler check; top-p: slime's replay, refused first
-        policy_config(_args(flags, {}), {})
+        policy_config(head_args(flags, {}), {})
 
 
 def test_sglang_original_logprobs_at_another_temperature_are_refused(monkeypatch):
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
     with pytest.raises(ScoreCenteringSamplerError, match="SGLANG_RETURN_ORIGINAL_LOGPROB"):
-        policy_config(_args({}, {}), {})
+        policy_config(head_args({}, {}), {})
