@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from nemo_is_plugin.loss.metrics import Denominator, MetricBook
+from nemo_is_plugin.loss.metrics import Denominator
 
 if TYPE_CHECKING:
     from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
@@ -216,9 +216,18 @@ def check_head_values(
             )
 
 
+class CenteringBook(Protocol):
+    """What :func:`score_centering_metrics` writes to: the loss's ``MetricBook``, or a host adapter's book (slime's
+    reduces with its own reducer)."""
+
+    def add_sum(self, name: str, value: torch.Tensor, per: Denominator) -> None: ...
+
+    def token_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None: ...
+
+
 @torch.no_grad()
 def score_centering_metrics(
-    book: MetricBook,
+    book: CenteringBook,
     out: CenteringOut,
     loss_part: torch.Tensor,
     per: Denominator,
@@ -261,6 +270,7 @@ def score_centering_metrics(
 
 __all__ = [
     "Calibration",
+    "CenteringBook",
     "CenteringOut",
     "CenteringSpec",
     "centering_term",

@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-SHARDED_KEYS = ("advantages", "log_probs", "rollout_log_probs", "ref_log_probs")
+SHARDED_KEYS = (
+    "advantages",
+    "log_probs",
+    "rollout_log_probs",
+    "ref_log_probs",
+    "rollout_topk_token_ids",  # upstream slime's score-centering head (THUDM/slime 2e5cd7cd), [R_i, k] per sample
+    "rollout_topk_log_probs",
+)
 
 
 def chunk_size(total: int, cp: int) -> int:

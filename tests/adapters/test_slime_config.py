@@ -105,7 +105,6 @@ def test_flags_the_plugin_cannot_honour_are_refused(flags, match):
         ({"token_level_loss": False}, "reducer"),
         ({"positive_example_nll_weight": 0.1}, "rewards"),
         ({"use_kl_in_reward": True}, "kl-coef"),
-        ({"score_centering": True}, "top-k head"),
     ],
 )
 def test_plugin_keys_slime_owns_are_refused(keys, match):

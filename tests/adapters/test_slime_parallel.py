@@ -16,6 +16,7 @@ from distributed._spawn import run_checks
 from helpers.golden_utils import GOLDEN
 
 from adapters.slime_host import loss_function, namespace, shard_logits, shard_vocab, tis_call
+from adapters.test_slime_score_centering import head_args, head_case
 from nemo_is_plugin.adapters.slime import SlimeISCorrection, SlimePolicyLoss
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
 
@@ -154,6 +155,43 @@ def check_tp(rank, world):
             torch.testing.assert_close(metrics[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
+def _run_head(entry, args, case, logits, rank=0, cp=1):
+    x = logits.detach().clone().requires_grad_(True)
+    _, loss, metrics = loss_function(
+        entry, args, case["batch"], x, num_microbatches=1, step_global_batch_size=3, rank=rank, cp=cp
+    )
+    loss.backward()
+    return loss.detach(), metrics, x.grad
+
+
+def check_score_centering(rank, world):
+    """Score centering with upstream slime's head (float64, TIS f): under TP 2 the head ids fall on both vocab shards
+    (each rank gathers its own, one log-sum-exp with the label's); under CP 2 the ranks' losses and metrics add up
+    to the single-process ones and each rank's logit gradient is its shard of the single-process gradient."""
+    case, args = head_case(), head_args({"use_tis": True, "tis_clip": 1.5, "tis_clip_low": 0.5}, {})
+    ids = torch.cat(case["batch"]["rollout_topk_token_ids"])
+    width = (case["logits"].shape[-1] + 1) // 2
+    assert bool((ids < width).any()) and bool((ids >= width).any())  # the head spans both vocab shards
+    logits = torch.cat([case["logits"], torch.full_like(case["logits"][..., :1], -1e4)], dim=-1)  # V padded to 2x
+    want_loss, want_metrics, want_grad = _run_head(SlimePolicyLoss(groups=ParallelGroups()), args, case, logits)
+    tp = SlimePolicyLoss(groups=ParallelGroups(tp=GROUP["all"]))
+    loss, metrics, grad = _run_head(tp, args, case, shard_vocab(logits, rank, WORLD))
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, shard_vocab(want_grad, rank, WORLD), rtol=1e-10, atol=1e-12)
+    assert set(metrics) == set(want_metrics)
+    for k, v in want_metrics.items():
+        torch.testing.assert_close(metrics[k], v, rtol=1e-10, atol=1e-12, msg=k)
+    want_loss, want_metrics, want_grad = _run_head(SlimePolicyLoss(groups=ParallelGroups()), args, case, case["logits"])
+    cp = SlimePolicyLoss(groups=ParallelGroups(cp=GROUP["all"]))
+    totals = case["batch"]["total_lengths"]
+    loss, metrics, grad = _run_head(cp, args, case, shard_logits(case["logits"], totals, rank, WORLD), rank, WORLD)
+    torch.testing.assert_close(_summed(loss), want_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, shard_logits(want_grad, totals, rank, WORLD), rtol=1e-10, atol=1e-12)
+    assert set(metrics) == set(want_metrics) and "nemo_is/score_centering_drift" in metrics
+    for k, v in metrics.items():
+        torch.testing.assert_close(_summed(v), want_metrics[k].double(), rtol=1e-10, atol=1e-12, msg=k)
+
+
 def check_rebuilt_parallel_state(rank, world):
     """The entries slime loads (groups from megatron-core's parallel_state) in a process that destroys and rebuilds its
     groups, CP 2 -> CP 1 (DP 2) -> CP 2: every call uses the groups of that moment (a group kept from the first call
@@ -191,6 +229,7 @@ CHECKS = [
     ("cp_plugin_keys", check_cp_plugin_keys),
     ("cp_tis", check_cp_tis),
     ("tp", check_tp),
+    ("score_centering", check_score_centering),
     ("rebuilt_parallel_state", check_rebuilt_parallel_state),
 ]
 

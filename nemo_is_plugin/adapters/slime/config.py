@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from nemo_is_plugin.adapters.sampler_checks import SLIME_NAMES, check_sampler, slime_sampling
 from nemo_is_plugin.adapters.shared import MissingPluginConfigError
 from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
 
@@ -96,6 +97,12 @@ LOSS_FLAGS: dict[str, tuple[str, str]] = {
     ),
     "--allgather-cp": ("refused", "the plugin reads slime's ring-attention CP layout only"),
     "--rollout-top-p": ("refused", "!= 1.0: slime's top-p replay masks of the log-probs are not modelled"),
+    "--use-score-centering": (
+        "mapped",
+        "score_centering (upstream slime 2e5cd7cd; the batch's rollout_topk_token_ids / rollout_topk_log_probs)",
+    ),
+    "--score-centering-top-k": ("mapped", "score_centering_top_k (read with --use-score-centering)"),
+    "--rollout-top-k": ("refused", "!= -1 with score centering: the head of a truncated distribution is refused"),
 }
 
 
@@ -203,6 +210,19 @@ def refuse_flags(args: Any) -> None:
         raise SlimeConfigError(f"--kl-loss-type {kl_type!r} is not one of slime's {SLIME_KL_TYPES}")
 
 
+def score_centering_keys(args: Any) -> dict[str, Any]:
+    """Upstream slime's score-centering flags (THUDM/slime 2e5cd7cd: ``--use-score-centering``,
+    ``--score-centering-top-k``) as plugin keys; {} when off (the user's ``score_centering`` key may still turn the
+    term on, with k taken from the batch's head)."""
+    if not _arg(args, "use_score_centering", False):
+        return {}
+    keys: dict[str, Any] = {"score_centering": True}
+    top_k = getattr(args, "score_centering_top_k", None)
+    if top_k is not None:
+        keys["score_centering_top_k"] = int(top_k)
+    return keys
+
+
 def applies_is(args: Any) -> bool:
     """slime runs its TIS function (and multiplies its weights in) under --use-tis or --get-mismatch-metrics."""
     return bool(_arg(args, "use_tis", False) or _arg(args, "get_mismatch_metrics", False))
@@ -221,11 +241,6 @@ def policy_config(args: Any, user: Mapping[str, Any]) -> ClippedPGLossConfig:
         raise SlimeConfigError("positive_example_nll_weight needs per-sample rewards, which slime's loss does not get")
     if user.get("use_kl_in_reward"):
         raise SlimeConfigError("use_kl_in_reward: slime's reward-side KL is --kl-coef; remove the key")
-    if user.get("score_centering"):
-        raise SlimeConfigError(
-            "score_centering: slime's batch does not carry the sampler's top-k head (ids and log-probs) to the loss "
-            "yet, so the term would be dropped; remove the key"
-        )
     estimator = _arg(args, "advantage_estimator", "grpo")
     eps = float(_arg(args, "eps_clip", 0.2))
     base: dict[str, Any] = {
@@ -246,6 +261,7 @@ def policy_config(args: Any, user: Mapping[str, Any]) -> ClippedPGLossConfig:
         )
     if _arg(args, "use_rollout_logprobs", False):
         base["old_policy_logprobs"] = "generation"
+    base.update(score_centering_keys(args))
     if applies_is(args):
         base.update(tis_keys(args, _is_function_kind(args)))
     if {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user) or user.get("use_cispo"):
@@ -257,6 +273,9 @@ def policy_config(args: Any, user: Mapping[str, Any]) -> ClippedPGLossConfig:
             base.pop(key, None)
     keys = _overlay_is(base, user) if applies_is(args) else {**base, **user}
     cfg = ClippedPGLossConfig(**keys)
+    if cfg.score_centering:
+        # the full loss divides the logits by --rollout-temperature, the flag SGLang samples at: one temperature
+        check_sampler(slime_sampling(args), SLIME_NAMES, engine="sglang")
     if cfg.effective_kl_penalty != 0 and _arg(args, "use_kl_loss", False):
         raise SlimeConfigError(
             "two KL terms: slime's --use-kl-loss and the plugin's reference_policy_kl_penalty; keep one "
@@ -303,6 +322,10 @@ CONFIG_ARGS = (
     "custom_pg_loss_reducer_function_path",
     "allgather_cp",
     "rollout_top_p",
+    "rollout_top_k",
+    "rollout_temperature",
+    "use_score_centering",
+    "score_centering_top_k",
     ARGS_KEY,
 )
 
@@ -316,6 +339,7 @@ __all__ = [
     "applies_is",
     "plugin_keys",
     "policy_config",
+    "score_centering_keys",
     "slime_kl",
     "tis_config",
     "tis_keys",

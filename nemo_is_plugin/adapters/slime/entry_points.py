@@ -13,9 +13,10 @@ Two entry points, each a module attribute slime loads by path (``slime.utils.mis
   is reduced with slime's ``sum_of_sample_mean``, so slime's rescaling stays right. The per-token terms are the
   plugin's, computed by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms` on constants in slime's roles
   (:func:`slime_term_inputs`): any policy objective (PPO's clip at any ratio level, in ratio or log space, CISPO, or
-  another ``policy_objective``), its IS correction (any level, truncation, rejection rules, veto), and a KL term
-  (slime's ``--use-kl-loss`` estimators, or the plugin's KL keys); slime's reducer replaces the plugin's aggregation,
-  and the metrics (:func:`slime_metrics`) read the same terms.
+  another ``policy_objective``), its IS correction (any level, truncation, rejection rules, veto), a KL term
+  (slime's ``--use-kl-loss`` estimators, or the plugin's KL keys), and score centering on the sampler's head in slime's
+  batch (:mod:`~nemo_is_plugin.adapters.slime.centering`; the trainer's head log-probs from the label's kernel call);
+  slime's reducer replaces the plugin's aggregation, and the metrics (:func:`slime_metrics`) read the same terms.
 
 - the IS correction alone, :data:`tis_function`, inside slime's own PPO loss::
 
@@ -56,6 +57,7 @@ from nemo_is_plugin.adapters.shared import (
     owns_correction,
     resolve_groups,
 )
+from nemo_is_plugin.adapters.slime.centering import check_slime_head, slime_head
 from nemo_is_plugin.adapters.slime.config import (
     CONFIG_ARGS,
     CONFIG_ENV,
@@ -67,7 +69,7 @@ from nemo_is_plugin.adapters.slime.config import (
     tis_config,
 )
 from nemo_is_plugin.adapters.slime.layout import ResponseShard
-from nemo_is_plugin.adapters.slime.metrics import objective_metrics
+from nemo_is_plugin.adapters.slime.metrics import centering_metrics, objective_metrics
 from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
 from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
@@ -76,6 +78,7 @@ from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
 from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.ratios import unmasked_positions
+from nemo_is_plugin.loss.score_centering import CenteringSpec
 from nemo_is_plugin.loss.terms import KLSpec, KLWeight, TermInputs, TokenTerms, is_correction_kwargs, token_terms
 
 PLUGIN_PREFIX = "nemo_is/"
@@ -210,15 +213,28 @@ class SlimePolicyLoss(_SlimeEntry):
         self, args: Any, batch: Mapping[str, Any], logits: torch.Tensor, sum_of_sample_mean: Reducer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss_fn, kl = self.settings(args)
-        groups = self.groups()
+        cfg, groups = loss_fn.config, self.groups()
         shard = ResponseShard(batch["total_lengths"], batch["response_lengths"], groups.cp, logits.device)
-        c, entropy = response_logprobs(args, logits, batch["unconcat_tokens"], batch["total_lengths"], shard, groups)
-        t, old, rollout = slime_term_inputs(loss_fn.config, kl, batch, shard, c, groups.dp)
-        terms = token_terms(t, c)
+        head_ids = sampler_head = c_head = None
+        if cfg.score_centering:  # the sampler's head, and the trainer's log-probs at it from the label's pass
+            head_ids, sampler_head = slime_head(batch, shard, cfg.score_centering_top_k)
+        got = response_logprobs(
+            args, logits, batch["unconcat_tokens"], batch["total_lengths"], shard, groups, head_ids=head_ids
+        )
+        c, entropy = got[0], got[1]
+        t, old, rollout = slime_term_inputs(cfg, kl, batch, shard, c, groups.dp, sampler_head=sampler_head)
+        if head_ids is not None:
+            c_head = got[2]
+            check_slime_head(t, c_head)
+        terms = token_terms(t, c, c_head=c_head)
         pg_tok = terms.actor
         if t.correction is not None:  # rejected tokens leave the policy term, whatever their surrogate holds
             pg_tok = torch.where(t.correction.rejected, torch.zeros_like(pg_tok), pg_tok)
         pg_loss = sum_of_sample_mean(pg_tok)
+        sc_loss = None
+        if terms.centering is not None:  # reduced as the policy term, and part of it (as upstream slime's pg_loss)
+            sc_loss = sum_of_sample_mean(terms.centering.term)
+            pg_loss = pg_loss + sc_loss
         entropy_loss = sum_of_sample_mean(entropy)
         loss = pg_loss - float(getattr(args, "entropy_coef", 0.0) or 0.0) * entropy_loss
         kl_loss = None if terms.kl is None else sum_of_sample_mean(terms.kl)
@@ -227,6 +243,8 @@ class SlimePolicyLoss(_SlimeEntry):
         if c.numel() == 0:  # keep the graph connected on a rank without response tokens (as slime does)
             loss = loss + 0 * logits.sum()
         metrics = slime_metrics(t, terms, sum_of_sample_mean, c, old, rollout, batch, shard)
+        if sc_loss is not None and terms.centering is not None and c_head is not None:
+            metrics.update(centering_metrics(t, terms.centering, sc_loss, c, c_head, sum_of_sample_mean, PLUGIN_PREFIX))
         metrics.update(loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss)
         if kl_loss is not None:
             metrics["kl_loss"] = kl_loss
@@ -240,6 +258,8 @@ def slime_term_inputs(
     shard: ResponseShard,
     c: torch.Tensor,
     dp_group: ProcessGroup | None = None,
+    *,
+    sampler_head: torch.Tensor | None = None,
 ) -> tuple[TermInputs, torch.Tensor, torch.Tensor | None]:
     """The loss's batch constants in slime's roles, with slime's pi_old ``old`` and rollout log-probs (or None).
 
@@ -247,7 +267,8 @@ def slime_term_inputs(
     the rollout log-probs under ``old_policy_logprobs: generation`` (``--use-rollout-logprobs``); the IS weights, as
     slime's TIS, compare ``log_probs`` with the rollout log-probs; the KL is slime's ``--use-kl-loss`` estimator, or
     the plugin's KL keys (its on-policy weight against the rollout log-probs when the batch has them). Batch
-    statistics (an objective's) span the CP ranks and ``dp_group``.
+    statistics (an objective's) span the CP ranks and ``dp_group``. ``sampler_head``: the sampler's head log-probs
+    ``[N, k]`` (:func:`~nemo_is_plugin.adapters.slime.centering.slime_head`), read with ``score_centering``.
     """
     tm = shard.local(batch["loss_masks"]).to(c.dtype)
     adv = shard.check_local("advantages", batch["advantages"]).detach().to(c.dtype)
@@ -275,6 +296,8 @@ def slime_term_inputs(
         else:  # slime's unbiased KL: its gradient through the ratio to pi_old
             weight: KLWeight = "anchor" if kl["unbiased"] else "none"
             spec, coef = KLSpec(kl["kl_type"], output_clamp=kl["output_clamp"], weight=weight), kl["coef"]
+    if cfg.score_centering and sampler_head is None:
+        raise ValueError("score_centering: slime_term_inputs needs sampler_head (slime's rollout_topk_log_probs)")
     t = TermInputs(
         config=cfg,
         layout=layout,
@@ -289,6 +312,8 @@ def slime_term_inputs(
         reference=ref,
         kl=spec,
         kl_coef=coef,
+        head_sampler=None if sampler_head is None or not cfg.score_centering else sampler_head.detach().to(c.dtype),
+        centering=CenteringSpec.of(cfg, corr) if cfg.score_centering else None,
     )
     return t, old, rollout
 
@@ -332,8 +357,11 @@ def response_logprobs(
     total_lengths: Sequence[int],
     shard: ResponseShard,
     groups: ParallelGroups,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's response log-probs and entropies ([N] each) from slime's ``logits [1, T, V/TP]``.
+    *,
+    head_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """This rank's response log-probs and entropies ([N] each) from slime's ``logits [1, T, V/TP]``, and with
+    ``head_ids`` (long ``[N, k]``) the log-probs at them (``[N, k]``) from the same log-sum-exp as the label's.
 
     Only the response rows are gathered; the logits are divided by ``--rollout-temperature`` first, as slime does.
     """
@@ -351,7 +379,9 @@ def response_logprobs(
     flat = torch.cat([t.reshape(-1) for t in tokens]).to(device=x.device, dtype=torch.long)
     target = flat.index_select(0, shard.target_index(starts))
     chunk = int(getattr(args, "log_probs_chunk_size", -1) or -1)
-    return vocab_parallel_logprobs(rows, target, groups.tp, chunk_size=chunk if chunk > 0 else None, with_entropy=True)
+    return vocab_parallel_logprobs(
+        rows, target, groups.tp, chunk_size=chunk if chunk > 0 else None, with_entropy=True, head_ids=head_ids
+    )
 
 
 # The objects slime loads by path (module attributes: nothing to pickle, each Ray worker imports them).

@@ -136,6 +136,22 @@ class ResponseShard:
             )
         return torch.cat(list(per_sample)) if per_sample else torch.zeros(0, device=self.device)
 
+    def check_local_rows(self, name: str, per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Concatenate slime's CP-local per-sample ``[R_i, k]`` tensors (the sampler's head), checking their rows."""
+        if any(not isinstance(x, torch.Tensor) for x in per_sample):
+            kinds = sorted({type(x).__name__ for x in per_sample if not isinstance(x, torch.Tensor)})
+            raise TypeError(
+                f"slime's {name} hold {kinds}, not tensors: a spilled head (a disk reference) is not read by the "
+                "plugin; keep the head resident (no --rollout-routed-experts-store-dir)"
+            )
+        got = [int(x.shape[0]) if x.dim() == 2 else -1 for x in per_sample]
+        if got != self.local_lengths:
+            raise ValueError(
+                f"slime's {name} hold {[list(x.shape) for x in per_sample]} per sample, expected [rows, k] with rows "
+                f"{self.local_lengths} on this CP rank (cp_size={self.cp_size}, cp_rank={self.cp_rank})"
+            )
+        return torch.cat(list(per_sample)) if per_sample else torch.zeros(0, 0, device=self.device)
+
     def scatter_local(self, per_sample: Sequence[torch.Tensor], local: torch.Tensor) -> list[torch.Tensor]:
         """Whole per-sample tensors with this rank's positions replaced by ``local`` ([N]); others unchanged."""
         out, start = [], 0

@@ -21,6 +21,14 @@ An objective reports through the part of the loss's ``MetricBook`` it uses (``to
   then on every token as above; 0 where the objective derives nothing (M2PO without a harmful token).
 
 Names carry the adapter's ``nemo_is/`` prefix.
+
+Score centering's metrics (:func:`centering_metrics`) are the loss's (``score_centering_metrics``: token means over the
+tokens the term acts on, here reduced with ``sum_of_sample_mean``; ``score_centering_loss`` is the term as the loss
+adds it), and upstream slime's names for the head masses and the per-token correction (THUDM/slime 2e5cd7cd,
+``policy_loss_function``): ``sc_sampler_head_mass`` (Q_H), ``sc_train_head_mass`` (P_H), ``sc_correction``
+(sum_v c_v log p_v, before the advantage). The loss's ``score_centering_share`` is a ratio of step sums, which slime's
+additive reduction cannot form: it is left out (``score_centering_grad_abs`` and ``score_centering_pg_grad_abs`` are
+its two sums).
 """
 
 from __future__ import annotations
@@ -31,7 +39,10 @@ import torch
 
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import where_mask
+from nemo_is_plugin.loss.metrics import Denominator
 from nemo_is_plugin.loss.objectives import ObjectiveOut, PolicyObjective
+from nemo_is_plugin.loss.score_centering import CenteringOut, score_centering_metrics
+from nemo_is_plugin.loss.terms import TermInputs
 
 Reducer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -53,6 +64,11 @@ class SlimeObjectiveBook:
         x = where_mask(self._tokens(values), self.valid if mask is None else mask)
         self.values[name] = self.reduce(x)
         self._call_sums[name] = where_mask(x, self.valid).sum()
+
+    def add_sum(self, name: str, value: torch.Tensor, per: Denominator) -> None:
+        """A value already reduced with slime's reducer (additive as slime sums it); ``per`` is the loss's denominator
+        argument, which slime's reducer has applied."""
+        self.values[name] = value.detach().double()
 
     def seq_mean(self, name: str, per_seq: torch.Tensor, sample_mask: torch.Tensor) -> None:
         kept = where_mask(per_seq.detach().double(), sample_mask)
@@ -100,4 +116,30 @@ def objective_metrics(
         return book.finish(objective)
 
 
-__all__ = ["SlimeObjectiveBook", "objective_metrics"]
+def centering_metrics(
+    t: TermInputs,
+    out: CenteringOut,
+    sc_loss: torch.Tensor,
+    c: torch.Tensor,
+    c_head: torch.Tensor,
+    reduce: Reducer,
+    prefix: str,
+) -> dict[str, torch.Tensor]:
+    """Score centering's metrics for slime (module docstring): the loss's, prefixed, and upstream slime's names."""
+    with torch.no_grad():
+        book = SlimeObjectiveBook(t.layout, t.valid, reduce, prefix)
+        score_centering_metrics(book, out, sc_loss, Denominator.NONE, c, c_head, t.advantages, t.is_weight)
+        dtype = c.dtype
+        got = {prefix + name: value.to(dtype) for name, value in book.values.items()}
+        lp = torch.where(out.filled, c_head.detach().to(out.coef.dtype), torch.zeros_like(out.coef))
+        zero = torch.zeros_like(out.sampler_tail)
+        for name, values in (
+            ("sc_sampler_head_mass", 1.0 - out.sampler_tail),
+            ("sc_train_head_mass", 1.0 - out.trainer_tail),
+            ("sc_correction", (out.coef * lp).sum(-1)),
+        ):
+            got[name] = reduce(torch.where(out.counted, values, zero).to(dtype))
+        return got
+
+
+__all__ = ["SlimeObjectiveBook", "centering_metrics", "objective_metrics"]
