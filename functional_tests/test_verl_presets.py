@@ -55,7 +55,8 @@ def batch():
 
 
 def _fields(cfg) -> dict:
-    return {k: cfg[k] for k in ROLLOUT_CORRECTION_KEYS}
+    # the keys the installed verl has (score_centering came after 0.9.1: verl-project/verl PR #8010; no preset sets it)
+    return {k: cfg[k] for k in ROLLOUT_CORRECTION_KEYS if hasattr(cfg, k)}
 
 
 def _actor(policy_loss=None) -> ActorConfig:
