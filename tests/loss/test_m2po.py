@@ -88,9 +88,14 @@ def authors_bounds(old, new, adv, mask, budget, low_floor=None, high_floor=None)
 
 
 def authors_per_token(old, new, adv, b: AuthorsBounds):
-    """PPO's clip with those bounds: max(-A r, -A clip(r)), the ratio clipped at its log bounds."""
+    """PPO's clip with those bounds: max(-A r, -A clip(r)), the ratio clipped at its log bounds. Written as its two
+    branches: the clipped (constant) one only where it is strictly larger, so a token exactly on its bound (the one
+    that sets tau) keeps its gradient, as m2po.py documents. ``torch.maximum`` of the two leaves that tie to autograd,
+    which splits it differently across torch releases (2.13: the whole gradient; 2.15: half)."""
     log_r = new - old
-    return torch.maximum(-adv * torch.exp(log_r), -adv * torch.exp(log_r.clamp(b.log_low, b.log_high)))
+    clipped = (adv > 0) & (log_r > b.log_high) | (adv < 0) & (log_r < b.log_low)
+    bound = torch.exp(log_r.clamp(b.log_low, b.log_high)).detach()
+    return torch.where(clipped, -adv * bound, -adv * torch.exp(log_r))
 
 
 def authors_loss(old, new, adv, mask, b: AuthorsBounds):
