@@ -14,6 +14,8 @@ from pathlib import Path
 
 import typer
 
+from nemo_is_plugin.apps.cli.bench_common import print_targets, selected_shapes
+
 
 def register(app: typer.Typer) -> None:
     app.command("bench")(bench)
@@ -190,7 +192,7 @@ def bench(
 
 def _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, memory_sweep, threads, quick, device, dtype):
     from nemo_is_plugin.apps.bench.device import BenchDevice
-    from nemo_is_plugin.apps.bench.shapes import MODEL_SHAPES, PATHS, QUICK_SHAPES, BenchConfig
+    from nemo_is_plugin.apps.bench.shapes import PATHS, BenchConfig
 
     BenchDevice.resolve(device, dtype)  # a usage error (no CUDA here, unknown dtype) before anything runs
     overrides: dict = dict(tp=tp, threads=threads, dtype=dtype)
@@ -205,12 +207,8 @@ def _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, memor
         overrides["memory_tokens"] = tuple(memory_tokens)
     if not memory_sweep:
         overrides["memory_tokens"] = ()
-    known = {s.name: s for s in (QUICK_SHAPES if quick else MODEL_SHAPES)}
-    missing = [m for m in models or () if m not in known]
-    if missing:
-        raise ValueError(f"unknown model(s) {missing}; choose from {list(known)}")
-    if models:
-        overrides["shapes"] = tuple(known[m] for m in models)
+    if shapes := selected_shapes(quick, models):
+        overrides["shapes"] = shapes
     return BenchConfig.for_device(device, quick=quick, **overrides)
 
 
@@ -238,9 +236,7 @@ def _report(results: dict, console, out: Path) -> None:
         console.print(f"[bold red]note:[/bold red] {escape(note)}")
     if note := comparability_note(results):
         console.print(f"[bold yellow]note:[/bold yellow] {escape(note)}")
-    for t in run_targets(results):
-        mark = "[green]met[/green]" if t["ok"] else "[red]not met[/red]"
-        console.print(f"{mark}  {escape(t['target'])}: {t['value']:.3g}")
+    print_targets(console, run_targets(results))
     written = [write_json(results, out / "results.json"), plot_ratios(results, out / "perf_ratios.png")]
     if results["memory_sweep"]:
         written.append(plot_memory(results, out / "perf_memory.png"))

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from nemo_is_plugin.apps.cli.bench_common import print_targets, selected_shapes
+
 
 def head_cost_command(
     console,
@@ -38,9 +40,7 @@ def head_cost_command(
     console.print(head_cost_table(results))
     if results["config"].get("quick"):
         console.print(f"[bold yellow]note:[/bold yellow] {escape(QUICK_NOTE)}")
-    for t in head_cost_targets(results):
-        mark = "[green]met[/green]" if t["ok"] else "[red]not met[/red]"
-        console.print(f"{mark}  {escape(t['target'])}: {t['value']:.3g}")
+    print_targets(console, head_cost_targets(results))
     console.print(f"wrote {write_json(results, out / 'head_cost.json')}")
 
 
@@ -50,19 +50,15 @@ def _measure(console, device, dtype, quick, tokens, repeats, models, paths, ks, 
     from nemo_is_plugin.apps.bench.device import BenchDevice
     from nemo_is_plugin.apps.bench.head_cost import HeadCostConfig, count_steps, run_head_cost
     from nemo_is_plugin.apps.bench.progress import progress_bar
-    from nemo_is_plugin.apps.bench.shapes import MODEL_SHAPES, QUICK_SHAPES
 
     try:
         BenchDevice.resolve(device, dtype)
-        known = {s.name: s for s in (QUICK_SHAPES if quick else MODEL_SHAPES)}
-        if missing := [m for m in models or () if m not in known]:
-            raise ValueError(f"unknown model(s) {missing}; choose from {list(known)}")
         cfg = HeadCostConfig.for_device(
             device,
             quick=quick,
             tokens=tokens,
             repeats=repeats,
-            shapes=tuple(known[m] for m in models) if models else None,
+            shapes=selected_shapes(quick, models),
             paths=tuple(paths) if paths else None,
             ks=tuple(ks) if ks else None,
             chunk_size=chunk_size,

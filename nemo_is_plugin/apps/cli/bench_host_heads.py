@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from nemo_is_plugin.apps.cli.bench_common import print_targets, selected_shapes
+
 
 def host_heads_command(
     console,
@@ -40,9 +42,7 @@ def host_heads_command(
         console.print(f"[yellow]{escape(line)}[/yellow]")
     if note := comparability_note(results):
         console.print(f"[bold yellow]note:[/bold yellow] {escape(note)}")
-    for t in targets(results):
-        mark = "[green]met[/green]" if t["ok"] else "[red]not met[/red]"
-        console.print(f"{mark}  {escape(t['target'])}: {t['value']:.3g}")
+    print_targets(console, targets(results))
     written = [write_json(results, out / "host_heads.json")]
     console.print("wrote " + ", ".join(str(p) for p in written))
 
@@ -54,13 +54,9 @@ def _measure(console, device, dtype, quick, tokens, repeats, models, heads, tp, 
     from nemo_is_plugin.apps.bench.host_heads import HostHeadsConfig
     from nemo_is_plugin.apps.bench.host_heads_run import count_steps, run_host_heads
     from nemo_is_plugin.apps.bench.progress import progress_bar
-    from nemo_is_plugin.apps.bench.shapes import MODEL_SHAPES, QUICK_SHAPES
 
     try:
         BenchDevice.resolve(device, dtype)
-        known = {s.name: s for s in (QUICK_SHAPES if quick else MODEL_SHAPES)}
-        if missing := [m for m in models or () if m not in known]:
-            raise ValueError(f"unknown model(s) {missing}; choose from {list(known)}")
         cfg = HostHeadsConfig.for_device(
             device,
             quick=quick,
@@ -68,7 +64,7 @@ def _measure(console, device, dtype, quick, tokens, repeats, models, heads, tp, 
             repeats=repeats,
             tp=tp,
             dtype=dtype,
-            shapes=tuple(known[m] for m in models) if models else None,
+            shapes=selected_shapes(quick, models),
             heads=tuple(heads) if heads else None,
             nemo_rl_path=None if nemo_rl_path is None else str(nemo_rl_path),
             verl_path=None if verl_path is None else str(verl_path),
