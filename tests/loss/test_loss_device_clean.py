@@ -48,6 +48,9 @@ def test_golden_call_reads_the_device_back_once(call):
             holder["syncs"] = syncs
             yield
 
+    # A first call imports what the loss imports lazily (verl's core_algos on the verl route): an import's own host
+    # reads are not the loss's, and which test imports first depends on the order the tests run in.
+    call.run("cpu", None, contextlib.nullcontext)
     call.run("cpu", None, counting)  # the loss call and its backward
     validated = call.fmt == "nemo_rl"  # through ClippedPGLoss.__call__, which validates its inputs
     # the objective compositions keep their metrics on the device; slime's entry points return tensor metrics
