@@ -11,11 +11,12 @@ Two entry points, each a module attribute slime loads by path (``slime.utils.mis
   accumulation itself. The response log-probs (and the entropy) come from the plugin's vocab-parallel kernel on the
   response rows of slime's CP-sharded logits (:mod:`~nemo_is_plugin.adapters.slime.layout`); every per-token term
   is reduced with slime's ``sum_of_sample_mean``, so slime's rescaling stays right. The per-token terms are the
-  plugin's, computed by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms` on constants in slime's roles
-  (:func:`slime_term_inputs`): any policy objective (PPO's clip at any ratio level, in ratio or log space, CISPO, or
-  another ``policy_objective``), its IS correction (any level, truncation, rejection rules, veto), a KL term
-  (slime's ``--use-kl-loss`` estimators, or the plugin's KL keys), and score centering on the sampler's head in slime's
-  batch (:mod:`~nemo_is_plugin.adapters.slime.centering`; the trainer's head log-probs from the label's kernel call);
+  plugin's, computed by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms` on the constants of slime's
+  roles (:func:`slime_term_inputs`: :mod:`~nemo_is_plugin.adapters.slime.roles`, then the loss's ``term_inputs``):
+  any policy objective (PPO's clip at any ratio level, in ratio or log space, CISPO, or another
+  ``policy_objective``), its IS correction (any level, truncation, rejection rules, veto), a KL term (slime's
+  ``--use-kl-loss`` estimators, or the plugin's KL keys), and score centering on the sampler's head in slime's batch
+  (:mod:`~nemo_is_plugin.adapters.slime.centering`; the trainer's head log-probs from the label's kernel call);
   slime's reducer replaces the plugin's aggregation, and the metrics (:func:`slime_metrics`) read the same terms.
 
 - the IS correction alone, :data:`tis_function`, inside slime's own PPO loss::
