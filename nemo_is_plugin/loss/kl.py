@@ -9,16 +9,22 @@ grad c), which adds the score-function term k * grad log pi; with it, w * k1 and
 gradients but w * k2 does not (its expectation is grad E[k2]; measured in docs/evidence.md), and
 ``use_on_policy_kl_approximation`` uses w = exp(c - g) instead. ``straight_through_k2`` keeps the value of the chosen
 estimator (weights and clamps included) and replaces the gradient by k2's pathwise gradient (c - ref) grad c, which is
-unbiased for tokens sampled from pi_theta (verl's ``k3+``, which is broken in verl b178a3cd).
+unbiased for tokens sampled from pi_theta (verl's ``k3+``, which is broken in verl b178a3cd). :class:`KLSpec` is one
+KL term's choice of all of these.
 """
 
 from __future__ import annotations
 
-from typing import get_args
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
 from nemo_is_plugin.config.field_types import KLType
+from nemo_is_plugin.loss.is_weights import exp_or_zero
+
+if TYPE_CHECKING:
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 KL_TYPES: tuple[str, ...] = get_args(KLType)
 
@@ -80,3 +86,49 @@ def kl_penalty(
 def score_function_weight(logprobs: torch.Tensor) -> torch.Tensor:
     """exp(c - sg[c]): value 1, gradient grad c; NeMo-RL's default KL weight. NaN/inf -> 0 as in NeMo-RL."""
     return torch.nan_to_num(torch.exp(logprobs - logprobs.detach()), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+KLWeight = Literal["score_function", "generation", "anchor", "none"]
+
+
+@dataclass(frozen=True)
+class KLSpec:
+    """How the per-token KL penalty is computed (:func:`kl_penalty`): the estimator, its clamps, its weight, i.e.
+    which role's log-probs weight it (``score_function``: exp(c - sg c), NeMo-RL's default; ``generation``:
+    exp(c - log mu), the on-policy approximation; ``anchor``: exp(c - log pi_old), slime's unbiased KL; ``none``) and
+    whether its gradient is k2's (straight-through). A host's ``Roles`` carries it (loss/roles.py)."""
+
+    kl_type: str
+    input_clamp: float | None = None
+    output_clamp: float | None = None
+    weight: KLWeight = "none"
+    straight_through_k2: bool = False
+
+    @classmethod
+    def of(cls, cfg: ClippedPGLossConfig) -> KLSpec:
+        """The plugin's KL keys."""
+        return cls(
+            kl_type=cfg.reference_policy_kl_type,
+            input_clamp=cfg.kl_input_clamp_value,
+            output_clamp=cfg.kl_output_clamp_value,
+            weight="generation" if cfg.use_on_policy_kl_approximation else "score_function",
+            straight_through_k2=cfg.reference_policy_kl_gradient == "k2",
+        )
+
+    def tokens(self, c: torch.Tensor, reference: torch.Tensor, generation: torch.Tensor, anchor: torch.Tensor):
+        """The per-token KL of ``c`` to ``reference`` (before its coefficient); token-wise in ``c``."""
+        weights = {
+            "score_function": lambda: score_function_weight(c),
+            "generation": lambda: exp_or_zero(c - generation),
+            "anchor": lambda: torch.exp(c - anchor),
+            "none": lambda: None,
+        }[self.weight]()
+        return kl_penalty(
+            c,
+            reference,
+            kl_type=self.kl_type,
+            input_clamp=self.input_clamp,
+            output_clamp=self.output_clamp,
+            weights=weights,
+            straight_through_k2=self.straight_through_k2,
+        )

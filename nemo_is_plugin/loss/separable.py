@@ -54,7 +54,8 @@ from nemo_is_plugin.loss.masked import where_mask
 from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.objectives.ppo_clip import CAUSAL_LEVELS
 from nemo_is_plugin.loss.ratios import cumulative_anchor, token_log_ratio
-from nemo_is_plugin.loss.terms import TermInputs, term_inputs, token_terms
+from nemo_is_plugin.loss.roles import Roles
+from nemo_is_plugin.loss.terms import TermInputs, loss_dtype, term_inputs, token_terms
 
 
 def is_token_separable(config: ClippedPGLossConfig) -> bool:
@@ -115,7 +116,8 @@ class TokenLossGradient:
         if why is not None:
             raise ValueError(f"no chunk-by-chunk loss gradient: {why} (use the two-pass path)")
         with torch.no_grad():
-            t = term_inputs(cfg, inputs, layout)
+            c = inputs.curr_logprobs.to(loss_dtype(inputs.curr_logprobs))
+            t = term_inputs(cfg, Roles.of_loss_inputs(cfg, inputs, layout, c), layout)
             agg = aggregation_weights(cfg, t.token_mask, inputs.sample_mask.to(t.token_mask.dtype), layout, inputs)
         return cls(
             constants=t.flat(),

@@ -8,8 +8,9 @@ a stop-gradient; :func:`token_terms` is the one function that turns them and ``c
 (:class:`TokenTerms`: the chosen policy objective's surrogate and indicators, the IS-weighted policy term, the KL).
 It runs on the whole batch (:func:`loss_terms` -> :class:`LossTerms`, read by ``ClippedPGLoss``'s reductions and
 metrics, and by the hosts' adapters) and on the ``[n]`` slices of one chunk (``separable``: the fused single pass
-differentiates it chunk by chunk). Hosts assign the roles differently (slime's ``log_probs`` and ``rollout_log_probs``,
-its own KL estimator): they build their own :class:`TermInputs` and call the same :func:`token_terms`.
+differentiates it chunk by chunk). Hosts name and bind their log-probs differently; each fills one
+:class:`~nemo_is_plugin.loss.roles.Roles` record (which log-probs are pi_old, mu, pi_prev, what weights the KL) and
+:func:`term_inputs` turns every host's roles into the constants the same way.
 """
 
 from __future__ import annotations
@@ -17,66 +18,22 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nemo_is_plugin.loss.aligned_inputs import LossInputs
 from nemo_is_plugin.loss.correction import ISCorrection, ISCorrectionOptions, compute_is_correction
 from nemo_is_plugin.loss.input_validation import required_input
-from nemo_is_plugin.loss.is_weights import exp_or_zero
-from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
+from nemo_is_plugin.loss.kl import KLSpec, KLWeight
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives import ObjectiveInputs, ObjectiveOut, SurrogateOut, objective_of
 from nemo_is_plugin.loss.ratios import unmasked_positions
+from nemo_is_plugin.loss.roles import Roles
 from nemo_is_plugin.loss.score_centering import CenteringOut, CenteringSpec, centering_term
 
 if TYPE_CHECKING:
     from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
-
-KLWeight = Literal["score_function", "generation", "anchor", "none"]
-
-
-@dataclass(frozen=True)
-class KLSpec:
-    """How the per-token KL penalty is computed (``kl.kl_penalty``): the estimator, its clamps, its weight
-    (``score_function``: exp(c - sg c), NeMo-RL's default; ``generation``: exp(c - g), the on-policy approximation;
-    ``anchor``: exp(c - p), slime's unbiased KL; ``none``) and whether its gradient is k2's (straight-through)."""
-
-    kl_type: str
-    input_clamp: float | None = None
-    output_clamp: float | None = None
-    weight: KLWeight = "none"
-    straight_through_k2: bool = False
-
-    @classmethod
-    def of(cls, cfg: ClippedPGLossConfig) -> KLSpec:
-        """The plugin's KL keys."""
-        return cls(
-            kl_type=cfg.reference_policy_kl_type,
-            input_clamp=cfg.kl_input_clamp_value,
-            output_clamp=cfg.kl_output_clamp_value,
-            weight="generation" if cfg.use_on_policy_kl_approximation else "score_function",
-            straight_through_k2=cfg.reference_policy_kl_gradient == "k2",
-        )
-
-    def tokens(self, c: torch.Tensor, reference: torch.Tensor, generation: torch.Tensor, anchor: torch.Tensor):
-        """The per-token KL of ``c`` to ``reference`` (before its coefficient); token-wise in ``c``."""
-        weights = {
-            "score_function": lambda: score_function_weight(c),
-            "generation": lambda: exp_or_zero(c - generation),
-            "anchor": lambda: torch.exp(c - anchor),
-            "none": lambda: None,
-        }[self.weight]()
-        return kl_penalty(
-            c,
-            reference,
-            kl_type=self.kl_type,
-            input_clamp=self.input_clamp,
-            output_clamp=self.output_clamp,
-            weights=weights,
-            straight_through_k2=self.straight_through_k2,
-        )
 
 
 @dataclass
@@ -84,13 +41,12 @@ class TermInputs:
     """The batch constants of the per-token terms: detached token tensors of ``layout`` (flat ``[N]`` after
     :meth:`flat`, ``[n]`` after :meth:`chunk`).
 
-    prev: the old log-probs the policy ratio divides by (pi_old; mu in bypass mode; sg c under
-    ``force_on_policy_ratio``). generation: log mu (the KL's on-policy weight reads it). valid: token_mask times the
-    sequence's sample mask. positions: n_t, 1-based among unmasked tokens. correction: the IS correction (weights,
-    truncation and rejection masks, rule outcomes), None without one; is_weight: its final weights (None: 1).
-    reference / kl / kl_coef: the KL term (reference None: no KL). nll_tokens / nll_count: the positive samples'
-    tokens (Float[*T]) and their count (0-d) for the NLL term -sum_t q_t c_t, q_t = nll_tokens / (nll_count + 1e-8)
-    (None: no NLL term).
+    prev: the old log-probs the policy ratio divides by (the roles' pi_old: ``roles.pi_old_of``). generation: log mu
+    (the KL's on-policy weight reads it). valid: token_mask times the sequence's sample mask. positions: n_t, 1-based
+    among unmasked tokens. correction: the IS correction (weights, truncation and rejection masks, rule outcomes),
+    None without one; is_weight: its final weights (None: 1). reference / kl / kl_coef: the KL term (reference None:
+    no KL). nll_tokens / nll_count: the positive samples' tokens (Float[*T]) and their count (0-d) for the NLL term
+    -sum_t q_t c_t, q_t = nll_tokens / (nll_count + 1e-8) (None: no NLL term).
     """
 
     config: ClippedPGLossConfig
@@ -218,8 +174,9 @@ def token_terms(
 class LossTerms:
     """Every per-token term of one ``ClippedPGLoss`` call (token tensors of ``term_inputs.layout``), and what its
     reductions and metrics read besides: the call's ``LossInputs`` as given (``loss_inputs``) and the batch constants
-    of its terms (``term_inputs``), the loss dtype's current log-probs ``curr``, ``log_pi_prev`` (the log-probs the IS
-    weights pi_prev / mu compare with mu: pi_old, or sg c in bypass mode), the sample mask and the global counts."""
+    of its terms (``term_inputs``), the loss dtype's current log-probs ``curr``, ``log_pi_prev`` (the roles'
+    ``is_prev``, the log-probs the IS weights pi_prev / mu compare with mu: pi_old, or sg c in bypass mode), the sample
+    mask and the global counts."""
 
     loss_inputs: LossInputs
     term_inputs: TermInputs
@@ -285,47 +242,34 @@ def positive_sample_tokens(
 
 def term_inputs(
     cfg: ClippedPGLossConfig,
-    inputs: LossInputs,
+    roles: Roles,
     layout: TokenLayout,
     *,
-    c: torch.Tensor | None = None,
     correction: ISCorrection | None = None,
 ) -> TermInputs:
-    """``ClippedPGLoss``'s batch constants: which log-probs play which part (``force_on_policy_ratio``: pi_old is sg c;
-    bypass: pi_old is mu, and the IS weights compare sg c with mu), the IS correction (``correction``: the batch's,
-    when the caller has it already), the KL reference (on-policy weight, clamps), the NLL's positive tokens.
-
-    ``c``: the current log-probs in the loss dtype (default: ``inputs.curr_logprobs`` cast to it)."""
-    if c is None:
-        c = inputs.curr_logprobs.to(loss_dtype(inputs.curr_logprobs))
-    dtype = c.dtype
-
-    def as_f(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(dtype)
-
-    tm, sm = inputs.token_mask.to(dtype), inputs.sample_mask.to(dtype)
-    valid = tm * layout.to_tokens(sm)
-    g = as_f(inputs.generation_logprobs)
-    if cfg.force_on_policy_ratio:
-        p = c.detach()
-    elif cfg.bypasses_prev:
-        p = g
-    else:
-        p = as_f(required_input(inputs.prev_logprobs, "prev_logprobs"))
-    if correction is None:
-        correction = compute_is_correction(log_pi_prev(cfg, c, p), g, tm, valid, layout, **is_correction_kwargs(cfg))
-    beta = cfg.effective_kl_penalty
-    reference = as_f(required_input(inputs.reference_logprobs, "reference_policy_logprobs")) if beta != 0 else None
+    """The batch constants of the per-token terms from a host's :class:`~nemo_is_plugin.loss.roles.Roles`: the one
+    place roles become terms, for every host. The IS correction compares ``roles.is_prev`` with mu when the roles say
+    the plugin corrects (``correction``: the batch's, when the caller has it already); its weights multiply the
+    policy term only, so its rejections (weight 0) leave that term and the KL keeps them; the NLL's positive tokens
+    (``rewards``); score centering's head and calibration."""
+    mu = roles.pi_old if roles.mu is None else roles.mu
+    valid, tm = roles.valid, roles.token_mask
+    if correction is None and roles.corrects:
+        if roles.mu is None:
+            raise ValueError("the IS correction needs the sampler's log-probs (Roles.mu)")
+        correction = compute_is_correction(roles.is_prev, mu, tm, valid, layout, **is_correction_kwargs(cfg))
     # Positive-example NLL (VAPO): as in NeMo-RL the term exists only for a positive weight and a batch with rewards.
     pos = count = None
-    if cfg.positive_example_nll_weight > 0 and inputs.rewards is not None:
-        pos, count = positive_sample_tokens(inputs.rewards, valid, layout)
+    if cfg.positive_example_nll_weight > 0 and roles.rewards is not None:
+        pos, count = positive_sample_tokens(roles.rewards, valid, layout)
+    if cfg.score_centering and roles.head_sampler is None:
+        raise ValueError("score_centering: the roles carry no sampler head (rollout_topk_logprobs)")
     return TermInputs(
         config=cfg,
         layout=layout,
-        prev=p,
-        generation=g,
-        advantages=as_f(inputs.advantages),
+        prev=roles.pi_old,
+        generation=mu,
+        advantages=roles.advantages,
         token_mask=tm,
         valid=valid,
         positions=unmasked_positions(tm, layout),
@@ -333,23 +277,15 @@ def term_inputs(
         # The weights of tokens that do not count are 0 here (the correction keeps them for NeMo-RL's metrics): the
         # loss drops those tokens by a where, whose backward still multiplies their zero gradient by the weight, and
         # a weight there may be inf (batch normalisation by a denormal mean of the counted ones: 1 / 1e-39).
-        is_weight=torch.where(valid != 0, correction.weights, 0.0),
-        reference=reference,
-        kl=KLSpec.of(cfg) if reference is not None else None,
-        kl_coef=beta,
+        is_weight=None if correction is None else torch.where(valid != 0, correction.weights, 0.0),
+        reference=roles.reference,
+        kl=roles.kl if roles.reference is not None else None,
+        kl_coef=roles.kl_coef,
         nll_tokens=pos,
         nll_count=count,
-        head_sampler=as_f(required_input(inputs.rollout_topk_logprobs, "rollout_topk_logprobs"))
-        if cfg.score_centering
-        else None,
+        head_sampler=roles.head_sampler if cfg.score_centering else None,
         centering=CenteringSpec.of(cfg, correction) if cfg.score_centering else None,
     )
-
-
-def log_pi_prev(cfg: ClippedPGLossConfig, c: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-    """log pi_prev, what the IS weights, rejections and mismatch diagnostics compare with mu: pi_old, or in bypass
-    mode (pi_old = mu) the current policy, detached, as verl's bypass mode does."""
-    return c.detach() if cfg.bypasses_prev else prev
 
 
 def loss_terms(
@@ -362,7 +298,8 @@ def loss_terms(
     """The terms of ``ClippedPGLoss`` on aligned inputs (``correction``: the batch's IS correction when the caller
     has it already, e.g. the fused single pass; else computed here)."""
     c = inputs.curr_logprobs.to(loss_dtype(inputs.curr_logprobs))
-    t = term_inputs(cfg, inputs, layout, c=c, correction=correction)
+    roles = Roles.of_loss_inputs(cfg, inputs, layout, c)
+    t = term_inputs(cfg, roles, layout, correction=correction)
     # KL on the unfiltered log-probs under top-k / top-p (NeMo-RL: the reference's are unfiltered too).
     unfiltered = inputs.curr_logprobs_unfiltered
     c_kl = None if t.reference is None or unfiltered is None else unfiltered.to(c.dtype)
@@ -374,7 +311,7 @@ def loss_terms(
         term_inputs=t,
         tokens=token_terms(t, c, c_kl=c_kl, c_head=c_head),
         curr=c,
-        log_pi_prev=log_pi_prev(cfg, c, t.prev),
+        log_pi_prev=roles.is_prev,
         sample_mask=inputs.sample_mask.to(c.dtype),
         n_tok=_as_scalar(inputs.global_valid_toks, c.dtype, c.device),
         n_seq=_as_scalar(inputs.global_valid_seqs, c.dtype, c.device),
@@ -383,12 +320,12 @@ def loss_terms(
 
 __all__ = [
     "KLSpec",
+    "KLWeight",
     "LossTerms",
     "TermInputs",
     "TokenTerms",
     "is_correction_kwargs",
     "loss_dtype",
-    "log_pi_prev",
     "loss_terms",
     "positive_sample_tokens",
     "ratio_anchor",

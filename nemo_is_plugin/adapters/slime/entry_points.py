@@ -11,11 +11,12 @@ Two entry points, each a module attribute slime loads by path (``slime.utils.mis
   accumulation itself. The response log-probs (and the entropy) come from the plugin's vocab-parallel kernel on the
   response rows of slime's CP-sharded logits (:mod:`~nemo_is_plugin.adapters.slime.layout`); every per-token term
   is reduced with slime's ``sum_of_sample_mean``, so slime's rescaling stays right. The per-token terms are the
-  plugin's, computed by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms` on constants in slime's roles
-  (:func:`slime_term_inputs`): any policy objective (PPO's clip at any ratio level, in ratio or log space, CISPO, or
-  another ``policy_objective``), its IS correction (any level, truncation, rejection rules, veto), a KL term
-  (slime's ``--use-kl-loss`` estimators, or the plugin's KL keys), and score centering on the sampler's head in slime's
-  batch (:mod:`~nemo_is_plugin.adapters.slime.centering`; the trainer's head log-probs from the label's kernel call);
+  plugin's, computed by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms` on the constants of slime's
+  roles (:func:`slime_term_inputs`: :mod:`~nemo_is_plugin.adapters.slime.roles`, then the loss's ``term_inputs``):
+  any policy objective (PPO's clip at any ratio level, in ratio or log space, CISPO, or another
+  ``policy_objective``), its IS correction (any level, truncation, rejection rules, veto), a KL term (slime's
+  ``--use-kl-loss`` estimators, or the plugin's KL keys), and score centering on the sampler's head in slime's batch
+  (:mod:`~nemo_is_plugin.adapters.slime.centering`; the trainer's head log-probs from the label's kernel call);
   slime's reducer replaces the plugin's aggregation, and the metrics (:func:`slime_metrics`) read the same terms.
 
 - the IS correction alone, :data:`tis_function`, inside slime's own PPO loss::
@@ -49,14 +50,7 @@ from typing import Any
 
 import torch
 
-from nemo_is_plugin.adapters.shared import (
-    PARALLEL_STATE,
-    GroupsSpec,
-    check_groups,
-    given_keys,
-    owns_correction,
-    resolve_groups,
-)
+from nemo_is_plugin.adapters.shared import PARALLEL_STATE, GroupsSpec, check_groups, given_keys, resolve_groups
 from nemo_is_plugin.adapters.slime.centering import check_slime_head, slime_head
 from nemo_is_plugin.adapters.slime.config import (
     CONFIG_ARGS,
@@ -70,6 +64,7 @@ from nemo_is_plugin.adapters.slime.config import (
 )
 from nemo_is_plugin.adapters.slime.layout import ResponseShard
 from nemo_is_plugin.adapters.slime.metrics import centering_metrics, objective_metrics
+from nemo_is_plugin.adapters.slime.roles import batch_tokens, slime_roles
 from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
 from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
@@ -77,17 +72,12 @@ from nemo_is_plugin.distributed.parallel.groups import ParallelGroups, ProcessGr
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
 from nemo_is_plugin.loss.objectives import objective_of
-from nemo_is_plugin.loss.ratios import unmasked_positions
-from nemo_is_plugin.loss.score_centering import CenteringSpec
-from nemo_is_plugin.loss.terms import KLSpec, KLWeight, TermInputs, TokenTerms, is_correction_kwargs, token_terms
+from nemo_is_plugin.loss.roles import Roles
+from nemo_is_plugin.loss.terms import TermInputs, TokenTerms, is_correction_kwargs, term_inputs, token_terms
 
 PLUGIN_PREFIX = "nemo_is/"
 Reducer = Callable[[torch.Tensor], torch.Tensor]
 ConfigSource = None | str | os.PathLike[str] | Mapping[str, Any] | ClippedPGLossConfig
-
-
-def _cat(name: str, shard: ResponseShard, values: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
-    return None if not values else shard.check_local(name, values)
 
 
 def is_metrics(corr: ISCorrection) -> dict[str, torch.Tensor]:
@@ -222,15 +212,12 @@ class SlimePolicyLoss(_SlimeEntry):
             args, logits, batch["unconcat_tokens"], batch["total_lengths"], shard, groups, head_ids=head_ids
         )
         c, entropy = got[0], got[1]
-        t, old, rollout = slime_term_inputs(cfg, kl, batch, shard, c, groups.dp, sampler_head=sampler_head)
+        t, roles = slime_term_inputs(cfg, kl, batch, shard, c, groups.dp, sampler_head=sampler_head)
         if head_ids is not None:
             c_head = got[2]
             check_slime_head(t, c_head)
         terms = token_terms(t, c, c_head=c_head)
-        pg_tok = terms.actor
-        if t.correction is not None:  # rejected tokens leave the policy term, whatever their surrogate holds
-            pg_tok = torch.where(t.correction.rejected, torch.zeros_like(pg_tok), pg_tok)
-        pg_loss = sum_of_sample_mean(pg_tok)
+        pg_loss = sum_of_sample_mean(terms.actor)  # rejected tokens' IS weight is 0: they leave the policy term
         sc_loss = None
         if terms.centering is not None:  # reduced as the policy term, and part of it (as upstream slime's pg_loss)
             sc_loss = sum_of_sample_mean(terms.centering.term)
@@ -242,7 +229,7 @@ class SlimePolicyLoss(_SlimeEntry):
             loss = loss + t.kl_coef * kl_loss
         if c.numel() == 0:  # keep the graph connected on a rank without response tokens (as slime does)
             loss = loss + 0 * logits.sum()
-        metrics = slime_metrics(t, terms, sum_of_sample_mean, c, old, rollout, batch, shard)
+        metrics = slime_metrics(t, terms, sum_of_sample_mean, c, roles, batch, shard)
         if sc_loss is not None and terms.centering is not None and c_head is not None:
             metrics.update(centering_metrics(t, terms.centering, sc_loss, c, c_head, sum_of_sample_mean, PLUGIN_PREFIX))
         metrics.update(loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss)
@@ -260,62 +247,12 @@ def slime_term_inputs(
     dp_group: ProcessGroup | None = None,
     *,
     sampler_head: torch.Tensor | None = None,
-) -> tuple[TermInputs, torch.Tensor, torch.Tensor | None]:
-    """The loss's batch constants in slime's roles, with slime's pi_old ``old`` and rollout log-probs (or None).
-
-    pi_old of the ratio is slime's ``log_probs`` (the current policy, detached, without them: on-policy training), or
-    the rollout log-probs under ``old_policy_logprobs: generation`` (``--use-rollout-logprobs``); the IS weights, as
-    slime's TIS, compare ``log_probs`` with the rollout log-probs; the KL is slime's ``--use-kl-loss`` estimator, or
-    the plugin's KL keys (its on-policy weight against the rollout log-probs when the batch has them). Batch
-    statistics (an objective's) span the CP ranks and ``dp_group``. ``sampler_head``: the sampler's head log-probs
-    ``[N, k]`` (:func:`~nemo_is_plugin.adapters.slime.centering.slime_head`), read with ``score_centering``.
-    """
-    tm = shard.local(batch["loss_masks"]).to(c.dtype)
-    adv = shard.check_local("advantages", batch["advantages"]).detach().to(c.dtype)
-    rollout = _cat("rollout_log_probs", shard, batch.get("rollout_log_probs"))
-    rollout = None if rollout is None else rollout.detach().to(c.dtype)
-    logged = _cat("log_probs", shard, batch.get("log_probs"))
-    old = c.detach() if logged is None else logged.detach().to(c.dtype)
-    if cfg.bypasses_prev and rollout is None:
-        raise ValueError("--use-rollout-logprobs (old_policy_logprobs: generation) needs rollout_log_probs")
-    p = rollout if cfg.bypasses_prev and rollout is not None else old
-    layout = with_data_parallel(shard.layout(), dp_group)
-    corr = None
-    if owns_correction(cfg):
-        if rollout is None:
-            raise ValueError("the IS correction needs rollout_log_probs in slime's batch (SGLang log-probs)")
-        corr = compute_is_correction(old, rollout, tm, tm, layout, **is_correction_kwargs(cfg))
-    ref, spec, coef = None, None, 0.0
-    if kl is not None or cfg.effective_kl_penalty != 0:
-        ref = _cat("ref_log_probs", shard, batch.get("ref_log_probs"))
-        if ref is None:
-            raise ValueError("the KL term needs ref_log_probs in slime's batch (slime loads the reference model)")
-        ref = ref.detach().to(c.dtype)
-        if kl is None:
-            spec, coef = KLSpec.of(cfg), cfg.effective_kl_penalty
-        else:  # slime's unbiased KL: its gradient through the ratio to pi_old
-            weight: KLWeight = "anchor" if kl["unbiased"] else "none"
-            spec, coef = KLSpec(kl["kl_type"], output_clamp=kl["output_clamp"], weight=weight), kl["coef"]
-    if cfg.score_centering and sampler_head is None:
-        raise ValueError("score_centering: slime_term_inputs needs sampler_head (slime's rollout_topk_log_probs)")
-    t = TermInputs(
-        config=cfg,
-        layout=layout,
-        prev=p,
-        generation=p if rollout is None else rollout,
-        advantages=adv,
-        token_mask=tm,
-        valid=tm,
-        positions=unmasked_positions(tm, layout),
-        correction=corr,
-        is_weight=None if corr is None else corr.weights,
-        reference=ref,
-        kl=spec,
-        kl_coef=coef,
-        head_sampler=None if sampler_head is None or not cfg.score_centering else sampler_head.detach().to(c.dtype),
-        centering=CenteringSpec.of(cfg, corr) if cfg.score_centering else None,
-    )
-    return t, old, rollout
+) -> tuple[TermInputs, Roles]:
+    """The loss's batch constants from slime's batch in the loss's roles (:func:`~nemo_is_plugin.adapters.slime.
+    roles.slime_roles`, turned into constants by the loss's own :func:`~nemo_is_plugin.loss.terms.term_inputs`), and
+    the roles (the metrics read them). Batch statistics (an objective's) span the CP ranks and ``dp_group``."""
+    roles = slime_roles(cfg, kl, batch, shard, c, sampler_head=sampler_head)
+    return term_inputs(cfg, roles, with_data_parallel(shard.layout(), dp_group)), roles
 
 
 def slime_metrics(
@@ -323,13 +260,13 @@ def slime_metrics(
     terms: TokenTerms,
     reduce: Reducer,
     c: torch.Tensor,
-    old: torch.Tensor,
-    rollout: torch.Tensor | None,
+    roles: Roles,
     batch: Mapping[str, Any],
     shard: ResponseShard,
 ) -> dict[str, torch.Tensor]:
-    """slime's metric names where slime has the quantity, ``nemo_is/...`` otherwise, from the loss's terms, and the
-    objective's own (:mod:`~nemo_is_plugin.adapters.slime.metrics`); reduced with slime's ``sum_of_sample_mean``."""
+    """slime's metric names where slime has the quantity, ``nemo_is/...`` otherwise, from the loss's terms and roles,
+    and the objective's own (:mod:`~nemo_is_plugin.adapters.slime.metrics`); reduced with slime's
+    ``sum_of_sample_mean``."""
     cfg, sur, corr = t.config, terms.surrogate, t.correction
     with torch.no_grad():
         token_ratio = cfg.effective_ratio_level == "token" or cfg.use_cispo or cfg.disable_ppo_ratio
@@ -337,15 +274,14 @@ def slime_metrics(
         out = {"pg_clipfrac": reduce(sur.clipped.to(c.dtype)), "ppo_kl": reduce(ppo_kl)}
         for name, flag in (("low", sur.clipped_low), ("high", sur.clipped_high), ("dual", sur.dual_clipped)):
             out[f"{PLUGIN_PREFIX}clip_fraction_{name}"] = reduce(flag.to(c.dtype))
-        if rollout is not None:
-            compare = c.detach() if cfg.bypasses_prev else old
-            out["train_rollout_logprob_abs_diff"] = reduce((compare - rollout).abs())
+        if roles.mu is not None:
+            out["train_rollout_logprob_abs_diff"] = reduce((roles.mismatch_prev - roles.mu).abs())
         if corr is not None:
             out["ois"] = reduce(torch.exp(-ppo_kl))
             out.update({k: reduce(v.to(c.dtype)) for k, v in is_metrics(corr).items()})
-        opd = _cat("opd_reverse_kl", shard, batch.get("opd_reverse_kl"))
+        opd = batch_tokens("opd_reverse_kl", batch, shard, c)
         if opd is not None:
-            out["opd_reverse_kl"] = reduce(opd.to(c.dtype))
+            out["opd_reverse_kl"] = reduce(opd)
     out.update(objective_metrics(objective_of(cfg), terms.objective, t.layout, t.valid, reduce, PLUGIN_PREFIX))
     return out
 
