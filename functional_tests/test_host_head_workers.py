@@ -11,7 +11,9 @@ head and of the fused forward that calls it by name), put on the worker's ``PYTH
   of NeMo-RL's fused forward runs on it and returns NeMo-RL's values. Without the switch NeMo-RL's own function runs and
   the plugin is never imported; with the switch but no importable plugin the import of NeMo-RL's module fails; the
   ``sitecustomize`` the hook shadows still runs. The same in a Ray actor started on that interpreter with NeMo-RL's
-  kind of runtime environment (``py_executable`` + the driver's environment variables).
+  kind of runtime environment (``py_executable`` + the driver's environment variables). The hook's own folder, which
+  holds the hook alone, in place of the repository root: the plugin imports from the tree around it, nothing else of
+  the repository does.
 - verl: ``import verl`` in the worker loads the entry point, which registers the head's hooks, and verl's own
   ``HFModelConfig`` built there reads ``fused_kernel_options.impl_backend`` (``nemo_is`` without
   ``use_fused_kernels`` is refused).
@@ -242,6 +244,12 @@ def test_the_documented_check_passes_in_a_switched_on_worker_and_fails_otherwise
     off = _run(worker_python, check, tmp_path, _env(PYTHONPATH=pythonpath))
     assert off.returncode == 1 and "[FAIL] NEMO_IS_NEMO_RL_HEAD=(unset)" in off.stdout
     assert "[ok] log-probs: max relative difference" in off.stdout  # the equivalence holds either way
+    # the switch on in a worker the hook never reached (the plugin put on sys.path only after start-up)
+    late = f"import sys; sys.path.insert(0, {str(ROOT)!r}); " + check
+    no_hook = _run(worker_python, late, tmp_path, _env(PYTHONPATH=str(nemo_rl_tree), NEMO_IS_NEMO_RL_HEAD="1"))
+    assert no_hook.returncode == 1, no_hook.stdout + no_hook.stderr[-2000:]
+    assert "[FAIL] start-up hook registered in this interpreter: False" in no_hook.stdout
+    assert "[FAIL] nemo_rl.distributed.model_utils.from_parallel_hidden_states_to_logprobs is " in no_hook.stdout
 
 
 @pytest.mark.timeout(300)
@@ -252,3 +260,6 @@ def test_the_documented_verl_check_passes_in_a_verl_worker(worker_python, tmp_pa
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "[ok] the plugin's head against verl's torch op on cpu:" in proc.stdout
     assert proc.stdout.count("[ok]") == 7
+    # verl told to load no entry point: nothing of the plugin runs in verl's process, and the check says so
+    off = _run(worker_python, check, tmp_path, _env(PYTHONPATH=str(ROOT), VERL_USE_EXTERNAL_PLUGINS="none"))
+    assert off.returncode == 1 and "[FAIL] hooks registered by the verl.plugins entry point: []" in off.stdout
