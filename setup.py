@@ -31,8 +31,8 @@ class build_py_with_startup_pth(build_py):
 class editable_wheel_with_startup_pth(editable_wheel):
     # an editable wheel holds what its strategy writes (its own .pth or finder) and the unpacked wheel directory,
     # not build_lib: the file goes into that directory, the wheel's root
-    def _run_build_commands(self, dist_name, unpacked_wheel, build_lib, tmp_dir):
-        outputs = super()._run_build_commands(dist_name, unpacked_wheel, build_lib, tmp_dir)
+    def _run_build_commands(self, dist_name, unpacked_wheel, *args, **kwargs):
+        outputs = super()._run_build_commands(dist_name, unpacked_wheel, *args, **kwargs)
         shutil.copyfile(SOURCE, os.path.join(unpacked_wheel, PTH))
         return outputs
 
