@@ -8,7 +8,7 @@ among them, are not run), with the plugin installed from a copy of the source tr
 checkout) by ``pip install --no-deps --no-build-isolation``: once as a wheel, once editable (``-e``). NeMo-RL is the
 stand-in tree of ``tests/helpers/fake_nemo_rl_head.py``, the worker code test_host_head_workers.py's. Where the hook
 cannot run (``python -S``), the plugin's NeMo-RL loss stops the run at its first call, in one line naming the cause and
-the fix. ~1 s per install, ~3 s per worker interpreter; ~25 s in all.
+the fix. ~1 s per install, ~3 s per worker interpreter: ~30 s in all (75 s on a loaded 2-core machine).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ WORKER = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[1])  # the NeMo-RL tree (python -I ignores PYTHONPATH)
     at_start = {"plugin": "nemo_is_plugin" in sys.modules, "torch": "torch" in sys.modules}
+    hook_registered = hasattr(sys, "_nemo_is_after_import_callbacks")  # the .pth line's only effect
     import nemo_rl.distributed.model_utils as mu
     import torch
     fn = mu.from_parallel_hidden_states_to_logprobs
@@ -43,6 +44,7 @@ WORKER = textwrap.dedent("""
     import nemo_is_plugin
     print("RESULT " + json.dumps({
         "at_start": at_start,
+        "hook_registered": hook_registered,
         "plugin_head": bool(getattr(fn, "nemo_is_head", False)),
         "plugin_file": nemo_is_plugin.__file__,
         "sys_path": sys.path,
@@ -151,12 +153,14 @@ def test_the_installed_hook_puts_the_plugin_head_under_nemo_rl_without_pythonpat
     how, python, site = installed
     out = _worker(python, nemo_rl_tree, tmp_path, NEMO_IS_NEMO_RL_HEAD="1")
     assert out["at_start"] == {"plugin": False, "torch": False}  # the .pth line imports neither
+    assert out["hook_registered"]
     assert out["plugin_head"] and out["max_abs_diff"] < 1e-12  # NeMo-RL's values, from the plugin's head
     assert Path(out["plugin_file"]).is_relative_to(site if how == "wheel" else site.parents[3] / "src")
     assert not any(Path(p).resolve() == ROOT for p in out["sys_path"] if p)  # no repository on the path ("": cwd)
 
     off = _worker(python, nemo_rl_tree, tmp_path, NEMO_IS_NEMO_RL_HEAD="0")
     assert not off["plugin_head"] and off["max_abs_diff"] == 0.0  # switched off: NeMo-RL's own head
+    assert off["at_start"] == {"plugin": False, "torch": False} and not off["hook_registered"]  # and nothing ran
 
 
 def test_another_sitecustomize_first_on_the_path_leaves_the_installed_hook_running(installed, nemo_rl_tree, tmp_path):
