@@ -5,13 +5,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 LOCK := requirements/ci.lock
 TORCH := 2.13.0
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
+# What the install reads besides the lock: setup.py copies the start-up hook's .pth into site-packages (a copy, also in
+# an editable install), so a change to either reinstalls.
+INSTALL_INPUTS := pyproject.toml setup.py nemo_is_plugin/adapters/nemo_rl/startup/nemo_is_plugin_startup.pth
+STAMP := $(VENV)/.installed-$(shell cat $(INSTALL_INPUTS) $(LOCK) | cksum | cut -d' ' -f1)
 
 .PHONY: setup lint test demo bench bench-docs evidence lock clean golden golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo setup-stacks test-stacks lock-stacks golden-slime \
 	golden-verl-loss-modes golden-verl-score-centering
 
 # Every package at the exact version of $(LOCK), installed without resolution (--no-deps), then the project.
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): $(INSTALL_INPUTS) $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c $(LOCK) pip
 	# torch first, resolved with its own dependencies: the local CPU wheel here (pinned: an unpinned torch may pull a
@@ -134,7 +137,7 @@ VENV_STACKS ?= .venv-313
 PY_STACKS := $(VENV_STACKS)/bin/python
 LOCK_STACKS := requirements/ci-py313.lock
 TORCH_STACKS := 2.15.0
-STAMP_STACKS := $(VENV_STACKS)/.installed-$(shell cat pyproject.toml $(LOCK_STACKS) | cksum | cut -d' ' -f1)
+STAMP_STACKS := $(VENV_STACKS)/.installed-$(shell cat $(INSTALL_INPUTS) $(LOCK_STACKS) | cksum | cut -d' ' -f1)
 STACKS_TESTS := tests/test_golden_nemo_rl.py tests/test_golden_nemo_rl_compat.py tests/test_golden_verl.py \
 	tests/test_golden_ctpo.py tests/test_golden_verl_score_centering.py tests/test_nemo_rl_differential.py \
 	tests/test_cuda_golden.py tests/test_cuda_entry_points.py tests/common tests/loss tests/config tests/kernels tests/distributed tests/adapters \
@@ -142,7 +145,7 @@ STACKS_TESTS := tests/test_golden_nemo_rl.py tests/test_golden_nemo_rl_compat.py
 
 # As `setup`: torch first with its own dependencies (the nvidia-* libraries at the lock's versions), then the lock
 # with --no-deps, then the project. The interpreter check stops a venv of another Python from passing as this tier.
-$(STAMP_STACKS): pyproject.toml $(LOCK_STACKS)
+$(STAMP_STACKS): $(INSTALL_INPUTS) $(LOCK_STACKS)
 	@test -n "$(PYTHON_STACKS)" || { echo "test-stacks needs Python 3.13: set PYTHON_STACKS=/path/to/python3.13"; exit 1; }
 	test -x $(PY_STACKS) || $(PYTHON_STACKS) -m venv $(VENV_STACKS)
 	$(PY_STACKS) -c 'import sys; v = sys.version_info[:2]; assert v == (3, 13), f"$(VENV_STACKS) runs Python {v}, not 3.13"'

@@ -45,7 +45,7 @@ def clean_venv(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("clean-install")
     src = root / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "setup.py"):  # setup.py: the start-up hook's .pth
         shutil.copy2(REPO / name, src / name)
     # symlinks=False: the wheel carries demo/configs, a link to configs/demo, as files
     shutil.copytree(REPO / "nemo_is_plugin", src / "nemo_is_plugin", ignore=shutil.ignore_patterns("__pycache__"))

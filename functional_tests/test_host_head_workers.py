@@ -11,7 +11,9 @@ head and of the fused forward that calls it by name), put on the worker's ``PYTH
   of NeMo-RL's fused forward runs on it and returns NeMo-RL's values. Without the switch NeMo-RL's own function runs and
   the plugin is never imported; with the switch but no importable plugin the import of NeMo-RL's module fails; the
   ``sitecustomize`` the hook shadows still runs. The same in a Ray actor started on that interpreter with NeMo-RL's
-  kind of runtime environment (``py_executable`` + the driver's environment variables).
+  kind of runtime environment (``py_executable`` + the driver's environment variables). The hook's own folder, which
+  holds the hook alone, in place of the repository root: the plugin imports from the tree around it, nothing else of
+  the repository does.
 - verl: ``import verl`` in the worker loads the entry point, which registers the head's hooks, and verl's own
   ``HFModelConfig`` built there reads ``fused_kernel_options.impl_backend`` (``nemo_is`` without
   ``use_fused_kernels`` is refused).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -31,7 +34,7 @@ from helpers.fake_nemo_rl_head import write_fake_nemo_rl
 from test_worker_env import worker_python  # noqa: F401  (the module-scoped fixture: a venv without the plugin)
 
 ROOT = Path(__file__).resolve().parents[1]
-HOOK_DIR = ROOT / "nemo_is_plugin" / "adapters" / "nemo_rl" / "startup"
+HOOK_DIR = ROOT / "nemo_is_plugin" / "adapters" / "nemo_rl" / "startup" / "hook"  # the hook alone
 NEMO_RL_WORKER = textwrap.dedent("""
     import json, sys
     at_start = {"plugin": "nemo_is_plugin" in sys.modules, "torch": "torch" in sys.modules}
@@ -92,8 +95,40 @@ def test_the_switch_puts_the_plugin_head_under_nemo_rl_before_its_first_call(wor
     assert "SHADOWED SITECUSTOMIZE RAN" in proc.stdout  # the hook runs the sitecustomize it shadows
 
 
+def test_the_hook_folder_alone_runs_the_hook_and_adds_only_the_plugin(worker_python, nemo_rl_tree, tmp_path):  # noqa: F811
+    """docs/nemo_rl.md's recommended setup from a source tree: the hook's folder, which holds the hook alone, on
+    PYTHONPATH instead of the repository root. The plugin imports from the tree around the hook; nothing else of the
+    repository (tools/, scripts/, conftest.py) does."""
+    assert sorted(p.name for p in HOOK_DIR.iterdir() if p.name != "__pycache__") == ["sitecustomize.py"]
+    probe = textwrap.dedent("""
+        import importlib.util, json, sys
+        def imports(name):  # where the module would come from (another package may have the same top-level name)
+            spec = importlib.util.find_spec(name)
+            return [] if spec is None else [spec.origin or "", *(spec.submodule_search_locations or [])]
+        import nemo_is_plugin.adapters.nemo_rl as adapter
+        print("RESULT " + json.dumps({"plugin": adapter.__file__, "loss": hasattr(adapter, "NeMoRLLossFn"),
+                                      "others": {n: imports(n) for n in ("tools", "conftest", "scripts")}}))
+    """)
+    for switch in ("1", "0"):
+        env = _env(PYTHONPATH=os.pathsep.join([str(HOOK_DIR), str(nemo_rl_tree)]), NEMO_IS_NEMO_RL_HEAD=switch)
+        out = _result(_run(worker_python, NEMO_RL_WORKER, tmp_path, env))
+        assert out["at_start"] == {"plugin": False, "torch": False}
+        assert out["plugin_head"] == (switch == "1")
+        assert out["max_abs_diff"] < 1e-12 if switch == "1" else out["max_abs_diff"] == 0.0
+        found = _result(_run(worker_python, probe, tmp_path, env))
+        assert Path(found["plugin"]).is_relative_to(ROOT) and found["loss"]  # the plugin's loss unpickles here
+        from_repo = {
+            n: [p for p in where if p and Path(p).is_relative_to(ROOT)] for n, where in found["others"].items()
+        }
+        assert from_repo == {"tools": [], "conftest": [], "scripts": []}
+
+
 def test_the_switch_without_an_importable_plugin_fails_nemo_rl_import(worker_python, nemo_rl_tree, tmp_path):  # noqa: F811
-    pythonpath = os.pathsep.join([str(HOOK_DIR), str(nemo_rl_tree)])  # the hook, but not the package
+    """The hook's folder copied without the package around it: NeMo-RL's import fails, naming the cause."""
+    copy = tmp_path / "copy" / "nemo_is_plugin" / "adapters"
+    shutil.copytree(HOOK_DIR, copy / "nemo_rl" / "startup" / "hook")
+    shutil.copy2(ROOT / "nemo_is_plugin" / "adapters" / "import_hooks.py", copy / "import_hooks.py")
+    pythonpath = os.pathsep.join([str(copy / "nemo_rl" / "startup" / "hook"), str(nemo_rl_tree)])
     proc = _run(worker_python, NEMO_RL_WORKER, tmp_path, _env(PYTHONPATH=pythonpath, NEMO_IS_NEMO_RL_HEAD="1"))
     assert proc.returncode != 0 and "RESULT" not in proc.stdout
     assert "NEMO_IS_NEMO_RL_HEAD=1 asks for the plugin's head in nemo_rl.distributed.model_utils" in proc.stderr
@@ -209,6 +244,12 @@ def test_the_documented_check_passes_in_a_switched_on_worker_and_fails_otherwise
     off = _run(worker_python, check, tmp_path, _env(PYTHONPATH=pythonpath))
     assert off.returncode == 1 and "[FAIL] NEMO_IS_NEMO_RL_HEAD=(unset)" in off.stdout
     assert "[ok] log-probs: max relative difference" in off.stdout  # the equivalence holds either way
+    # the switch on in a worker the hook never reached (the plugin put on sys.path only after start-up)
+    late = f"import sys; sys.path.insert(0, {str(ROOT)!r}); " + check
+    no_hook = _run(worker_python, late, tmp_path, _env(PYTHONPATH=str(nemo_rl_tree), NEMO_IS_NEMO_RL_HEAD="1"))
+    assert no_hook.returncode == 1, no_hook.stdout + no_hook.stderr[-2000:]
+    assert "[FAIL] start-up hook registered in this interpreter: False" in no_hook.stdout
+    assert "[FAIL] nemo_rl.distributed.model_utils.from_parallel_hidden_states_to_logprobs is " in no_hook.stdout
 
 
 @pytest.mark.timeout(300)
@@ -219,3 +260,6 @@ def test_the_documented_verl_check_passes_in_a_verl_worker(worker_python, tmp_pa
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "[ok] the plugin's head against verl's torch op on cpu:" in proc.stdout
     assert proc.stdout.count("[ok]") == 7
+    # verl told to load no entry point: nothing of the plugin runs in verl's process, and the check says so
+    off = _run(worker_python, check, tmp_path, _env(PYTHONPATH=str(ROOT), VERL_USE_EXTERNAL_PLUGINS="none"))
+    assert off.returncode == 1 and "[FAIL] hooks registered by the verl.plugins entry point: []" in off.stdout

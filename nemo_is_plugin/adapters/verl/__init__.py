@@ -11,23 +11,31 @@ plugin's LM head in verl's Megatron fused forward.
 - ``head``: ``linear_cross_entropy`` on the plugin's head and the hooks that install it.
 
 Nothing here imports verl at package import time; ``register_verl_loss`` and ``hydra`` need it (the ``verl`` extra).
+Nor does importing this package import anything but the standard library: the names below load ``policy_loss`` on
+first use (PEP 562), so that the entry point (``plugin``) runs its own ``try`` around that import and, when it fails in
+a verl process, installs ``plugin_guard`` instead of letting verl log the failure at DEBUG and run its own code.
 """
 
-from nemo_is_plugin.adapters.verl.policy_loss import (
-    CONFIG_ENV,
-    METRIC_PREFIX,
-    PLUGIN_SECTION,
-    SECTION_ENV,
-    VERL_AGG_MODES,
-    VERL_LOG_RATIO_CLAMP,
-    VERL_LOSS_NAME,
-    MissingPluginConfigError,
-    VerlPolicyLoss,
-    dump_rollouts,
-    generation_logprobs,
-    register_verl_loss,
-    verl_config,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nemo_is_plugin.adapters.verl.policy_loss import (
+        CONFIG_ENV,
+        METRIC_PREFIX,
+        PLUGIN_SECTION,
+        SECTION_ENV,
+        VERL_AGG_MODES,
+        VERL_LOG_RATIO_CLAMP,
+        VERL_LOSS_NAME,
+        MissingPluginConfigError,
+        VerlPolicyLoss,
+        dump_rollouts,
+        generation_logprobs,
+        register_verl_loss,
+        verl_config,
+    )
 
 __all__ = [
     "CONFIG_ENV",
@@ -44,3 +52,13 @@ __all__ = [
     "register_verl_loss",
     "verl_config",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # only these names: ``from nemo_is_plugin.adapters.verl import head`` asks for ``head`` here first, and must get
+    # an AttributeError (then the submodule), not an import of policy_loss
+    if name in __all__:
+        from nemo_is_plugin.adapters.verl import policy_loss
+
+        return getattr(policy_loss, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,12 +14,22 @@ Older verl: set ``VERL_USE_EXTERNAL_MODULES=nemo_is_plugin.adapters.verl.plugin`
 It also registers the hooks of the plugin's head for verl's Megatron fused forward (``adapters/verl/head.py``: active
 only where verl's model config sets ``fused_kernel_options.impl_backend=nemo_is``; on verl's FSDP models that
 value is refused while verl builds the model).
+
+verl logs an entry point that fails to import at DEBUG and goes on (``verl/__init__.py``, its plugin loop), which
+would leave ``impl_backend=nemo_is`` on verl's own kernel and a ``nemo_is.*`` loss mode unknown to verl without a
+word. So everything that can fail is imported inside the ``try`` below (the packages above this module import the
+standard library alone), and a failure installs ``plugin_guard`` instead (standard library only): one warning now, and
+one-line errors naming the import error and the fix at the points where verl would use what the plugin did not
+install (``adapters/verl/plugin_guard.py``).
 """
 
-from nemo_is_plugin.adapters.verl.policy_loss import register_verl_loss
+try:
+    from nemo_is_plugin.adapters.verl.head import install_hooks
+    from nemo_is_plugin.adapters.verl.policy_loss import register_verl_loss
 
-register_verl_loss()
+    register_verl_loss()
+    install_hooks()  # fused_kernel_options.impl_backend=nemo_is: verl's fused forward on the plugin's head (head.py)
+except Exception as exc:  # verl would only log it at DEBUG: the guard makes every use of the plugin say it
+    from nemo_is_plugin.adapters.verl.plugin_guard import install_guard
 
-from nemo_is_plugin.adapters.verl.head import install_hooks  # noqa: E402  (after the registration above)
-
-install_hooks()  # fused_kernel_options.impl_backend=nemo_is: verl's fused forward on the plugin's head (head.py)
+    install_guard(exc)

@@ -1,21 +1,24 @@
 """The plugin's interpreter start-up hook, for host processes the plugin does not start (NeMo-RL's Ray workers).
 
-``sitecustomize.py`` in this directory is what Python runs at start-up when this directory (or the repository root,
-whose ``sitecustomize.py`` loads this one) is on ``PYTHONPATH``; see that file. ``HOOK_DIR`` is the directory to put
-on ``PYTHONPATH`` for an installed (not source-tree) plugin:
+``hook/sitecustomize.py`` is the hook; three ways run it at interpreter start (that file says how): an installed
+plugin's ``nemo_is_plugin_startup.pth`` (this folder's copy is the source ``setup.py`` installs at the root of
+site-packages), ``HOOK_DIR`` -- the ``hook`` folder, which holds the hook alone -- on ``PYTHONPATH``, or the
+repository root on ``PYTHONPATH``. ``HOOK_DIR`` is printed by
 
-    export PYTHONPATH=$(python -c "import nemo_is_plugin.adapters.nemo_rl.startup as s; print(s.HOOK_DIR)"):$PYTHONPATH
+    python -c "import nemo_is_plugin.adapters.nemo_rl.startup as s; print(s.HOOK_DIR)"
 
-:func:`check_switch_in_effect` is the run-time side: the hook can fail to run without a word (another
-``sitecustomize`` first on ``sys.path``, its folder not on ``PYTHONPATH``, ``python -I`` / ``-E``, an error inside it
-that ``site.py`` prints as one "Error in sitecustomize" line), so the plugin's NeMo-RL loss calls it on every call and
-stops the run when the switch is on and NeMo-RL's fused log-prob function is not the plugin's.
+:func:`check_switch_in_effect` is the run-time side: the hook can still not run (the plugin neither installed in the
+worker's environment nor its folder on ``PYTHONPATH``, another ``sitecustomize`` first on ``sys.path`` for a
+``PYTHONPATH`` hook, ``python -S``, ``-I`` / ``-E`` for a ``PYTHONPATH`` hook, an error inside it that ``site.py``
+prints as one "Error in sitecustomize" / "Error processing line" message and goes on), so the plugin's NeMo-RL loss
+calls it on every call and stops the run when the switch is on and NeMo-RL's fused log-prob function is not the
+plugin's.
 """
 
 import os
 import sys
 
-HOOK_DIR = os.path.dirname(os.path.abspath(__file__))
+HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook")
 SWITCH_ENV = "NEMO_IS_NEMO_RL_HEAD"  # = adapters/nemo_rl/head.py's (no import of it here: it imports torch)
 TARGET_MODULE, TARGET = "nemo_rl.distributed.model_utils", "from_parallel_hidden_states_to_logprobs"
 
@@ -37,13 +40,14 @@ def check_switch_in_effect() -> None:
     cause = (
         "the start-up hook was registered but did not patch it"
         if hooked
-        else "the plugin's start-up hook did not run in this process (its folder not on PYTHONPATH, another "
-        "sitecustomize before it, python -I / -E, or an 'Error in sitecustomize' line)"
+        else "the plugin's start-up hook did not run in this process (the plugin not installed in this environment "
+        "and its hook folder not on PYTHONPATH, another sitecustomize before it, python -S, or an error printed by "
+        "site.py at start-up)"
     )
     raise SwitchNotInEffectError(
-        f"{SWITCH_ENV}=1 but NeMo-RL's {TARGET_MODULE}.{TARGET} is NeMo-RL's own: {cause}; put {HOOK_DIR} first on "
-        f"the workers' PYTHONPATH and check with `python -m nemo_is_plugin.adapters.head_check nemo-rl`, or unset "
-        f"{SWITCH_ENV}"
+        f"{SWITCH_ENV}=1 but NeMo-RL's {TARGET_MODULE}.{TARGET} is NeMo-RL's own: {cause}; install the plugin in "
+        f"the workers' environment or put {HOOK_DIR} first on their PYTHONPATH, and check with `python -m "
+        f"nemo_is_plugin.adapters.head_check nemo-rl`, or unset {SWITCH_ENV}"
     )
 
 
