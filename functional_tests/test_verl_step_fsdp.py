@@ -43,6 +43,7 @@ WORLD = 2
 ENGINE = "fsdp2"
 PLUGIN = "nemo_is.clipped_pg"
 SPAN_DIR_ENV = "NEMO_IS_VERL_M2PO_SPAN_DIR"
+ONLY_ENV = "NEMO_IS_VERL_STEP_ONLY"
 
 
 def setup_workers(rank: int, world_size: int) -> None:
@@ -114,14 +115,69 @@ def _m2po_span(rank: int, world_size: int) -> None:
         Path(out, f"dp{world_size}.json").write_text(json.dumps(first_step))
 
 
+def _fused_head(rank: int, world_size: int) -> None:
+    """The head switch on the FSDP engine: verl's fused forward (``use_fused_kernels=True``) with
+    ``impl_backend=nemo_is`` runs the plugin's head in every micro-batch's forward (counted) and gives the update of
+    verl's unfused path and of the same fused forward on verl's torch backend (``FusedLinearForPPO``)."""
+    from nemo_is_plugin.adapters.verl import fsdp_head
+
+    calls = []
+    original = fsdp_head.fused_linear_logprobs
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    unfused = _fp32_step()
+    verl_fused = _fp32_step(fused_keys("torch"))
+    fsdp_head.fused_linear_logprobs = counting
+    try:
+        plugin_fused = _fp32_step(fused_keys(fsdp_head.BACKEND))
+    finally:
+        fsdp_head.fused_linear_logprobs = original
+    assert len(calls) == 4, len(calls)  # two steps x two micro-batches on this rank, each forward on the plugin's head
+    assert_same_update(unfused, plugin_fused)
+    assert_same_update(verl_fused, plugin_fused)
+
+
+def _fused_head_untied_refused(rank: int, world_size: int) -> None:
+    """An untied LM head on FSDP2 (verl shards it as its own unit; its fused forwards read the shard): the plugin's
+    head refuses at the first forward, one line naming the fix, instead of running on a shard."""
+    from nemo_is_plugin.adapters.import_hooks import HostPatchError
+    from nemo_is_plugin.adapters.verl import fsdp_head
+
+    with pytest.raises(HostPatchError, match="sharded DTensor") as refused:
+        _fp32_step(fused_keys(fsdp_head.BACKEND), tied=False)
+    assert "\n" not in str(refused.value) and "use_fused_kernels=False" in str(refused.value)
+
+
+# fp32 compute: without ``mixed_precision`` verl's FSDP engine computes in bf16 (FSDP2 ``param_dtype`` and autocast,
+# ``FSDPEngine._build_fsdp_module`` in verl/workers/engine/fsdp/transformer_impl.py), where the heads' roundings
+# differ; SGD: the parameters move by lr x the gradient, so they compare the heads' gradients (Adam's first steps move
+# every entry by about lr whatever its size, turning a 1e-7 difference of a near-zero gradient into lr)
+FP32 = {"mixed_precision": {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}}
+
+
+def _fp32_step(model_keys: dict | None = None, tied: bool = True):
+    """Tied embeddings by default: verl's FSDP2 wrapping shards an untied ``lm_head`` as its own unit, and verl's fused
+    forwards (every backend) read its weight outside its forward (``_fused_head_untied_refused``)."""
+    return run_step(ENGINE, model_keys=model_keys, engine_keys=FP32, optim_keys={"optimizer": "SGD"}, tied=tied)
+
+
+def fused_keys(backend: str) -> dict:
+    return {"use_fused_kernels": True, "fused_kernel_options": {"impl_backend": backend}}
+
+
 CHECKS = [
     ("vanilla_remove_padding", _native_vs_plugin(True)),
     ("vanilla_padded", _native_vs_plugin(False)),
     *((f"own_{name}", _own_setting(name)) for name in OWN_SETTINGS if name != "m2po"),
     ("m2po_span", _m2po_span),
+    ("fused_head_nemo_is", _fused_head),
+    ("fused_head_untied_refused", _fused_head_untied_refused),
 ]
-if os.environ.get("NEMO_IS_VERL_STEP_ONLY"):  # the DP 1 spawn runs the named check alone
-    CHECKS = [(n, f) for n, f in CHECKS if n == os.environ["NEMO_IS_VERL_STEP_ONLY"]]
+if os.environ.get(ONLY_ENV):  # the checks the session selected (pytest -k), or the DP 1 spawn's one
+    CHECKS = [(n, f) for n, f in CHECKS if n in os.environ[ONLY_ENV].split(",")]
 
 
 @pytest.fixture(scope="module")
@@ -132,23 +188,35 @@ def span_dir(tmp_path_factory) -> Path:
     return path
 
 
+def _selected_checks(session) -> list[str]:
+    """The checks this session's tests of the module need (all of them without ``-k``)."""
+    names = set()
+    for item in session.items:
+        if getattr(item, "module", None) is None or item.module.__name__ != __name__:
+            continue
+        callspec = getattr(item, "callspec", None)
+        names.add(callspec.params["name"] if callspec is not None else "m2po_span")
+    return [name for name, _ in CHECKS if name in names]
+
+
 @pytest.fixture(scope="module")
-def gloo_results(span_dir) -> dict[str, str | None]:
-    """Every check of ``CHECKS`` in one spawn of ``WORLD`` gloo ranks (verl's set-up is paid once per module)."""
-    os.environ[SPAN_DIR_ENV] = str(span_dir)
+def gloo_results(request, span_dir) -> dict[str, str | None]:
+    """The selected checks of ``CHECKS`` in one spawn of ``WORLD`` gloo ranks (verl's set-up is paid once per
+    module)."""
+    os.environ.update({SPAN_DIR_ENV: str(span_dir), ONLY_ENV: ",".join(_selected_checks(request.session))})
     try:
         return run_checks(__name__, WORLD)
     finally:
-        del os.environ[SPAN_DIR_ENV]
+        del os.environ[SPAN_DIR_ENV], os.environ[ONLY_ENV]
 
 
 @pytest.fixture(scope="module")
 def dp1_results(span_dir) -> dict[str, str | None]:
-    os.environ.update({SPAN_DIR_ENV: str(span_dir), "NEMO_IS_VERL_STEP_ONLY": "m2po_span"})
+    os.environ.update({SPAN_DIR_ENV: str(span_dir), ONLY_ENV: "m2po_span"})
     try:
         return run_checks(__name__, 1)
     finally:
-        del os.environ[SPAN_DIR_ENV], os.environ["NEMO_IS_VERL_STEP_ONLY"]
+        del os.environ[SPAN_DIR_ENV], os.environ[ONLY_ENV]
 
 
 @pytest.mark.parametrize("name", [name for name, _ in CHECKS])
