@@ -115,40 +115,52 @@ def _m2po_span(rank: int, world_size: int) -> None:
         Path(out, f"dp{world_size}.json").write_text(json.dumps(first_step))
 
 
-def _fused_head(rank: int, world_size: int) -> None:
-    """The head switch on the FSDP engine: verl's fused forward (``use_fused_kernels=True``) with
-    ``impl_backend=nemo_is`` runs the plugin's head in every micro-batch's forward (counted) and gives the update of
-    verl's unfused path and of the same fused forward on verl's torch backend (``FusedLinearForPPO``)."""
+def _counting_head():
+    """A context manager counting the calls of the plugin's head from verl's FSDP fused forward."""
+    import contextlib
+
     from nemo_is_plugin.adapters.verl import fsdp_head
 
-    calls = []
-    original = fsdp_head.fused_linear_logprobs
+    @contextlib.contextmanager
+    def counting():
+        calls: list[int] = []
+        original = fsdp_head.fused_linear_logprobs
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
 
-    unfused = _fp32_step()
-    verl_fused = _fp32_step(fused_keys("torch"))
-    fsdp_head.fused_linear_logprobs = counting
-    try:
-        plugin_fused = _fp32_step(fused_keys(fsdp_head.BACKEND))
-    finally:
-        fsdp_head.fused_linear_logprobs = original
+        fsdp_head.fused_linear_logprobs = counted
+        try:
+            yield calls
+        finally:
+            fsdp_head.fused_linear_logprobs = original
+
+    return counting()
+
+
+def _fused_head(rank: int, world_size: int) -> None:
+    """The head switch on the FSDP engine, tied embeddings: verl's fused forward (``use_fused_kernels=True``) with
+    ``impl_backend=nemo_is`` runs the plugin's head in every micro-batch's forward (counted) and gives the update of
+    verl's unfused path and of the same fused forward on verl's torch backend (``FusedLinearForPPO``)."""
+    unfused = _fp32_step(tied=True)
+    verl_fused = _fp32_step(fused_keys("torch"), tied=True)
+    with _counting_head() as calls:
+        plugin_fused = _fp32_step(fused_keys("nemo_is"), tied=True)
     assert len(calls) == 4, len(calls)  # two steps x two micro-batches on this rank, each forward on the plugin's head
     assert_same_update(unfused, plugin_fused)
     assert_same_update(verl_fused, plugin_fused)
 
 
-def _fused_head_untied_refused(rank: int, world_size: int) -> None:
-    """An untied LM head on FSDP2 (verl shards it as its own unit; its fused forwards read the shard): the plugin's
-    head refuses at the first forward, one line naming the fix, instead of running on a shard."""
-    from nemo_is_plugin.adapters.import_hooks import HostPatchError
-    from nemo_is_plugin.adapters.verl import fsdp_head
-
-    with pytest.raises(HostPatchError, match="sharded DTensor") as refused:
-        _fp32_step(fused_keys(fsdp_head.BACKEND), tied=False)
-    assert "\n" not in str(refused.value) and "use_fused_kernels=False" in str(refused.value)
+def _fused_head_untied(rank: int, world_size: int) -> None:
+    """Untied embeddings: verl's FSDP2 wrapping shards ``lm_head`` as its own unit and verl's fused forwards read its
+    weight outside its forward (this rank's shard; verl's torch backend fails there, "got mixed torch.Tensor and
+    DTensor"): the plugin's head runs as an FSDP2 forward method of ``lm_head`` and gives verl's unfused update."""
+    unfused = _fp32_step(tied=False)
+    with _counting_head() as calls:
+        plugin_fused = _fp32_step(fused_keys("nemo_is"), tied=False)
+    assert len(calls) == 4, len(calls)
+    assert_same_update(unfused, plugin_fused)
 
 
 # fp32 compute: without ``mixed_precision`` verl's FSDP engine computes in bf16 (FSDP2 ``param_dtype`` and autocast,
@@ -158,10 +170,17 @@ def _fused_head_untied_refused(rank: int, world_size: int) -> None:
 FP32 = {"mixed_precision": {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}}
 
 
-def _fp32_step(model_keys: dict | None = None, tied: bool = True):
-    """Tied embeddings by default: verl's FSDP2 wrapping shards an untied ``lm_head`` as its own unit, and verl's fused
-    forwards (every backend) read its weight outside its forward (``_fused_head_untied_refused``)."""
-    return run_step(ENGINE, model_keys=model_keys, engine_keys=FP32, optim_keys={"optimizer": "SGD"}, tied=tied)
+def _fp32_step(model_keys: dict | None = None, *, tied: bool):
+    """One ``run_step`` in fp32 with SGD; the model class's forward restored after it: verl's fused patch sets it on
+    the class (``patch_forward_with_backends`` in verl/models/transformers/monkey_patch.py: ``model.__class__.forward
+    = ...``), so every later Qwen2 of the process, an unfused one included, would run the fused forward."""
+    from transformers import Qwen2ForCausalLM
+
+    forward = Qwen2ForCausalLM.forward
+    try:
+        return run_step(ENGINE, model_keys=model_keys, engine_keys=FP32, optim_keys={"optimizer": "SGD"}, tied=tied)
+    finally:
+        Qwen2ForCausalLM.forward = forward  # type: ignore[method-assign]
 
 
 def fused_keys(backend: str) -> dict:
@@ -174,7 +193,7 @@ CHECKS = [
     *((f"own_{name}", _own_setting(name)) for name in OWN_SETTINGS if name != "m2po"),
     ("m2po_span", _m2po_span),
     ("fused_head_nemo_is", _fused_head),
-    ("fused_head_untied_refused", _fused_head_untied_refused),
+    ("fused_head_nemo_is_untied", _fused_head_untied),
 ]
 if os.environ.get(ONLY_ENV):  # the checks the session selected (pytest -k), or the DP 1 spawn's one
     CHECKS = [(n, f) for n, f in CHECKS if n in os.environ[ONLY_ENV].split(",")]

@@ -24,6 +24,8 @@ lets verl install its torch-backend forward for the model type, then marks the m
 head (:func:`~nemo_is_plugin.distributed.head.fused_linear.fused_linear_logprobs`: one chunk of logits at a time,
 never an fp32 ``[tokens, V]``) and hands any other backend to verl's class unchanged (a model built with ``torch`` in
 the same process keeps verl's op). Everything around the head (decoder, labels, temperature, output) stays verl's.
+On FSDP2 with an untied LM head, where verl's forwards get the weight's shard and verl's own op fails, the head runs
+as an FSDP2 forward method of ``lm_head`` (:func:`_through_fsdp2_lm_head`).
 
 Nothing falls back silently: verl's op must take ``(hidden_states, vocab_weights, input_ids, temperature)``, the
 installed forward must import the op from its module at call time and read ``_verl_fused_kernels_backend``, and after
@@ -40,6 +42,8 @@ import functools
 import importlib
 import inspect
 import logging
+import types
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -58,6 +62,8 @@ OP_MODULE, OP = "verl.utils.experimental.torch_functional", "FusedLinearForPPO"
 BACKEND_ATTR = "_verl_fused_kernels_backend"  # where patch_forward_with_backends stores the backend on the model
 OP_INIT_PARAMS = ("self", "chunk_size", "impl_backend")
 OP_FORWARD_PARAMS = ("self", "hidden_states", "vocab_weights", "input_ids", "temperature")
+HEAD_METHOD = "nemo_is_ppo_head"  # the FSDP2 forward method the head runs as on a sharded lm_head
+_MODELS: weakref.WeakSet = weakref.WeakSet()  # the models built with the nemo_is backend
 FIX = "set fused_kernel_options.impl_backend to torch (verl's) until the plugin supports it"
 logger = logging.getLogger(__name__)
 
@@ -67,19 +73,13 @@ def ppo_logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What verl's ``FusedLinearForPPO.forward`` returns, on the plugin's head: log-probs of ``input_ids`` under
     ``softmax(hidden_states W^T / temperature)`` (fp32; fp64 for fp64 inputs) and the entropy in the hidden states'
-    dtype (as verl's torch op casts it), both shaped like ``input_ids``; differentiable in the hidden states and W."""
+    dtype (as verl's torch op casts it), both shaped like ``input_ids``; differentiable in the hidden states and W.
+    A ``vocab_weights`` that is FSDP2's shard of a patched model's LM head runs through that module (see
+    :func:`_through_fsdp2_lm_head`)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(vocab_weights, DTensor):
-        # verl's apply_fsdp2 (verl/utils/fsdp_utils.py, _select_fsdp2_wrap_targets) shards an untied lm_head as its
-        # own FSDP2 unit, unsharded only inside lm_head's forward, which verl's fused forwards never call: they read
-        # self.lm_head.weight, this rank's shard (verl's own torch op fails on it: "got mixed torch.Tensor and
-        # DTensor"). Gathering it here would bypass FSDP2's gradient reduction: refused.
-        raise HostPatchError(
-            f"verl's fused forward passed the LM head as a sharded {type(vocab_weights).__name__} (FSDP2 shards an "
-            "untied lm_head on its own and verl's fused forwards read its weight outside its forward; verl's torch "
-            "backend fails there too): use strategy=fsdp, a model with tied embeddings, or use_fused_kernels=False"
-        )
+        return _through_fsdp2_lm_head(hidden_states, vocab_weights, input_ids, temperature)
     if hidden_states.dim() not in (2, 3) or hidden_states.shape[:-1] != input_ids.shape:
         raise ValueError(  # verl's torch op accepts [T, H] / [B, S, H] with labels of the leading shape
             f"hidden_states {tuple(hidden_states.shape)} and input_ids {tuple(input_ids.shape)} must be "
@@ -94,6 +94,41 @@ def ppo_logprobs_and_entropy(
         with_entropy=True,
     )
     return logprobs, entropy.to(hidden_states.dtype)
+
+
+def _lm_head_forward(self, hidden_states, input_ids, temperature):
+    return ppo_logprobs_and_entropy(hidden_states, self.weight, input_ids, temperature)
+
+
+def _through_fsdp2_lm_head(hidden_states, vocab_weights, input_ids, temperature):
+    """verl's FSDP2 wrapping (``apply_fsdp2`` / ``_select_fsdp2_wrap_targets``, verl/utils/fsdp_utils.py) makes an
+    untied ``lm_head`` its own FSDP2 unit, whose weight is whole only inside that module's forward; verl's fused
+    forwards never call it, they read ``self.lm_head.weight``: this rank's shard, a DTensor (verl's own torch op fails
+    on it: "got mixed torch.Tensor and DTensor"). The head runs here as a forward method of that module
+    (torch's ``register_fsdp_forward_method``): FSDP2 all-gathers the weight before it, reshards after it and
+    reduce-scatters its gradient, as for ``lm_head(hidden)``. Any other sharded weight is refused."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    lm_head = next((h for h in _output_embeddings() if getattr(h, "weight", None) is vocab_weights), None)
+    if not isinstance(lm_head, FSDPModule):
+        raise HostPatchError(
+            f"verl's fused forward passed a sharded {type(vocab_weights).__name__} LM head that is not the weight "
+            "of an FSDP2-wrapped lm_head of a model built with impl_backend=nemo_is: the plugin's head takes the "
+            "whole [V, H] weight; set use_fused_kernels=False"
+        )
+    if not hasattr(lm_head, HEAD_METHOD):
+        setattr(lm_head, HEAD_METHOD, types.MethodType(_lm_head_forward, lm_head))
+        register_fsdp_forward_method(lm_head, HEAD_METHOD)  # type: ignore[arg-type]  # an FSDPModule is a Module
+    return getattr(lm_head, HEAD_METHOD)(hidden_states, input_ids, temperature)
+
+
+def _output_embeddings() -> list[Any]:
+    """The LM heads of the models built with the ``nemo_is`` backend in this process (alive ones)."""
+    heads = []
+    for model in list(_MODELS):
+        get = getattr(model, "get_output_embeddings", None)
+        heads.append(get() if get is not None else getattr(model, "lm_head", None))
+    return heads
 
 
 def _plugin_op_class(verl_op: type) -> type:
@@ -183,6 +218,7 @@ def _wrap_patch(module: ModuleType) -> None:
             )
         check_forward(type(model).forward)
         setattr(model, BACKEND_ATTR, BACKEND)
+        _MODELS.add(model)
         logger.info("verl's fused forward of %s runs on the plugin's head (impl_backend=%s)", type(model), BACKEND)
 
     patch_forward_with_backends.nemo_is_hook = True  # type: ignore[attr-defined]
