@@ -1,6 +1,6 @@
 """verl 0.9.1's real actor update on its FSDP engine (fsdp2, DP 2) on CPU gloo ranks (``_verl_step``: verl's
 ``TrainingWorker.train_mini_batch`` -> ``ppo_loss`` -> ``get_policy_loss_fn``, two optimizer steps of two micro-batches
-per rank, fp32, a tiny random Qwen2).
+per rank, fp32 parameters, a tiny random Qwen2; verl's default mixed precision computes in bf16).
 
 - verl's ``vanilla`` against the plugin selected through verl's own config (``policy_loss.loss_mode=nemo_is.clipped_pg``
   with an empty ``nemo_is`` section: verl's settings only): the same loss, grad norm and parameters after the two
@@ -9,9 +9,14 @@ per rank, fp32, a tiny random Qwen2).
   verl's step metrics under its name (the documented ones included), nothing non-finite;
 - M2PO's batch statistic in verl's step spans one micro-batch of one DP rank (docs/verl.md): at DP 1 and DP 2 the
   first step's calls on the same rows give the same M2 and bounds, each call's M2 is its own rows' by hand, and verl's
-  value is the mean of the calls' (``_micro_batch_mean``).
+  value is the mean of the calls' (``_micro_batch_mean``);
+- the head switch (``use_fused_kernels=True``, ``fused_kernel_options.impl_backend=nemo_is``), fp32 compute and SGD:
+  verl's fused forward runs the plugin's head (its calls counted) and the update equals verl's unfused path's and
+  verl's own ``torch`` backend's (tied embeddings), and verl's unfused path's with an untied LM head (FSDP2 shards it
+  on its own; verl's ``torch`` backend fails there).
 
-One spawn of two ranks for the module (and one of one rank for the DP 1 half of the M2PO check); ~2.5 min on 2 cores.
+One spawn of two ranks for the module, running the checks the session selected (and one of one rank for the DP 1
+half of the M2PO check); ~2.5 min on 2 cores, of which the fused-head checks take 5-10 s.
 """
 
 from __future__ import annotations
