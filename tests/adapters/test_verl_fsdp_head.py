@@ -212,8 +212,7 @@ def test_a_verl_the_plugin_cannot_stand_in_for_is_refused(verl_patch, monkeypatc
 def test_every_forward_verl_installs_builds_the_op_at_call_time(verl_patch, capsys):
     """The torch-backend forwards of every model type ``patch_forward_with_backends`` knows pass the check, and
     verl's ``apply_monkey_patch`` calls that function by its global name (the binding the hook replaces)."""
-    for name in ("dense_common", "qwen2_vl", "qwen3_vl", "glm4v", "qwen3_5"):
-        fsdp_head.check_forward(importlib.import_module(f"verl.models.transformers.{name}").forward_with_torch_backend)
+    fsdp_head.check_targets()  # what head_check verl runs: verl's op and every forward_with_torch_backend
     apply = getattr(verl_patch, fsdp_head.APPLY).__wrapped__.__code__
     assert fsdp_head.PATCH in {i.argval for i in dis.get_instructions(apply) if i.opname == "LOAD_GLOBAL"}
     patch = getattr(verl_patch, fsdp_head.PATCH)

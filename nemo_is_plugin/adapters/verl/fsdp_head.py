@@ -58,6 +58,10 @@ PATCH_MODULE, PATCH, APPLY = (
     "patch_forward_with_backends",
     "apply_monkey_patch",
 )
+# the modules whose forward_with_torch_backend verl 0.9.1's patch_forward_with_backends installs, by model type
+FORWARD_MODULES = tuple(
+    f"verl.models.transformers.{name}" for name in ("dense_common", "qwen2_vl", "qwen3_vl", "glm4v", "qwen3_5")
+)
 OP_MODULE, OP = "verl.utils.experimental.torch_functional", "FusedLinearForPPO"
 BACKEND_ATTR = "_verl_fused_kernels_backend"  # where patch_forward_with_backends stores the backend on the model
 OP_INIT_PARAMS = ("self", "chunk_size", "impl_backend")
@@ -158,6 +162,25 @@ def _params(fn: Any) -> tuple[str, ...] | None:
     return None if fn is None else tuple(inspect.signature(fn).parameters)
 
 
+def check_op(op: Any) -> None:
+    """HostPatchError unless ``op`` (verl's ``FusedLinearForPPO``) takes the arguments the plugin's backend does."""
+    found = (_params(getattr(op, "__init__", None)), _params(getattr(op, "forward", None)))
+    if found != (OP_INIT_PARAMS, OP_FORWARD_PARAMS):
+        raise HostPatchError(
+            f"{OP_MODULE}.{OP} takes __init__{found[0]} / forward{found[1]}, the plugin's head stands in for "
+            f"__init__{OP_INIT_PARAMS} / forward{OP_FORWARD_PARAMS}; {FIX}"
+        )
+
+
+def check_targets() -> None:
+    """Without patching anything: HostPatchError unless the installed verl's op and the torch-backend forwards of
+    every model type ``patch_forward_with_backends`` knows are what the plugin stands in for (``head_check``)."""
+    module = importlib.import_module(OP_MODULE)
+    check_op(getattr(module, "_nemo_is_original_" + OP, getattr(module, OP, None)))
+    for name in FORWARD_MODULES:
+        check_forward(getattr(importlib.import_module(name), "forward_with_torch_backend", None))
+
+
 def install_op() -> type:
     """Put :func:`_plugin_op_class` in place of verl's ``FusedLinearForPPO`` (idempotent; verl's class is kept as
     ``_nemo_is_original_FusedLinearForPPO``); HostPatchError if verl's op is not the one the plugin stands in for."""
@@ -165,12 +188,7 @@ def install_op() -> type:
     current = getattr(module, OP, None)
     if getattr(current, "nemo_is_head", False):
         return current  # type: ignore[return-value]
-    found = (_params(getattr(current, "__init__", None)), _params(getattr(current, "forward", None)))
-    if found != (OP_INIT_PARAMS, OP_FORWARD_PARAMS):
-        raise HostPatchError(
-            f"{OP_MODULE}.{OP} takes __init__{found[0]} / forward{found[1]}, the plugin's head stands in for "
-            f"__init__{OP_INIT_PARAMS} / forward{OP_FORWARD_PARAMS}; {FIX}"
-        )
+    check_op(current)
     assert current is not None
     setattr(module, "_nemo_is_original_" + OP, current)
     replacement = _plugin_op_class(current)
@@ -262,6 +280,8 @@ def on_patch_module(module: ModuleType) -> None:
 
 __all__ = [
     "check_forward",
+    "check_op",
+    "check_targets",
     "install_op",
     "on_patch_module",
     "plugin_backend_on",
