@@ -16,7 +16,8 @@ per rank, fp32 parameters, a tiny random Qwen2; verl's default mixed precision c
   on its own; verl's ``torch`` backend fails there).
 
 One spawn of two ranks for the module, running the checks the session selected (and one of one rank for the DP 1
-half of the M2PO check); ~2.5 min on 2 cores, of which the fused-head checks take 5-10 s.
+half of the M2PO check); ~70 s on 2 cores, of which the fused-head checks take ~1.5 s (the first check pays the
+steps' warm-up, ~10 s).
 """
 
 from __future__ import annotations
