@@ -29,6 +29,7 @@ CORE_MODULES = (
     "nemo_is_plugin.adapters.nemo_rl.loss_fn",
     "nemo_is_plugin.adapters.verl",
     "nemo_is_plugin.adapters.verl.head",
+    "nemo_is_plugin.adapters.verl.fsdp_head",
     "nemo_is_plugin.adapters.slime",
     "nemo_is_plugin.distributed.entry_points.logit_loss",
     "nemo_is_plugin.distributed.head.fused_linear",

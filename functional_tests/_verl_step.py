@@ -39,12 +39,12 @@ def setup_rank(rank: int, world_size: int) -> None:
     verl_shims.register_cpu_platform()
 
 
-def model_dir() -> Path:
-    """The tiny random model, written once by rank 0 into ``$NEMO_IS_VERL_STEP_DIR`` (the test module's temporary
-    directory; the same bytes for every run)."""
-    root = Path(os.environ[MODEL_DIR_ENV]) / "tiny_qwen2"
+def model_dir(tied: bool = False) -> Path:
+    """The tiny random model (its LM head tied to the embedding with ``tied``), written once by rank 0 into
+    ``$NEMO_IS_VERL_STEP_DIR`` (the test module's temporary directory; the same bytes for every run)."""
+    root = Path(os.environ[MODEL_DIR_ENV]) / ("tiny_qwen2_tied" if tied else "tiny_qwen2")
     if dist.get_rank() == 0 and not (root / "config.json").exists():
-        verl_shims.tiny_model_dir(root, vocab_size=VOCAB)
+        verl_shims.tiny_model_dir(root, vocab_size=VOCAB, tied=tied)
     dist.barrier()
     return root
 
@@ -123,6 +123,7 @@ def run_step(
     rollout_is_weights: bool = False,
     optim_keys: dict | None = None,
     seed: int = 0,
+    tied: bool = False,
 ) -> StepResult:
     """Two optimizer steps of verl's actor update on this rank's DP chunk of ``global_batch(seed)``."""
     from tensordict import TensorDict
@@ -133,7 +134,7 @@ def run_step(
     from verl.workers.utils.padding import left_right_2_no_padding
 
     model_config = HFModelConfig(
-        path=str(model_dir()),
+        path=str(model_dir(tied)),
         use_remove_padding=remove_padding,
         override_config={"attn_implementation": "sdpa"},
         **(model_keys or {}),

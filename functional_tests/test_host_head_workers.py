@@ -259,7 +259,8 @@ def test_the_documented_verl_check_passes_in_a_verl_worker(worker_python, tmp_pa
     proc = _run(worker_python, check, tmp_path, _env(PYTHONPATH=str(ROOT)))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "[ok] the plugin's head against verl's torch op on cpu:" in proc.stdout
-    assert proc.stdout.count("[ok]") == 7
+    assert "[ok] verl's FSDP fused forwards build FusedLinearForPPO as the plugin expects" in proc.stdout
+    assert proc.stdout.count("[ok]") == 8
     # verl told to load no entry point: nothing of the plugin runs in verl's process, and the check says so
     off = _run(worker_python, check, tmp_path, _env(PYTHONPATH=str(ROOT), VERL_USE_EXTERNAL_PLUGINS="none"))
     assert off.returncode == 1 and "[FAIL] hooks registered by the verl.plugins entry point: []" in off.stdout

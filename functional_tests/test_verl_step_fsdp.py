@@ -1,6 +1,6 @@
 """verl 0.9.1's real actor update on its FSDP engine (fsdp2, DP 2) on CPU gloo ranks (``_verl_step``: verl's
 ``TrainingWorker.train_mini_batch`` -> ``ppo_loss`` -> ``get_policy_loss_fn``, two optimizer steps of two micro-batches
-per rank, fp32, a tiny random Qwen2).
+per rank, fp32 parameters, a tiny random Qwen2; verl's default mixed precision computes in bf16).
 
 - verl's ``vanilla`` against the plugin selected through verl's own config (``policy_loss.loss_mode=nemo_is.clipped_pg``
   with an empty ``nemo_is`` section: verl's settings only): the same loss, grad norm and parameters after the two
@@ -9,9 +9,15 @@ per rank, fp32, a tiny random Qwen2).
   verl's step metrics under its name (the documented ones included), nothing non-finite;
 - M2PO's batch statistic in verl's step spans one micro-batch of one DP rank (docs/verl.md): at DP 1 and DP 2 the
   first step's calls on the same rows give the same M2 and bounds, each call's M2 is its own rows' by hand, and verl's
-  value is the mean of the calls' (``_micro_batch_mean``).
+  value is the mean of the calls' (``_micro_batch_mean``);
+- the head switch (``use_fused_kernels=True``, ``fused_kernel_options.impl_backend=nemo_is``), fp32 compute and SGD:
+  verl's fused forward runs the plugin's head (its calls counted) and the update equals verl's unfused path's and
+  verl's own ``torch`` backend's (tied embeddings), and verl's unfused path's with an untied LM head (FSDP2 shards it
+  on its own; verl's ``torch`` backend fails there).
 
-One spawn of two ranks for the module (and one of one rank for the DP 1 half of the M2PO check); ~2.5 min on 2 cores.
+One spawn of two ranks for the module, running the checks the session selected (and one of one rank for the DP 1
+half of the M2PO check); ~70 s on 2 cores, of which the fused-head checks take ~1.5 s (the first check pays the
+steps' warm-up, ~10 s).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ WORLD = 2
 ENGINE = "fsdp2"
 PLUGIN = "nemo_is.clipped_pg"
 SPAN_DIR_ENV = "NEMO_IS_VERL_M2PO_SPAN_DIR"
+ONLY_ENV = "NEMO_IS_VERL_STEP_ONLY"
 
 
 def setup_workers(rank: int, world_size: int) -> None:
@@ -114,14 +121,88 @@ def _m2po_span(rank: int, world_size: int) -> None:
         Path(out, f"dp{world_size}.json").write_text(json.dumps(first_step))
 
 
+def _counting_head():
+    """A context manager counting the calls of the plugin's head from verl's FSDP fused forward."""
+    import contextlib
+
+    from nemo_is_plugin.adapters.verl import fsdp_head
+
+    @contextlib.contextmanager
+    def counting():
+        calls: list[int] = []
+        original = fsdp_head.fused_linear_logprobs
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        fsdp_head.fused_linear_logprobs = counted
+        try:
+            yield calls
+        finally:
+            fsdp_head.fused_linear_logprobs = original
+
+    return counting()
+
+
+def _fused_head(rank: int, world_size: int) -> None:
+    """The head switch on the FSDP engine, tied embeddings: verl's fused forward (``use_fused_kernels=True``) with
+    ``impl_backend=nemo_is`` runs the plugin's head in every micro-batch's forward (counted) and gives the update of
+    verl's unfused path and of the same fused forward on verl's torch backend (``FusedLinearForPPO``)."""
+    unfused = _fp32_step(tied=True)
+    verl_fused = _fp32_step(fused_keys("torch"), tied=True)
+    with _counting_head() as calls:
+        plugin_fused = _fp32_step(fused_keys("nemo_is"), tied=True)
+    assert len(calls) == 4, len(calls)  # two steps x two micro-batches on this rank, each forward on the plugin's head
+    assert_same_update(unfused, plugin_fused)
+    assert_same_update(verl_fused, plugin_fused)
+
+
+def _fused_head_untied(rank: int, world_size: int) -> None:
+    """Untied embeddings: verl's FSDP2 wrapping shards ``lm_head`` as its own unit and verl's fused forwards read its
+    weight outside its forward (this rank's shard; verl's torch backend fails there, "got mixed torch.Tensor and
+    DTensor"): the plugin's head runs as an FSDP2 forward method of ``lm_head`` and gives verl's unfused update."""
+    unfused = _fp32_step(tied=False)
+    with _counting_head() as calls:
+        plugin_fused = _fp32_step(fused_keys("nemo_is"), tied=False)
+    assert len(calls) == 4, len(calls)
+    assert_same_update(unfused, plugin_fused)
+
+
+# fp32 compute: without ``mixed_precision`` verl's FSDP engine computes in bf16 (FSDP2 ``param_dtype`` and autocast,
+# ``FSDPEngine._build_fsdp_module`` in verl/workers/engine/fsdp/transformer_impl.py), where the heads' roundings
+# differ; SGD: the parameters move by lr x the gradient, so they compare the heads' gradients (Adam's first steps move
+# every entry by about lr whatever its size, turning a 1e-7 difference of a near-zero gradient into lr)
+FP32 = {"mixed_precision": {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}}
+
+
+def _fp32_step(model_keys: dict | None = None, *, tied: bool):
+    """One ``run_step`` in fp32 with SGD; the model class's forward restored after it: verl's fused patch sets it on
+    the class (``patch_forward_with_backends`` in verl/models/transformers/monkey_patch.py: ``model.__class__.forward
+    = ...``), so every later Qwen2 of the process, an unfused one included, would run the fused forward."""
+    from transformers import Qwen2ForCausalLM
+
+    forward = Qwen2ForCausalLM.forward
+    try:
+        return run_step(ENGINE, model_keys=model_keys, engine_keys=FP32, optim_keys={"optimizer": "SGD"}, tied=tied)
+    finally:
+        Qwen2ForCausalLM.forward = forward  # type: ignore[method-assign]
+
+
+def fused_keys(backend: str) -> dict:
+    return {"use_fused_kernels": True, "fused_kernel_options": {"impl_backend": backend}}
+
+
 CHECKS = [
     ("vanilla_remove_padding", _native_vs_plugin(True)),
     ("vanilla_padded", _native_vs_plugin(False)),
     *((f"own_{name}", _own_setting(name)) for name in OWN_SETTINGS if name != "m2po"),
     ("m2po_span", _m2po_span),
+    ("fused_head_nemo_is", _fused_head),
+    ("fused_head_nemo_is_untied", _fused_head_untied),
 ]
-if os.environ.get("NEMO_IS_VERL_STEP_ONLY"):  # the DP 1 spawn runs the named check alone
-    CHECKS = [(n, f) for n, f in CHECKS if n == os.environ["NEMO_IS_VERL_STEP_ONLY"]]
+if os.environ.get(ONLY_ENV):  # the checks the session selected (pytest -k), or the DP 1 spawn's one
+    CHECKS = [(n, f) for n, f in CHECKS if n in os.environ[ONLY_ENV].split(",")]
 
 
 @pytest.fixture(scope="module")
@@ -132,23 +213,35 @@ def span_dir(tmp_path_factory) -> Path:
     return path
 
 
+def _selected_checks(session) -> list[str]:
+    """The checks this session's tests of the module need (all of them without ``-k``)."""
+    names = set()
+    for item in session.items:
+        if getattr(item, "module", None) is None or item.module.__name__ != __name__:
+            continue
+        callspec = getattr(item, "callspec", None)
+        names.add(callspec.params["name"] if callspec is not None else "m2po_span")
+    return [name for name, _ in CHECKS if name in names]
+
+
 @pytest.fixture(scope="module")
-def gloo_results(span_dir) -> dict[str, str | None]:
-    """Every check of ``CHECKS`` in one spawn of ``WORLD`` gloo ranks (verl's set-up is paid once per module)."""
-    os.environ[SPAN_DIR_ENV] = str(span_dir)
+def gloo_results(request, span_dir) -> dict[str, str | None]:
+    """The selected checks of ``CHECKS`` in one spawn of ``WORLD`` gloo ranks (verl's set-up is paid once per
+    module)."""
+    os.environ.update({SPAN_DIR_ENV: str(span_dir), ONLY_ENV: ",".join(_selected_checks(request.session))})
     try:
         return run_checks(__name__, WORLD)
     finally:
-        del os.environ[SPAN_DIR_ENV]
+        del os.environ[SPAN_DIR_ENV], os.environ[ONLY_ENV]
 
 
 @pytest.fixture(scope="module")
 def dp1_results(span_dir) -> dict[str, str | None]:
-    os.environ.update({SPAN_DIR_ENV: str(span_dir), "NEMO_IS_VERL_STEP_ONLY": "m2po_span"})
+    os.environ.update({SPAN_DIR_ENV: str(span_dir), ONLY_ENV: "m2po_span"})
     try:
         return run_checks(__name__, 1)
     finally:
-        del os.environ[SPAN_DIR_ENV], os.environ["NEMO_IS_VERL_STEP_ONLY"]
+        del os.environ[SPAN_DIR_ENV], os.environ[ONLY_ENV]
 
 
 @pytest.mark.parametrize("name", [name for name, _ in CHECKS])

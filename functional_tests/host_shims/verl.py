@@ -128,8 +128,11 @@ def register_cpu_platform() -> None:
     set_platform(PlatformCPU())
 
 
-def tiny_model_dir(path: Path, *, vocab_size: int = 256, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """A random 2-layer Qwen2 (4 heads, 2 KV heads) saved with ``save_pretrained``: verl loads it as a checkpoint."""
+def tiny_model_dir(
+    path: Path, *, vocab_size: int = 256, hidden: int = 64, layers: int = 2, seed: int = 0, tied: bool = False
+) -> Path:
+    """A random 2-layer Qwen2 (4 heads, 2 KV heads; the LM head tied to the embedding with ``tied``) saved with
+    ``save_pretrained``: verl loads it as a checkpoint."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
@@ -140,7 +143,7 @@ def tiny_model_dir(path: Path, *, vocab_size: int = 256, hidden: int = 64, layer
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         torch_dtype="float32",
         architectures=["Qwen2ForCausalLM"],
     )

@@ -8,9 +8,10 @@ NeMo-RL: whether ``NEMO_IS_NEMO_RL_HEAD`` is on, whether the start-up hook regis
 (before anything imported NeMo-RL), whether the installed ``nemo_rl.distributed.model_utils`` holds the plugin's
 function after its import, and the plugin's head against NeMo-RL's own function (kept by the patch; imported without
 the patch when the switch is off) on a random fp32 problem: log-probs, dX and dW. verl: whether ``import verl`` loaded
-the plugin's hooks, whether the installed verl's kernel and fused-forward modules are what the plugin stands in for,
-and the plugin's ``linear_cross_entropy`` against verl's Triton kernel (on CUDA) or verl's torch implementation of the
-same op (on CPU). Exit status 0 when everything holds, 1 otherwise; each line says what was found.
+the plugin's hooks, whether the installed verl's kernel and fused-forward modules (Megatron's, and the FSDP models'
+``FusedLinearForPPO`` and its forwards) are what the plugin stands in for, and the plugin's ``linear_cross_entropy``
+against verl's Triton kernel (on CUDA) or verl's torch implementation of the same op (on CPU). Exit status 0 when
+everything holds, 1 otherwise; each line says what was found.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def check_nemo_rl() -> list[tuple[str, bool]]:
 def check_verl() -> list[tuple[str, bool]]:
     import verl  # noqa: F401  (loads the verl.plugins entry points, the plugin's among them)
 
+    from nemo_is_plugin.adapters.verl import fsdp_head
     from nemo_is_plugin.adapters.verl import head as verl_head
 
     registered = sorted(getattr(sys, "_nemo_is_after_import_callbacks", {}))
@@ -94,6 +96,11 @@ def check_verl() -> list[tuple[str, bool]]:
         lines.append(("verl's fused-forward modules call linear_cross_entropy as the plugin expects", True))
     except Exception as exc:
         lines.append((f"verl's fused-forward modules: {type(exc).__name__}: {exc}", False))
+    try:
+        fsdp_head.check_targets()
+        lines.append(("verl's FSDP fused forwards build FusedLinearForPPO as the plugin expects", True))
+    except Exception as exc:
+        lines.append((f"verl's FSDP fused forwards: {type(exc).__name__}: {exc}", False))
     dev, g = _device(), torch.Generator().manual_seed(0)
     n, h, v, temperature = 96, 128, 1024, 0.7
     hidden, weight = torch.randn(n, h, generator=g).to(dev), (torch.randn(v, h, generator=g) * 0.3).to(dev)

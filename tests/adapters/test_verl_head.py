@@ -279,24 +279,3 @@ def test_a_verl_calling_its_kernel_by_attribute_is_refused(name, monkeypatch):
                 verl_head.check_targets([synthetic], kernel)
         else:
             verl_head.check_targets([synthetic], kernel)
-
-
-def test_nemo_is_on_verl_fsdp_models_is_refused_before_any_forward(capsys):
-    """verl's FSDP engine builds its model through ``apply_monkey_patch`` -> ``patch_forward_with_backends`` (looked
-    up as a global at call time), which skips any backend but verl's own and leaves the forward without the
-    ``log_probs`` the engine reads. The entry point's hook refuses ``nemo_is`` there with one line; verl's own
-    values pass through to verl's function."""
-    import dis
-
-    monkey_patch = importlib.import_module(verl_head.FSDP_PATCH_MODULE)
-    verl_head.install_hooks()  # as the verl.plugins entry point does (the module is imported: hooked now)
-    apply = monkey_patch.apply_monkey_patch.__code__
-    loads = {i.argval for i in dis.get_instructions(apply) if i.opname == "LOAD_GLOBAL"}
-    assert verl_head.FSDP_PATCH in loads  # verl calls it by its global name, the binding the hook replaces
-    patch = getattr(monkey_patch, verl_head.FSDP_PATCH)
-    assert patch.nemo_is_hook
-    with pytest.raises(HostPatchError) as refused:
-        patch(torch.nn.Linear(1, 1), use_fused_kernels=True, fused_kernels_backend="nemo_is")
-    assert str(refused.value) == verl_head.FSDP_REFUSAL and "\n" not in str(refused.value)
-    assert patch(torch.nn.Linear(1, 1), use_fused_kernels=False, fused_kernels_backend="nemo_is") is None
-    assert "Skipping monkey patch for Linear" in capsys.readouterr().out  # verl's own function ran

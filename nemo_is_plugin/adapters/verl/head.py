@@ -27,6 +27,10 @@ initialising an engine, before its first forward): when that engine's model conf
 its fused kernels on, the two modules' ``linear_cross_entropy`` become the plugin's in that process. A missing
 function, a changed signature or a module that no longer calls it by name raises
 :class:`~nemo_is_plugin.adapters.import_hooks.HostPatchError` instead of leaving verl's kernel running.
+
+The same switch on verl's FSDP engine (Hugging Face models) runs the plugin's head as a third backend of verl's
+``FusedLinearForPPO``: :mod:`~nemo_is_plugin.adapters.verl.fsdp_head`, hooked on verl's
+``verl.models.transformers.monkey_patch`` by :func:`install_hooks`.
 """
 
 from __future__ import annotations
@@ -41,20 +45,15 @@ from typing import Any
 import torch
 
 from nemo_is_plugin.adapters.import_hooks import HostPatchError
+from nemo_is_plugin.adapters.verl import fsdp_head
+from nemo_is_plugin.adapters.verl.fsdp_head import BACKEND
 from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
 from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, effective
 
-BACKEND = "nemo_is"  # actor_rollout_ref.model.fused_kernel_options.impl_backend
 TARGET = "linear_cross_entropy"
 KERNEL_MODULE = "verl.utils.kernel.linear_cross_entropy"
 FUSED_MODULES = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
 CONFIG_MODULE, ENGINE_MODULE = "verl.workers.config.model", "verl.workers.engine.megatron.transformer_impl"
-FSDP_PATCH_MODULE, FSDP_PATCH = "verl.models.transformers.monkey_patch", "patch_forward_with_backends"
-FSDP_REFUSAL = (
-    f"fused_kernel_options.impl_backend={BACKEND} with use_fused_kernels=True on a Hugging Face (FSDP) model: the "
-    "plugin's head runs in verl's Megatron engine only, and verl would skip its fused patch and fail on the missing "
-    "log_probs; use the Megatron engine, or set impl_backend to torch or triton"
-)
 ENGINE_CLASS, ENGINE_METHOD = "MegatronEngine", "_maybe_enable_fused_kernels"
 KERNEL_PARAMS = ("ctx", "hidden", "weight", "labels", "temperature", "reduction", "dist_process_group")
 _STATE: dict[str, Any] = {"requested": False, "engine_unsupported": None}
@@ -207,30 +206,14 @@ def _on_engine_module(module: ModuleType) -> None:
     setattr(cls, ENGINE_METHOD, _maybe_enable_fused_kernels)
 
 
-def _on_fsdp_patch_module(module: ModuleType) -> None:
-    """verl's FSDP models choose their fused forward in ``patch_forward_with_backends`` (called by
-    ``apply_monkey_patch`` while the engine builds the model, before any forward), which skips any backend but its
-    own: ``nemo_is`` there is refused with :data:`FSDP_REFUSAL` instead of a late ``AttributeError``."""
-    original = getattr(module, FSDP_PATCH, None)
-    if original is None or getattr(original, "nemo_is_hook", False):
-        return
-
-    def patch_forward_with_backends(model, use_fused_kernels=False, fused_kernels_backend=None, *args, **kwargs):
-        if use_fused_kernels and fused_kernels_backend == BACKEND:
-            raise HostPatchError(FSDP_REFUSAL)
-        return original(model, use_fused_kernels, fused_kernels_backend, *args, **kwargs)
-
-    patch_forward_with_backends.nemo_is_hook = True  # type: ignore[attr-defined]
-    setattr(module, FSDP_PATCH, patch_forward_with_backends)
-
-
 def install_hooks() -> None:
-    """Register the config and engine hooks (the ``verl.plugins`` entry point calls this in every verl process)."""
+    """Register the config and engine hooks, and the FSDP models' fused-forward hook (``fsdp_head``) (the
+    ``verl.plugins`` entry point calls this in every verl process)."""
     from nemo_is_plugin.adapters.import_hooks import when_imported
 
     when_imported(CONFIG_MODULE, "nemo_is.verl_head.config", _on_config_module)
     when_imported(ENGINE_MODULE, "nemo_is.verl_head.engine", _on_engine_module)
-    when_imported(FSDP_PATCH_MODULE, "nemo_is.verl_head.fsdp", _on_fsdp_patch_module)
+    when_imported(fsdp_head.PATCH_MODULE, "nemo_is.verl_head.fsdp", fsdp_head.on_patch_module)
 
 
 def head_installed() -> bool:
