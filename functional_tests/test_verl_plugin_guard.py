@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("verl.workers.config.model", reason="verl is the verl extra: pip install 'nemo-is-plugin[verl]'")
 from importlib.metadata import entry_points  # noqa: E402
 
-from nemo_is_plugin.adapters.verl import head, plugin_guard  # noqa: E402
+from nemo_is_plugin.adapters.verl import fsdp_head, head, plugin_guard  # noqa: E402
 from nemo_is_plugin.adapters.verl.policy_loss import VERL_LOSS_NAME  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def test_the_guard_names_the_modules_head_and_the_loss_use():
     assert plugin_guard.BACKEND == head.BACKEND
     assert (plugin_guard.CONFIG_MODULE, plugin_guard.ENGINE_MODULE) == (head.CONFIG_MODULE, head.ENGINE_MODULE)
     assert (plugin_guard.ENGINE_CLASS, plugin_guard.ENGINE_METHOD) == (head.ENGINE_CLASS, head.ENGINE_METHOD)
-    assert (plugin_guard.FSDP_PATCH_MODULE, plugin_guard.FSDP_PATCH) == (head.FSDP_PATCH_MODULE, head.FSDP_PATCH)
+    assert (plugin_guard.FSDP_PATCH_MODULE, plugin_guard.FSDP_PATCH) == (fsdp_head.PATCH_MODULE, fsdp_head.PATCH)
     assert VERL_LOSS_NAME.startswith(plugin_guard.LOSS_PREFIX)
     names = [ep.value for ep in entry_points(group="verl.plugins") if ep.name == "nemo_is"]
     assert names == [plugin_guard.ENTRY_POINT]

@@ -141,9 +141,14 @@ def test_slime_corrects_only_when_the_plugins_keys_ask():
 @pytest.mark.parametrize(("unbiased", "weight"), [(True, "anchor"), (False, "none")])
 def test_slimes_kl_loss_is_its_estimator_weighted_by_pi_old(unbiased, weight):
     """``--use-kl-loss --kl-loss-type low_var_kl``: k3 clamped to +-10, weighted by exp(c - pi_old) with
-    ``--use-unbiased-kl``; pi_old is mu under ``--use-rollout-logprobs``."""
+    ``--use-unbiased-kl``; pi_old is mu under ``--use-rollout-logprobs`` and the current policy, detached, under
+    ``force_on_policy_ratio`` (the plugin's one rule for pi_old: the weight's value is 1, its gradient grad c)."""
     kl = {"coef": 0.3, "kl_type": "k3", "output_clamp": 10.0, "unbiased": unbiased}
-    for keys, pi_old in (({}, LOG_PROBS), ({"old_policy_logprobs": "generation"}, ROLLOUT)):
+    for keys, pi_old in (
+        ({}, LOG_PROBS),
+        ({"old_policy_logprobs": "generation"}, ROLLOUT),
+        ({"force_on_policy_ratio": True}, C),
+    ):
         t, _ = _slime(ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **keys), kl)
         assert t.kl == KLSpec("k3", output_clamp=10.0, weight=weight) and t.kl_coef == 0.3
         assert t.reference is not None and torch.equal(t.reference, REF)
