@@ -11,7 +11,8 @@ The assembled model, :class:`ClippedPGLossConfig` (the generic keys and every re
 :func:`load_loss_config`, ``NUMERIC_RANGES`` and ``PolicyObjective``, is built from the objective modules (torch) and
 lives in the loss layer, above this package: import it from ``nemo_is_plugin.loss.config_model`` (or
 ``ClippedPGLossConfig`` from the top-level ``nemo_is_plugin``). This package imports nothing from the loss, not even
-lazily (docs/design.md, *Layers*; tests/test_layers.py).
+lazily (docs/design.md, *Layers*; tests/test_layers.py); importing one of those names from here raises an
+``ImportError`` that says where it lives.
 """
 
 from nemo_is_plugin.config.errors import (
@@ -49,6 +50,21 @@ from nemo_is_plugin.config.unknown_keys import (
     strict_keys_default,
     unknown_keys_message,
 )
+
+# The assembled model's names, which this package re-exported (lazily) until it stopped importing the loss: importing
+# one from here says where it lives instead of Python's bare "cannot import name".
+MOVED_TO_THE_LOSS = ("ClippedPGLossConfig", "load_loss_config", "NUMERIC_RANGES", "PolicyObjective")
+
+
+def __getattr__(name: str) -> object:
+    if name in MOVED_TO_THE_LOSS:
+        raise ImportError(
+            f"nemo_is_plugin.config.{name} is the assembled config of the loss layer: import it from "
+            f"nemo_is_plugin.loss.config_model (ClippedPGLossConfig also from nemo_is_plugin)",
+            name=name,
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "REJECTION_LOG_RATIO_CLAMP",
