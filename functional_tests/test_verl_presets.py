@@ -27,7 +27,7 @@ from nemo_is_plugin.adapters.verl import (  # noqa: E402
 )
 from nemo_is_plugin.adapters.verl.config import PRESETS, ROLLOUT_CORRECTION_KEYS, preset_keys, preset_settings  # noqa
 from nemo_is_plugin.adapters.verl.hydra import PolicyLossConfig as NemoISPolicyLossConfig  # noqa: E402
-from nemo_is_plugin.config import ClippedPGLossConfig  # noqa: E402
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig  # noqa: E402
 from nemo_is_plugin.loss.correction import compute_is_correction  # noqa: E402
 from nemo_is_plugin.loss.layout import TokenLayout  # noqa: E402
 from nemo_is_plugin.loss.terms import is_correction_kwargs  # noqa: E402

@@ -25,7 +25,8 @@ from nemo_is_plugin.adapters.verl.config import (
     rejection_rules,
 )
 from nemo_is_plugin.adapters.verl.metrics import PREFIX, rollout_corr_metrics
-from nemo_is_plugin.config import VERL_RS_OPTIONS, ClippedPGLossConfig
+from nemo_is_plugin.config import VERL_RS_OPTIONS
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.is_weights import MAX_LOG_WEIGHT
 from nemo_is_plugin.loss.terms import is_correction_kwargs

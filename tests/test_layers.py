@@ -16,16 +16,18 @@ The config layer is the config's schema: how a key is typed, ranged and explaine
 unknown-key policy, the errors, rejection rules, and ``KeySection`` (what a policy objective declares its keys as). A
 policy objective is one module (``loss/objectives/<name>.py``) holding its formula (torch) and its keys together, so the
 assembled ``ClippedPGLossConfig`` (generic keys plus every registered objective's section: ``loss/config_model.py``)
-is built above the objective modules, in the loss layer, and so is the ``nemo_is_plugin.config`` package's
-``__init__``, which re-exports it lazily (docs/design.md, *Layers*). No module of the config package imports torch.
+is built above the objective modules, in the loss layer; the config package imports nothing from it, not even lazily,
+and every module's layer is its package's (no exception). No module of the config package imports torch. The parser
+and the cycle finder are tools/structure_report.py's, which prints the same graph in numbers (docs/design.md, *Layers*).
 """
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from tools.structure_report import find_cycles, import_graph, module_imports, package_modules
 
 PACKAGE = "nemo_is_plugin"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
@@ -45,9 +47,6 @@ LAYER_OF_PREFIX = {
     "nemo_is_plugin.recipes": "integration",
     "nemo_is_plugin.apps": "apps",
 }
-# Modules whose layer is not their package's (exact names; they win over LAYER_OF_PREFIX): the config package's
-# __init__ re-exports the assembled model (loss/config_model.py) lazily, on first use.
-LAYER_OF_MODULE = {"nemo_is_plugin.config": "loss"}
 # Documented import paths kept for users; no module of the package imports them.
 REEXPORT_MODULES = ("nemo_is_plugin.registry", "nemo_is_plugin.recipes")
 # Third-party packages the modules under a package prefix must not import: no config module imports torch (the
@@ -61,57 +60,18 @@ FORBIDDEN_THIRD_PARTY = {
 UNRELATED_LAYERS = {"nemo_is_plugin.kernels": ("config", "loss")}
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+MODULES = package_modules(ROOT)
 
 
 def layer_of(module: str) -> str:
-    if module in LAYER_OF_MODULE:
-        return LAYER_OF_MODULE[module]
     prefix = max((p for p in LAYER_OF_PREFIX if module == p or module.startswith(p + ".")), key=len)
     return LAYER_OF_PREFIX[prefix]
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
-
-
 def imports(module: str) -> list[tuple[str, int, bool]]:
-    """``(imported name, line, only under TYPE_CHECKING)`` for every import statement of ``module``; package-internal
-    names are resolved to the module they load."""
-    path = MODULES[module]
-    tree = ast.parse(path.read_text(), filename=str(path))
-    typing_only = _type_checking_lines(tree)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(alias.name, node.lineno, node.lineno in typing_only) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join(anchor + ([node.module] if node.module else []))
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                out.append((sub if sub in MODULES else base, node.lineno, node.lineno in typing_only))
-    return out
-
-
-def internal_edges(include_typing: bool) -> dict[str, set[str]]:
-    return {
-        module: {name for name, _, typing in imports(module) if name in MODULES and (include_typing or not typing)}
-        for module in MODULES
-    }
+    """``(imported name, line, only under TYPE_CHECKING)`` for every import statement of ``module`` (lazy ones too);
+    package-internal names are resolved to the module they load."""
+    return [(i.target, i.line, i.typing) for i in module_imports(module, MODULES)]
 
 
 def test_every_module_has_a_layer():
@@ -171,43 +131,8 @@ def test_package_imports_no_forbidden_third_party_package(package):
     assert not bad, "\n".join(bad)
 
 
-def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    cycles: list[list[str]] = []
-
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for nxt in sorted(edges.get(node, ())):
-            if nxt not in index:
-                visit(nxt)
-                low[node] = min(low[node], low[nxt])
-            elif nxt in on_stack:
-                low[node] = min(low[node], index[nxt])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                top = stack.pop()
-                on_stack.discard(top)
-                component.append(top)
-                if top == node:
-                    break
-            if len(component) > 1 or node in edges.get(node, ()):
-                cycles.append(sorted(component))
-
-    for node in sorted(edges):
-        if node not in index:
-            visit(node)
-    return cycles
-
-
 def test_no_import_cycles():
-    cycles = find_cycles(internal_edges(include_typing=False))
+    cycles = find_cycles(import_graph(MODULES, include_typing=False))
     assert not cycles, "modules that import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
@@ -228,8 +153,8 @@ def test_the_checks_see_upward_imports_and_cycles():
     assert layer_of("nemo_is_plugin.config.keys") == "config"
     assert layer_of("nemo_is_plugin.loss.config_model") == "loss"
     assert {name for name, _, _ in imports("nemo_is_plugin.loss.config_model")} >= {"nemo_is_plugin.loss.objectives"}
-    # the config package's lazy re-export (inside its module __getattr__) still counts as an import
-    assert "nemo_is_plugin.loss.config_model" in {name for name, _, _ in imports("nemo_is_plugin.config")}
+    # the config package imports nothing of the loss (it re-exported the assembled model lazily until issue 38)
+    assert not [name for name, _, _ in imports("nemo_is_plugin.config") if name.startswith("nemo_is_plugin.loss")]
     # a lazy import inside a function counts: the NeMo-RL adapter builds the LOGIT loss that way
     adapter_imports = {name for name, _, _ in imports("nemo_is_plugin.adapters.nemo_rl.loss_fn")}
     assert "nemo_is_plugin.distributed.entry_points.logit_loss" in adapter_imports

@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.config import NUMERIC_RANGES, ConfigValidationError
+from nemo_is_plugin.config import ConfigValidationError
+from nemo_is_plugin.loss.config_model import NUMERIC_RANGES
 
 KL_TYPES = ("k1", "k2", "k3")
 TIS_TYPES = ("tis", "icepop", "seq-mask-tis")

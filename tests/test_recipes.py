@@ -15,7 +15,8 @@ from nemo_is_plugin.adapters.recipes import (
     loss_section,
     to_loss_mapping,
 )
-from nemo_is_plugin.config import STRICT_KEYS_ENV, ClippedPGLossConfig, UnknownConfigKeyWarning
+from nemo_is_plugin.config import STRICT_KEYS_ENV, UnknownConfigKeyWarning
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" / "examples").glob("*.yaml"))

@@ -8,8 +8,8 @@ from importlib.metadata import EntryPoint
 import pytest
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.loss import ClippedPGLoss, registry
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.registry import (
     DEFAULT_LOSS_NAME,
     LOSSES,

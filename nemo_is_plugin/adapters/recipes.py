@@ -1,4 +1,4 @@
-"""YAML recipes -> :class:`~nemo_is_plugin.config.ClippedPGLossConfig`, through OmegaConf.
+"""YAML recipes -> :class:`~nemo_is_plugin.ClippedPGLossConfig`, through OmegaConf.
 
 A *recipe* is any YAML a host trainer reads: a bare ``loss_fn`` mapping, or a host's whole master config (NeMo-RL's
 ``grpo_*.yaml``, verl's ``ppo_trainer.yaml``) from which only one section -- ``loss_fn`` by default, any dotted path
@@ -34,7 +34,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
+from nemo_is_plugin.config import ConfigError
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME, NAME_KEY, UnknownLossError, check_loss_name, split_name
 
 Source = Union[str, "os.PathLike[str]", Mapping[str, Any], DictConfig]
@@ -265,7 +266,8 @@ def load_recipe_config(
     source: Source, overrides: Sequence[str] = (), section: str = DEFAULT_SECTION
 ) -> ClippedPGLossConfig:
     """The validated loss config of a recipe (a YAML path, mapping or DictConfig); ``name`` is ignored (see
-    :func:`load_loss_spec`). :func:`nemo_is_plugin.config.load_loss_config` validates a ``loss_fn`` mapping alone."""
+    :func:`load_loss_spec`). :func:`~nemo_is_plugin.loss.config_model.load_loss_config` validates a ``loss_fn``
+    mapping alone."""
     return load_loss_spec(source, overrides, section).config
 
 

@@ -13,8 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
+from nemo_is_plugin.config import REJECTION_TYPES
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.metrics import Denominator, MetricValues
 
 # ----------------------------------------------------------------------------------------- the rollout correction

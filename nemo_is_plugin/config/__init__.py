@@ -9,12 +9,11 @@ combination checks), ``unknown_keys`` (warn or refuse unknown keys), ``errors`` 
 
 The assembled model, :class:`ClippedPGLossConfig` (the generic keys and every registered objective's section) with
 :func:`load_loss_config`, ``NUMERIC_RANGES`` and ``PolicyObjective``, is built from the objective modules (torch) and
-lives in the loss layer (``nemo_is_plugin.loss.config_model``; docs/design.md, *Layers*). This package re-exports those
-names lazily (PEP 562 ``__getattr__``), so ``from nemo_is_plugin.config import ClippedPGLossConfig`` keeps working and
-loads the objectives on first use, while importing the schema alone stays torch-free.
+lives in the loss layer, above this package: import it from ``nemo_is_plugin.loss.config_model`` (or
+``ClippedPGLossConfig`` from the top-level ``nemo_is_plugin``). This package imports nothing from the loss, not even
+lazily (docs/design.md, *Layers*; tests/test_layers.py); importing one of those names from here raises an
+``ImportError`` that says where it lives.
 """
-
-from typing import TYPE_CHECKING, Any
 
 from nemo_is_plugin.config.errors import (
     ConfigError,
@@ -52,39 +51,29 @@ from nemo_is_plugin.config.unknown_keys import (
     unknown_keys_message,
 )
 
-if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import (
-        NUMERIC_RANGES,
-        ClippedPGLossConfig,
-        PolicyObjective,
-        load_loss_config,
-    )
-
-# The assembled model's names: loaded on first use, since building the model imports the objective modules (torch).
-_ASSEMBLED = frozenset({"NUMERIC_RANGES", "ClippedPGLossConfig", "PolicyObjective", "load_loss_config"})
+# The assembled model's names, which this package re-exported (lazily) until it stopped importing the loss: importing
+# one from here says where it lives instead of Python's bare "cannot import name".
+MOVED_TO_THE_LOSS = ("ClippedPGLossConfig", "load_loss_config", "NUMERIC_RANGES", "PolicyObjective")
 
 
-def __getattr__(name: str) -> Any:
-    if name in _ASSEMBLED:
-        from nemo_is_plugin.loss import config_model
-
-        value = getattr(config_model, name)
-        globals()[name] = value  # later look-ups skip this hook
-        return value
+def __getattr__(name: str) -> object:
+    if name in MOVED_TO_THE_LOSS:
+        raise ImportError(
+            f"nemo_is_plugin.config.{name} is the assembled config of the loss layer: import it from "
+            f"nemo_is_plugin.loss.config_model (ClippedPGLossConfig also from nemo_is_plugin)",
+            name=name,
+        )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "NUMERIC_RANGES",
     "REJECTION_LOG_RATIO_CLAMP",
-    "PolicyObjective",
     "REJECTION_TYPES",
     "SEQUENCE_MASK_TYPES",
     "STRICT_KEYS_ENV",
     "TOKEN_AGGREGATIONS",
     "VERL_RS_AGGREGATIONS",
     "VERL_RS_OPTIONS",
-    "ClippedPGLossConfig",
     "ConfigError",
     "ConfigTypeError",
     "ConfigValidationError",
@@ -103,7 +92,6 @@ __all__ = [
     "TruncationType",
     "UnknownConfigKeyWarning",
     "check_unknown_keys",
-    "load_loss_config",
     "strict_keys_default",
     "unknown_keys_message",
     "verl_rejection_rule",

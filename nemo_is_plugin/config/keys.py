@@ -3,7 +3,7 @@
 To change a key, edit its field here: the validation (type, choices, range), the error messages and the JSON schema
 follow from it (the range table of docs/config.md is checked against it by tests/config/test_config_ranges.py). The
 keys of one policy objective live with its formula, in its module (``nemo_is_plugin/loss/objectives/<name>.py``), as a
-:class:`KeySection`; :class:`~nemo_is_plugin.loss.config_model.ClippedPGLossConfig` is these keys plus every registered
+:class:`KeySection`; :class:`~nemo_is_plugin.ClippedPGLossConfig` is these keys plus every registered
 objective's section, with the combination checks and the derived choices. Imports without torch.
 """
 
@@ -72,7 +72,7 @@ class KeySection(BaseModel):
 
 
 class LossKeys(BaseModel):
-    """The generic keys of :class:`~nemo_is_plugin.config.ClippedPGLossConfig` and the choices derived from them
+    """The generic keys of :class:`~nemo_is_plugin.ClippedPGLossConfig` and the choices derived from them
     (``effective_*``, ``rejection_rules``, ``bypasses_prev``), without its checks (each policy objective's own keys are
     its :class:`KeySection`).
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.input_validation import POSITIVE_LOGPROB_TOLERANCE, validate_loss_inputs
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.score_centering import check_head_inputs, check_head_values

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError, load_loss_config
+from nemo_is_plugin.config import ConfigError
 from nemo_is_plugin.loss.aggregation import aggregate
 from nemo_is_plugin.loss.aligned_inputs import CURR_HEAD_KEY, LossInputs, align_nemo_rl_inputs
 from nemo_is_plugin.loss.aligned_inputs import TOKEN_KEYS as TOKEN_KEYS  # re-exported: distributed/ imports it here
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig, load_loss_config
 from nemo_is_plugin.loss.correction import ISCorrection
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask

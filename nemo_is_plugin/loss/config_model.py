@@ -4,7 +4,7 @@ The keys themselves (type, default, choices, range) are the fields of :class:`~n
 and of each policy objective's :class:`~nemo_is_plugin.config.keys.KeySection`, declared in the objective's module
 (``nemo_is_plugin/loss/objectives/``) next to its formula: the only places where defaults live. This module imports no
 torch itself, but it imports the objective modules (which do) to assemble the model, so it sits in the loss layer,
-above them; ``nemo_is_plugin.config`` re-exports its names lazily (docs/design.md, *Layers*). Every NeMo-RL
+above them; the package root re-exports ``ClippedPGLossConfig`` lazily (docs/design.md, *Layers*). Every NeMo-RL
 ``ClippedPGLossConfig`` key is accepted with NeMo-RL's name, type and default, so an existing NeMo-RL ``loss_fn``
 section validates unchanged.
 The new fields default to ``None`` / off, in which case the loss reproduces NeMo-RL's ``ClippedPGLossFn``.
@@ -60,7 +60,7 @@ from nemo_is_plugin.loss.objectives import (
 )
 
 # Other packages' objectives (entry-point group nemo_is_plugin.objectives) register before the model is built from the
-# registry. This module is imported on first use (nemo_is_plugin.config re-exports it lazily), and built once.
+# registry. This module is imported on first use (the package root re-exports it lazily), and built once.
 load_entry_point_objectives()
 
 if TYPE_CHECKING:

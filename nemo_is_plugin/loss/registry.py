@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
+from nemo_is_plugin.config import ConfigError
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 ENTRY_POINT_GROUP = "nemo_is_plugin.losses"
 DEFAULT_LOSS_NAME = "nemo_is.clipped_pg"

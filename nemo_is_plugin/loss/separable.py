@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.loss.clipped_pg import ClippedPGLoss, LossInputs, configured_aggregate, positive_nll_gradient
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.correction import ISCorrection
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import where_mask

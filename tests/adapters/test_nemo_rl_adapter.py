@@ -12,9 +12,9 @@ from helpers.golden_utils import load_cases
 from nemo_is_plugin.adapters.nemo_rl import PARALLEL_STATE, NeMoRLLossFn, build_nemo_rl_loss_fn
 from nemo_is_plugin.adapters.nemo_rl.protocol import LossFunction, LossInputType, LossType, MetricNormalizer
 from nemo_is_plugin.adapters.nemo_rl.step_metrics import for_nemo_rl_step, is_summed_extremum, micro_batch_mean_name
-from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
 from nemo_is_plugin.loss import ClippedPGLoss
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.metrics import Denominator
 from nemo_is_plugin.loss.registry import UnknownLossError
 

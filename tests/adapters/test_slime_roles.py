@@ -11,8 +11,8 @@ import torch
 
 from nemo_is_plugin.adapters.slime.entry_points import slime_term_inputs
 from nemo_is_plugin.adapters.slime.layout import ResponseShard
-from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.loss import LossInputs
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.kl import KLSpec
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.roles import Roles

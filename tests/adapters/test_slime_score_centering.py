@@ -20,8 +20,9 @@ from nemo_is_plugin.adapters.sampler_checks import ScoreCenteringSamplerError
 from nemo_is_plugin.adapters.shared import given_keys
 from nemo_is_plugin.adapters.slime import SlimePolicyLoss
 from nemo_is_plugin.adapters.slime.config import policy_config
-from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
+from nemo_is_plugin.config import ConfigError
 from nemo_is_plugin.loss import ClippedPGLoss
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.masked import EPS
 
 V, K, TEMPERATURE = 11, 3, 0.8

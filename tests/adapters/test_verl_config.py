@@ -21,7 +21,7 @@ from nemo_is_plugin.adapters.verl.config import (
     rejection_rules,
     rollout_correction_keys,
 )
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
 

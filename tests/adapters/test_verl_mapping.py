@@ -14,7 +14,7 @@ from nemo_is_plugin.adapters.verl import (
     generation_logprobs,
     verl_config,
 )
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 ACTOR = {
     "clip_ratio": 0.2,

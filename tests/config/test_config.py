@@ -6,14 +6,8 @@ import pydantic
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_is_plugin.config import (
-    STRICT_KEYS_ENV,
-    ClippedPGLossConfig,
-    ConfigError,
-    ConfigValidationError,
-    UnknownConfigKeyWarning,
-    load_loss_config,
-)
+from nemo_is_plugin.config import STRICT_KEYS_ENV, ConfigError, ConfigValidationError, UnknownConfigKeyWarning
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig, load_loss_config
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError, UnknownConfigKeyWarning, load_loss_config
+from nemo_is_plugin.config import ConfigError, UnknownConfigKeyWarning
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig, load_loss_config
 
 FIELDS = sorted(ClippedPGLossConfig.model_fields)
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])

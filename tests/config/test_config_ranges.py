@@ -15,7 +15,7 @@ from helpers.config_cases import ACTIVATING_KEYS
 from helpers.golden_utils import load_cases
 from omegaconf import OmegaConf
 
-from nemo_is_plugin.config import NUMERIC_RANGES, ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import NUMERIC_RANGES, ClippedPGLossConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,8 @@ import math
 import pydantic
 import pytest
 
-from nemo_is_plugin.config import VERL_RS_OPTIONS, ClippedPGLossConfig, RejectionRule, verl_rejection_rule
+from nemo_is_plugin.config import VERL_RS_OPTIONS, RejectionRule, verl_rejection_rule
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 
 def test_verl_options_are_the_eleven_of_verl():

@@ -9,13 +9,8 @@ import pytest
 from helpers.config_cases import ACTIVATING_KEYS
 
 from nemo_is_plugin.adapters.verl.config import VerlConfigError, plugin_section_keys, rollout_correction_keys
-from nemo_is_plugin.config import (
-    NUMERIC_RANGES,
-    ClippedPGLossConfig,
-    ConfigError,
-    ConfigValidationError,
-    ConfigValidationTypeError,
-)
+from nemo_is_plugin.config import ConfigError, ConfigValidationError, ConfigValidationTypeError
+from nemo_is_plugin.loss.config_model import NUMERIC_RANGES, ClippedPGLossConfig
 
 
 def _error(make) -> Exception:

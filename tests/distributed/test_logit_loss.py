@@ -107,13 +107,8 @@ def test_loss_configs_cover_every_level_truncation_and_aggregation():
     """The parallel tests iterate LOSS_CONFIGS: it must span every choice the config offers."""
     from typing import get_args
 
-    from nemo_is_plugin.config import (
-        ClippedPGLossConfig,
-        ISCorrectionLevel,
-        LossAggregation,
-        RatioLevel,
-        TruncationType,
-    )
+    from nemo_is_plugin.config import ISCorrectionLevel, LossAggregation, RatioLevel, TruncationType
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
     cfgs = [ClippedPGLossConfig(**c) for c in LOSS_CONFIGS.values()]
     assert {c.effective_ratio_level for c in cfgs} == set(get_args(RatioLevel))
@@ -135,7 +130,7 @@ def test_objective_configs_cover_every_objective_and_their_trust_regions_bite():
     region drops some tokens but not all (so that the parallel equality tests the masks)."""
     from typing import get_args
 
-    from nemo_is_plugin.config import ClippedPGLossConfig, PolicyObjective
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig, PolicyObjective
 
     assert sorted(OBJECTIVE_LOSS_CONFIGS) == sorted(get_args(PolicyObjective))
     logits, data, _ = make_batch(300, dtype=torch.float64)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_is_plugin.loss.objectives import OBJECTIVES, key_sections
+
 # For each numeric config key: the smallest companion keys that make it active (read by the loss), so that a test
-# setting the key alone can only fail on the key's own value.
-ACTIVATING_KEYS: dict[str, dict[str, Any]] = {
+# setting the key alone can only fail on the key's own value. A policy objective's key is active once its objective is
+# chosen (_objective_keys below); the keys listed here need more (another required key, an aggregation, a pair).
+_COMPANIONS: dict[str, dict[str, Any]] = {
     "reference_policy_kl_penalty": {},
     "kl_input_clamp_value": {},
     "kl_output_clamp_value": {},
@@ -41,16 +44,20 @@ ACTIVATING_KEYS: dict[str, dict[str, Any]] = {
     "dppo_delta_low": dict(policy_objective="dppo_tv", dppo_delta_high=0.28),
     "dppo_delta_high": dict(policy_objective="dppo_tv", dppo_delta_low=0.2),
     "dppo_ratio_cap": dict(policy_objective="dppo_kl", dppo_delta_low=0.2, dppo_delta_high=0.28),
-    "prob_diff_threshold": dict(policy_objective="prob_diff"),
-    "cppo_delta": dict(policy_objective="cppo"),
-    "cppo_w_min": dict(policy_objective="cppo"),
-    "cppo_delta_b": dict(policy_objective="cppo"),
-    "sapo_tau_pos": dict(policy_objective="sapo"),
-    "sapo_tau_neg": dict(policy_objective="sapo"),
     "gmpo_clip_low": dict(policy_objective="gmpo", gmpo_clip_high=0.4, loss_aggregation="seq-mean-token-mean"),
     "gmpo_clip_high": dict(policy_objective="gmpo", gmpo_clip_low=0.4, loss_aggregation="seq-mean-token-mean"),
-    "dro_beta": dict(policy_objective="dro"),
-    "m2po_budget": dict(policy_objective="m2po"),
-    "m2po_clip_low_floor": dict(policy_objective="m2po"),
-    "m2po_clip_high_floor": dict(policy_objective="m2po"),
 }
+
+
+def _objective_keys() -> dict[str, dict[str, Any]]:
+    """Each registered objective's keys, activated by choosing it: where it requires no key other than the one set,
+    a new objective's keys need no line here (one that needs more fails the config tests naming the key)."""
+    out: dict[str, dict[str, Any]] = {}
+    for section, names in key_sections():
+        for key in section.model_fields:
+            if set(OBJECTIVES[names[0]].required) <= {key}:
+                out[key] = {"policy_objective": names[0]}
+    return out
+
+
+ACTIVATING_KEYS: dict[str, dict[str, Any]] = {**_objective_keys(), **_COMPANIONS}

@@ -40,8 +40,8 @@ def test_masked_sample_and_empty_batch():
 
 def test_token_sum_reaches_the_single_pass_through_its_aggregation_weights():
     """separable.aggregation_weights differentiates aggregate(): token-sum's weights are the valid mask itself."""
-    from nemo_is_plugin.config import ClippedPGLossConfig
     from nemo_is_plugin.loss import LossInputs
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
     from nemo_is_plugin.loss.separable import aggregation_weights
 
     cfg = ClippedPGLossConfig(loss_aggregation="token-sum")

@@ -15,9 +15,10 @@ import pydantic
 import pytest
 import torch
 
-from nemo_is_plugin.config import ClippedPGLossConfig, ISCorrectionLevel
+from nemo_is_plugin.config import ISCorrectionLevel
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.aggregation import aggregate
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.mismatch_metrics import finalize_metrics

@@ -74,7 +74,8 @@ import dataclasses, json, sys, warnings
 import torch
 from typer.testing import CliRunner
 from nemo_is_plugin.apps.cli.main import app
-from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError, load_loss_config
+from nemo_is_plugin.config import ConfigError
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig, load_loss_config
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives import objective_names
@@ -173,7 +174,7 @@ def test_an_installed_objective_validates_shows_and_computes_like_a_built_in(ins
 
 
 def test_a_registration_after_the_config_is_built_is_refused():
-    from nemo_is_plugin.config import ClippedPGLossConfig
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
     class Late(PolicyObjective):
         name = "late_objective"

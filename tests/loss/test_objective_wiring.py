@@ -11,9 +11,9 @@ import pydantic
 import pytest
 import torch
 
-from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.aggregation import aggregate
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives.base import masked_ratio_surrogate
 from nemo_is_plugin.loss.objectives.cppo import cppo_mask

@@ -79,7 +79,7 @@ def test_ppo_clip_against_mu_with_a_rejection_of_the_current_policy():
 
 
 def test_bypass_takes_the_two_pass_schedule():
-    from nemo_is_plugin.config import ClippedPGLossConfig
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
     why = single_pass_blocker(ClippedPGLossConfig(old_policy_logprobs="generation"), TokenLayout.padded(1, 2))
     assert why is not None and "current log-probs" in why

@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from nemo_is_plugin.config import ClippedPGLossConfig, RejectionRule
+from nemo_is_plugin.config import RejectionRule
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.objectives.base import ObjectiveInputs

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from nemo_is_plugin.config import ClippedPGLossConfig, RejectionRule
+from nemo_is_plugin.config import RejectionRule
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.rejection import evaluate_rule, evaluate_rules, token_statistic

@@ -9,14 +9,9 @@ import pydantic
 import pytest
 import torch
 
-from nemo_is_plugin.config import (
-    VERL_RS_OPTIONS,
-    ClippedPGLossConfig,
-    ISCorrectionLevel,
-    RejectionRule,
-    TruncationType,
-)
+from nemo_is_plugin.config import VERL_RS_OPTIONS, ISCorrectionLevel, RejectionRule, TruncationType
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.correction import compute_is_correction
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.ratios import probability_difference

@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.loss import LossInputs
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.kl import KLSpec
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.roles import Roles

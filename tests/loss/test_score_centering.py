@@ -12,8 +12,8 @@ import pydantic
 import pytest
 import torch
 
-from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers.policy_draws import draw_policy_logprobs
 
-from nemo_is_plugin.config import ClippedPGLossConfig
 from nemo_is_plugin.distributed.parallel.context_parallel import CPTokenLayout
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.separable import (
     PrefixCarry,

@@ -13,9 +13,9 @@ import torch
 
 import nemo_is_plugin.loss.correction as correction_module
 import nemo_is_plugin.loss.rejection as rejection_module
-from nemo_is_plugin.config import ClippedPGLossConfig, PolicyObjective
 from nemo_is_plugin.config.keys import KeySection
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig, PolicyObjective
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives import OBJECTIVES, objective_names, register_objective
 from nemo_is_plugin.loss.objectives import PolicyObjective as Objective

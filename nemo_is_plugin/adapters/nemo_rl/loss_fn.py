@@ -55,9 +55,10 @@ from nemo_is_plugin.adapters.nemo_rl.step_metrics import (
     renamed_normalizations,
 )
 from nemo_is_plugin.adapters.shared import PARALLEL_STATE, GroupsSpec, check_groups, given_keys, resolve_groups
-from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
+from nemo_is_plugin.config import ConfigError
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
 from nemo_is_plugin.loss import registry
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME
 
 if TYPE_CHECKING:

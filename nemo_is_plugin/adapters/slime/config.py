@@ -2,7 +2,7 @@
 
 slime (THUDM/slime, commit 624b824a) configures its loss with flags on one ``argparse.Namespace`` (``args``). The two
 entry points of :mod:`nemo_is_plugin.adapters.slime` read them at their first call and map each flag that touches the
-loss onto :class:`~nemo_is_plugin.config.ClippedPGLossConfig` keys, so that with no plugin keys the plugin computes
+loss onto :class:`~nemo_is_plugin.ClippedPGLossConfig` keys, so that with no plugin keys the plugin computes
 what slime computes; a flag the plugin cannot honour raises :class:`SlimeConfigError` naming the flag and the fix.
 docs/slime.md has the table (:data:`LOSS_FLAGS` is the same table, checked by the tests).
 
@@ -21,7 +21,8 @@ from typing import Any
 
 from nemo_is_plugin.adapters.sampler_checks import SLIME_NAMES, check_sampler, slime_sampling
 from nemo_is_plugin.adapters.shared import MissingPluginConfigError
-from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
+from nemo_is_plugin.config import ConfigError
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 CONFIG_ENV = "NEMO_IS_CONFIG"
 SECTION_ENV = "NEMO_IS_CONFIG_SECTION"

@@ -65,11 +65,12 @@ from nemo_is_plugin.adapters.slime.config import (
 from nemo_is_plugin.adapters.slime.layout import ResponseShard
 from nemo_is_plugin.adapters.slime.metrics import centering_metrics, objective_metrics
 from nemo_is_plugin.adapters.slime.roles import batch_tokens, slime_roles
-from nemo_is_plugin.config import REJECTION_TYPES, ClippedPGLossConfig
+from nemo_is_plugin.config import REJECTION_TYPES
 from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups, ProcessGroup
 from nemo_is_plugin.loss import ClippedPGLoss
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
 from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.roles import Roles

@@ -27,7 +27,7 @@ import torch
 
 from nemo_is_plugin.adapters.shared import owns_correction
 from nemo_is_plugin.adapters.slime.layout import ResponseShard
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.kl import KLSpec, KLWeight
 from nemo_is_plugin.loss.roles import Roles, pi_old_of
 

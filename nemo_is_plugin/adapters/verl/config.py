@@ -1,6 +1,6 @@
 """verl's configuration vocabulary -> the plugin's config keys (needs neither verl nor torch).
 
-Three verl sources map onto :class:`~nemo_is_plugin.config.ClippedPGLossConfig` keys (docs/verl.md has the one table):
+Three verl sources map onto :class:`~nemo_is_plugin.ClippedPGLossConfig` keys (docs/verl.md has the one table):
 
 - ``algorithm.rollout_correction`` (verl 0.9.1's ``RolloutCorrectionConfig``): :func:`rollout_correction_keys`;
 - its presets (the ``RolloutCorrectionConfig`` classmethods, with verl's keyword arguments): :func:`preset_settings`;

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 
 def generation_logprobs(old: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

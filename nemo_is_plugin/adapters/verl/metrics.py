@@ -36,7 +36,7 @@ from collections.abc import Mapping
 
 import torch
 
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.metrics import Denominator
 from nemo_is_plugin.loss.objectives import OBJECTIVES
 from nemo_is_plugin.loss.terms import LossTerms

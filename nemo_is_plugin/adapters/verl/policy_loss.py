@@ -63,7 +63,7 @@ from nemo_is_plugin.adapters.verl.loss_modes import (
 )
 from nemo_is_plugin.adapters.verl.metrics import plugin_metrics, rollout_corr_metrics, verl_statistics
 from nemo_is_plugin.adapters.verl.score_centering import VERL_SC_METRICS, head_inputs, verl_centering_statistics
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 VERL_LOSS_NAME = "nemo_is.clipped_pg"
 CONFIG_ENV = "NEMO_IS_LOSS_CONFIG"

@@ -98,8 +98,8 @@ def validate(
 
 def _unknown_keys(spec, section: str) -> str | None:
     """``unknown <section> key(s): 'x' (did you mean 'y'?)`` for the keys of the section no setting reads, or None."""
-    from nemo_is_plugin.config import ClippedPGLossConfig
     from nemo_is_plugin.config.unknown_keys import unknown_keys_message
+    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
     known = set(ClippedPGLossConfig.model_fields)
     unknown = [k for k in spec.given if k not in known]

@@ -20,8 +20,9 @@ import torch
 
 from nemo_is_plugin.apps.compat.batches import CompatBatch
 from nemo_is_plugin.apps.compat.compare import Outcome, run_call
-from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError, UnknownConfigKeyWarning
+from nemo_is_plugin.config import ConfigError, UnknownConfigKeyWarning
 from nemo_is_plugin.config.unknown_keys import unknown_keys_message
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 HOST_MODULE = "nemo_rl.algorithms.loss.loss_functions"
 INSTALL_HINT = (

@@ -12,7 +12,8 @@ from typing import Any, get_args
 
 from pydantic import ValidationError
 
-from nemo_is_plugin.config import ClippedPGLossConfig, ISCorrectionLevel, TruncationType
+from nemo_is_plugin.config import ISCorrectionLevel, TruncationType
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 # the config's own vocabularies (each key's choices live on its field), plus "none" for no truncation
 IS_LEVELS: tuple[str, ...] = get_args(ISCorrectionLevel)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from nemo_is_plugin.apps.evidence.stats import hotelling_test, mean_estimate
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.kl import kl_penalty, score_function_weight
 
 

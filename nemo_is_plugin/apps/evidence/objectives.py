@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_is_plugin.config import ClippedPGLossConfig, load_loss_config
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig, load_loss_config
 from nemo_is_plugin.loss.layout import TokenLayout
 
 DRIFTS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0)

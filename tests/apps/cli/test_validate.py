@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 import nemo_is_plugin
 from nemo_is_plugin.adapters import nemo_rl
 from nemo_is_plugin.apps.cli.main import app
-from nemo_is_plugin.config import ClippedPGLossConfig, ConfigError
+from nemo_is_plugin.config import ConfigError
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.effective import effective_settings
 
 ROOT = Path(__file__).resolve().parents[3]

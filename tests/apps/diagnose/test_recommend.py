@@ -13,7 +13,7 @@ from nemo_is_plugin.apps.diagnose import diagnose
 from nemo_is_plugin.apps.diagnose.analysis import analyze
 from nemo_is_plugin.apps.diagnose.recommend import Criteria, check, recommend
 from nemo_is_plugin.apps.diagnose.settings import settings_grid
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 from ._dumps import constant_dump
 

@@ -1,0 +1,136 @@
+"""Kernel-launching ops and host syncs per loss call, counted on CPU: the numbers docs/gpu_runs.md quotes.
+
+    python tools/launch_count.py [--json]
+
+Run it by path with ``PYTHONPATH`` pointing at the checkout to measure (``PYTHONPATH=/path/to/other/checkout python
+tools/launch_count.py``): the package measured is whichever ``nemo_is_plugin`` that imports, while the counters are this
+file's and tests/helpers/device_guard.py's. On a GPU each non-view aten op is (about) one kernel launch, and the loss's
+[N]-vector epilogue costs CPU launch time, not GPU work, so the count is the number to keep down; a CPU counts them
+exactly and the same every run. Per config, on one small problem (4 sequences x 64 positions, H = 32, V = 256,
+``make_problem`` seed 0, log-probs from the model):
+
+- ``epilogue``: ``ClippedPGLoss.__call__`` on the ``[B, T]`` log-probs (forward), and ``+bwd`` with its backward;
+- ``chunk_dLdc``: one chunk's dL/dc in the fused single pass (``TokenLossGradient`` on 1/8 of the tokens);
+- ``fused_8_chunks``: ``fused_linear_pg_loss`` forward + backward over 8 chunks (the torch chunk math on CPU);
+- ``syncs``: the host synchronisations of the epilogue call (+bwd) and of the fused call, by
+  ``count_host_syncs`` (tests/helpers/device_guard.py; the tests assert the same counts).
+
+Ops are counted by a ``TorchDispatchMode``: every aten op whose overload is not a view (``OpOverload.is_view``).
+The shapes do not change the counts (no per-sequence or per-chunk loop other than the 8 chunks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the sync counter: tests/helpers
+
+from helpers.device_guard import count_host_syncs  # type: ignore[import-not-found]  # noqa: E402
+
+from nemo_is_plugin import build_loss_fn  # noqa: E402
+from nemo_is_plugin.apps.bench.jobs import BENCH_LOSS_CONFIG  # noqa: E402
+from nemo_is_plugin.apps.bench.problem import make_problem  # noqa: E402
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss  # noqa: E402
+from nemo_is_plugin.loss.separable import TokenLossGradient  # noqa: E402
+
+CHUNKS = 8
+CONFIGS: dict[str, dict[str, Any]] = {
+    "bench": BENCH_LOSS_CONFIG,  # the head benchmark's loss (apps/bench/jobs.py)
+    "ctpo_cumulative": dict(
+        ratio_level="cumulative_mean",
+        log_ratio_clip_low=0.01,
+        log_ratio_clip_high=0.015,
+        clip_position_power=0.5,
+        use_importance_sampling_correction=True,
+        is_correction_level="cumulative",
+    ),
+    "dppo_tv": dict(
+        policy_objective="dppo_tv", dppo_delta_low=0.2, dppo_delta_high=0.28, use_importance_sampling_correction=True
+    ),
+}
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the non-view aten ops run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def count_config(config: dict[str, Any]) -> dict[str, int]:
+    p = make_problem(4, 65, 32, 256, base_logprobs="model")
+    loss_fn = build_loss_fn(config)
+    x0 = p.data["prev_logprobs"][:, 1:].to(torch.float32).clone()
+    out: dict[str, int] = {}
+
+    for label, backward in (("epilogue", False), ("epilogue+bwd", True)):
+        x = x0.clone().requires_grad_(True)
+        with count_host_syncs() as syncs, LaunchCounter() as ops:
+            loss, _ = loss_fn(
+                next_token_logprobs=x,
+                data=p.data,
+                global_valid_seqs=p.global_valid_seqs,
+                global_valid_toks=p.global_valid_toks,
+            )
+            if backward:
+                loss.backward()
+        out[label], out[f"syncs_{label}"] = ops.count, len(syncs)
+
+    inputs, layout = loss_fn.prepare(x0, p.data, p.global_valid_seqs, p.global_valid_toks)
+    gradient = TokenLossGradient.build(loss_fn, inputs, layout)
+    c = x0.reshape(-1)
+    first = slice(0, c.numel() // CHUNKS)
+    with LaunchCounter() as ops:
+        gradient(first, c[first])
+    out["chunk_dLdc"] = ops.count
+
+    h, w = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
+    with count_host_syncs() as syncs, LaunchCounter() as ops:
+        loss, _ = fused_linear_pg_loss(
+            loss_fn,
+            h,
+            w,
+            p.target,
+            p.data,
+            p.global_valid_seqs,
+            p.global_valid_toks,
+            chunk_size=p.target.numel() // CHUNKS,
+        )
+        loss.backward()
+    out[f"fused_{CHUNKS}_chunks"], out["syncs_fused"] = ops.count, len(syncs)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, int]]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    result = {name: count_config(config) for name, config in CONFIGS.items()}
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        import nemo_is_plugin
+
+        print(f"non-view aten ops and host syncs per call, {nemo_is_plugin.__file__}")
+        columns = list(next(iter(result.values())))
+        print(f"{'config':<16}" + "".join(f"{c:>20}" for c in columns))
+        for name, counts in result.items():
+            print(f"{name:<16}" + "".join(f"{counts[c]:>20}" for c in columns))
+    return result
+
+
+if __name__ == "__main__":
+    main()
