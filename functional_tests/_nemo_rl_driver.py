@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _ranks import gather_objects
 from helpers.gloo import init_gloo  # imports torch.distributed.nn.functional before any process group (see there)
 
 from nemo_is_plugin.adapters.nemo_rl.step_metrics import NEMO_RL_EXTREMA
@@ -178,8 +179,7 @@ def _worker(rank: int, world_size: int, store: str, scenarios: list[Scenario], o
         results = []
         for sc in scenarios:
             part = run_rank(sc, rank, world_size, group)
-            gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, part, group=group)
+            gathered = gather_objects(part, group)
             if rank == 0:
                 results.append((sc.name, finish_step(sc, gathered)))
         if rank == 0:

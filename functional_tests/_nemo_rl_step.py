@@ -1,11 +1,12 @@
 """NeMo-RL's DTensor v1 policy worker (``DTensorPolicyWorkerImpl``: its own ``__init__`` and ``train``) on CPU gloo
 processes, with a tiny random Qwen2 model written to a folder (config, weights, tokenizer: nothing downloaded).
 
-``run_steps(model_dir, world_size, tp, losses, batches)`` spawns ``world_size`` processes; in each, for every loss in
-``losses`` (built inside the worker process from its description), a fresh worker is built from the same folder and
-``train`` is called once per batch (one optimizer step each: the global batch size is the batch). The driver's part
-of ``Policy.train`` (nemo_rl/models/policy/lm_policy.py, ``_shard_for_train`` and the aggregation of the workers'
-results) is done here with NeMo-RL's own ``BatchedDataDict.shard_by_batch_size``. Returns, per loss: each step's
+``run_steps(model_dir, world_size, tp, losses, batches)`` spawns ``world_size`` processes (tests/distributed/_spawn.py's
+``run_checks`` with this module's one check); in each, for every loss in ``losses`` (built inside the worker process
+from its description), a fresh worker is built from the same folder and ``train`` is called once per batch (one
+optimizer step each: the global batch size is the batch). The driver's part of ``Policy.train``
+(nemo_rl/models/policy/lm_policy.py, ``_shard_for_train`` and the aggregation of the workers' results) is done here
+with NeMo-RL's own ``BatchedDataDict.shard_by_batch_size``. Returns, per loss: each step's
 ``global_loss``, ``grad_norm`` and the workers' ``all_mb_metrics`` concatenated over the DP ranks (what
 ``Policy.train`` returns), and the full parameters after the last step.
 """
@@ -14,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
-from helpers import gloo  # noqa: F401  (torch.distributed.nn.functional before init_process_group: helpers/gloo.py)
+from _ranks import RESULTS_DIR_ENV, gather_objects, publish, published, results_folder, whole
+from distributed._spawn import run_checks
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, SEQ = 64, 32, 2, 4, 2, 12
 
@@ -128,22 +128,30 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0"
-    )
-    torch.set_num_threads(1)
+JOB = "job"  # the file the test process writes the job to, in the results folder (functional_tests/_ranks.py)
+
+
+def setup_workers(rank: int, world_size: int) -> None:
+    """The environment NeMo-RL's worker group gives a worker (the DTensor worker reads ``LOCAL_RANK``; its
+    ``init_process_group`` finds the harness's gloo group and keeps it, host_shims/nemo_rl.py), NeMo-RL on the path
+    and the shims, before any of NeMo-RL's modules is imported."""
     import sys
 
-    sys.path.insert(0, job["nemo_rl_path"])
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    sys.path.insert(0, published(os.environ[RESULTS_DIR_ENV], JOB)["nemo_rl_path"])
     from host_shims import nemo_rl as shims
 
     shims.install()
-    # NeMo-RL's modules (with torch.distributed.nn, via nemo_rl.distributed.model_utils) before the process group
+
+
+def _train(rank: int, world_size: int) -> None:
+    """Per loss of the job, a fresh worker trained on every batch; rank 0 publishes the results."""
+    from host_shims import nemo_rl as shims
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
     from nemo_rl.models.policy.workers.dtensor_policy_worker import DTensorPolicyWorkerImpl
     from transformers import AutoTokenizer
 
+    job = published(os.environ[RESULTS_DIR_ENV], JOB)
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     cfg = policy_config(job["model_dir"], job["tp"], job["gbs"], job["mbs"])
     results = []
@@ -159,10 +167,9 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out: str
             shard = data.shard_by_batch_size(dp, batch_size=job["gbs"])[dp_rank]
             with shims.cpu_device():
                 result = worker.train(BatchedDataDict(dict(shard)), loss_fn)
-            gathered: list[Any] = [None] * world_size
-            torch.distributed.all_gather_object(gathered, (worker.tp_mesh.get_local_rank(), result["all_mb_metrics"]))
             mb_metrics: dict[str, list[Any]] = {}
-            for tp_rank, metrics in gathered:  # one worker per DP rank, as Policy.train's output_is_replicated
+            # one worker per DP rank (TP rank 0's), as Policy.train's output_is_replicated
+            for tp_rank, metrics in gather_objects((worker.tp_mesh.get_local_rank(), result["all_mb_metrics"])):
                 if tp_rank == 0:
                     for k, v in metrics.items():
                         mb_metrics.setdefault(k, []).extend(_to_plain(x) for x in v)
@@ -173,23 +180,16 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out: str
                     "all_mb_metrics": mb_metrics,
                 }
             )
-        params = {}
-        for name, tensor in worker.model.state_dict().items():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            params[name] = full.detach().double().reshape(-1).tolist()
+        params = {
+            name: whole(tensor).detach().double().reshape(-1).tolist()
+            for name, tensor in worker.model.state_dict().items()
+        }
         results.append({"steps": steps, "params": params, "dp": dp})
         del worker
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    publish("results", results)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+CHECKS = [("train", _train)]
 
 
 def run_steps(
@@ -211,9 +211,8 @@ def run_steps(
         "losses": losses,
         "batches": [{k: v.tolist() for k, v in b.items()} for b in batches],
     }
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.json")
-        mp.spawn(_worker, args=(world_size, _free_port(), job, out), nprocs=world_size, join=True)
-        with open(out) as f:
-            return json.load(f)
+    with tempfile.TemporaryDirectory() as tmp, results_folder(tmp) as folder:
+        (folder / f"{JOB}.json").write_text(json.dumps(job))
+        errors = run_checks(__name__, world_size)
+        assert errors["train"] is None, errors["train"]
+        return published(folder, "results")

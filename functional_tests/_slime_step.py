@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _ranks import whole
 from host_shims import slime as slime_shims
 
 VOCAB, HIDDEN = 32, 16
@@ -220,9 +221,12 @@ def full_weights(seed: int = 1) -> dict[str, torch.Tensor]:
     }
 
 
+def _shard_dim(name: str) -> int:
+    return 1 if name == "down.weight" else 0  # RowParallelLinear cuts its input dimension
+
+
 def _shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    dim = 1 if name == "down.weight" else 0  # RowParallelLinear cuts its input dimension
-    return full.chunk(tp, dim=dim)[rank]
+    return full.chunk(tp, dim=_shard_dim(name))[rank]
 
 
 def build(args: Namespace, tp: int) -> tuple[list[Any], Any, Any]:
@@ -265,12 +269,9 @@ def full_parameters(model: list[Any], tp: int) -> dict[str, torch.Tensor]:
     """The full weights, gathered over the TP group (identical on every rank)."""
     from megatron.core import parallel_state as mpu
 
-    out = {}
-    for name, param in model[0].module.named_parameters():
-        parts = [torch.empty_like(param.data) for _ in range(tp)]
-        dist.all_gather(parts, param.data.contiguous(), group=mpu.get_tensor_model_parallel_group())
-        out[name] = torch.cat(parts, dim=1 if name == "down.weight" else 0)
-    return out
+    group = mpu.get_tensor_model_parallel_group()
+    assert dist.get_world_size(group) == tp
+    return {name: whole(param.data, group, _shard_dim(name)) for name, param in model[0].module.named_parameters()}
 
 
 @dataclass

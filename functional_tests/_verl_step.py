@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _ranks import whole
 from host_shims import verl as verl_shims
 from host_shims.plugin_settings import CTPO
 
@@ -219,8 +220,7 @@ def _full_params(engine) -> dict[str, torch.Tensor]:
     modules = module if isinstance(module, list) else [module]
     for i, m in enumerate(modules):
         for name, p in m.named_parameters():
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[f"{i}.{name}"] = t.detach().clone().float()
+            out[f"{i}.{name}"] = whole(p).detach().clone().float()
     return out
 
 

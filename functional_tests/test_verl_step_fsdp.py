@@ -22,7 +22,6 @@ steps' warm-up, ~10 s).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -33,7 +32,7 @@ pytest.importorskip(
     reason="verl's training stack is not importable (verl 0.9.1 with the packages requirements/ci.lock pins for it)",
 )
 
-import torch.distributed as dist  # noqa: E402
+from _ranks import gather_objects, publish, published, results_folder  # noqa: E402
 from _verl_step import (  # noqa: E402
     MODEL_DIR_ENV,
     OWN_SETTINGS,
@@ -48,7 +47,6 @@ from distributed._spawn import run_checks  # noqa: E402
 WORLD = 2
 ENGINE = "fsdp2"
 PLUGIN = "nemo_is.clipped_pg"
-SPAN_DIR_ENV = "NEMO_IS_VERL_M2PO_SPAN_DIR"
 ONLY_ENV = "NEMO_IS_VERL_STEP_ONLY"
 
 
@@ -106,8 +104,7 @@ def _m2po_span(rank: int, world_size: int) -> None:
             "m2po_clip_low_min_micro_batch_mean",
         )
         records.append({"row": row, **{n: float(metrics[ours + n]) for n in names}})
-    gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, records)
+    gathered = gather_objects(records)
     half = len(records) // 2
     for step in range(2):
         calls = [r for rank_records in gathered for r in rank_records[step * half : (step + 1) * half]]
@@ -115,10 +112,7 @@ def _m2po_span(rank: int, world_size: int) -> None:
             mean = sum(c[name] for c in calls) / len(calls)
             got = result.metrics[ours + name][step] if rank == 0 else mean
             assert abs(got - mean) <= 1e-9 * max(abs(mean), 1.0), (name, step, got, mean)
-    out = os.environ.get(SPAN_DIR_ENV)
-    if out and rank == 0:
-        first_step = [r for rank_records in gathered for r in rank_records[:half]]
-        Path(out, f"dp{world_size}.json").write_text(json.dumps(first_step))
+    publish(f"dp{world_size}", [r for rank_records in gathered for r in rank_records[:half]])  # the first step
 
 
 def _counting_head():
@@ -228,20 +222,14 @@ def _selected_checks(session) -> list[str]:
 def gloo_results(request, span_dir) -> dict[str, str | None]:
     """The selected checks of ``CHECKS`` in one spawn of ``WORLD`` gloo ranks (verl's set-up is paid once per
     module)."""
-    os.environ.update({SPAN_DIR_ENV: str(span_dir), ONLY_ENV: ",".join(_selected_checks(request.session))})
-    try:
+    with results_folder(span_dir, **{ONLY_ENV: ",".join(_selected_checks(request.session))}):
         return run_checks(__name__, WORLD)
-    finally:
-        del os.environ[SPAN_DIR_ENV], os.environ[ONLY_ENV]
 
 
 @pytest.fixture(scope="module")
 def dp1_results(span_dir) -> dict[str, str | None]:
-    os.environ.update({SPAN_DIR_ENV: str(span_dir), ONLY_ENV: "m2po_span"})
-    try:
+    with results_folder(span_dir, **{ONLY_ENV: "m2po_span"}):
         return run_checks(__name__, 1)
-    finally:
-        del os.environ[SPAN_DIR_ENV], os.environ[ONLY_ENV]
 
 
 @pytest.mark.parametrize("name", [name for name, _ in CHECKS])
@@ -254,8 +242,8 @@ def test_m2po_statistic_spans_one_micro_batch_at_dp1_and_dp2(gloo_results, dp1_r
     same M2 and bounds, so the statistic saw neither the other rank's rows nor the other micro-batches'."""
     assert gloo_results["m2po_span"] is None, gloo_results["m2po_span"]
     assert dp1_results["m2po_span"] is None, dp1_results["m2po_span"]
-    dp1 = {r["row"]: r for r in json.loads((span_dir / "dp1.json").read_text())}
-    dp2 = {r["row"]: r for r in json.loads((span_dir / "dp2.json").read_text())}
+    dp1 = {r["row"]: r for r in published(span_dir, "dp1")}
+    dp2 = {r["row"]: r for r in published(span_dir, "dp2")}
     shared = sorted(set(dp1) & set(dp2))
     assert len(shared) >= 2, (sorted(dp1), sorted(dp2))
     for row in shared:

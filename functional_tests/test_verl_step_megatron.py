@@ -24,7 +24,7 @@ pytest.importorskip(
 pytest.importorskip("mbridge", reason="mbridge (verl's Megatron bridge, requirements/ci.lock) is not installed")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-import torch  # noqa: E402
+from _ranks import gather_objects  # noqa: E402
 from _verl_step import (  # noqa: E402
     MODEL_DIR_ENV,
     OWN_SETTINGS,
@@ -68,9 +68,7 @@ def _native_vs_plugin(rank: int, world_size: int) -> None:
         plugin = _step(loss_mode=PLUGIN, nemo_is={})
     assert len(spy.calls) == 4
     assert_same_update(native, plugin)
-    collected: list = [None] * world_size
-    torch.distributed.all_gather_object(collected, bool(native.metrics))
-    assert sum(collected) == 2  # verl returns metrics from one rank per DP group (TP rank 0)
+    assert sum(gather_objects(bool(native.metrics))) == 2  # verl returns metrics from one rank per DP group (TP rank 0)
 
 
 def _own_setting(name: str):

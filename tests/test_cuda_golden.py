@@ -9,7 +9,7 @@ Tolerances and why:
 - fp32 inputs: the golden values themselves, with the CPU suites' tolerances (loss and gradients rtol 1e-4 / atol 1e-6,
   metrics as the NeMo-RL golden README: rtol 1e-4, KL-type metrics 1e-3, extrema / exact counts 1e-6; CTPO rtol 1e-5,
   1e-4 at T = 2048; slime as its README: loss and metrics rtol 1e-5, logit gradients 1e-4, TIS outputs 1 ulp (3 on CUDA,
-  whose expf is accurate to 2 ulp: helpers/golden_calls.SLIME_TIS_RTOL), masks
+  whose expf is accurate to 2 ulp: helpers/golden_runners.SLIME_TIS_RTOL), masks
   exact). verl's golden values are weights and masks, not a loss call's outputs: those calls are compared with the
   same call on the CPU (loss / gradient rtol 1e-5, atol 1e-6; metrics rtol 1e-4, atol 1e-6).
 - bf16 log-prob inputs (current, prev, generation, reference log-probs cast to bf16; slime: the logits and the batch's
@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.golden_calls import PluginCall, assert_same_outcome, golden_calls, no_guard
+from helpers.golden_calls import golden_calls
+from helpers.golden_outcome import PluginCall, assert_same_outcome, no_guard
 
 CALLS = golden_calls()
 _IDS = [c.id for c in CALLS]

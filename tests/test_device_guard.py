@@ -14,15 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.device_guard import DeviceLessTensorError, count_host_syncs, device_guard
-from helpers.golden_calls import (
-    assert_same_outcome,
-    case_format,
-    golden_calls,
-    load_suite,
-    no_guard,
-    raises,
-    suites,
-)
+from helpers.golden_calls import case_format, golden_calls, load_suite, raises, suites
+from helpers.golden_outcome import assert_same_outcome, no_guard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_is_plugin import build_loss_fn

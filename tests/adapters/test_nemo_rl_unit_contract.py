@@ -1,7 +1,8 @@
 """A model of NeMo-RL's own ClippedPGLossFn unit tests (tests/unit/algorithms/test_loss_functions.py at 7ea279ab) run
 against the adapter: NeMo-RL's pydantic config in, ``ClippedPGLossFn(cfg)`` built from the adapter module, inputs
 prepared the way ``prepare_loss_input`` does, and each assertion of the same kind NeMo-RL makes (default
-``assert_close`` tolerances, ``==`` on metrics, ``pytest.raises(AssertionError, match=...)``, ``is`` on enums).
+``assert_close`` tolerances, ``==`` on metrics, ``pytest.raises(AssertionError, match=...)``). The loss values
+here; the metric normalisations it advertises: test_nemo_rl_unit_contract_metrics.py.
 
 The data and hand computations are this file's own; each test names the NeMo-RL test it models.
 """
@@ -15,7 +16,6 @@ import torch
 
 from adapters.nemo_rl_host import ADV, CURR, PREV, HostLossConfig, V, clip_loss, filled, host_batch, k3, run
 from nemo_is_plugin.adapters.nemo_rl import ClippedPGLossFn
-from nemo_is_plugin.adapters.nemo_rl.protocol import MetricNormalizer
 
 
 # ----------------------------------------------------------------------------------- the loss value, mode by mode
@@ -333,107 +333,3 @@ def test_gspo_importance_sampling_correction():  # test_clipped_pg_loss_gspo_imp
     torch.testing.assert_close(
         loss, (w * torch.maximum(-ADV * r, -ADV * r.clamp(0.8, 1.2))).mean(), atol=1e-4, rtol=1e-3
     )
-
-
-# ----------------------------------------------------------------------------------- metric normalisations
-def test_metric_normalizations_default_config():  # TestMetricNormalizationAdvertisement.test_default_grpo_config
-    norms = ClippedPGLossFn(HostLossConfig()).metric_normalizations
-    for key in (
-        "loss",
-        "kl_penalty",
-        "sampling_importance_ratio",
-        "probs_ratio",
-        "probs_ratio_clamped",
-        "token_mult_prob_error",
-        "gen_kl_error",
-        "policy_kl_error",
-        "js_divergence_error",
-        "approx_entropy",
-    ):
-        assert norms[key] is MetricNormalizer.TOKENS, key
-    for key in ("num_valid_samples", "positive_nll_loss", "probs_ratio_min", "probs_ratio_max"):
-        assert norms[key] is MetricNormalizer.NONE, key
-    assert "is_oob_ratio" not in norms
-
-
-@pytest.mark.parametrize(
-    "cfg, want",
-    [
-        (
-            dict(
-                token_level_loss=False, sequence_level_importance_ratios=True, use_importance_sampling_correction=True
-            ),
-            {
-                "loss": "SEQUENCES",
-                "kl_penalty": "SEQUENCES",
-                "sampling_importance_ratio": "SEQUENCES",
-                "token_mult_prob_error": "TOKENS",
-                "probs_ratio": "TOKENS",
-            },
-        ),
-        (
-            dict(
-                use_importance_sampling_correction=True,
-                truncated_importance_sampling_type="seq-mask-tis",
-                truncated_importance_sampling_ratio=2.0,
-                truncated_importance_sampling_ratio_min=0.5,
-            ),
-            {"loss": "TOKENS", "is_oob_ratio": "SEQUENCES"},
-        ),
-        (
-            dict(
-                token_level_loss=False,
-                use_importance_sampling_correction=True,
-                truncated_importance_sampling_type="tis",
-                truncated_importance_sampling_ratio=2.0,
-            ),
-            {"loss": "SEQUENCES", "is_oob_ratio": "TOKENS"},
-        ),
-    ],
-    ids=["gspo", "seq_mask_tis_token_loss", "tis_sequence_loss"],
-)
-def test_metric_normalizations_follow_the_flags(cfg, want):  # the other three TestMetricNormalizationAdvertisement
-    norms = ClippedPGLossFn(HostLossConfig(**cfg)).metric_normalizations
-    for key, kind in want.items():
-        assert norms[key] is getattr(MetricNormalizer, kind), key
-
-
-def test_split_rescale_matches_sync_normalization():  # test_split_rescale_matches_sync_normalization
-    g = torch.Generator().manual_seed(7)
-    fn = ClippedPGLossFn(
-        HostLossConfig(
-            use_importance_sampling_correction=True,
-            truncated_importance_sampling_type="seq-mask-tis",
-            truncated_importance_sampling_ratio=1.4,
-            truncated_importance_sampling_ratio_min=0.75,
-        )
-    )
-    batches = []
-    for _ in range(2):
-        data = host_batch(batch=4, seq=8)
-        data.update(
-            advantages=torch.randn(4, 8, generator=g),
-            prev_logprobs=-torch.rand(4, 8, generator=g),
-            generation_logprobs=-torch.rand(4, 8, generator=g),
-            reference_policy_logprobs=-torch.rand(4, 8, generator=g),
-            sample_mask=torch.tensor([1, 0, 1, 1]),
-        )
-        data["token_mask"][1, -3:] = 0
-        batches.append((data, -torch.rand(4, 7, generator=g)))
-    n_seq = sum(d["sample_mask"].sum() for d, _ in batches).float()
-    n_tok = sum((d["token_mask"][:, 1:] * d["sample_mask"][:, None]).sum() for d, _ in batches).float()
-
-    def totals(seqs, toks):
-        out: dict[str, float] = {}
-        for data, x in batches:
-            for k, v in fn(x, data, seqs, toks)[1].items():
-                out[k] = out.get(k, 0.0) + v
-        return out
-
-    synced, raw = totals(n_seq, n_tok), totals(torch.tensor(1.0), torch.tensor(1.0))
-    for key, kind in fn.metric_normalizations.items():
-        if kind is MetricNormalizer.NONE:
-            continue
-        denom = n_tok if kind is MetricNormalizer.TOKENS else n_seq
-        assert raw[key] / denom.item() == pytest.approx(synced[key], rel=1e-5, abs=1e-7), key
-    assert raw["num_valid_samples"] == pytest.approx(synced["num_valid_samples"])

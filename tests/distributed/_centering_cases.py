@@ -12,18 +12,11 @@ from helpers.head_reference import head_reference
 
 from nemo_is_plugin import build_loss_fn
 
-from ._fused_cases import pg_problem
+from ._fused_cases import TIGHT_TIS, pg_problem
 
 K = 6
 CONFIGS = {
-    "tis": dict(
-        score_centering=True,
-        use_importance_sampling_correction=True,
-        truncated_importance_sampling_type="tis",
-        truncated_importance_sampling_ratio=1.05,
-        ratio_clip_min=0.03,
-        ratio_clip_max=0.03,
-    ),
+    "tis": dict(score_centering=True, **TIGHT_TIS),
     "icepop": dict(
         score_centering=True,
         score_centering_top_k=K,

@@ -17,16 +17,22 @@ IS_LEVELS = ("token", "sequence", "sequence_mean", "cumulative")
 CHUNK = 5  # tokens per chunk: chunks straddle sequence boundaries (T = 8 per sequence)
 
 
+# a clip and TIS band tight enough that clipping and truncation are active on the synthetic mismatch
+TIGHT_TIS = dict(
+    use_importance_sampling_correction=True,
+    truncated_importance_sampling_type="tis",
+    truncated_importance_sampling_ratio=1.05,
+    ratio_clip_min=0.03,
+    ratio_clip_max=0.03,
+)
+
+
 def level_config(ratio_level: str, is_level: str) -> dict:
-    """Tight clip and TIS band so that clipping and truncation are active on the synthetic mismatch."""
+    """``TIGHT_TIS`` at these ratio and IS levels."""
     return dict(
         ratio_level=ratio_level,
         is_correction_level=is_level,
-        use_importance_sampling_correction=True,
-        truncated_importance_sampling_type="tis",
-        truncated_importance_sampling_ratio=1.05,
-        ratio_clip_min=0.03,
-        ratio_clip_max=0.03,
+        **TIGHT_TIS,
         loss_aggregation="seq-mean-token-mean" if ratio_level == "sequence" else "token-mean",
         token_level_loss=ratio_level != "sequence",
     )

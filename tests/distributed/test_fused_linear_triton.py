@@ -13,6 +13,9 @@ from kernels._interpreter import interpreter_results
 
 from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
 
+from ._fused_cases import TIGHT_TIS
+from ._triton_backends import assert_pg_loss_backends_agree, run_keeping_blocks, small_blocks
+
 triton = pytest.importorskip("triton")
 
 
@@ -21,12 +24,6 @@ def _data(n=24, h=32, v=48, seed=3, device="cpu", dtype=torch.float32):
     x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.3
     target = torch.randint(0, v, (n,), generator=g)
     return x.to(device, dtype), w.to(device, dtype), target.to(device)
-
-
-def _small_blocks():
-    from nemo_is_plugin.kernels import triton_logprob as tk
-
-    tk.BLOCKS.partials_block_v = tk.BLOCKS.grad_block_v = 16  # rows of 48 columns span 3 blocks
 
 
 def _logprob_run(backend, x, w, target, coef, **kwargs):
@@ -40,7 +37,7 @@ def _logprob_run(backend, x, w, target, coef, **kwargs):
 
 def check_fused_linear_backends_agree(device="cpu", dtype=torch.float32, tol=1e-5):
     """Two-pass log-probs + entropy with temperature: triton equals torch and the float64 naive reference."""
-    _small_blocks()
+    small_blocks()
     x, w, target = _data(device=device, dtype=dtype)
     coef = torch.randn(target.shape, generator=torch.Generator().manual_seed(5)).to(device)
     got = _logprob_run("triton", x, w, target, coef)
@@ -57,48 +54,10 @@ def check_fused_linear_backends_agree(device="cpu", dtype=torch.float32, tol=1e-
 def check_pg_loss_single_and_two_pass(device="cpu", dtype=torch.float32, tol=1e-5):
     """fused_linear_pg_loss on the triton backend (single pass with TIS + k3 KL, and forced two-pass) equals the torch
     backend: loss, metrics and gradients."""
-    from nemo_is_plugin import build_loss_fn
     from nemo_is_plugin.apps.bench.problem import make_problem
-    from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
 
-    _small_blocks()
-    p = make_problem(3, 9, 16, 37, seed=0)
-    cfg = dict(
-        ratio_level="token",
-        is_correction_level="token",
-        use_importance_sampling_correction=True,
-        truncated_importance_sampling_type="tis",
-        truncated_importance_sampling_ratio=1.05,
-        reference_policy_kl_penalty=0.1,
-        ratio_clip_min=0.03,
-        ratio_clip_max=0.03,
-    )
-    data = {k: v.to(device) for k, v in p.data.items()}
-    for single in (True, False):
-        out = {}
-        for backend in ("torch", "triton"):
-            h = p.hidden.to(device, dtype).clone().requires_grad_(True)
-            w = p.weight.to(device, dtype).clone().requires_grad_(True)
-            loss, metrics = fused_linear_pg_loss(
-                build_loss_fn(cfg),
-                h,
-                w,
-                p.target.to(device),
-                data,
-                p.global_valid_seqs,
-                p.global_valid_toks,
-                chunk_size=5,
-                temperature=1.3,
-                single_pass=single,
-                backend=backend,
-            )
-            loss.backward()
-            out[backend] = (loss.detach().double().cpu(), metrics, h.grad.double().cpu(), w.grad.double().cpu())
-        (l0, m0, dx0, dw0), (l1, m1, dx1, dw1) = out["torch"], out["triton"]
-        assert abs(l1 - l0).item() <= tol * abs(l0).item() + 1e-7
-        assert m0.keys() == m1.keys() and all(m1[k] == pytest.approx(m0[k], rel=tol, abs=1e-7) for k in m0)
-        for a, b in ((dx1, dx0), (dw1, dw0)):
-            assert ((a - b).abs().max() / b.abs().max()).item() < tol * 10
+    config = dict(ratio_level="token", is_correction_level="token", **TIGHT_TIS, reference_policy_kl_penalty=0.1)
+    assert_pg_loss_backends_agree(make_problem(3, 9, 16, 37, seed=0), config, device, dtype, tol, metric_atol=1e-7)
 
 
 INTERPRETER_CHECKS = {
@@ -136,13 +95,7 @@ def test_triton_backend_is_refused_without_cuda_or_interpreter(monkeypatch):
 def test_triton_matches_torch_and_reference_on_gpu(check, dtype, tol):
     """fp32: TF32 is off by default for matmuls, so 1e-5 holds; bf16: inputs, logits and dz are bf16 (a few bf16
     roundings of 2^-8 relative each reach the gradients), 3e-2 of the largest entry."""
-    from nemo_is_plugin.kernels import triton_logprob as tk
-
-    saved = (tk.BLOCKS.partials_block_v, tk.BLOCKS.grad_block_v)
-    try:
-        check(device="cuda", dtype=dtype, tol=tol)
-    finally:
-        tk.BLOCKS.partials_block_v, tk.BLOCKS.grad_block_v = saved
+    run_keeping_blocks(check, device="cuda", dtype=dtype, tol=tol)
 
 
 @pytest.mark.gpu

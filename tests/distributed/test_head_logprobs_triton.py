@@ -11,13 +11,9 @@ import pytest
 import torch
 from kernels._interpreter import interpreter_results
 
+from ._triton_backends import assert_pg_loss_backends_agree, run_keeping_blocks, small_blocks
+
 triton = pytest.importorskip("triton")
-
-
-def _small_blocks():
-    from nemo_is_plugin.kernels import triton_logprob as tk
-
-    tk.BLOCKS.partials_block_v = tk.BLOCKS.grad_block_v = 16  # rows of 48 columns span 3 blocks
 
 
 def check_head_backends_agree(device="cpu", dtype=torch.float32, tol=1e-5):
@@ -25,7 +21,7 @@ def check_head_backends_agree(device="cpu", dtype=torch.float32, tol=1e-5):
 
     from nemo_is_plugin.distributed.head.fused_linear import fused_linear_logprobs
 
-    _small_blocks()
+    small_blocks()
     g = torch.Generator().manual_seed(3)
     n, hid, v, k = 24, 32, 48, 5
     x, w = torch.randn(n, hid, generator=g), torch.randn(v, hid, generator=g) * 0.3
@@ -68,38 +64,9 @@ def check_head_backends_agree(device="cpu", dtype=torch.float32, tol=1e-5):
 def check_centering_loss_backends_agree(device="cpu", dtype=torch.float32, tol=1e-5):
     """fused_linear_pg_loss with score centering on the triton backend, single and two pass, equals the torch
     backend: loss, metrics and gradients."""
-    from distributed._centering_cases import CONFIGS, centering_problem
-    from nemo_is_plugin import build_loss_fn
-    from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss
+    from ._centering_cases import CONFIGS, centering_problem
 
-    _small_blocks()
-    p = centering_problem()
-    data = {key: t.to(device) for key, t in p.data.items()}
-    for single in (True, False):
-        out = {}
-        for backend in ("torch", "triton"):
-            h = p.hidden.to(device, dtype).clone().requires_grad_(True)
-            w = p.weight.to(device, dtype).clone().requires_grad_(True)
-            loss, metrics = fused_linear_pg_loss(
-                build_loss_fn(CONFIGS["tis"]),
-                h,
-                w,
-                p.target.to(device),
-                data,
-                p.global_valid_seqs,
-                p.global_valid_toks,
-                chunk_size=5,
-                temperature=1.3,
-                single_pass=single,
-                backend=backend,
-            )
-            loss.backward()
-            out[backend] = (loss.detach().double().cpu(), metrics, h.grad.double().cpu(), w.grad.double().cpu())
-        (l0, m0, dx0, dw0), (l1, m1, dx1, dw1) = out["torch"], out["triton"]
-        assert abs(l1 - l0).item() <= tol * abs(l0).item() + 1e-7
-        assert m0.keys() == m1.keys() and all(m1[k] == pytest.approx(m0[k], rel=tol, abs=1e-6) for k in m0)
-        for a, b in ((dx1, dx0), (dw1, dw0)):
-            assert ((a - b).abs().max() / b.abs().max()).item() < tol * 10
+    assert_pg_loss_backends_agree(centering_problem(), CONFIGS["tis"], device, dtype, tol, metric_atol=1e-6)
 
 
 INTERPRETER_CHECKS = {
@@ -125,10 +92,4 @@ def test_head_under_triton_interpreter(results, name):
 def test_head_triton_matches_torch_and_reference_on_gpu(check, dtype, tol):
     """fp32: 1e-5; bf16: inputs, logits and dz are bf16, and the head's scatter-adds round dz once more (3e-2 of the
     largest entry)."""
-    from nemo_is_plugin.kernels import triton_logprob as tk
-
-    saved = (tk.BLOCKS.partials_block_v, tk.BLOCKS.grad_block_v)
-    try:
-        check(device="cuda", dtype=dtype, tol=tol)
-    finally:
-        tk.BLOCKS.partials_block_v, tk.BLOCKS.grad_block_v = saved
+    run_keeping_blocks(check, device="cuda", dtype=dtype, tol=tol)

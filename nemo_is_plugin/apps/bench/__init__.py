@@ -6,8 +6,8 @@ measurement code), ``problem`` (synthetic LM-head + RL batch), ``paths`` (the ta
 problem), ``measure`` (float64 errors on a few tokens), ``memory`` (peak tensor-memory tracking on CPU), ``runner`` and
 ``sweep`` (the run), ``report`` / ``failures`` / ``plots`` (tables, failed measurements, targets, figures; the
 project's docs/performance.md is written from the saved results by ``tools/bench_docs``, not by the package),
-``model_step`` / ``model_report`` (``--model-step``: a
-megatron-core MoE training step), ``progress``.
+``model_step`` / ``moe_model`` / ``model_report``
+(``--model-step``: a megatron-core MoE training step), ``progress``.
 """
 
 from nemo_is_plugin.common.extras import require_extra

@@ -3,10 +3,7 @@
 The question it answers: what share of a real MoE training step is the LM head + log-prob + loss, and what does the
 fused path change in time and memory. One process, world size 1 (NCCL on CUDA, gloo on CPU), TP = PP = 1.
 
-Model: ``GPTModel`` with the local layer spec (no Transformer Engine / Apex), RMSNorm, RoPE, SwiGLU experts with a
-top-k softmax router and the all-gather dispatcher, untied LM head; bf16 parameters on CUDA. The default shape keeps
-Qwen3-30B-A3B's head (hidden 2048, vocab 151,936, expert FFN 768, 32 heads / 4 KV groups as 16 x 128 here) and scales
-the body down to fit one GPU (2 layers, 16 experts top-4 instead of 48 layers, 128 experts top-8).
+Model: a megatron-core MoE ``GPTModel``, its shapes and its world-size-1 parallel state (``moe_model``).
 
 Variants (``STEP_VARIANTS``; one step = forward + loss + ``backward()``, gradients reset before each step):
 - ``body``: the decoder alone (LM head bypassed) with a fixed random upstream gradient on its output: the cost every
@@ -21,66 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from nemo_is_plugin.apps.bench.device import BenchDevice, dtype_name
 from nemo_is_plugin.apps.bench.jobs import BENCH_LOSS_CONFIG, bench_loss_fn
+from nemo_is_plugin.apps.bench.moe_model import (
+    GPU_STEP_SHAPE,
+    QUICK_STEP_SHAPE,
+    StepShape,
+    build_model,
+    head_bypassed,
+    single_process_parallel,
+)
 from nemo_is_plugin.apps.bench.problem import RLBatch, make_rl_batch
 
-
-@dataclass(frozen=True)
-class StepShape:
-    """A GPT MoE model and its batch (``batch`` sequences of ``seq_len`` tokens)."""
-
-    name: str
-    hidden: int
-    vocab: int
-    layers: int
-    heads: int
-    query_groups: int
-    experts: int
-    topk: int
-    expert_ffn: int
-    batch: int
-    seq_len: int
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.seq_len
-
-
-GPU_STEP_SHAPE = StepShape(
-    "Qwen3-30B-A3B head, scaled body",
-    hidden=2048,
-    vocab=151936,
-    layers=2,
-    heads=16,
-    query_groups=4,
-    experts=16,
-    topk=4,
-    expert_ffn=768,
-    batch=4,
-    seq_len=2048,
-)
-QUICK_STEP_SHAPE = StepShape(
-    "tiny",
-    hidden=64,
-    vocab=512,
-    layers=2,
-    heads=4,
-    query_groups=2,
-    experts=4,
-    topk=2,
-    expert_ffn=128,
-    batch=2,
-    seq_len=33,
-)
 STEP_VARIANTS = {
     "body": "decoder only (LM head bypassed), fixed upstream gradient: the part every variant shares",
     "naive": "logits [B, S, V] -> fp32 log_softmax -> gather -> plugin loss",
@@ -129,116 +83,6 @@ class StepConfig:
             overrides.setdefault("repeats", 5)
             overrides.setdefault("warmup", 2)
         return cls(shape=dataclasses.replace(shape, **changes), device=device, quick=quick, **overrides)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def single_process_parallel(dev: BenchDevice, seed: int):
-    """torch.distributed with world size 1 (NCCL on CUDA, gloo on CPU) and Megatron's parallel state at TP = PP = 1;
-    torn down on exit if this context created it. CPU: the demo's patches for megatron-core without a GPU."""
-    from megatron.core import parallel_state, tensor_parallel
-
-    created = not dist.is_initialized()
-    if created:
-        if dev.is_cuda:
-            torch.cuda.set_device(dev.device)
-        dist.init_process_group(
-            "nccl" if dev.is_cuda else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-        )
-    made_state = not parallel_state.model_parallel_is_initialized()
-    if made_state:
-        parallel_state.initialize_model_parallel(1, 1)
-    if dev.is_cuda:
-        import megatron.core.transformer.moe.moe_utils as moe_utils
-
-        if not hasattr(moe_utils, "te_general_gemm"):  # without Transformer Engine the router would hit a NameError
-            moe_utils.te_general_gemm = None
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    else:
-        from nemo_is_plugin.apps.demo.model import apply_cpu_patches
-
-        apply_cpu_patches()
-    try:
-        yield
-    finally:
-        if made_state:
-            parallel_state.destroy_model_parallel()
-        if created:
-            dist.destroy_process_group()
-
-
-def build_model(shape: StepShape, dev: BenchDevice, seed: int):
-    """The MoE ``GPTModel`` on ``dev`` in ``dev.dtype`` (see the module docstring)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    half = dev.dtype in (torch.bfloat16, torch.float16)
-    settings = dict(
-        num_layers=shape.layers,
-        hidden_size=shape.hidden,
-        num_attention_heads=shape.heads,
-        num_query_groups=shape.query_groups,
-        ffn_hidden_size=shape.expert_ffn,
-        moe_ffn_hidden_size=shape.expert_ffn,
-        num_moe_experts=shape.experts,
-        moe_router_topk=shape.topk,
-        moe_token_dispatcher_type="allgather",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=False,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=0.02,
-        params_dtype=dev.dtype,
-        bf16=dev.dtype == torch.bfloat16,
-        fp16=dev.dtype == torch.float16,
-        use_cpu_initialization=not dev.is_cuda,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        moe_router_dtype="fp32" if half else None,
-    )
-    known = {f.name for f in dataclasses.fields(TransformerConfig)}  # megatron-core versions differ in their fields
-    config = TransformerConfig(**{k: v for k, v in settings.items() if k in known and v is not None})
-    spec = get_gpt_layer_local_spec(num_experts=shape.experts, moe_grouped_gemm=False, normalization="RMSNorm")
-    torch.manual_seed(seed)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=shape.vocab,
-        max_sequence_length=shape.seq_len,
-        pre_process=True,
-        post_process=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-    )
-    return model.to(device=dev.device)  # parameters are already in params_dtype; buffers keep theirs
-
-
-@contextlib.contextmanager
-def head_bypassed(model):
-    """The output layer returns its input: the model's output is the final-normed hidden states ``[B, S, H]``."""
-
-    def identity(hidden, weight=None, runtime_gather_output=None, **_unused):
-        return hidden, None
-
-    model.output_layer.forward = identity
-    try:
-        yield
-    finally:
-        del model.output_layer.forward
 
 
 @dataclass
@@ -391,15 +235,11 @@ def count_model_steps(cfg: StepConfig) -> int:
 
 
 __all__ = [
-    "GPU_STEP_SHAPE",
-    "QUICK_STEP_SHAPE",
     "STEP_VARIANTS",
     "StepConfig",
-    "StepShape",
-    "build_model",
+    "StepInputs",
     "count_model_steps",
-    "head_bypassed",
     "run_model_step",
-    "single_process_parallel",
+    "step_inputs",
     "variant_loss",
 ]

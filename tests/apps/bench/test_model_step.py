@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from nemo_is_plugin.apps.bench.model_step import GPU_STEP_SHAPE, QUICK_STEP_SHAPE, StepConfig, count_model_steps
+from nemo_is_plugin.apps.bench.model_step import StepConfig, count_model_steps
+from nemo_is_plugin.apps.bench.moe_model import GPU_STEP_SHAPE, QUICK_STEP_SHAPE
 
 from ._cli import run_cli
 
