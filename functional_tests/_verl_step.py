@@ -270,7 +270,7 @@ OWN_SETTINGS: dict[str, tuple[dict, tuple[str, ...]]] = {
         (
             "rollout_corr/rollout_is_mean",
             "rollout_corr/rollout_is_eff_sample_size",
-            "rollout_corr/rollout_is_seq_max",
+            "rollout_corr/rollout_is_seq_max_micro_batch_mean",
             "rollout_corr/kl",
             "rollout_corr/chi2_seq",
             "actor/nemo_is/is_weight_mean",

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
-from nemo_is_plugin.loss.input_validation import POSITIVE_LOGPROB_TOLERANCE, validate_loss_inputs
+from nemo_is_plugin.loss.input_validation import POSITIVE_LOGPROB_TOLERANCE, loss_input_checks
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.score_centering import check_head_inputs, check_head_values
+from nemo_is_plugin.loss.score_centering import check_head_inputs, head_value_checks
 
 # NeMo-RL's data keys; [B, S] tensors are sliced [:, 1:] to align with next-token log-probs [B, S-1].
 TOKEN_KEYS = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
@@ -90,7 +90,7 @@ def align_nemo_rl_inputs(
 ) -> tuple[LossInputs, TokenLayout]:
     """Validate a NeMo-RL call's arguments for ``cfg`` and align them: ``[B, S]`` data -> ``[B, S-1]`` token tensors
     (``layout`` None: the padded layout of ``next_token_logprobs``)."""
-    validate_loss_inputs(
+    pending = loss_input_checks(
         next_token_logprobs,
         data,
         global_valid_seqs,
@@ -106,6 +106,9 @@ def align_nemo_rl_inputs(
     sliced = {k: data[k][:, 1:] for k in TOKEN_KEYS if k in data}
     if "curr_logprobs_unfiltered" in data and cfg.effective_kl_penalty != 0:  # NeMo-RL reads it only then
         sliced["curr_logprobs_unfiltered"] = data["curr_logprobs_unfiltered"]  # already [B, S-1]
+    curr = next_token_logprobs
+    if layout is None:
+        layout = TokenLayout.padded(curr.shape[0], curr.shape[1], device=curr.device)
     if cfg.score_centering:
         head = {k: data[k][:, 1:] if k in data else None for k in HEAD_KEYS}
         head[CURR_HEAD_KEY] = data.get(CURR_HEAD_KEY)  # already [B, S-1, k]
@@ -119,12 +122,10 @@ def align_nemo_rl_inputs(
             hint=f" (the rollout_topk_* data are [B, S, k], sliced [:, 1:]; {CURR_HEAD_KEY} is [B, S-1, k])",
         )
         sliced.update({k: v for k, v in head.items() if v is not None})
-    curr = next_token_logprobs
-    if layout is None:
-        layout = TokenLayout.padded(curr.shape[0], curr.shape[1], device=curr.device)
-    if cfg.score_centering:
         counted = (sliced["token_mask"] != 0) & (layout.to_tokens(data["sample_mask"]) != 0)
         q, p = sliced["rollout_topk_logprobs"], sliced[CURR_HEAD_KEY]
         names = ("data['rollout_topk_logprobs']", f"data['{CURR_HEAD_KEY}']")
-        check_head_values(counted, q, p, names, POSITIVE_LOGPROB_TOLERANCE.get(q.dtype, 1e-4))
+        # read with the inputs' own checks: score centering adds no host read
+        pending.add(head_value_checks(counted, q, p, names, POSITIVE_LOGPROB_TOLERANCE.get(q.dtype, 1e-4)))
+    pending.run()  # the one host read of the inputs' values
     return LossInputs.from_tokens(curr, sliced, data, global_valid_seqs, global_valid_toks), layout

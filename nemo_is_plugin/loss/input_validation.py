@@ -30,13 +30,15 @@ as NeMo-RL does (``nan_to_num(w, nan=0, posinf=0, neginf=0)``).
 
 Cost: two reductions per float tensor (max, min; NaN propagates through max), one per non-bool mask, and a single
 host synchronisation for all of them together. The per-element search for the offending entry only runs once an
-error has been found.
+error has been found. A caller's own value checks (:class:`DeferredCheck`, e.g. score centering's head values) ride
+along in the same synchronisation: :func:`loss_input_checks` returns the checks unread, ``run()`` reads them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -90,7 +92,38 @@ def required_input(t: torch.Tensor | None, key: str) -> torch.Tensor:
     return t
 
 
+class DeferredCheck(NamedTuple):
+    """A caller's own value check: a 0-d device ``scalar`` read with the inputs' reductions, and ``raise_if_bad``,
+    called with its value (a float) once the inputs' own checks have passed, which raises when it is bad."""
+
+    scalar: torch.Tensor
+    raise_if_bad: Callable[[float], None]
+
+
+@dataclass
+class PendingInputChecks:
+    """The value checks of :func:`loss_input_checks`, not yet read: ``add`` more, then ``run`` (one host read)."""
+
+    checks: list[tuple[str, torch.Tensor, str]]
+    deferred: list[DeferredCheck] = field(default_factory=list)
+
+    def add(self, checks: list[DeferredCheck]) -> None:
+        self.deferred.extend(checks)
+
+    def run(self) -> None:
+        """Read every reduction in one host synchronisation; raise for the first bad input (the inputs' own checks
+        first, then the deferred ones in order)."""
+        _check_values(self.checks, self.deferred)
+
+
 def validate_loss_inputs(
+    next_token_logprobs: Any, data: Any, global_valid_seqs: Any, global_valid_toks: Any, **kw: Any
+) -> None:
+    """:func:`loss_input_checks`, run at once (one host read): raises for a bad input, returns None."""
+    loss_input_checks(next_token_logprobs, data, global_valid_seqs, global_valid_toks, **kw).run()
+
+
+def loss_input_checks(
     next_token_logprobs: Any,
     data: Any,
     global_valid_seqs: Any,
@@ -103,8 +136,9 @@ def validate_loss_inputs(
     needs_rewards: bool,
     strict: bool = True,
     generation_is_old_policy: bool = False,
-) -> None:
-    """Raise a clear error if the inputs of ``ClippedPGLoss.__call__`` break NeMo-RL's contract.
+) -> PendingInputChecks:
+    """Raise a clear error if the inputs of ``ClippedPGLoss.__call__`` break NeMo-RL's contract: shapes, dtypes and
+    keys at once (no host read), values when the returned checks ``run()`` (one host read).
 
     Args:
         next_token_logprobs: Float[B, S-1] current-policy log-probs (fp16/bf16/fp32/fp64).
@@ -124,7 +158,8 @@ def validate_loss_inputs(
             generation``): checked like ``prev_logprobs`` (non-finite values refused, padding included) in both modes.
 
     Returns:
-        None. Raises ``TypeError``, ``ValueError`` or ``MissingInputError`` (a ``KeyError``).
+        The value checks, unread. Raises ``TypeError``, ``ValueError`` or ``MissingInputError`` (a ``KeyError``), now
+        or from ``run()``.
     """
     x = next_token_logprobs
     if not isinstance(x, torch.Tensor):
@@ -223,7 +258,7 @@ def validate_loss_inputs(
 
     for name, count in (("global_valid_seqs", global_valid_seqs), ("global_valid_toks", global_valid_toks)):
         checks.append((name, _count_tensor(name, count, x.device), "count"))
-    _check_values(checks)
+    return PendingInputChecks(checks)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -265,17 +300,24 @@ def _reductions(t: torch.Tensor, kind: str) -> list[torch.Tensor]:
     return [t.max(), t.min()]
 
 
-def _check_values(checks: list[tuple[str, torch.Tensor, str]]) -> None:
+def _check_values(checks: list[tuple[str, torch.Tensor, str]], deferred: list[DeferredCheck]) -> None:
     scalars: list[torch.Tensor] = []
     spans: list[tuple[int, int]] = []
     for _, t, kind in checks:
         red = _reductions(t, kind)
         spans.append((len(scalars), len(red)))
         scalars.extend(red)
+    scalars.extend(d.scalar.reshape(()) for d in deferred)
     if not scalars:
         return
     dev = scalars[0].device
     values = torch.stack([s.detach().to(device=dev, dtype=torch.float64) for s in scalars]).tolist()  # one sync
+    _raise_for_bad_values(checks, spans, values)
+    for d, value in zip(deferred, values[len(values) - len(deferred) :]):
+        d.raise_if_bad(value)
+
+
+def _raise_for_bad_values(checks: list[tuple[str, torch.Tensor, str]], spans: list[tuple[int, int]], values: list):
     for (name, t, kind), (start, n) in zip(checks, spans):
         if n == 0:
             continue

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
+from nemo_is_plugin.loss.input_validation import DeferredCheck
 from nemo_is_plugin.loss.metrics import Denominator
 
 if TYPE_CHECKING:
@@ -195,25 +196,42 @@ def check_head_inputs(
 
 
 @torch.no_grad()
-def check_head_values(
+def head_value_checks(
     counted: torch.Tensor, sampler: torch.Tensor, curr: torch.Tensor, names: tuple[str, str], tolerance: float
-) -> None:
-    """Refuse, in one host read, what the term cannot compute on the tokens it acts on (``counted``, bool [*T]): a
-    sampler log-prob that is NaN, +inf or above ``tolerance`` (a -inf is an empty slot), and a trainer log-prob that is
-    not finite in a filled slot (its coefficient times -inf). Other tokens may hold anything (padding)."""
+) -> list[DeferredCheck]:
+    """The checks, unread (0-d device counts and what raises for them), of what the term cannot compute on the tokens it
+    acts on (``counted``, bool [*T]): a sampler log-prob that is NaN, +inf or above ``tolerance`` (a -inf is an empty
+    slot), and a trainer log-prob that is not finite in a filled slot (its coefficient times -inf). Other tokens may
+    hold anything (padding). Read with a caller's other checks (``PendingInputChecks.add``) or alone
+    (:func:`check_head_values`)."""
     filled = torch.isfinite(sampler) & counted.unsqueeze(-1)
     bad_q = counted.unsqueeze(-1) & ((sampler != -math.inf) & ~filled | (sampler > tolerance))
     bad_p = filled & ~torch.isfinite(curr)
-    flags = torch.stack([bad_q.sum(), bad_p.sum()]).tolist()  # the one host read
-    for name, bad, count in ((names[0], bad_q, flags[0]), (names[1], bad_p, flags[1])):
-        if count:
-            first = [int(i) for i in bad.nonzero()[0]]
-            value = (sampler if name == names[0] else curr)[tuple(first)].item()
-            raise ValueError(
-                f"{name} holds {count} value(s) the score-centering term cannot use on counted tokens (NaN, +inf or "
-                f"positive sampler log-probs; non-finite trainer log-probs where the sampler's are finite), first at "
-                f"{first} = {value!r}; mark an empty head slot with -inf in both"
-            )
+
+    def refusal(name: str, bad: torch.Tensor, values: torch.Tensor) -> DeferredCheck:
+        def raise_if_bad(count: float) -> None:
+            if count:
+                first = [int(i) for i in bad.nonzero()[0]]
+                value = values[tuple(first)].item()
+                raise ValueError(
+                    f"{name} holds {int(count)} value(s) the score-centering term cannot use on counted tokens (NaN, "
+                    "+inf or positive sampler log-probs; non-finite trainer log-probs where the sampler's are finite), "
+                    f"first at {first} = {value!r}; mark an empty head slot with -inf in both"
+                )
+
+        return DeferredCheck(bad.sum(), raise_if_bad)
+
+    return [refusal(names[0], bad_q, sampler), refusal(names[1], bad_p, curr)]
+
+
+def check_head_values(
+    counted: torch.Tensor, sampler: torch.Tensor, curr: torch.Tensor, names: tuple[str, str], tolerance: float
+) -> None:
+    """:func:`head_value_checks` read at once (one host read): raises for the first bad head tensor."""
+    checks = head_value_checks(counted, sampler, curr, names, tolerance)
+    counts = torch.stack([c.scalar for c in checks]).tolist()  # the one host read
+    for check, count in zip(checks, counts):
+        check.raise_if_bad(count)
 
 
 class CenteringBook(Protocol):
@@ -276,6 +294,7 @@ __all__ = [
     "centering_term",
     "check_head_inputs",
     "check_head_values",
+    "head_value_checks",
     "label_and_head_logprobs",
     "score_centering_metrics",
 ]

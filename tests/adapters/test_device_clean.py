@@ -1,6 +1,7 @@
 """The host adapters under the CPU device guard (helpers/device_guard.py): NeMo-RL's loss function (LOGPROB and LOGIT
 inputs) and verl's policy loss. A guarded call equals the plain call bit for bit, and the call reads the device back
-once (the metrics), plus NeMo-RL's input validation (one batched check) and verl's check of the weights it inverts."""
+once (the metrics, NeMo-RL's share of the valid sequences with them), plus NeMo-RL's input validation (one batched
+check) and verl's check of the weights it inverts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from helpers.device_guard import assert_identical, count_host_syncs, run_guarded
 
 import nemo_is_plugin.adapters.verl.policy_loss as verl_module
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
+from nemo_is_plugin.adapters.nemo_rl.step_metrics import is_summed_extremum, micro_batch_mean_name
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss
 
 ACTOR = {
@@ -64,6 +66,41 @@ def test_nemo_rl_logit_input_is_device_clean(name):
     (got, files), (want, _) = run_guarded_and_plain(run)
     assert_identical(got, want)
     assert files == ["nemo_is_plugin/loss/metrics.py"]
+
+
+@pytest.mark.parametrize("name", ["ctpo_cumulative_is", "seq_mis_veto"])
+def test_nemo_rl_logit_extrema_with_device_counts_read_the_device_back_once(name):
+    """The LOGIT path with the plugin's extrema reported (``<stem>/{min,max}_mb_mean``, scaled by the call's share of
+    the step's valid sequences) and NeMo-RL's counts as device tensors: the share is read with the metrics, so the
+    call reads the device back once (it read ``global_valid_seqs`` a second time before). Each reported value is the
+    call's extremum times its valid sequences over ``global_valid_seqs``, bit for bit."""
+    logits, data, _ = make_batch(25)
+    data = {**data, "sample_mask": data["sample_mask"].clone()}
+    data["sample_mask"][0] = 0.0  # a masked sequence: the share is not 1
+    fn = NeMoRLLossFn(LOSS_CONFIGS[name], input_type="logit")
+    seqs, toks = torch.tensor(5.0), torch.tensor(17.0)
+
+    def run():
+        x = logits.clone().requires_grad_(True)
+        with count_host_syncs() as syncs:
+            loss, metrics = fn(logits=x, data=data, global_valid_seqs=seqs, global_valid_toks=toks)
+        loss.backward()
+        return (loss.detach(), metrics, x.grad), _sync_files(syncs)
+
+    (got, files), (want, _) = run_guarded_and_plain(run)
+    assert_identical(got, want)
+    assert files == ["nemo_is_plugin/loss/metrics.py"]
+    assert fn._logit_loss is not None
+    _, raw = fn._logit_loss(logits, data, 5.0, 17.0)
+    share = float(data["sample_mask"].sum()) / 5.0
+    assert 0 < share < 1
+    extrema = {k for k in raw if is_summed_extremum(k)}
+    assert extrema  # the config reports the plugin's extrema
+    for k in extrema:
+        assert got[1][micro_batch_mean_name(k)] == raw[k] * share, k
+    assert {k: v for k, v in got[1].items() if "_mb_mean" not in k} == {
+        k: v for k, v in raw.items() if k not in extrema
+    }
 
 
 def _verl_batch(seed: int):

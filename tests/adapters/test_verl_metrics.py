@@ -1,7 +1,8 @@
 """What a verl user's dashboards read, against verl 0.9 itself: every ``rollout_corr/`` metric verl's
 ``compute_rollout_correction_and_rejection_mask`` logs and every ``actor/`` metric of verl's ``vanilla`` policy loss,
 from the plugin's verl adapter on the same inputs (ragged masks with an empty and a one-token row, log-ratios beyond
-+-20). Skipped where verl does not import (the Python 3.13 tier has no verl)."""
++-20); the ``rollout_corr/`` extrema under ``<name>_micro_batch_mean``, what verl's step makes of a policy loss's
+metric. Skipped where verl does not import (the Python 3.13 tier has no verl)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from verl.workers.config.actor import ActorConfig  # noqa: E402
 
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss  # noqa: E402
 from nemo_is_plugin.adapters.verl.config import rollout_correction_keys  # noqa: E402
-from nemo_is_plugin.adapters.verl.metrics import PREFIX  # noqa: E402
+from nemo_is_plugin.adapters.verl.metrics import PREFIX, for_verl_step, verl_step_name  # noqa: E402
 
 B, T = 8, 9
 # verl's algorithm.rollout_correction settings; the plugin gets their mapping (verl_config.rollout_correction_keys)
@@ -116,10 +117,11 @@ def _chi2_unclamped(batch: dict) -> dict[str, float]:
 @pytest.mark.parametrize("beyond_20", [False, True], ids=["within_20", "beyond_20"])
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_every_rollout_corr_metric_is_verls(name, beyond_20):
-    """The adapter reports exactly verl's rollout_corr/ names, each at verl's value; the one documented difference is
-    chi-square with log-ratios beyond 20 (verl clamps them; the plugin's value is the unclamped formula)."""
+    """The adapter reports every rollout_corr/ metric verl logs, each at verl's value on the call's batch, under verl's
+    name or, for an extremum, ``<name>_micro_batch_mean``; the one documented difference is chi-square with log-ratios
+    beyond 20 (verl clamps them; the plugin's value is the unclamped formula)."""
     settings, batch = SETTINGS[name], _batch(beyond_20)
-    want = _verl(settings, batch)
+    want = for_verl_step(_verl(settings, batch))
     got = {k: v for k, v in _plugin(rollout_correction_keys(settings), batch).items() if k.startswith(PREFIX)}
     assert sorted(got) == sorted(want)
     unclamped = _chi2_unclamped(batch)
@@ -133,8 +135,12 @@ def test_every_rollout_corr_metric_is_verls(name, beyond_20):
             bad[key] = (got[key], value)
     assert not bad, bad
     if settings["rollout_is"] is not None:  # the statistics the brief's verl user missed are among them
-        assert {f"{PREFIX}rollout_is_{s}" for s in ("mean", "std", "min", "max", "eff_sample_size")} <= set(got)
-    assert {f"{PREFIX}{s}" for s in ("training_ppl", "rollout_ppl", "ppl_ratio", "log_ppl_diff_max")} <= set(got)
+        names = ("mean", "std", "min_micro_batch_mean", "max_micro_batch_mean", "eff_sample_size")
+        assert {f"{PREFIX}rollout_is_{s}" for s in names} <= set(got)
+    names = ("training_ppl", "rollout_ppl", "ppl_ratio", "log_ppl_diff_max_micro_batch_mean")
+    assert {f"{PREFIX}{s}" for s in names} <= set(got)
+    # no name promises an extremum: verl's ppo_loss averages every policy-loss metric over micro-batches
+    assert not [k for k in got if k.endswith(("_max", "_min", "_max_deviation"))]
 
 
 def test_inputs_reach_the_edges_they_are_meant_to():
@@ -192,7 +198,7 @@ def test_a_rule_verl_has_no_option_for_reports_under_the_plugins_names_only():
     ]
     metrics = _plugin(keys, batch)
     combined = {f"{PREFIX}rollout_rs_masked_fraction", f"{PREFIX}rollout_rs_seq_masked_fraction"}
-    want = {k: v for k, v in _verl(settings, batch).items() if k not in combined}
+    want = {k: v for k, v in for_verl_step(_verl(settings, batch)).items() if k not in combined}
     got = {k: v for k, v in metrics.items() if k.startswith(PREFIX)}
     assert sorted(got) == sorted(want)
     assert all(math.isclose(got[k], v, rel_tol=1e-6, abs_tol=1e-9) for k, v in want.items())
@@ -231,3 +237,30 @@ def test_m2po_reaches_verl_with_its_derived_metrics_and_extrema_named_for_verls_
     ratio = (-delta).exp()
     harmful = batch["mask"] & (((adv0 > 1e-12) & (ratio > 1 + 1e-12)) | ((adv0 < -1e-12) & (ratio < 1 - 1e-12)))
     assert math.isclose(metrics[ours + "m2po_m2"], (delta[harmful] ** 2).mean().item(), rel_tol=1e-9)
+
+
+def test_rollout_corr_extrema_are_named_for_the_mean_verl_makes_of_them():
+    """Each rollout_corr/ extremum (verl's ``_max`` / ``_min`` / ``_max_deviation`` of the IS weights, the log-ppl
+    difference and each rejection statistic) is the call's extremum, reported as ``<name>_micro_batch_mean``: verl's
+    ppo_loss averages it over micro-batches and DP ranks, so over two equal micro-batches verl logs the mean of their
+    maxima, which is not the batch's maximum (verl's driver value on the whole batch) under a name claiming one."""
+    settings, batch = SETTINGS["token_tis_normalized_four_rs"], _batch(beyond_20=False)
+    keys = rollout_correction_keys(settings)
+    verl_names = set(_verl(settings, batch))
+    extrema = {k for k in verl_names if k.endswith(("_max", "_min", "_max_deviation"))}
+    options = ("token_k1", "seq_sum_k3", "seq_mean_k2", "seq_max_k3")
+    by_hand = {"rollout_is_max", "rollout_is_min", "rollout_is_seq_max", "rollout_is_seq_min"}
+    by_hand |= {"rollout_is_seq_max_deviation", "log_ppl_diff_max", "log_ppl_diff_min"}
+    by_hand |= {f"rollout_rs_{o}_{s}" for o in options for s in ("max", "min", "seq_max", "seq_min")}
+    by_hand |= {f"rollout_rs_{o}_seq_max_deviation" for o in options}
+    assert extrema == {PREFIX + k for k in by_hand}
+    assert {verl_step_name(k) for k in extrema} == {PREFIX + k + "_micro_batch_mean" for k in by_hand}
+    assert verl_step_name(PREFIX + "rollout_rs_seq_max_k3_mean") == PREFIX + "rollout_rs_seq_max_k3_mean"
+    assert verl_step_name("actor/nemo_is/is_weight_max") == "actor/nemo_is/is_weight_max"  # outside rollout_corr/
+    parts = (slice(0, B // 2), slice(B // 2, B))
+    name = PREFIX + "rollout_is_max"
+    per_call = [_plugin(keys, batch, rows=rows)[verl_step_name(name)] for rows in parts]
+    assert per_call == pytest.approx([_verl(settings, batch, rows)[name] for rows in parts])
+    whole = _verl(settings, batch)[name]
+    assert max(per_call) == pytest.approx(whole)  # the batch's max is the larger call's ...
+    assert sum(per_call) / 2 < whole - 1e-3  # ... and the mean verl logs is below it

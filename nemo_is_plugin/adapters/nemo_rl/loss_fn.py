@@ -51,8 +51,8 @@ from nemo_is_plugin.adapters.nemo_rl.startup import check_switch_in_effect
 from nemo_is_plugin.adapters.nemo_rl.step_metrics import (
     SEQUENCE_SHARE,
     for_nemo_rl_step,
-    is_summed_extremum,
     renamed_normalizations,
+    sequence_share,
 )
 from nemo_is_plugin.adapters.shared import PARALLEL_STATE, GroupsSpec, check_groups, given_keys, resolve_groups
 from nemo_is_plugin.config import ConfigError
@@ -224,12 +224,13 @@ class NeMoRLLossFn:
             if "data_parallel_group" not in kwargs:  # its deprecated name, passed on as given
                 kwargs.setdefault("dp_group", groups.dp)
             assert self._logit_loss is not None  # _build creates it for input_type LOGIT
+            # the call's share of the step's valid sequences, read with the loss's metrics (no host read of its own)
+            kwargs["extra_metric_sums"] = lambda inputs, layout: {
+                SEQUENCE_SHARE: sequence_share(inputs.sample_mask, global_valid_seqs, layout)
+            }
             loss, metrics = self._logit_loss(logits, data, global_valid_seqs, global_valid_toks, **kwargs)
-            if not any(is_summed_extremum(name) for name in metrics):
-                return loss, metrics
-            # the host's count (a host read where it is a device tensor; NeMo-RL's worker reads it there anyway)
-            seqs = float(global_valid_seqs)
-            return loss, for_nemo_rl_step(metrics, metrics["num_valid_samples"] / seqs if seqs > 0 else 0.0)
+            metrics = dict(metrics)
+            return loss, for_nemo_rl_step(metrics, metrics.pop(SEQUENCE_SHARE))
         elif next_token_logprobs is None:
             raise TypeError("input_type=LOGPROB: pass next_token_logprobs=[B, S-1]")
         if not (hasattr(self.loss, "prepare") and hasattr(self.loss, "compute")):  # another registered loss
@@ -241,8 +242,7 @@ class NeMoRLLossFn:
             )
         inputs, layout = self.loss.prepare(next_token_logprobs, data, global_valid_seqs, global_valid_toks)
         # the call's share of the step's valid sequences, read with the loss's metrics (no host read of its own)
-        mask = inputs.sample_mask.double()
-        share = mask.sum() / torch.as_tensor(inputs.global_valid_seqs, dtype=torch.float64, device=mask.device)
+        share = sequence_share(inputs.sample_mask, inputs.global_valid_seqs, layout)
         loss, metrics = self.loss.compute(inputs, layout, extra_metric_sums={SEQUENCE_SHARE: share})
         metrics = dict(metrics)
         return loss, for_nemo_rl_step(metrics, metrics.pop(SEQUENCE_SHARE))

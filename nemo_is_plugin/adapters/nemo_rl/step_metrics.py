@@ -21,6 +21,11 @@ whose every metric, additive ones included, NeMo-RL then leaves undivided (the s
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from nemo_is_plugin.loss.layout import TokenLayout
 
 # The extrema NeMo-RL's grpo_train reduces with min / max (nemo_rl/algorithms/grpo.py @7ea279ab): kept as they are.
 NEMO_RL_EXTREMA = frozenset(
@@ -53,6 +58,15 @@ def for_nemo_rl_step(metrics: Mapping[str, float], share: float) -> dict[str, fl
     return out
 
 
+def sequence_share(sample_mask: torch.Tensor, global_valid_seqs: Any, layout: TokenLayout) -> torch.Tensor:
+    """The call's share of the step's valid sequences, a 0-d float64 device tensor (no host read): this process's
+    part of its valid sequences over ``global_valid_seqs``, 0 when that is not positive. Passed as an extra metric sum,
+    it is reduced over CP with the loss's metrics and read in their single host synchronisation."""
+    mine = layout.replicated_share(sample_mask.double().sum())
+    seqs = torch.as_tensor(global_valid_seqs, dtype=torch.float64, device=mine.device)
+    return torch.where(seqs > 0, mine / seqs, torch.zeros_like(mine))
+
+
 def renamed_normalizations(denominators: Mapping[str, str]) -> dict[str, str]:
     """The metric -> normaliser table under the names :func:`for_nemo_rl_step` gives: a share-weighted extremum is
     divided by the global sequence count (the split API calls with a count of 1 and rescales by ``sequences``)."""
@@ -69,4 +83,5 @@ __all__ = [
     "is_summed_extremum",
     "micro_batch_mean_name",
     "renamed_normalizations",
+    "sequence_share",
 ]

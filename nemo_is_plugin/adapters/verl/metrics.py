@@ -24,9 +24,11 @@ its ``token`` ones.
 Scope. verl computes these once per step on the whole batch, in the driver. The plugin computes them per
 micro-batch, and verl 0.9's ``ppo_loss`` averages a policy loss's metrics over micro-batches and DP ranks
 (``AggregationType.MEAN``, whatever the name). So: token means and row means are verl's batch value when the
-micro-batches hold equal token / row counts (row means: verl's fixed micro-batch size); the extrema (``_max``, ``_min``,
-``_max_deviation``), the standard deviations and the effective sample size are the average of the micro-batches'
-values, not the batch's value (the loss has no DP group to reduce over).
+micro-batches hold equal token / row counts (row means: verl's fixed micro-batch size); the standard deviations and the
+effective sample size are the average of the micro-batches' values, not the batch's value (the loss has no DP group to
+reduce over); and the extrema (``_max``, ``_min``, ``_max_deviation``) are reported as
+``<name>_micro_batch_mean`` (:func:`for_verl_step`), like the plugin's own: what verl makes of them is the mean of the
+micro-batches' extrema, which no name promising an extremum may carry.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ _PER_ROW_LEVELS = ("sequence", "sequence_mean")
 # ranks (Metric.aggregate_dp); a Metric with another aggregation is refused there (Metric.extend). An extremum
 # therefore reaches verl's metrics as the mean of the micro-batches' extrema, and is named so.
 MICRO_BATCH_MEAN = "_micro_batch_mean"
+# verl's rollout_corr/ statistics that are extrema of the call's tokens or rows (compute_is_metrics, compute_rs_metrics,
+# compute_offpolicy_metrics: ..._max, ..._min, ..._seq_max_deviation)
+_EXTREMUM_SUFFIXES = ("_max", "_min", "_max_deviation")
 
 
 def plugin_metrics(local: Mapping[str, float], denominators: Mapping[str, Denominator]) -> dict[str, float]:
@@ -70,6 +75,18 @@ def plugin_metrics(local: Mapping[str, float], denominators: Mapping[str, Denomi
     for objective in OBJECTIVES.values():
         out.update(objective.finalize(local))
     return out
+
+
+def verl_step_name(name: str) -> str:
+    """A ``rollout_corr/`` metric's name as the adapter reports it to verl's step: an extremum (``_max``, ``_min``,
+    ``_max_deviation``) gets ``_micro_batch_mean`` (verl averages it over the micro-batches, see ``MICRO_BATCH_MEAN``);
+    every other name (and every name outside ``rollout_corr/``) is kept."""
+    return name + MICRO_BATCH_MEAN if name.startswith(PREFIX) and name.endswith(_EXTREMUM_SUFFIXES) else name
+
+
+def for_verl_step(metrics: Mapping[str, float]) -> dict[str, float]:
+    """``rollout_corr/`` metrics of one call (verl's names and values) under the names :func:`verl_step_name` gives."""
+    return {verl_step_name(name): value for name, value in metrics.items()}
 
 
 def rollout_corr_metrics(
@@ -276,10 +293,12 @@ __all__ = [
     "MICRO_BATCH_MEAN",
     "PREFIX",
     "VERL_SAFETY_BOUND",
+    "for_verl_step",
     "is_weight_statistics",
     "off_policy_statistics",
     "plugin_metrics",
     "rejection_statistics",
     "rollout_corr_metrics",
     "verl_statistics",
+    "verl_step_name",
 ]

@@ -30,8 +30,9 @@ are returned per micro-batch (verl averages them): prefixed ``actor/nemo_is/``, 
 own counts, plus the ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and ``actor/ppo_kl`` that verl's loss of the
 same mode returns, as it defines them (:class:`~nemo_is_plugin.adapters.verl.loss_modes.VerlMode`: which of
 them, and whether ``ppo_kl`` clamps the log-ratio to +-20); when the plugin owns the correction, also every
-``rollout_corr/`` metric verl logs, with verl's definitions, over this micro-batch
-(:mod:`~nemo_is_plugin.adapters.verl.metrics`, which says where that scope differs from verl's batch).
+``rollout_corr/`` metric verl logs, with verl's definitions, over this micro-batch, its extrema named
+``<name>_micro_batch_mean`` for what verl makes of them (:mod:`~nemo_is_plugin.adapters.verl.metrics`, which says where
+that scope differs from verl's batch).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from nemo_is_plugin.adapters.verl.loss_modes import (
     verl_mode_of,
     verl_mode_settings,
 )
-from nemo_is_plugin.adapters.verl.metrics import plugin_metrics, rollout_corr_metrics, verl_statistics
+from nemo_is_plugin.adapters.verl.metrics import for_verl_step, plugin_metrics, rollout_corr_metrics, verl_statistics
 from nemo_is_plugin.adapters.verl.score_centering import VERL_SC_METRICS, head_inputs, verl_centering_statistics
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
@@ -340,10 +341,10 @@ class VerlPolicyLoss:
         verl_values = dict(zip(VERL_METRIC_NAMES, (local.get(clipfrac, 0.0), ppo_kl, local.get(lower, 0.0))))
         out.update({name: verl_values[name] for name in mode.metrics})
         if reads_mu:  # the plugin measured the true mismatch: verl's rollout_corr/ names where the quantity is the same
-            out.update(
-                rollout_corr_metrics(local, loss_fn.config, rows=b, seqs_with_tokens=local_seqs, seq_count=local_seqs)
-            )
-            out.update(read)  # verl's statistics the loss's metrics do not carry (verl_metrics.verl_statistics)
+            seqs = dict(seqs_with_tokens=local_seqs, seq_count=local_seqs)
+            corr = rollout_corr_metrics(local, loss_fn.config, rows=b, **seqs)
+            corr.update(read)  # verl's statistics the loss's metrics do not carry (verl_metrics.verl_statistics)
+            out.update(for_verl_step(corr))  # the extrema named for verl's mean over micro-batches
         out.update(verl_sc)
         return loss, out
 

@@ -28,7 +28,7 @@ single-process loss; TP ranks return the same value) and the full-batch metrics.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -193,11 +193,14 @@ class LogitClippedPGLoss:
         dp_group: ProcessGroup | None = None,
         data_parallel_group: Any = _UNSET,
         cu_seqlens_padded: torch.Tensor | Sequence[int] | None = None,
+        extra_metric_sums: Callable[[LossInputs, TokenLayout], Mapping[str, torch.Tensor]] | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss of this rank's logits (module docstring). ``dp_group``: the DP ranks a batch statistic (an
         objective's) is reduced over, beside the CP group; None: this call's batch alone. Every DP rank must then
-        make the same calls. ``data_parallel_group``: the deprecated name of ``dp_group``."""
+        make the same calls. ``data_parallel_group``: the deprecated name of ``dp_group``. ``extra_metric_sums``: a
+        caller's own 0-d additive metric shares computed from this rank's inputs and CP layout, reported with the
+        loss's metrics in their single host read (``ClippedPGLoss.compute``'s argument of that name)."""
         dp_group = _dp_group_alias(dp_group, data_parallel_group)
         if vocab_parallel_rank is not None and vocab_parallel_rank != group_rank(vocab_parallel_group):
             raise ValueError(
@@ -226,7 +229,7 @@ class LogitClippedPGLoss:
                 inputs.curr_topk_logprobs,
             )
         layout = with_data_parallel(layout, dp_group)
-        extra = {}
+        extra = dict(extra_metric_sums(inputs, layout)) if extra_metric_sums is not None else {}
         if entropy is not None:
             valid = inputs.token_mask * layout.to_tokens(inputs.sample_mask.to(inputs.token_mask.dtype))
             n_tok = torch.as_tensor(global_valid_toks, dtype=torch.float64, device=entropy.device)
