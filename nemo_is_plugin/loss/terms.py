@@ -306,7 +306,7 @@ def term_inputs(
     tm, sm = inputs.token_mask.to(dtype), inputs.sample_mask.to(dtype)
     valid = tm * layout.to_tokens(sm)
     g = as_f(inputs.generation_logprobs)
-    if cfg.force_on_policy_ratio:
+    if objective_of(cfg).pi_old_is_current:
         p = c.detach()
     elif cfg.bypasses_prev:
         p = g

@@ -55,7 +55,6 @@ from nemo_is_plugin.adapters.verl.config import (
 )
 from nemo_is_plugin.adapters.verl.correction import generation_logprobs, rollout_logprobs
 from nemo_is_plugin.adapters.verl.loss_modes import (
-    PPO_CLIP_KEYS,
     VERL_METRIC_NAMES,
     VERL_MODES,
     verl_mode_of,
@@ -64,6 +63,7 @@ from nemo_is_plugin.adapters.verl.loss_modes import (
 from nemo_is_plugin.adapters.verl.metrics import plugin_metrics, rollout_corr_metrics, verl_statistics
 from nemo_is_plugin.adapters.verl.score_centering import VERL_SC_METRICS, head_inputs, verl_centering_statistics
 from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.objectives import unread_clip_keys
 
 VERL_LOSS_NAME = "nemo_is.clipped_pg"
 CONFIG_ENV = "NEMO_IS_LOSS_CONFIG"
@@ -123,11 +123,10 @@ def verl_config(
             f"{user['policy_objective']!r} (the plugin's): keep one"
         )
     base = actor_keys(actor, loss_agg_mode, loss_mode)
-    if {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user) or user.get("use_cispo"):
+    if {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user):
         base.pop("ratio_clip_c", None)
-    if user.get("policy_objective", "ppo_clip") != "ppo_clip":  # the objective replaces verl's PPO clip
-        for key in PPO_CLIP_KEYS:
-            base.pop(key, None)
+    for key in unread_clip_keys({**base, **user}):  # the objective replaces verl's PPO clip (CISPO: its dual clip)
+        base.pop(key, None)
     if {"loss_aggregation", "token_level_loss"} & set(user):
         base.pop("loss_aggregation")
         base.pop("token_level_loss")
