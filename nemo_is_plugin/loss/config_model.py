@@ -51,6 +51,7 @@ from nemo_is_plugin.config.unknown_keys import (
     unknown_keys_message,
 )
 from nemo_is_plugin.loss.objectives import (
+    DEFAULT_OBJECTIVE,
     OBJECTIVES,
     effective_objective,
     key_sections,
@@ -86,7 +87,7 @@ class ClippedPGLossConfig(_Keys):
     """
 
     policy_objective: PolicyObjective = Field(
-        "ppo_clip",
+        DEFAULT_OBJECTIVE,
         description="The per-token surrogate and its trust region, anchored at pi_old (docs/objectives.md): "
         + ", ".join(OBJECTIVES[name].summary for name in objective_names())
         + ".",

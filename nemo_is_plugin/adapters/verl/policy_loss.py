@@ -63,7 +63,7 @@ from nemo_is_plugin.adapters.verl.loss_modes import (
 from nemo_is_plugin.adapters.verl.metrics import plugin_metrics, rollout_corr_metrics, verl_statistics
 from nemo_is_plugin.adapters.verl.score_centering import VERL_SC_METRICS, head_inputs, verl_centering_statistics
 from nemo_is_plugin.config import ClippedPGLossConfig
-from nemo_is_plugin.loss.objectives import unread_clip_keys
+from nemo_is_plugin.loss.objectives import objective_of_keys, unread_clip_keys
 
 VERL_LOSS_NAME = "nemo_is.clipped_pg"
 CONFIG_ENV = "NEMO_IS_LOSS_CONFIG"
@@ -136,7 +136,7 @@ def verl_config(
         factor = loss_scale_factor(actor)
         merged["loss_aggregation_norm"] = float(horizon if factor is None else factor)
     if weights_only:  # verl's geo_mean applies its weights per sequence, as their geometric mean
-        level = "sequence_mean" if merged.get("policy_objective") == "gmpo" else "token"
+        level = objective_of_keys(merged).host_is_level
         merged.update(use_importance_sampling_correction=True, is_correction_level=level)
     cfg = ClippedPGLossConfig(**merged)
     if cfg.effective_kl_penalty != 0:

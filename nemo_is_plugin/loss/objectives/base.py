@@ -23,6 +23,14 @@ import torch
 
 from nemo_is_plugin.config.keys import KeySection
 from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.objectives.nemo_rl_switches import (
+    DEFAULT_OBJECTIVE,
+    NEMO_RL_CLIP_KEYS,
+    NEMO_RL_SWITCHES,
+    RATIO_SWITCHES,
+    effective_objective,
+    selecting_switch,
+)
 from nemo_is_plugin.loss.ratios import token_log_ratio
 
 if TYPE_CHECKING:
@@ -115,6 +123,7 @@ class PolicyObjective:
     pi_old_is_current: the old log-probs are the current ones, detached (NeMo-RL's ``force_on_policy_ratio``): the
     batch's ``prev_logprobs`` are not read, and the IS weights compare sg(c) with mu. centres_score: score centering
     composes with it (its gradient weights a token's own score by a function of that token's ratio and IS weight).
+    host_is_level: the ``is_correction_level`` at which it takes a host's own IS weights (verl's weights-only mode).
     """
 
     name: ClassVar[str] = ""
@@ -128,6 +137,7 @@ class PolicyObjective:
     nemo_rl_ignores: ClassVar[tuple[str, ...]] = ()
     pi_old_is_current: ClassVar[bool] = False
     centres_score: ClassVar[bool] = False
+    host_is_level: ClassVar[str] = "token"
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         """The per-token loss and its indicators (module docstring)."""
@@ -192,20 +202,6 @@ class TokenRatioObjective(PolicyObjective):
 
 
 OBJECTIVES: dict[str, PolicyObjective] = {}
-DEFAULT_OBJECTIVE = "ppo_clip"
-
-# NeMo-RL's keys of PPO's ratio, in its generic block (config/keys.py): the clip bounds, and the switches that choose
-# another ratio (or, sequence_level_importance_ratios, its level). Each objective says which it reads / accepts.
-NEMO_RL_CLIP_KEYS = ("ratio_clip_min", "ratio_clip_max", "ratio_clip_c")
-RATIO_SWITCHES = ("use_cispo", "disable_ppo_ratio", "force_on_policy_ratio", "sequence_level_importance_ratios")
-# NeMo-RL's switches that select another objective while policy_objective is ppo_clip (its default), in NeMo-RL's
-# precedence: ClippedPGLossFn tests force_on_policy_ratio first, then disable_ppo_ratio, then use_cispo
-# (NVIDIA-NeMo/RL nemo_rl/algorithms/loss/loss_functions.py @ 7ea279ab). The one place a switch becomes an objective.
-NEMO_RL_SWITCHES: tuple[tuple[str, str], ...] = (
-    ("force_on_policy_ratio", "on_policy"),
-    ("disable_ppo_ratio", "reinforce"),
-    ("use_cispo", "cispo"),
-)
 
 
 # Set once ClippedPGLossConfig is built from the registry: its keys and policy_objective choices are fixed then.
@@ -232,23 +228,6 @@ def register_objective(cls: type[PolicyObjective]) -> type[PolicyObjective]:
         )
     OBJECTIVES[cls.name] = cls()
     return cls
-
-
-def selecting_switch(policy_objective: str, keys: Any) -> str | None:
-    """The NeMo-RL switch that selects the objective (:data:`NEMO_RL_SWITCHES`), None when ``policy_objective`` names
-    it. ``keys``: a config, or a mapping of ``loss_fn`` keys (an adapter's, before the config is built)."""
-    if policy_objective != DEFAULT_OBJECTIVE:
-        return None
-    read = keys.get if isinstance(keys, Mapping) else lambda key, default: getattr(keys, key, default)
-    return next((switch for switch, _ in NEMO_RL_SWITCHES if read(switch, False)), None)
-
-
-def effective_objective(policy_objective: str, keys: Any) -> str:
-    """The objective a config computes: ``policy_objective``, or under its default (``ppo_clip``) the one NeMo-RL's
-    switches select (``force_on_policy_ratio`` -> ``on_policy``, else ``disable_ppo_ratio`` -> ``reinforce``, else
-    ``use_cispo`` -> ``cispo``). ``keys`` as :func:`selecting_switch`."""
-    switch = selecting_switch(policy_objective, keys)
-    return policy_objective if switch is None else dict(NEMO_RL_SWITCHES)[switch]
 
 
 def objective_of(cfg: ClippedPGLossConfig) -> PolicyObjective:
