@@ -16,10 +16,10 @@ import warnings
 from nemo_is_plugin.config.keys import REJECTION_TYPES, SEQUENCE_MASK_TYPES, TOKEN_AGGREGATIONS, LossKeys
 
 
-def contradictions(cfg: LossKeys, policy_objective: str, objective_messages: list[str]) -> list[str]:
+def contradictions(cfg: LossKeys, objective_messages: list[str]) -> list[str]:
     """Every contradiction NeMo-RL rejects, plus the plugin's own; each message names the fields and the fix.
-    ``objective_messages``: the objective registry's checks of ``policy_objective``, placed after the rejection
-    rules'."""
+    ``objective_messages``: the objective registry's checks of the chosen objective (its own refusals, and what
+    score centering needs of it), placed after the rejection rules'."""
     out: list[str] = []
     tis = cfg.truncated_importance_sampling_type
     lo, hi = cfg.truncated_importance_sampling_ratio_min, cfg.truncated_importance_sampling_ratio
@@ -89,7 +89,7 @@ def contradictions(cfg: LossKeys, policy_objective: str, objective_messages: lis
     out.extend(_rejection_contradictions(cfg))
     out.extend(_rule_contradictions(cfg))
     out.extend(objective_messages)
-    out.extend(score_centering_contradictions(cfg, policy_objective))
+    out.extend(score_centering_contradictions(cfg))
     needs_is = cfg.importance_sampling_batch_normalize or cfg.is_correction_level is not None
     rejects = tis in REJECTION_TYPES or bool(cfg.rejection_rules)
     if needs_is and not cfg.use_importance_sampling_correction and not rejects:
@@ -137,27 +137,20 @@ def _rule_contradictions(cfg: LossKeys) -> list[str]:
             else ""
         )
         out.append(f"two rejection rules on {name}{shorthand}: merge their bounds into one rule")
-    if cfg.bypasses_prev and cfg.force_on_policy_ratio:
-        out.append("old_policy_logprobs='generation' and force_on_policy_ratio=true both choose pi_old; keep one")
     return out
 
 
-def score_centering_contradictions(cfg: LossKeys, policy_objective: str) -> list[str]:
+def score_centering_contradictions(cfg: LossKeys) -> list[str]:
     """What ``score_centering`` composes with (docs/config.md, *Score centering*): the term subtracts the sampler's
     expected f-weighted score of one token, f = the token IS weight's truncation as a function of p_v / q_v, so every
-    setting whose weight of the sampled token's score is not such an f of that token alone is refused."""
+    setting whose weight of the sampled token's score is not such an f of that token alone is refused. What the
+    policy objective's own weight allows is the objective's (``PolicyObjective.score_centering_refusals``)."""
     if not cfg.score_centering:
         keys = ("score_centering_top_k", "score_centering_tail_floor")
         unread = [k for k in keys if getattr(cfg, k) != type(cfg).model_fields[k].default]
         return [f"{k} is read with score_centering: true only: set score_centering or unset {k}" for k in unread]
     why = "score_centering"
     out = []
-    if policy_objective != "ppo_clip":
-        out.append(
-            f"{why} centres the score of PPO / REINFORCE's token policy gradient; policy_objective="
-            f"{policy_objective!r} weights a token's score by its own gate or trust mask, which the head "
-            "coefficients do not model: use ppo_clip or score_centering: false"
-        )
     if cfg.effective_ratio_level != "token":
         out.append(
             f"{why} subtracts one token's expected score; ratio_level={cfg.effective_ratio_level!r} (GSPO / CTPO) "
@@ -191,11 +184,5 @@ def score_centering_contradictions(cfg: LossKeys, policy_objective: str) -> list
             f"{why} with {', '.join(masks)}: a rejection reads the sampled token itself (and its sequence), so the "
             "score it keeps is not f(p/q) of that token and the centred gradient is not zero-mean (miles and "
             "vime refuse it too; verl runs it): use 'tis' or 'icepop'"
-        )
-    if cfg.bypasses_prev and not cfg.disable_ppo_ratio:
-        out.append(
-            f"{why} with old_policy_logprobs='generation': the PPO ratio p/mu (and its clip) multiplies the sampled "
-            "token's score, which f does not include: set disable_ppo_ratio: true (REINFORCE, verl's setting) or "
-            "old_policy_logprobs: prev"
         )
     return out

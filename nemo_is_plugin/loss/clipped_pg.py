@@ -251,7 +251,7 @@ class ClippedPGLoss:
             {
                 "curr": c_in,
                 "unfiltered": src.curr_logprobs_unfiltered if beta != 0 else None,
-                "prev": None if cfg.force_on_policy_ratio or cfg.bypasses_prev else src.prev_logprobs,
+                "prev": None if objective_of(cfg).pi_old_is_current or cfg.bypasses_prev else src.prev_logprobs,
                 "generation": src.generation_logprobs,
                 "reference": src.reference_logprobs if beta != 0 else None,
             },

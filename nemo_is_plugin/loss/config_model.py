@@ -51,7 +51,9 @@ from nemo_is_plugin.config.unknown_keys import (
     unknown_keys_message,
 )
 from nemo_is_plugin.loss.objectives import (
+    DEFAULT_OBJECTIVE,
     OBJECTIVES,
+    effective_objective,
     key_sections,
     load_entry_point_objectives,
     objective_contradictions,
@@ -85,7 +87,7 @@ class ClippedPGLossConfig(_Keys):
     """
 
     policy_objective: PolicyObjective = Field(
-        "ppo_clip",
+        DEFAULT_OBJECTIVE,
         description="The per-token surrogate and its trust region, anchored at pi_old (docs/objectives.md): "
         + ", ".join(OBJECTIVES[name].summary for name in objective_names())
         + ".",
@@ -141,12 +143,19 @@ class ClippedPGLossConfig(_Keys):
             self.__dict__["token_level_loss"] = self.loss_aggregation in TOKEN_AGGREGATIONS
         # Runs only once every field is valid: out-of-range values were refused by their NumericRange already.
         shared = objective_contradictions(self)  # the rules every objective shares, then the objective's own
-        errors = [msg for msg in contradictions(self, self.policy_objective, shared) if msg]
+        errors = [msg for msg in contradictions(self, shared) if msg]
         if errors:
             raise ConfigError("; ".join(errors))
         return self
 
     # ------------------------------------------------------------------ derived choices (the generic ones: LossKeys)
+    @property
+    def effective_objective(self) -> str:
+        """The objective computed: ``policy_objective``, or the one NeMo-RL's switch selects under ``ppo_clip``
+        (``force_on_policy_ratio`` -> ``on_policy``, ``disable_ppo_ratio`` -> ``reinforce``, ``use_cispo`` ->
+        ``cispo``; :func:`~nemo_is_plugin.loss.objectives.base.effective_objective`)."""
+        return effective_objective(self.policy_objective, self)
+
     @property
     def uses_log_space_clip(self) -> bool:
         """Whether PPO's clip is CTPO's log-space clip (``log_ratio_clip_low`` / ``_high`` set)."""

@@ -10,12 +10,24 @@ from __future__ import annotations
 
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.objectives import objective_of
+from nemo_is_plugin.loss.objectives.base import NEMO_RL_SWITCHES, selecting_switch
 from nemo_is_plugin.loss.objectives.ppo_clip import PPOClipKeys
 
 
 def _g(x: float | None) -> str:
     """A number as the config shows it; an unset bound (which a validated config never reads here) as YAML's null."""
     return "null" if x is None else f"{x:g}"
+
+
+def _objective(cfg: ClippedPGLossConfig) -> str:
+    """The objective computed and what chose it: ``policy_objective``, or the NeMo-RL switch that selects it."""
+    name = objective_of(cfg).name
+    switch = selecting_switch(cfg.policy_objective, cfg)
+    if switch is None:
+        return f"{name} ({'policy_objective' if 'policy_objective' in cfg.model_fields_set else 'default'})"
+    later = [s for s, _ in NEMO_RL_SWITCHES if s != switch and getattr(cfg, s)]
+    shadowed = f"; {', '.join(later)}: true ignored, as NeMo-RL tests {switch} first" if later else ""
+    return f"{name} (selected by NeMo-RL's {switch}: true{shadowed})"
 
 
 def _ratio(cfg: ClippedPGLossConfig) -> str:
@@ -122,9 +134,11 @@ def _score_centering(cfg: ClippedPGLossConfig) -> str:
 
 
 def effective_settings(cfg: ClippedPGLossConfig) -> dict[str, str]:
-    """Every effective choice of ``cfg`` in words, in the loss's order (ratio, clip, IS, KL, aggregation)."""
+    """Every effective choice of ``cfg`` in words, in the loss's order (objective, ratio, clip, IS, KL,
+    aggregation)."""
     is_on = cfg.use_importance_sampling_correction
     return {
+        "policy objective": _objective(cfg),
         "policy ratio": _ratio(cfg),
         "ratio clip": objective_of(cfg).describe(cfg),
         "log-ratio guards": _log_ratio_guards(cfg),

@@ -63,7 +63,7 @@ _LOGPROB_KEYS = {
     "reference_policy_logprobs": "needs_reference",
 }
 _WHY = {
-    "prev_logprobs": "the policy ratio / IS weight (unset force_on_policy_ratio reads it)",
+    "prev_logprobs": "the policy ratio / IS weight (every objective but on_policy, force_on_policy_ratio, reads it)",
     "generation_logprobs": "the IS weights and the mismatch metrics",
     "reference_policy_logprobs": "the KL penalty (reference_policy_kl_penalty != 0 and use_kl_in_reward=false)",
     "rewards": "positive_example_nll_weight > 0",

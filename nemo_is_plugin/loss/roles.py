@@ -32,6 +32,7 @@ from nemo_is_plugin.loss.aligned_inputs import LossInputs
 from nemo_is_plugin.loss.input_validation import required_input
 from nemo_is_plugin.loss.kl import KLSpec
 from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.objectives import objective_of
 
 if TYPE_CHECKING:
     from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
@@ -110,10 +111,11 @@ def pi_old_of(
     mu: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
     """The ratio's denominator pi_old, every host's one rule: the current policy, detached, under
-    ``force_on_policy_ratio`` (the ratio is 1 with the policy gradient); mu in bypass mode (``old_policy_logprobs:
+    an objective whose pi_old is the current policy (``on_policy``, which NeMo-RL's ``force_on_policy_ratio`` selects:
+    the ratio is 1 with the policy gradient); mu in bypass mode (``old_policy_logprobs:
     generation``: verl's ``bypass_mode``, slime's ``--use-rollout-logprobs``); else the host's logged old policy.
     ``logged`` and ``mu`` are read only when chosen (a host without them raises its own error there)."""
-    if cfg.force_on_policy_ratio:
+    if objective_of(cfg).pi_old_is_current:
         return c.detach()
     if cfg.bypasses_prev:
         return mu()

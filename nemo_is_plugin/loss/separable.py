@@ -52,6 +52,7 @@ from nemo_is_plugin.loss.correction import ISCorrection
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import where_mask
 from nemo_is_plugin.loss.objectives import objective_of
+from nemo_is_plugin.loss.objectives.base import chosen_as
 from nemo_is_plugin.loss.objectives.ppo_clip import CAUSAL_LEVELS
 from nemo_is_plugin.loss.ratios import cumulative_anchor, token_log_ratio
 from nemo_is_plugin.loss.roles import Roles
@@ -61,23 +62,24 @@ from nemo_is_plugin.loss.terms import TermInputs, loss_dtype, term_inputs, token
 def is_token_separable(config: ClippedPGLossConfig) -> bool:
     """True when ``dL/dc_t`` depends on ``c_t`` alone (see module docstring).
 
-    ``force_on_policy_ratio`` is excluded: it takes the old log-probs, hence the IS weights, from ``c`` itself; so is
-    ``old_policy_logprobs='generation'`` (bypass), whose IS weights and rejections measure ``c`` against mu.
+    An objective whose old log-probs are the current ones (``on_policy``, NeMo-RL's ``force_on_policy_ratio``) is
+    excluded: it takes the IS weights from ``c`` itself; so is ``old_policy_logprobs='generation'`` (bypass), whose
+    IS weights and rejections measure ``c`` against mu.
     """
-    if config.force_on_policy_ratio or config.bypasses_prev:
-        return False
     objective = objective_of(config)
+    if objective.pi_old_is_current or config.bypasses_prev:
+        return False
     return objective.whole_batch_reason(config) is None and not objective.causal(config)
 
 
 def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> str | None:
     """Why the loss gradient of a chunk cannot be known from the log-probs seen so far; None when it can."""
     level = config.effective_ratio_level
-    if config.force_on_policy_ratio:
-        return "force_on_policy_ratio takes the old log-probs (and the IS weights) from the current ones"
+    objective = objective_of(config)
+    if objective.pi_old_is_current:
+        return f"{chosen_as(config)} takes the old log-probs (and the IS weights) from the current ones"
     if config.bypasses_prev:
         return "old_policy_logprobs='generation' takes the IS weights and rejections from the current log-probs"
-    objective = objective_of(config)
     why = objective.whole_batch_reason(config)
     if why is not None:
         return why

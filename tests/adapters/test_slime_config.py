@@ -75,6 +75,18 @@ def test_cispo_ignores_the_dual_clip_as_slime_does_and_says_so():
     assert cfg.ratio_clip_c is None
 
 
+@pytest.mark.parametrize(
+    ("name", "kept"),
+    [("cispo", (0.1, 0.3, None)), ("reinforce", (0.2, 0.2, 2.5)), ("dro", (0.2, 0.2, None))],
+)
+def test_a_named_objective_keeps_the_clip_flags_it_reads(name, kept):
+    """--eps-clip / --eps-clip-high are CISPO's band; --eps-clip-c is REINFORCE's dual clip; DRO reads none."""
+    user = {"policy_objective": name, **({"dro_beta": 0.1} if name == "dro" else {})}
+    cfg = policy_config(args(eps_clip=0.1, eps_clip_high=0.3, eps_clip_c=2.5), user)
+    assert cfg.effective_objective == name
+    assert (cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.ratio_clip_c) == kept  # left out: the keys' defaults
+
+
 def test_kl_flags():
     assert slime_kl(args()) is None
     kl = slime_kl(args(use_kl_loss=True, kl_loss_coef=0.3, kl_loss_type="low_var_kl", use_unbiased_kl=True))

@@ -11,7 +11,7 @@ from helpers.golden_objectives import FORCED_AGGREGATION, load_cases
 
 from nemo_is_plugin.adapters.verl import VerlPolicyLoss, verl_config
 from nemo_is_plugin.adapters.verl.config import VerlConfigError, actor_keys
-from nemo_is_plugin.adapters.verl.loss_modes import VERL_LOSS_MODES
+from nemo_is_plugin.adapters.verl.loss_modes import VERL_LOSS_MODES, verl_loss_mode_of
 
 CASES = load_cases()
 
@@ -211,3 +211,16 @@ def test_seq_mean_token_sum_norm_reads_the_factor_verl_passes_in_global_batch_in
     assert loss({"loss_scale_factor": 8.0}) == pytest.approx(per_row_sum / 8.0)
     assert loss({"loss_scale_factor": None}, loss_scale_factor=16.0) == pytest.approx(per_row_sum / 4)  # horizon 4
     assert loss({}, loss_scale_factor=16.0) == pytest.approx(per_row_sum / 16.0)
+
+
+def test_the_plugin_s_objective_names_keep_the_clip_settings_they_read():
+    """``policy_objective: cispo`` is verl's cispo mode (verl's clip ratios are its band, its dual clip is left out);
+    ``reinforce`` / ``on_policy`` keep only verl's dual clip (``objectives/base.py: unread_clip_keys``)."""
+    cispo = verl_config({"policy_objective": "cispo"}, ACTOR, "token-mean", 8, False)
+    assert (cispo.ratio_clip_min, cispo.ratio_clip_max, cispo.ratio_clip_c) == (0.2, 0.28, None)
+    assert cispo.effective_objective == "cispo" and verl_loss_mode_of(cispo) == "cispo"
+    assert verl_loss_mode_of(verl_config({"loss_mode": "cispo"}, ACTOR, "token-mean", 8, False)) == "cispo"
+    for name in ("reinforce", "on_policy"):
+        cfg = verl_config({"policy_objective": name}, ACTOR, "token-mean", 8, False)
+        assert (cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.ratio_clip_c) == (0.2, 0.2, 3.0)
+        assert verl_loss_mode_of(cfg) is None  # no verl mode computes it: its metrics follow vanilla

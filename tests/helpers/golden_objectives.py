@@ -11,11 +11,12 @@ import torch
 from nemo_is_plugin.loss.aggregation import aggregate
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives.base import SurrogateOut
+from nemo_is_plugin.loss.objectives.cispo import cispo_surrogate
 from nemo_is_plugin.loss.objectives.dppo import binary_kl_mask, binary_tv_mask, divergence_pg_surrogate
 from nemo_is_plugin.loss.objectives.dro import dro_surrogate
 from nemo_is_plugin.loss.objectives.gmpo import gmpo_surrogate
 from nemo_is_plugin.loss.objectives.gpg import gpg_surrogate
-from nemo_is_plugin.loss.objectives.ppo_clip import cispo_surrogate, ratio_clip_surrogate
+from nemo_is_plugin.loss.objectives.ppo_clip import ratio_clip_surrogate
 from nemo_is_plugin.loss.objectives.sapo import sapo_surrogate
 from nemo_is_plugin.loss.ratios import policy_log_ratio, token_log_ratio
 

@@ -1,15 +1,11 @@
-"""Surrogates: PPO clip, dual clip, CTPO log-space position-adaptive clip, CISPO, REINFORCE (hand-computed)."""
+"""PPO's surrogates (objectives/ppo_clip.py): ratio clip, dual clip, CTPO log-space position-adaptive clip
+(hand-computed). CISPO, REINFORCE and the on-policy ratio: test_cispo.py, test_reinforce.py, test_on_policy.py."""
 
 import math
 
 import torch
 
-from nemo_is_plugin.loss.objectives.ppo_clip import (
-    cispo_surrogate,
-    log_space_clip_surrogate,
-    ratio_clip_surrogate,
-    reinforce_surrogate,
-)
+from nemo_is_plugin.loss.objectives.ppo_clip import log_space_clip_surrogate, ratio_clip_surrogate
 
 F64 = torch.float64
 
@@ -65,15 +61,3 @@ def test_power_zero_is_fixed_window():
         power=0.0,
     )
     assert torch.allclose(out.loss, torch.full((2,), -math.exp(0.2), dtype=F64))
-
-
-def test_cispo_and_reinforce():
-    c = torch.tensor([-0.5, -2.0], dtype=F64, requires_grad=True)
-    log_r = torch.log(torch.tensor([2.0, 0.5], dtype=F64))
-    adv = torch.tensor([1.0, -1.0], dtype=F64)
-    out = cispo_surrogate(log_r, c, adv, clip_low=0.2, clip_high=0.2)
-    assert torch.allclose(out.loss, torch.tensor([-1.2 * -0.5, 0.8 * -2.0], dtype=F64))
-    (grad,) = torch.autograd.grad(out.loss.sum(), c)
-    assert torch.allclose(grad, torch.tensor([-1.2, 0.8], dtype=F64))  # the clipped weight carries no gradient
-    rf = reinforce_surrogate(c, adv, dual_clip=None)
-    assert torch.allclose(rf.loss, torch.tensor([0.5, -2.0], dtype=F64))

@@ -23,6 +23,7 @@ from nemo_is_plugin.adapters.sampler_checks import SLIME_NAMES, check_sampler, s
 from nemo_is_plugin.adapters.shared import MissingPluginConfigError
 from nemo_is_plugin.config import ConfigError
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+from nemo_is_plugin.loss.objectives import unread_clip_keys
 
 CONFIG_ENV = "NEMO_IS_CONFIG"
 SECTION_ENV = "NEMO_IS_CONFIG_SECTION"
@@ -265,13 +266,13 @@ def policy_config(args: Any, user: Mapping[str, Any]) -> ClippedPGLossConfig:
     base.update(score_centering_keys(args))
     if applies_is(args):
         base.update(tis_keys(args, _is_function_kind(args)))
-    if {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user) or user.get("use_cispo"):
+    if {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user):
         base.pop("ratio_clip_c", None)
-    if user.get("policy_objective", "ppo_clip") != "ppo_clip":
-        # slime's --eps-clip* are PPO's clip, which another objective replaces with its own trust region (the config
-        # refuses its clip keys); slime always has --eps-clip, so they are left out rather than refused
-        for key in ("ratio_clip_min", "ratio_clip_max", "ratio_clip_c"):
-            base.pop(key, None)
+    # slime's --eps-clip* are PPO's clip, which another objective replaces with its own trust region (the config
+    # refuses the clip keys it does not read; CISPO reads the bounds, not the dual clip); slime always has
+    # --eps-clip, so they are left out rather than refused
+    for key in unread_clip_keys({**base, **user}):
+        base.pop(key, None)
     keys = _overlay_is(base, user) if applies_is(args) else {**base, **user}
     cfg = ClippedPGLossConfig(**keys)
     if cfg.score_centering:

@@ -270,7 +270,7 @@ def slime_metrics(
     ``sum_of_sample_mean``."""
     cfg, sur, corr = t.config, terms.surrogate, t.correction
     with torch.no_grad():
-        token_ratio = cfg.effective_ratio_level == "token" or cfg.use_cispo or cfg.disable_ppo_ratio
+        token_ratio = objective_of(cfg).token_ratio(cfg)
         ppo_kl = (t.prev - c.detach()) if token_ratio else -torch.log(sur.ratio)
         out = {"pg_clipfrac": reduce(sur.clipped.to(c.dtype)), "ppo_kl": reduce(ppo_kl)}
         for name, flag in (("low", sur.clipped_low), ("high", sur.clipped_high), ("dual", sur.dual_clipped)):

@@ -9,7 +9,7 @@ verl mode   plugin keys                                  from verl's settings
 =========== ============================================ ==========================================================
 vanilla     PPO clip                                     clip_ratio_low/high (else clip_ratio), clip_ratio_c
 gspo        ratio_level sequence_token, log r <= 10      clip_ratio_low/high; no token clamp, no dual clip
-cispo       use_cispo                                    clip_ratio_low/high
+cispo       use_cispo (objective cispo)                  clip_ratio_low/high
 dppo_tv/kl  policy_objective dppo_tv / dppo_kl           dppo_delta_low/high = clip_ratio_low/high, dppo_ratio_cap =
                                                          clip_ratio_c (verl: config.get("clip_ratio_c", 20.0); an
                                                          ActorConfig always has it, default 3.0)
@@ -63,7 +63,9 @@ ModeKeys = Callable[[float, float, Mapping[str, Any]], dict[str, Any]]
 class VerlMode:
     """One of verl 0.9.1's policy losses (``verl/trainer/ppo/core_algos.py``) as the plugin computes it.
 
-    name: verl's ``loss_mode``. objective: the plugin's ``policy_objective``. keys(low, high, reads): the plugin keys,
+    name: verl's ``loss_mode``. objective: the plugin objective it computes (the config's ``effective_objective``:
+    ``policy_objective``, or the one NeMo-RL's switch selects, e.g. ``use_cispo`` -> ``cispo``). keys(low, high,
+    reads): the plugin keys,
     from the clip ratios (clip_ratio_low / _high, else clip_ratio, else 0.2) and ``reads``: the values of the verl
     fields the mode reads beyond them (``reads`` here: dotted path from the actor config -> default; a required one has
     default None). forced_aggregation: the aggregation verl's loss uses whatever ``loss_agg_mode`` says.
@@ -91,7 +93,7 @@ class VerlMode:
 
     def computes(self, config: Any) -> bool:
         """Whether a resolved plugin config computes this mode."""
-        return config.policy_objective == self.objective and all(
+        return config.effective_objective == self.objective and all(
             getattr(config, attr) == value for attr, value in self.signature
         )
 
@@ -124,7 +126,6 @@ def _dppo(name: str) -> VerlMode:
     )
 
 
-_PPO = (("use_cispo", False),)
 VERL_MODES: dict[str, VerlMode] = {
     m.name: m
     for m in (
@@ -132,7 +133,7 @@ VERL_MODES: dict[str, VerlMode] = {
             "vanilla",
             lambda low, high, r: {"ratio_clip_min": low, "ratio_clip_max": high, "ratio_clip_c": r["clip_ratio_c"]},
             reads={"clip_ratio_c": 3.0},
-            signature=(*_PPO, ("effective_ratio_level", "token")),
+            signature=(("effective_ratio_level", "token"),),
         ),
         VerlMode(
             "gspo",
@@ -144,12 +145,12 @@ VERL_MODES: dict[str, VerlMode] = {
                 "token_log_ratio_clamp": None,
             },
             clamped_kl=False,
-            signature=(*_PPO, ("effective_ratio_level", "sequence_token")),
+            signature=(("effective_ratio_level", "sequence_token"),),
         ),
         VerlMode(
             "cispo",
             lambda low, high, r: {"ratio_clip_min": low, "ratio_clip_max": high, "use_cispo": True},
-            signature=(("use_cispo", True),),
+            objective="cispo",
         ),
         _dppo("dppo_tv"),
         _dppo("dppo_kl"),
@@ -211,8 +212,8 @@ def check_loss_mode(loss_mode: str, loss_agg_mode: str) -> None:
         raise VerlConfigError(f"loss_mode={loss_mode!r} is not one of verl's: {', '.join(VERL_MODES)}")
     if loss_mode == "cispo" and loss_agg_mode not in ("token-mean", "token-sum"):
         raise VerlConfigError(
-            f"loss_mode='cispo' with loss_agg_mode={loss_agg_mode!r}: the plugin's CISPO (use_cispo) keeps NeMo-RL's "
-            "rule that CISPO is token-level; set actor_rollout_ref.actor.loss_agg_mode=token-mean"
+            f"loss_mode='cispo' with loss_agg_mode={loss_agg_mode!r}: the plugin's CISPO (objective cispo) keeps "
+            "NeMo-RL's rule that CISPO is token-level; set actor_rollout_ref.actor.loss_agg_mode=token-mean"
         )
     forced = VERL_MODES[loss_mode].forced_aggregation
     if forced is not None and loss_agg_mode != forced:

@@ -56,7 +56,6 @@ from nemo_is_plugin.adapters.verl.config import (
 )
 from nemo_is_plugin.adapters.verl.correction import generation_logprobs, rollout_logprobs
 from nemo_is_plugin.adapters.verl.loss_modes import (
-    PPO_CLIP_KEYS,
     VERL_METRIC_NAMES,
     VERL_MODES,
     verl_mode_of,
@@ -65,6 +64,7 @@ from nemo_is_plugin.adapters.verl.loss_modes import (
 from nemo_is_plugin.adapters.verl.metrics import for_verl_step, plugin_metrics, rollout_corr_metrics, verl_statistics
 from nemo_is_plugin.adapters.verl.score_centering import VERL_SC_METRICS, head_inputs, verl_centering_statistics
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+from nemo_is_plugin.loss.objectives import objective_of_keys, unread_clip_keys
 
 VERL_LOSS_NAME = "nemo_is.clipped_pg"
 CONFIG_ENV = "NEMO_IS_LOSS_CONFIG"
@@ -124,11 +124,10 @@ def verl_config(
             f"{user['policy_objective']!r} (the plugin's): keep one"
         )
     base = actor_keys(actor, loss_agg_mode, loss_mode)
-    if {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user) or user.get("use_cispo"):
+    if {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user):
         base.pop("ratio_clip_c", None)
-    if user.get("policy_objective", "ppo_clip") != "ppo_clip":  # the objective replaces verl's PPO clip
-        for key in PPO_CLIP_KEYS:
-            base.pop(key, None)
+    for key in unread_clip_keys({**base, **user}):  # the objective replaces verl's PPO clip (CISPO: its dual clip)
+        base.pop(key, None)
     if {"loss_aggregation", "token_level_loss"} & set(user):
         base.pop("loss_aggregation")
         base.pop("token_level_loss")
@@ -138,7 +137,7 @@ def verl_config(
         factor = loss_scale_factor(actor)
         merged["loss_aggregation_norm"] = float(horizon if factor is None else factor)
     if weights_only:  # verl's geo_mean applies its weights per sequence, as their geometric mean
-        level = "sequence_mean" if merged.get("policy_objective") == "gmpo" else "token"
+        level = objective_of_keys(merged).host_is_level
         merged.update(use_importance_sampling_correction=True, is_correction_level=level)
     cfg = ClippedPGLossConfig(**merged)
     if cfg.effective_kl_penalty != 0:

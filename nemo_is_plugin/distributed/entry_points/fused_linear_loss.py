@@ -19,7 +19,7 @@ Two schedules, same loss, metrics and gradients:
   3 GEMMs in all, like the naive path, instead of the recomputing backward's 4; ``dX`` and ``dW`` are kept for the
   backward, which scales them in place by the upstream gradient (on CPU, where reading it costs no device sync, an
   upstream gradient of exactly 1 skips that pass). TP costs 2 collectives per chunk + 1 all-reduce of ``dX``.
-- **two pass** (``sequence`` / ``sequence_token`` ratios, ``force_on_policy_ratio``, cumulative ratios on a layout
+- **two pass** (``sequence`` / ``sequence_token`` ratios, ``on_policy`` (pi_old = sg pi), cumulative ratios on a layout
   out of memory order): :func:`fused_linear_logprobs` (log-probs of every token), the loss on them, then its
   recomputing backward: the loss gradient of a token needs log-probs that come later.
 

@@ -22,11 +22,14 @@ from nemo_is_plugin.loss.objectives.base import (
     ObjectiveOut,
     PolicyObjective,
     SurrogateOut,
+    effective_objective,
     key_sections,
     objective_contradictions,
     objective_of,
+    objective_of_keys,
     register_objective,
     seal_registry,
+    unread_clip_keys,
 )
 
 for _module in sorted(info.name for info in pkgutil.iter_modules(__path__)):
@@ -68,11 +71,14 @@ __all__ = [
     "ObjectiveOut",
     "PolicyObjective",
     "SurrogateOut",
+    "effective_objective",
     "key_sections",
     "load_entry_point_objectives",
     "objective_contradictions",
     "objective_names",
     "objective_of",
+    "objective_of_keys",
     "register_objective",
     "seal_registry",
+    "unread_clip_keys",
 ]

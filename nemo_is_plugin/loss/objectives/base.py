@@ -23,6 +23,14 @@ import torch
 
 from nemo_is_plugin.config.keys import KeySection
 from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.objectives.nemo_rl_switches import (
+    DEFAULT_OBJECTIVE,
+    NEMO_RL_CLIP_KEYS,
+    NEMO_RL_SWITCHES,
+    RATIO_SWITCHES,
+    effective_objective,
+    selecting_switch,
+)
 from nemo_is_plugin.loss.ratios import token_log_ratio
 
 if TYPE_CHECKING:
@@ -107,6 +115,15 @@ class PolicyObjective:
     name: the value of ``policy_objective``. keys: its :class:`KeySection` (None: no keys of its own). required: keys
     that must be set with it. ratio_levels: the ``ratio_level`` values it accepts when one is set (none: the key must
     stay unset); ratio: what it uses instead, for that refusal. summary: one line of the key's description.
+
+    NeMo-RL's keys of PPO's ratio (generic keys, NeMo-RL's schema): clip_keys: those of :data:`NEMO_RL_CLIP_KEYS` it
+    reads; switches: those of :data:`RATIO_SWITCHES` it accepts set (the others are refused with it); nemo_rl_ignores:
+    clip keys NeMo-RL's switch that selects it leaves unread without a word (REINFORCE's and the on-policy ratio's
+    ``ratio_clip_min`` / ``_max``), accepted when it is selected that way and refused when it is named.
+    pi_old_is_current: the old log-probs are the current ones, detached (NeMo-RL's ``force_on_policy_ratio``): the
+    batch's ``prev_logprobs`` are not read, and the IS weights compare sg(c) with mu. centres_score: score centering
+    composes with it (its gradient weights a token's own score by a function of that token's ratio and IS weight).
+    host_is_level: the ``is_correction_level`` at which it takes a host's own IS weights (verl's weights-only mode).
     """
 
     name: ClassVar[str] = ""
@@ -115,6 +132,12 @@ class PolicyObjective:
     ratio_levels: ClassVar[tuple[str, ...]] = ()
     ratio: ClassVar[str] = "no policy ratio"
     summary: ClassVar[str] = ""
+    clip_keys: ClassVar[tuple[str, ...]] = ()
+    switches: ClassVar[tuple[str, ...]] = ()
+    nemo_rl_ignores: ClassVar[tuple[str, ...]] = ()
+    pi_old_is_current: ClassVar[bool] = False
+    centres_score: ClassVar[bool] = False
+    host_is_level: ClassVar[str] = "token"
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         """The per-token loss and its indicators (module docstring)."""
@@ -155,6 +178,20 @@ class PolicyObjective:
         """The policy ratio in words, where the objective defines its own; None: the configured ratio level."""
         return None
 
+    def token_ratio(self, cfg: ClippedPGLossConfig) -> bool:
+        """True when the log of the ratio it reports is a token's own c - a (hosts' ``ppo_kl`` reads a - c then)."""
+        return cfg.effective_ratio_level == "token"
+
+    def score_centering_refusals(self, cfg: ClippedPGLossConfig) -> list[str]:
+        """Why ``score_centering`` does not compose with this objective (checked with ``score_centering: true``)."""
+        if self.centres_score:
+            return []
+        return [
+            "score_centering centres the score of PPO / REINFORCE's token policy gradient; policy_objective="
+            f"{self.name!r} weights a token's score by its own gate or trust mask, which the head coefficients do not "
+            "model: use ppo_clip or score_centering: false"
+        ]
+
 
 class TokenRatioObjective(PolicyObjective):
     """An objective on the token ratio alone: its mask or gate reads each token's own probability, so a sequence or
@@ -165,7 +202,6 @@ class TokenRatioObjective(PolicyObjective):
 
 
 OBJECTIVES: dict[str, PolicyObjective] = {}
-DEFAULT_OBJECTIVE = "ppo_clip"
 
 
 # Set once ClippedPGLossConfig is built from the registry: its keys and policy_objective choices are fixed then.
@@ -195,8 +231,29 @@ def register_objective(cls: type[PolicyObjective]) -> type[PolicyObjective]:
 
 
 def objective_of(cfg: ClippedPGLossConfig) -> PolicyObjective:
-    """The registered objective a config chooses."""
-    return OBJECTIVES[cfg.policy_objective]
+    """The registered objective a config computes (:func:`effective_objective`): the one lookup."""
+    return OBJECTIVES[effective_objective(cfg.policy_objective, cfg)]
+
+
+def objective_of_keys(keys: Mapping[str, Any]) -> PolicyObjective:
+    """The objective a mapping of ``loss_fn`` keys selects (an adapter's keys before the config is built)."""
+    return OBJECTIVES[effective_objective(keys.get("policy_objective", DEFAULT_OBJECTIVE), keys)]
+
+
+def unread_clip_keys(keys: Mapping[str, Any]) -> tuple[str, ...]:
+    """NeMo-RL's clip keys (:data:`NEMO_RL_CLIP_KEYS`) that the objective ``keys`` select refuses: what an adapter
+    leaves out of the host's clip settings (verl's ``clip_ratio*``, slime's ``--eps-clip*``) when that objective
+    replaces PPO's clip."""
+    objective = objective_of_keys(keys)
+    switch = selecting_switch(keys.get("policy_objective", DEFAULT_OBJECTIVE), keys)
+    ignored = objective.nemo_rl_ignores if switch is not None else ()
+    return tuple(k for k in NEMO_RL_CLIP_KEYS if k not in objective.clip_keys and k not in ignored)
+
+
+def chosen_as(cfg: ClippedPGLossConfig) -> str:
+    """How the config chose its objective, for messages: ``policy_objective='x'`` or ``use_cispo=true (cispo)``."""
+    switch, name = selecting_switch(cfg.policy_objective, cfg), objective_of(cfg).name
+    return f"policy_objective={name!r}" if switch is None else f"{switch}=true (policy_objective {name!r})"
 
 
 def key_sections() -> list[tuple[type[KeySection], list[str]]]:
@@ -213,20 +270,49 @@ def objective_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     :mod:`nemo_is_plugin.config.contradictions`): the keys of the objectives not chosen (each section's
     :meth:`~nemo_is_plugin.config.keys.KeySection.unread`), the chosen objective's required keys and ratio level, then
     its own refusals."""
-    chosen = cfg.policy_objective
+    objective = objective_of(cfg)
+    chosen = objective.name
     out = [
         msg
         for section, readers in key_sections()
         if chosen not in readers
         for msg in section.unread(cfg, readers, chosen)
     ]
-    objective = objective_of(cfg)
+    out += nemo_rl_key_refusals(cfg, objective)
     for key in objective.required:
         if getattr(cfg, key) is None:
-            out.append(f"policy_objective={chosen!r} needs {key} (see docs/objectives.md)")
+            out.append(f"{chosen_as(cfg)} needs {key} (see docs/objectives.md)")
     if cfg.ratio_level is not None and cfg.ratio_level not in objective.ratio_levels:
-        out.append(f"policy_objective={chosen!r} uses {objective.ratio}: unset ratio_level={cfg.ratio_level!r}")
-    return out + objective.refusals(cfg)
+        out.append(f"{chosen_as(cfg)} uses {objective.ratio}: unset ratio_level={cfg.ratio_level!r}")
+    out += objective.refusals(cfg)
+    return out + (objective.score_centering_refusals(cfg) if cfg.score_centering else [])
+
+
+def nemo_rl_key_refusals(cfg: ClippedPGLossConfig, objective: PolicyObjective) -> list[str]:
+    """NeMo-RL's clip keys set away from their defaults and ratio switches set that ``objective`` does not read (its
+    ``clip_keys`` / ``switches``; ``nemo_rl_ignores`` pass when a NeMo-RL switch selected it, as in NeMo-RL)."""
+    switch, name = selecting_switch(cfg.policy_objective, cfg), objective.name
+    fields = type(cfg).model_fields
+    out = []
+    for key in NEMO_RL_CLIP_KEYS:
+        if key in objective.clip_keys or (switch is not None and key in objective.nemo_rl_ignores):
+            continue
+        if getattr(cfg, key) != fields[key].default:
+            out.append(
+                f"{key} is incompatible with {switch}=true (policy_objective {name!r} does not read it): unset {key}"
+                if switch is not None
+                else f"{key} configures PPO's ratio clip, which policy_objective={name!r} does not have: unset {key} "
+                "(or use policy_objective: ppo_clip)"
+            )
+    for key in RATIO_SWITCHES:
+        if key == switch or key in objective.switches or not getattr(cfg, key):
+            continue
+        out.append(
+            f"{key}=true is incompatible with {switch}=true (policy_objective {name!r}); turn one of them off"
+            if switch is not None
+            else f"{key}=true chooses another policy ratio than policy_objective={name!r}'s: set it false"
+        )
+    return out
 
 
 def none_like(like: torch.Tensor) -> torch.Tensor:
@@ -272,8 +358,11 @@ def masked_ratio_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, ma
 
 __all__ = [
     "DEFAULT_OBJECTIVE",
+    "NEMO_RL_CLIP_KEYS",
+    "NEMO_RL_SWITCHES",
     "OBJECTIVES",
     "OBJECTIVE_LOG_RATIO_CLAMP",
+    "RATIO_SWITCHES",
     "ObjectiveInputs",
     "ObjectiveOut",
     "PolicyObjective",
@@ -282,9 +371,15 @@ __all__ = [
     "TrustMask",
     "key_sections",
     "masked_ratio_surrogate",
+    "chosen_as",
+    "effective_objective",
     "max_unclipped_on_tie",
+    "nemo_rl_key_refusals",
     "none_like",
     "objective_of",
+    "objective_of_keys",
     "register_objective",
+    "selecting_switch",
     "split_by_sign",
+    "unread_clip_keys",
 ]

@@ -103,6 +103,7 @@ class Gmpo(PolicyObjective):
     required = ("gmpo_clip_low", "gmpo_clip_high")
     ratio = "its own per-sequence geometric mean"
     summary = "'gmpo' (geometric-mean sequence ratio)"
+    host_is_level = "sequence_mean"  # one IS weight per sequence, their geometric mean (verl's geo_mean)
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         keys = GmpoKeys.of(t.config)
@@ -124,7 +125,7 @@ class Gmpo(PolicyObjective):
                 f"{cfg.effective_loss_aggregation!r} would weight sequences by their length: set loss_aggregation: "
                 "seq-mean-token-mean"
             )
-        if cfg.use_importance_sampling_correction and cfg.effective_is_level != "sequence_mean":
+        if cfg.use_importance_sampling_correction and cfg.effective_is_level != self.host_is_level:
             out.append(
                 f"policy_objective='gmpo' needs one IS weight per sequence, the geometric mean (as verl's geo_mean): "
                 f"set is_correction_level: sequence_mean (got {cfg.effective_is_level!r})"

@@ -41,6 +41,30 @@ def test_an_empty_recipe_says_defaults_explicitly(tmp_path, text, where):
     assert f"{where}: every key takes its default" in result.output
 
 
+@pytest.mark.parametrize(
+    "switches, said",
+    [
+        (
+            "use_cispo: true\n  ratio_clip_min: 1.0\n  ratio_clip_max: 5.0",
+            "cispo (selected by NeMo-RL's use_cispo: true)",
+        ),
+        ("disable_ppo_ratio: true", "reinforce (selected by NeMo-RL's disable_ppo_ratio: true)"),
+        (
+            "force_on_policy_ratio: true\n  disable_ppo_ratio: true",
+            "on_policy (selected by NeMo-RL's force_on_policy_ratio",
+        ),
+        ("policy_objective: reinforce", "reinforce (policy_objective)"),
+    ],
+)
+def test_show_effective_names_the_objective_nemo_rl_s_switches_select(tmp_path, switches, said):
+    path = tmp_path / "r.yaml"
+    path.write_text(f"loss_fn:\n  {switches}\n")
+    result = _validate(path, "--show-effective")
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if "policy objective" in line)
+    assert said in row, result.output
+
+
 def test_only_defaults_given_is_said_too(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("loss_fn:\n  ratio_clip_min: 0.2\n")
