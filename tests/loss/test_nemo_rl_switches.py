@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.objectives import objective_of, objective_of_keys, unread_clip_keys
 from nemo_is_plugin.loss.objectives.nemo_rl_switches import effective_objective, selecting_switch
 

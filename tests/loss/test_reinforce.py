@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.switch_objectives import F64, loss_and_grad, switch_batch
 
-from nemo_is_plugin.config import ClippedPGLossConfig
+from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.effective import effective_settings
 from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.objectives.reinforce import reinforce_surrogate
