@@ -198,6 +198,9 @@ OBJECTIVE_LOSS_CONFIGS: dict[str, dict] = {
         "gpg": {},
         "dro": {"dro_beta": 0.5},
         "m2po": {"m2po_budget": 0.01},
+        "cispo": {"ratio_clip_min": 0.1, "ratio_clip_max": 0.1},
+        "reinforce": {},
+        "on_policy": {},
     }.items()
 }
 
