@@ -8,9 +8,11 @@ inside functions (a lazy import is still a dependency). Layers, bottom to top:
 A module may import from its own layer and the layers below it, so the runtime (everything below the apps) never
 imports an app. The ground floor, ``nemo_is_plugin.common``, is what every layer may import (``warn_once``, the extras'
 errors); it imports no other package module and no third-party package. The kernels are the chunk math of the
-log-prob paths and know nothing of the loss or its config: they import neither, although both rank below them. The
-cycle check ignores imports under ``if TYPE_CHECKING:`` (annotations only, never executed). ``from pkg import name``
-depends on ``pkg.name`` when that is a module, else on ``pkg`` itself (its ``__init__``).
+log-prob paths and know nothing of the loss or its config: they import neither, although both rank below them. No
+cycle either among what runs or counting the imports under ``if TYPE_CHECKING:`` (annotations only, never executed: the
+objective modules annotate with ``ObjectiveConfig``, a Protocol the assembled config satisfies, not with the config that
+imports them). ``from pkg import name`` depends on ``pkg.name`` when that is a module, else on ``pkg`` itself (its
+``__init__``); a package that imports its modules by discovery (``loss/objectives``) depends on each of them.
 
 The config layer is the config's schema: how a key is typed, ranged and explained, the generic combination checks, the
 unknown-key policy, the errors, rejection rules, and ``KeySection`` (what a policy objective declares its keys as). A
@@ -131,8 +133,9 @@ def test_package_imports_no_forbidden_third_party_package(package):
     assert not bad, "\n".join(bad)
 
 
-def test_no_import_cycles():
-    cycles = find_cycles(import_graph(MODULES, include_typing=False))
+@pytest.mark.parametrize("include_typing", [False, True], ids=["run-time", "with-TYPE_CHECKING"])
+def test_no_import_cycles(include_typing):
+    cycles = find_cycles(import_graph(MODULES, include_typing=include_typing))
     assert not cycles, "modules that import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
@@ -153,6 +156,13 @@ def test_the_checks_see_upward_imports_and_cycles():
     assert layer_of("nemo_is_plugin.config.keys") == "config"
     assert layer_of("nemo_is_plugin.loss.config_model") == "loss"
     assert {name for name, _, _ in imports("nemo_is_plugin.loss.config_model")} >= {"nemo_is_plugin.loss.objectives"}
+    # the objectives package imports its modules by discovery: the graph holds those edges, so an objective module
+    # that names the assembled config, even under TYPE_CHECKING, closes a cycle the check above sees
+    objectives = "nemo_is_plugin.loss.objectives"
+    assert f"{objectives}.sapo" not in {name for name, _, _ in imports(objectives)}
+    assert f"{objectives}.sapo" in import_graph(MODULES, include_typing=False)[objectives]
+    planted = {**import_graph(MODULES, include_typing=True), f"{objectives}.sapo": {"nemo_is_plugin.loss.config_model"}}
+    assert [c for c in find_cycles(planted) if {f"{objectives}.sapo", "nemo_is_plugin.loss.config_model"} <= set(c)]
     # the config package imports nothing of the loss (it re-exported the assembled model lazily until issue 38)
     assert not [name for name, _, _ in imports("nemo_is_plugin.config") if name.startswith("nemo_is_plugin.loss")]
     # a lazy import inside a function counts: the NeMo-RL adapter builds the LOGIT loss that way

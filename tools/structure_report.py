@@ -5,7 +5,8 @@
 ``--root`` is a checkout of the repository (default: this one), so the same rules measure an older commit (a
 ``git worktree`` of it). Every ``import`` / ``from ... import`` of every module under ``nemo_is_plugin/`` counts,
 including those inside functions (``lazy``: a dependency all the same) and those under ``if TYPE_CHECKING:``
-(``typing``: annotations only, never executed; reported apart). A module's layer is its directory, with no exception:
+(``typing``: annotations only, never executed; reported apart), and a package that imports its modules by discovery
+(``pkgutil.iter_modules(__path__)``) imports each of them. A module's layer is its directory, with no exception:
 
     common -> config -> loss (loss/objectives is one of its rows) -> kernels -> distributed -> adapters -> apps
 
@@ -103,6 +104,16 @@ def module_imports(module: str, modules: dict[str, Path]) -> list[Import]:
     return out
 
 
+def discovered_modules(module: str, modules: dict[str, Path]) -> set[str]:
+    """The modules a package imports by discovery (``pkgutil.iter_modules(__path__)`` in its ``__init__``, as
+    ``loss/objectives`` does): each public module directly in it, an import that no statement names."""
+    path = modules[module]
+    if path.name != "__init__.py" or "iter_modules(__path__)" not in path.read_text():
+        return set()
+    prefix = module + "."
+    return {m for m in modules if m.startswith(prefix) and "." not in m[len(prefix) :] and m[len(prefix)] != "_"}
+
+
 def import_graph(modules: dict[str, Path], *, include_typing: bool) -> dict[str, set[str]]:
     return {
         module: {
@@ -110,6 +121,7 @@ def import_graph(modules: dict[str, Path], *, include_typing: bool) -> dict[str,
             for i in module_imports(module, modules)
             if i.target in modules and (include_typing or not i.typing)
         }
+        | discovered_modules(module, modules)
         for module in modules
     }
 

@@ -78,3 +78,26 @@ def test_main_prints_json_and_refuses_a_root_without_the_package(tmp_path, capsy
     else:
         raise AssertionError("a root without nemo_is_plugin/ was accepted")
     assert "no nemo_is_plugin/" in capsys.readouterr().err
+
+
+def test_a_package_that_discovers_its_modules_imports_each_public_one(tmp_path):
+    """``pkgutil.iter_modules(__path__)`` in a package's ``__init__`` (as loss/objectives does) imports its modules
+    without naming them: each public module is an edge, so a TYPE_CHECKING import back closes a cycle."""
+    root = plant(tmp_path)
+    objectives = root / "nemo_is_plugin" / "loss" / "objectives"
+    (objectives / "__init__.py").write_text(
+        "import importlib\nimport pkgutil\n\nfor info in pkgutil.iter_modules(__path__):\n"
+        "    importlib.import_module(f'{__name__}.{info.name}')\n"
+    )
+    (objectives / "_private.py").write_text("")
+    (objectives / "gated.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from nemo_is_plugin.loss.model import Model\n"
+    )
+    (root / "nemo_is_plugin" / "loss" / "model.py").write_text("import nemo_is_plugin.loss.objectives\n")
+    data = report(root)
+    assert data["cycles"] == [["nemo_is_plugin.kernels.a", "nemo_is_plugin.kernels.b"]]
+    loss = "nemo_is_plugin.loss"
+    assert sorted(data["cycles_with_typing"]) == [
+        ["nemo_is_plugin.kernels.a", "nemo_is_plugin.kernels.b"],
+        [f"{loss}.model", f"{loss}.objectives", f"{loss}.objectives.base", f"{loss}.objectives.gated"],
+    ]

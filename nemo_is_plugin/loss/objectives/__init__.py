@@ -31,6 +31,7 @@ from nemo_is_plugin.loss.objectives.base import (
     seal_registry,
     unread_clip_keys,
 )
+from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 for _module in sorted(info.name for info in pkgutil.iter_modules(__path__)):
     if _module != "base" and not _module.startswith("_"):
@@ -67,6 +68,7 @@ __all__ = [
     "DEFAULT_OBJECTIVE",
     "ENTRY_POINT_GROUP",
     "OBJECTIVES",
+    "ObjectiveConfig",
     "ObjectiveInputs",
     "ObjectiveOut",
     "PolicyObjective",

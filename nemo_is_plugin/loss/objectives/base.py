@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from nemo_is_plugin.config.keys import KeySection
+from nemo_is_plugin.config.keys import KeySection, LossKeys
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives.nemo_rl_switches import (
     DEFAULT_OBJECTIVE,
@@ -34,7 +34,7 @@ from nemo_is_plugin.loss.objectives.nemo_rl_switches import (
 from nemo_is_plugin.loss.ratios import token_log_ratio
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 
 class ObjectiveBook(Protocol):
@@ -83,7 +83,7 @@ class ObjectiveInputs:
     stop-gradient part from the running sums of earlier chunks (``separable.PrefixCarry``); None otherwise.
     """
 
-    config: ClippedPGLossConfig
+    config: ObjectiveConfig
     curr: torch.Tensor
     anchor: torch.Tensor
     advantages: torch.Tensor
@@ -143,21 +143,21 @@ class PolicyObjective:
         """The per-token loss and its indicators (module docstring)."""
         raise NotImplementedError
 
-    def refusals(self, cfg: ClippedPGLossConfig) -> list[str]:
+    def refusals(self, cfg: ObjectiveConfig) -> list[str]:
         """Cross-field checks when this objective is chosen (each message names the fields and the fix)."""
         return []
 
-    def whole_batch_reason(self, cfg: ClippedPGLossConfig) -> str | None:
+    def whole_batch_reason(self, cfg: ObjectiveConfig) -> str | None:
         """Why a token's gradient needs log-probs beyond those of its own and earlier tokens (a sequence sum, a
         quantile, a batch statistic): the fused loss then takes two passes. None: it does not."""
         return None
 
-    def causal(self, cfg: ClippedPGLossConfig) -> bool:
+    def causal(self, cfg: ObjectiveConfig) -> bool:
         """True when a token's loss reads the log-probs of the earlier tokens of its sequence (the cumulative ratios):
         the fused single pass then carries per-sequence running sums from chunk to chunk."""
         return False
 
-    def differentiates_ratio(self, cfg: ClippedPGLossConfig) -> bool:
+    def differentiates_ratio(self, cfg: ObjectiveConfig) -> bool:
         """True when the surrogate differentiates an unclamped policy ratio exp(log r) itself, so that a ratio beyond
         the dtype's range makes the gradient NaN (``output_checks.check_finite_loss`` then refuses the call). The
         objectives that clamp log r first, or stop its gradient, do not."""
@@ -170,19 +170,19 @@ class PolicyObjective:
         """Non-additive statistics derived from its summed metrics (``finalize_metrics``); none by default."""
         return {}
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         """The trust region in words (``nemo-is validate --show-effective``)."""
         return self.summary
 
-    def describe_ratio(self, cfg: ClippedPGLossConfig) -> str | None:
+    def describe_ratio(self, cfg: ObjectiveConfig) -> str | None:
         """The policy ratio in words, where the objective defines its own; None: the configured ratio level."""
         return None
 
-    def token_ratio(self, cfg: ClippedPGLossConfig) -> bool:
+    def token_ratio(self, cfg: ObjectiveConfig) -> bool:
         """True when the log of the ratio it reports is a token's own c - a (hosts' ``ppo_kl`` reads a - c then)."""
         return cfg.effective_ratio_level == "token"
 
-    def score_centering_refusals(self, cfg: ClippedPGLossConfig) -> list[str]:
+    def score_centering_refusals(self, cfg: ObjectiveConfig) -> list[str]:
         """Why ``score_centering`` does not compose with this objective (checked with ``score_centering: true``)."""
         if self.centres_score:
             return []
@@ -230,7 +230,7 @@ def register_objective(cls: type[PolicyObjective]) -> type[PolicyObjective]:
     return cls
 
 
-def objective_of(cfg: ClippedPGLossConfig) -> PolicyObjective:
+def objective_of(cfg: ObjectiveConfig) -> PolicyObjective:
     """The registered objective a config computes (:func:`effective_objective`): the one lookup."""
     return OBJECTIVES[effective_objective(cfg.policy_objective, cfg)]
 
@@ -250,7 +250,7 @@ def unread_clip_keys(keys: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(k for k in NEMO_RL_CLIP_KEYS if k not in objective.clip_keys and k not in ignored)
 
 
-def chosen_as(cfg: ClippedPGLossConfig) -> str:
+def chosen_as(cfg: ObjectiveConfig) -> str:
     """How the config chose its objective, for messages: ``policy_objective='x'`` or ``use_cispo=true (cispo)``."""
     switch, name = selecting_switch(cfg.policy_objective, cfg), objective_of(cfg).name
     return f"policy_objective={name!r}" if switch is None else f"{switch}=true (policy_objective {name!r})"
@@ -265,7 +265,7 @@ def key_sections() -> list[tuple[type[KeySection], list[str]]]:
     return list(out.items())
 
 
-def objective_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
+def objective_contradictions(cfg: ObjectiveConfig) -> list[str]:
     """The config checks every objective shares (run by ``ClippedPGLossConfig`` with the generic ones of
     :mod:`nemo_is_plugin.config.contradictions`): the keys of the objectives not chosen (each section's
     :meth:`~nemo_is_plugin.config.keys.KeySection.unread`), the chosen objective's required keys and ratio level, then
@@ -288,11 +288,11 @@ def objective_contradictions(cfg: ClippedPGLossConfig) -> list[str]:
     return out + (objective.score_centering_refusals(cfg) if cfg.score_centering else [])
 
 
-def nemo_rl_key_refusals(cfg: ClippedPGLossConfig, objective: PolicyObjective) -> list[str]:
+def nemo_rl_key_refusals(cfg: ObjectiveConfig, objective: PolicyObjective) -> list[str]:
     """NeMo-RL's clip keys set away from their defaults and ratio switches set that ``objective`` does not read (its
     ``clip_keys`` / ``switches``; ``nemo_rl_ignores`` pass when a NeMo-RL switch selected it, as in NeMo-RL)."""
     switch, name = selecting_switch(cfg.policy_objective, cfg), objective.name
-    fields = type(cfg).model_fields
+    fields = LossKeys.model_fields  # the clip keys are generic keys: their defaults are NeMo-RL's
     out = []
     for key in NEMO_RL_CLIP_KEYS:
         if key in objective.clip_keys or (switch is not None and key in objective.nemo_rl_ignores):

@@ -32,7 +32,7 @@ from nemo_is_plugin.loss.objectives.ppo_clip import PPOClipKeys, format_number, 
 from nemo_is_plugin.loss.ratios import policy_log_ratio
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 # PPOClipKeys' log-space keys: CISPO clips in ratio space, it reads only max_log_ratio of that section.
 LOG_SPACE_KEYS = ("log_ratio_clip_low", "log_ratio_clip_high", "log_ratio_clip_c", "clip_position_power")
@@ -83,14 +83,14 @@ class CISPO(PolicyObjective):
         sur = cispo_surrogate(log_r, c, t.advantages, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max)
         return ObjectiveOut(sur)
 
-    def token_ratio(self, cfg: ClippedPGLossConfig) -> bool:
+    def token_ratio(self, cfg: ObjectiveConfig) -> bool:
         return True
 
-    def refusals(self, cfg: ClippedPGLossConfig) -> list[str]:
+    def refusals(self, cfg: ObjectiveConfig) -> list[str]:
         out = []
         if not cfg.token_level_loss:
             out.append(f"{chosen_as(cfg)} requires token_level_loss=true (NeMo-RL's rule: CISPO is token-level)")
-        fields = type(cfg).model_fields
+        fields = type(PPOClipKeys.of(cfg)).model_fields  # the config's, where PPOClipKeys declares these keys
         out += [
             f"{key} configures PPO's log-space clip; {chosen_as(cfg)} clips in ratio space (ratio_clip_min/max): "
             f"unset {key}"
@@ -99,10 +99,10 @@ class CISPO(PolicyObjective):
         ]
         return out
 
-    def score_centering_refusals(self, cfg: ClippedPGLossConfig) -> list[str]:
+    def score_centering_refusals(self, cfg: ObjectiveConfig) -> list[str]:
         return ratio_score_centering_refusals(cfg)
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         low, high = format_number(1 - cfg.ratio_clip_min), format_number(1 + cfg.ratio_clip_max)
         return f"CISPO: stop-gradient weight clamp(r, {low}, {high}) times -A * log pi"
 

@@ -58,8 +58,8 @@ from nemo_is_plugin.loss.objectives.base import (
 from nemo_is_plugin.loss.ratios import probability_difference, token_log_ratio, unmasked_positions
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
     from nemo_is_plugin.loss.objectives.base import ObjectiveBook
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 
 class CppoKeys(KeySection):
@@ -237,7 +237,7 @@ class Cppo(TokenRatioObjective):
         )
         return ObjectiveOut(masked_ratio_surrogate(log_ratio, t.advantages, budget.mask), budget)
 
-    def whole_batch_reason(self, cfg: ClippedPGLossConfig) -> str:
+    def whole_batch_reason(self, cfg: ObjectiveConfig) -> str:
         return "policy_objective='cppo' needs every log-prob of a sequence before any gradient"
 
     def report(self, book: ObjectiveBook, out: ObjectiveOut, sample_mask: torch.Tensor) -> None:
@@ -251,7 +251,7 @@ class Cppo(TokenRatioObjective):
         before = torch.where(exhausted, (budget.first_exhausted.double() - 1.0) / n, torch.ones_like(n))
         book.seq_mean("cppo_budget_exhausted_position_fraction", before, sample_mask)
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         keys = CppoKeys.of(cfg)
         return (
             f"cppo: position-weighted |p - q| <= {keys.cppo_delta:g} (w_min {keys.cppo_w_min:g}) with a prefix "

@@ -38,7 +38,7 @@ from nemo_is_plugin.loss.objectives.base import (
 from nemo_is_plugin.loss.ratios import probability_change
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 # verl's guard inside the Binary-KL log (verl.trainer.ppo.core_algos.compute_policy_loss_dppo_kl).
 BINARY_KL_EPS = 1e-8
@@ -144,7 +144,7 @@ class _Dppo(TokenRatioObjective):
         sur = divergence_pg_surrogate(t.token_log_ratio(), t.curr, t.advantages, trust, ratio_cap=keys.dppo_ratio_cap)
         return ObjectiveOut(sur)
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         keys = DppoKeys.of(cfg)
         return (
             f"{self.name}: drop a token whose {self.divergence} exceeds {_g(keys.dppo_delta_high)} (A > 0) / "

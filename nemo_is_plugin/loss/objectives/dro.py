@@ -22,7 +22,7 @@ from nemo_is_plugin.loss.objectives.base import (
 )
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 
 class DroKeys(KeySection):
@@ -63,11 +63,11 @@ class Dro(PolicyObjective):
             raise ValueError("policy_objective='dro' needs dro_beta")
         return ObjectiveOut(dro_surrogate(t.curr, t.anchor, t.advantages, beta=beta))
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         beta = DroKeys.of(cfg).dro_beta
         return f"dro: none; -(A log pi - {'null' if beta is None else f'{beta:g}'}/2 (log r)^2)"
 
-    def describe_ratio(self, cfg: ClippedPGLossConfig) -> str:
+    def describe_ratio(self, cfg: ObjectiveConfig) -> str:
         return "none: policy_objective='dro' reads log pi itself"
 
 

@@ -34,7 +34,7 @@ from nemo_is_plugin.loss.objectives.base import (
 )
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 
 class GmpoKeys(KeySection):
@@ -113,10 +113,10 @@ class Gmpo(PolicyObjective):
         sur = gmpo_surrogate(t.curr, t.anchor, t.advantages, t.token_mask, t.layout, clip_low=low, clip_high=high)
         return ObjectiveOut(sur)
 
-    def whole_batch_reason(self, cfg: ClippedPGLossConfig) -> str:
+    def whole_batch_reason(self, cfg: ObjectiveConfig) -> str:
         return "policy_objective='gmpo' needs every log-prob of a sequence before any gradient"
 
-    def refusals(self, cfg: ClippedPGLossConfig) -> list[str]:
+    def refusals(self, cfg: ObjectiveConfig) -> list[str]:
         """GMPO's loss is one value per sequence: only a per-sequence mean and per-sequence IS weights keep it one."""
         out = []
         if cfg.effective_loss_aggregation != "seq-mean-token-mean":
@@ -138,14 +138,14 @@ class Gmpo(PolicyObjective):
             )
         return out
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         keys = GmpoKeys.of(cfg)
         return (
             f"gmpo: sequence geometric-mean ratio, token log-ratio clipped to [-{keys.gmpo_clip_low:g}, "
             f"{keys.gmpo_clip_high:g}] on the advantage's side"
         )
 
-    def describe_ratio(self, cfg: ClippedPGLossConfig) -> str:
+    def describe_ratio(self, cfg: ObjectiveConfig) -> str:
         return "per sequence: the geometric mean of the token ratios (policy_objective='gmpo')"
 
 

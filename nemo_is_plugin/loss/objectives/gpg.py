@@ -19,7 +19,7 @@ from nemo_is_plugin.loss.objectives.base import (
 )
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 
 def gpg_surrogate(curr: torch.Tensor, advantages: torch.Tensor) -> SurrogateOut:
@@ -37,10 +37,10 @@ class Gpg(PolicyObjective):
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         return ObjectiveOut(gpg_surrogate(t.curr, t.advantages))
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         return "gpg: none (-A log pi)"
 
-    def describe_ratio(self, cfg: ClippedPGLossConfig) -> str:
+    def describe_ratio(self, cfg: ObjectiveConfig) -> str:
         return "none: policy_objective='gpg' reads log pi itself"
 
 

@@ -65,8 +65,8 @@ from nemo_is_plugin.loss.objectives.base import ObjectiveInputs, ObjectiveOut, P
 from nemo_is_plugin.loss.objectives.ppo_clip import log_space_clip_surrogate
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
     from nemo_is_plugin.loss.objectives.base import ObjectiveBook
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 # The authors' constants: the sign and ratio slack of a harmful token, the slack of the budget test and of tau, and
 # the ratio bounds when nothing is constrained.
@@ -235,10 +235,10 @@ class M2PO(PolicyObjective):
         )
         return ObjectiveOut(sur, bounds)
 
-    def differentiates_ratio(self, cfg: ClippedPGLossConfig) -> bool:
+    def differentiates_ratio(self, cfg: ObjectiveConfig) -> bool:
         return True  # PPO's ratio clip of the unclamped token log-ratio, as the authors'
 
-    def whole_batch_reason(self, cfg: ClippedPGLossConfig) -> str:
+    def whole_batch_reason(self, cfg: ObjectiveConfig) -> str:
         return "policy_objective='m2po' needs every log-prob of the batch before any gradient (its clip bounds)"
 
     def report(self, book: ObjectiveBook, out: ObjectiveOut, sample_mask: torch.Tensor) -> None:
@@ -261,7 +261,7 @@ class M2PO(PolicyObjective):
             "m2po_m2_after": metrics["m2po_capped_log_ratio_sq"] / fraction,
         }
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         keys = M2POKeys.of(cfg)
         floors = [
             f"{name} floor {value:g}"

@@ -33,7 +33,7 @@ from nemo_is_plugin.loss.objectives.base import (
 from nemo_is_plugin.loss.objectives.ppo_clip import apply_dual_clip, format_number
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 
 def on_policy_surrogate(curr: torch.Tensor, advantages: torch.Tensor, *, dual_clip: float | None) -> SurrogateOut:
@@ -61,16 +61,16 @@ class OnPolicy(PolicyObjective):
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         return ObjectiveOut(on_policy_surrogate(t.curr, t.advantages, dual_clip=t.config.ratio_clip_c))
 
-    def refusals(self, cfg: ClippedPGLossConfig) -> list[str]:
+    def refusals(self, cfg: ObjectiveConfig) -> list[str]:
         if cfg.bypasses_prev:
             return [f"old_policy_logprobs='generation' and {chosen_as(cfg)} both choose pi_old; keep one"]
         return []
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         dual = f", dual clip c = {format_number(cfg.ratio_clip_c)}" if cfg.ratio_clip_c is not None else ""
         return "none: the ratio is 1" + dual
 
-    def describe_ratio(self, cfg: ClippedPGLossConfig) -> str | None:
+    def describe_ratio(self, cfg: ObjectiveConfig) -> str | None:
         return "fixed to 1 with the policy gradient: exp(c - sg c), pi_old = sg pi"
 
 

@@ -40,7 +40,7 @@ from nemo_is_plugin.loss.objectives.base import (
 from nemo_is_plugin.loss.ratios import policy_log_ratio, straight_through_log_ratio
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 CAUSAL_LEVELS = ("cumulative", "cumulative_mean")
 
@@ -109,7 +109,7 @@ class PPOClipKeys(KeySection):
         ]
 
 
-def uses_log_space_clip(cfg: ClippedPGLossConfig) -> bool:
+def uses_log_space_clip(cfg: ObjectiveConfig) -> bool:
     keys = PPOClipKeys.of(cfg)
     return keys.log_ratio_clip_low is not None or keys.log_ratio_clip_high is not None
 
@@ -231,19 +231,19 @@ class PPOClip(PolicyObjective):
             )
         )
 
-    def differentiates_ratio(self, cfg: ClippedPGLossConfig) -> bool:
+    def differentiates_ratio(self, cfg: ObjectiveConfig) -> bool:
         return True  # the ratio- and log-space clips pass the unclipped exp(log r)'s gradient
 
-    def whole_batch_reason(self, cfg: ClippedPGLossConfig) -> str | None:
+    def whole_batch_reason(self, cfg: ObjectiveConfig) -> str | None:
         level = cfg.effective_ratio_level
         if level in ("token", *CAUSAL_LEVELS):
             return None
         return f"ratio_level={level!r} needs every log-prob of a sequence before any of its gradients"
 
-    def causal(self, cfg: ClippedPGLossConfig) -> bool:
+    def causal(self, cfg: ObjectiveConfig) -> bool:
         return cfg.effective_ratio_level in CAUSAL_LEVELS
 
-    def refusals(self, cfg: ClippedPGLossConfig) -> list[str]:
+    def refusals(self, cfg: ObjectiveConfig) -> list[str]:
         keys, out = PPOClipKeys.of(cfg), []
         if (keys.log_ratio_clip_low is None) != (keys.log_ratio_clip_high is None):
             out.append(
@@ -258,10 +258,10 @@ class PPOClip(PolicyObjective):
             out.append("clip_position_power scales the log-space bounds; set log_ratio_clip_low/high as well")
         return out
 
-    def score_centering_refusals(self, cfg: ClippedPGLossConfig) -> list[str]:
+    def score_centering_refusals(self, cfg: ObjectiveConfig) -> list[str]:
         return ratio_score_centering_refusals(cfg)
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         keys, g = PPOClipKeys.of(cfg), format_number
         if uses_log_space_clip(cfg):
             p = keys.clip_position_power
@@ -272,7 +272,7 @@ class PPOClip(PolicyObjective):
         return f"ratio space [{g(1 - cfg.ratio_clip_min)}, {g(1 + cfg.ratio_clip_max)}]{dual}"
 
 
-def ratio_score_centering_refusals(cfg: ClippedPGLossConfig) -> list[str]:
+def ratio_score_centering_refusals(cfg: ObjectiveConfig) -> list[str]:
     """Score centering with a policy ratio (PPO's clip, CISPO's weight): not against mu (bypass mode)."""
     if not cfg.bypasses_prev:
         return []

@@ -29,7 +29,7 @@ from nemo_is_plugin.loss.objectives.base import (
 from nemo_is_plugin.loss.ratios import probability_difference
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 
 class ProbDiffKeys(KeySection):
@@ -69,7 +69,7 @@ class ProbDiff(TokenRatioObjective):
         trust = probability_difference_mask(t.curr.detach(), t.anchor, t.advantages, threshold=threshold)
         return ObjectiveOut(masked_ratio_surrogate(t.token_log_ratio(), t.advantages, trust))
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         return f"prob_diff: drop a token with |p - q| > {ProbDiffKeys.of(cfg).prob_diff_threshold:g}; loss -A r"
 
 

@@ -28,7 +28,7 @@ from nemo_is_plugin.loss.objectives.base import (
 from nemo_is_plugin.loss.objectives.ppo_clip import apply_dual_clip, format_number
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 
 def reinforce_surrogate(curr: torch.Tensor, advantages: torch.Tensor, *, dual_clip: float | None) -> SurrogateOut:
@@ -54,14 +54,14 @@ class Reinforce(PolicyObjective):
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         return ObjectiveOut(reinforce_surrogate(t.curr, t.advantages, dual_clip=t.config.ratio_clip_c))
 
-    def token_ratio(self, cfg: ClippedPGLossConfig) -> bool:
+    def token_ratio(self, cfg: ObjectiveConfig) -> bool:
         return True
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         dual = f", dual clip c = {format_number(cfg.ratio_clip_c)}" if cfg.ratio_clip_c is not None else ""
         return "none" + dual
 
-    def describe_ratio(self, cfg: ClippedPGLossConfig) -> str | None:
+    def describe_ratio(self, cfg: ObjectiveConfig) -> str | None:
         return "none: REINFORCE surrogate -A * log pi"
 
 

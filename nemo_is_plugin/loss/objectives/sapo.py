@@ -26,7 +26,7 @@ from nemo_is_plugin.loss.objectives.base import (
 )
 
 if TYPE_CHECKING:
-    from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
+    from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
 
 
 class SapoKeys(KeySection):
@@ -79,7 +79,7 @@ class Sapo(TokenRatioObjective):
         sur = sapo_surrogate(t.token_log_ratio(), t.advantages, tau_pos=keys.sapo_tau_pos, tau_neg=keys.sapo_tau_neg)
         return ObjectiveOut(sur)
 
-    def describe(self, cfg: ClippedPGLossConfig) -> str:
+    def describe(self, cfg: ObjectiveConfig) -> str:
         keys = SapoKeys.of(cfg)
         return (
             f"sapo: soft gate sigmoid(tau (r - 1)) 4 / tau, tau {keys.sapo_tau_pos:g} (A > 0) / "
