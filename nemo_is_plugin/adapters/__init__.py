@@ -8,7 +8,8 @@ NeMo-RL    ``nemo_is_plugin.adapters.nemo_rl``     ``NeMoRLLossFn`` / ``ClippedP
                                                    fused path (``head``) and its start-up hook (``startup``)
 verl       ``nemo_is_plugin.adapters.verl``        ``VerlPolicyLoss``, ``register_verl_loss``, the ``verl.plugins``
                                                    entry point (``plugin``), verl's config vocabulary, ``rollout_corr/``
-                                                   metrics, the head in verl's Megatron fused forward (``head``)
+                                                   metrics, the head in verl's fused forwards (``head``: Megatron,
+                                                   ``fsdp_head``: FSDP)
 slime      ``nemo_is_plugin.adapters.slime``       ``policy_loss`` and ``tis_function`` (loaded by slime by path),
                                                    slime's flags mapped or refused (``config``)
 =========  ======================================  ===============================================================

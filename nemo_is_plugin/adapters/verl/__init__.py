@@ -1,5 +1,5 @@
 """verl (verl-project/verl): the plugin's loss in verl's policy-loss registry, verl's config vocabulary, and the
-plugin's LM head in verl's Megatron fused forward.
+plugin's LM head in verl's fused forwards (the Megatron engine's and the FSDP models').
 
 - ``policy_loss``: :class:`VerlPolicyLoss` (verl's ``PolicyLossFn`` signature), :func:`register_verl_loss`,
   :func:`verl_config` (one call's loss config), :func:`dump_rollouts`; re-exported here;
@@ -8,7 +8,8 @@ plugin's LM head in verl's Megatron fused forward.
   (verl's ``loss_mode`` names -> policy objectives), ``fields`` (their errors and field reader), ``correction`` (the
   rollout log-probs the loss sees), ``metrics`` (verl's ``rollout_corr/`` metrics from the loss's terms);
 - ``hydra``: verl's ``PolicyLossConfig`` with a ``nemo_is`` section (imports verl; not imported here);
-- ``head``: ``linear_cross_entropy`` on the plugin's head and the hooks that install it.
+- ``head``: ``linear_cross_entropy`` on the plugin's head (the Megatron engine) and the hooks that install it and
+  ``fsdp_head`` (the FSDP models' ``FusedLinearForPPO`` on the plugin's head).
 
 Nothing here imports verl at package import time; ``register_verl_loss`` and ``hydra`` need it (the ``verl`` extra).
 Nor does importing this package import anything but the standard library: the names below load ``policy_loss`` on

@@ -11,9 +11,9 @@ The plugin's own keys are read lazily, inside each worker, from ``actor_rollout_
 the recipe named by ``$NEMO_IS_LOSS_CONFIG``; with neither, the first call raises (see adapters/verl/policy_loss.py).
 Older verl: set ``VERL_USE_EXTERNAL_MODULES=nemo_is_plugin.adapters.verl.plugin`` instead.
 
-It also registers the hooks of the plugin's head for verl's Megatron fused forward (``adapters/verl/head.py``: active
-only where verl's model config sets ``fused_kernel_options.impl_backend=nemo_is``; on verl's FSDP models that
-value is refused while verl builds the model).
+It also registers the hooks of the plugin's head for verl's fused forwards, active only where verl's model config sets
+``fused_kernel_options.impl_backend=nemo_is``: the Megatron engine's (``adapters/verl/head.py``) and the FSDP models'
+(``adapters/verl/fsdp_head.py``, a ``nemo_is`` backend of verl's ``FusedLinearForPPO``).
 
 verl logs an entry point that fails to import at DEBUG and goes on (``verl/__init__.py``, its plugin loop), which
 would leave ``impl_backend=nemo_is`` on verl's own kernel and a ``nemo_is.*`` loss mode unknown to verl without a
