@@ -30,24 +30,18 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers.fake_nemo_rl_head import write_fake_nemo_rl
+from helpers.fake_nemo_rl_head import FIRST_LOGPROB_PASS, write_fake_nemo_rl
 from test_worker_env import worker_python  # noqa: F401  (the module-scoped fixture: a venv without the plugin)
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOK_DIR = ROOT / "nemo_is_plugin" / "adapters" / "nemo_rl" / "startup" / "hook"  # the hook alone
-NEMO_RL_WORKER = textwrap.dedent("""
+NEMO_RL_WORKER = (
+    textwrap.dedent("""
     import json, sys
     at_start = {"plugin": "nemo_is_plugin" in sys.modules, "torch": "torch" in sys.modules}
-    import nemo_rl.distributed.model_utils as mu
-    import torch
-    fn = mu.from_parallel_hidden_states_to_logprobs
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(6, 2, 8, generator=g, dtype=torch.float64)
-    weight = torch.randn(11, 8, generator=g, dtype=torch.float64)
-    labels = torch.randint(0, 11, (2, 6), generator=g)
-    first = mu._gpt_forward_with_linear_ce_fusion(hidden, weight, labels, None, chunk_size=4)  # the first log-prob pass
-    original = getattr(mu, "_nemo_is_original_from_parallel_hidden_states_to_logprobs", fn)
-    want = original(hidden, weight, None, labels, 0, 11, None, chunk_size=4)
+""")
+    + FIRST_LOGPROB_PASS
+    + textwrap.dedent("""
     print("RESULT " + json.dumps({
         "at_start": at_start,
         "plugin_head": bool(getattr(fn, "nemo_is_head", False)),
@@ -56,6 +50,7 @@ NEMO_RL_WORKER = textwrap.dedent("""
         "max_abs_diff": float((first - want).abs().max()),
     }))
 """)
+)
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -22,25 +22,19 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers.fake_nemo_rl_head import write_fake_nemo_rl
+from helpers.fake_nemo_rl_head import FIRST_LOGPROB_PASS, write_fake_nemo_rl
 
 ROOT = Path(__file__).resolve().parents[1]
 PTH = "nemo_is_plugin_startup.pth"
-WORKER = textwrap.dedent("""
+WORKER = (
+    textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[1])  # the NeMo-RL tree (python -I ignores PYTHONPATH)
     at_start = {"plugin": "nemo_is_plugin" in sys.modules, "torch": "torch" in sys.modules}
     hook_registered = hasattr(sys, "_nemo_is_after_import_callbacks")  # the .pth line's only effect
-    import nemo_rl.distributed.model_utils as mu
-    import torch
-    fn = mu.from_parallel_hidden_states_to_logprobs
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(6, 2, 8, generator=g, dtype=torch.float64)
-    weight = torch.randn(11, 8, generator=g, dtype=torch.float64)
-    labels = torch.randint(0, 11, (2, 6), generator=g)
-    first = mu._gpt_forward_with_linear_ce_fusion(hidden, weight, labels, None, chunk_size=4)  # the first log-prob pass
-    original = getattr(mu, "_nemo_is_original_from_parallel_hidden_states_to_logprobs", fn)
-    want = original(hidden, weight, None, labels, 0, 11, None, chunk_size=4)
+""")
+    + FIRST_LOGPROB_PASS
+    + textwrap.dedent("""
     import nemo_is_plugin
     print("RESULT " + json.dumps({
         "at_start": at_start,
@@ -52,6 +46,7 @@ WORKER = textwrap.dedent("""
         "max_abs_diff": float((first - want).abs().max()),
     }))
 """)
+)
 # python -S: no site, so no .pth: the worker reaches its packages by hand, and the plugin's loss is then called
 LOSS_WORKER = textwrap.dedent("""
     import sys

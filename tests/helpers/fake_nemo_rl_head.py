@@ -24,3 +24,20 @@ def write_fake_nemo_rl(root: Path, model_utils: str | None = None) -> Path:
 def drop_nemo_rl_modules() -> None:
     for name in [m for m in sys.modules if m == "nemo_rl" or m.startswith("nemo_rl.")]:
         del sys.modules[name]
+
+
+# A worker script's first log-prob pass through the fake tree's NeMo-RL head (``first``) and the original function's
+# result on the same inputs (``want``); ``fn`` is the function the hook may have replaced. Dedented, for
+# ``textwrap.dedent`` scripts that splice it in after their own start-up probes.
+FIRST_LOGPROB_PASS = """
+import nemo_rl.distributed.model_utils as mu
+import torch
+fn = mu.from_parallel_hidden_states_to_logprobs
+g = torch.Generator().manual_seed(0)
+hidden = torch.randn(6, 2, 8, generator=g, dtype=torch.float64)
+weight = torch.randn(11, 8, generator=g, dtype=torch.float64)
+labels = torch.randint(0, 11, (2, 6), generator=g)
+first = mu._gpt_forward_with_linear_ce_fusion(hidden, weight, labels, None, chunk_size=4)  # the first log-prob pass
+original = getattr(mu, "_nemo_is_original_from_parallel_hidden_states_to_logprobs", fn)
+want = original(hidden, weight, None, labels, 0, 11, None, chunk_size=4)
+"""
