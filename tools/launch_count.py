@@ -36,6 +36,7 @@ from helpers.device_guard import count_host_syncs  # type: ignore[import-not-fou
 
 from nemo_is_plugin import build_loss_fn  # noqa: E402
 from nemo_is_plugin.apps.bench.jobs import BENCH_LOSS_CONFIG  # noqa: E402
+from nemo_is_plugin.apps.bench.loss_gradient_timing import CONFIGS as TIMED_CONFIGS  # noqa: E402
 from nemo_is_plugin.apps.bench.problem import make_problem  # noqa: E402
 from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss  # noqa: E402
 from nemo_is_plugin.loss.separable import TokenLossGradient  # noqa: E402
@@ -43,14 +44,7 @@ from nemo_is_plugin.loss.separable import TokenLossGradient  # noqa: E402
 CHUNKS = 8
 CONFIGS: dict[str, dict[str, Any]] = {
     "bench": BENCH_LOSS_CONFIG,  # the head benchmark's loss (apps/bench/jobs.py)
-    "ctpo_cumulative": dict(
-        ratio_level="cumulative_mean",
-        log_ratio_clip_low=0.01,
-        log_ratio_clip_high=0.015,
-        clip_position_power=0.5,
-        use_importance_sampling_correction=True,
-        is_correction_level="cumulative",
-    ),
+    "ctpo_cumulative": TIMED_CONFIGS["cumulative_ctpo_clip"],  # the loss-gradient timing's CTPO config
     "dppo_tv": dict(
         policy_objective="dppo_tv", dppo_delta_low=0.2, dppo_delta_high=0.28, use_importance_sampling_correction=True
     ),
