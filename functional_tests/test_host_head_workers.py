@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 from helpers.fake_nemo_rl_head import FIRST_LOGPROB_PASS, write_fake_nemo_rl
+from helpers.worker_result import result_json
 from test_worker_env import worker_python  # noqa: F401  (the module-scoped fixture: a venv without the plugin)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,12 +63,6 @@ def _run(python: Path, code: str, cwd: Path, env: dict[str, str]) -> subprocess.
     return subprocess.run([str(python), "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 
-def _result(proc: subprocess.CompletedProcess) -> dict:
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
-
-
 @pytest.fixture
 def nemo_rl_tree(tmp_path) -> Path:
     return write_fake_nemo_rl(tmp_path / "nemo_rl_checkout")
@@ -78,14 +73,16 @@ def test_the_switch_puts_the_plugin_head_under_nemo_rl_before_its_first_call(wor
     shadowed.mkdir()
     (shadowed / "sitecustomize.py").write_text("print('SHADOWED SITECUSTOMIZE RAN')\n")
     pythonpath = os.pathsep.join([str(ROOT), str(nemo_rl_tree), str(shadowed)])
-    out = _result(_run(worker_python, NEMO_RL_WORKER, tmp_path, _env(PYTHONPATH=pythonpath, NEMO_IS_NEMO_RL_HEAD="1")))
+    out = result_json(
+        _run(worker_python, NEMO_RL_WORKER, tmp_path, _env(PYTHONPATH=pythonpath, NEMO_IS_NEMO_RL_HEAD="1"))
+    )
     assert out["python"] == str(worker_python)
     assert out["at_start"] == {"plugin": False, "torch": False}  # the start-up hook imports neither
     assert out["plugin_head"] and out["plugin_imported"]
     assert out["max_abs_diff"] < 1e-12  # NeMo-RL's values, from the plugin's head
 
     proc = _run(worker_python, NEMO_RL_WORKER, tmp_path, _env(PYTHONPATH=pythonpath))
-    off = _result(proc)
+    off = result_json(proc)
     assert not off["plugin_head"] and not off["plugin_imported"] and off["max_abs_diff"] == 0.0
     assert "SHADOWED SITECUSTOMIZE RAN" in proc.stdout  # the hook runs the sitecustomize it shadows
 
@@ -106,11 +103,11 @@ def test_the_hook_folder_alone_runs_the_hook_and_adds_only_the_plugin(worker_pyt
     """)
     for switch in ("1", "0"):
         env = _env(PYTHONPATH=os.pathsep.join([str(HOOK_DIR), str(nemo_rl_tree)]), NEMO_IS_NEMO_RL_HEAD=switch)
-        out = _result(_run(worker_python, NEMO_RL_WORKER, tmp_path, env))
+        out = result_json(_run(worker_python, NEMO_RL_WORKER, tmp_path, env))
         assert out["at_start"] == {"plugin": False, "torch": False}
         assert out["plugin_head"] == (switch == "1")
         assert out["max_abs_diff"] < 1e-12 if switch == "1" else out["max_abs_diff"] == 0.0
-        found = _result(_run(worker_python, probe, tmp_path, env))
+        found = result_json(_run(worker_python, probe, tmp_path, env))
         assert Path(found["plugin"]).is_relative_to(ROOT) and found["loss"]  # the plugin's loss unpickles here
         # the repository's own (a package of the same top-level name installed in the venv, even one living under
         # the checkout, is not what the repository root on PYTHONPATH would have added)
@@ -174,7 +171,7 @@ def test_the_switch_reaches_a_ray_actor_on_the_worker_interpreter(worker_python,
         text=True,
         timeout=360,
     )
-    out = _result(proc)
+    out = result_json(proc)
     on, off = out["switched_on"], out["switched_off"]
     assert on["python"] == off["python"] == str(worker_python)
     assert on["plugin_head"] and on["max_abs_diff"] < 1e-12
@@ -217,7 +214,7 @@ def test_verl_workers_read_the_switch_from_verl_model_config(worker_python, tmp_
         text=True,
         timeout=240,
     )
-    out = _result(proc)
+    out = result_json(proc)
     assert out["hooked"]
     assert out["hooks"] == [
         "verl.models.transformers.monkey_patch",  # nemo_is refused on FSDP models (adapters/verl/head.py)

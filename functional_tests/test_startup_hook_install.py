@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from helpers.fake_nemo_rl_head import FIRST_LOGPROB_PASS, write_fake_nemo_rl
+from helpers.worker_result import result_text
 
 ROOT = Path(__file__).resolve().parents[1]
 PTH = "nemo_is_plugin_startup.pth"
@@ -78,12 +79,6 @@ def _run(cmd: list, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProce
     return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def _result(proc: subprocess.CompletedProcess) -> str:
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return lines[-1].removeprefix("RESULT ")
-
-
 def _site(python: Path) -> Path:
     code = "import site; print(site.getsitepackages()[0])"
     return Path(_run([python, "-c", code], python.parent, _env()).stdout.strip())
@@ -134,7 +129,7 @@ def nemo_rl_tree(tmp_path_factory) -> Path:
 
 
 def _worker(python: Path, tree: Path, cwd: Path, *flags: str, **env: str) -> dict:
-    return json.loads(_result(_run([python, *flags, "-c", WORKER, tree], cwd, _env(**env))))
+    return json.loads(result_text(_run([python, *flags, "-c", WORKER, tree], cwd, _env(**env))))
 
 
 def test_the_install_puts_the_startup_pth_at_the_root_of_site_packages(installed):
@@ -166,7 +161,7 @@ def test_another_sitecustomize_first_on_the_path_leaves_the_installed_hook_runni
     env = _env(PYTHONPATH=str(other), NEMO_IS_NEMO_RL_HEAD="1")
     proc = _run([python, "-c", WORKER, nemo_rl_tree], tmp_path, env)
     assert "OTHER SITECUSTOMIZE RAN" in proc.stdout  # Python ran that one, not the plugin's
-    out = json.loads(_result(proc))
+    out = json.loads(result_text(proc))
     assert out["plugin_head"] and out["max_abs_diff"] < 1e-12
 
 
@@ -183,8 +178,8 @@ def test_where_the_hook_cannot_run_the_plugins_loss_stops_at_its_first_call(inst
     paths = [str(nemo_rl_tree), str(site), _host_site()]
     if installed[0] == "editable":
         paths.insert(1, str(site.parents[3] / "src"))
-    on = _result(_run([python, "-S", "-c", LOSS_WORKER, *paths], tmp_path, _env(NEMO_IS_NEMO_RL_HEAD="1")))
+    on = result_text(_run([python, "-S", "-c", LOSS_WORKER, *paths], tmp_path, _env(NEMO_IS_NEMO_RL_HEAD="1")))
     assert on.startswith("stopped SwitchNotInEffectError: NEMO_IS_NEMO_RL_HEAD=1 but NeMo-RL's ")
     assert "\n" not in on and "start-up hook did not run" in on and "install the plugin in the workers'" in on
-    off = _result(_run([python, "-S", "-c", LOSS_WORKER, *paths], tmp_path, _env()))
+    off = result_text(_run([python, "-S", "-c", LOSS_WORKER, *paths], tmp_path, _env()))
     assert off == "ran"

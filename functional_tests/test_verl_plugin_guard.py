@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.worker_result import result_json
 
 pytest.importorskip("verl.workers.config.model", reason="verl is the verl extra: pip install 'nemo-is-plugin[verl]'")
 from importlib.metadata import entry_points  # noqa: E402
@@ -120,9 +121,7 @@ def broken_worker(tmp_path_factory) -> tuple[dict, str]:
         text=True,
         timeout=300,
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("RESULT ")), proc.stderr
+    return result_json(proc), proc.stderr
 
 
 def _assert_stops(message: str, setting: str, fix: str) -> None:

@@ -19,7 +19,6 @@ docs/verl.md gives runs on the same interpreter, in a plain subprocess.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.worker_result import result_json
 
 ray = pytest.importorskip("ray", reason="Ray is the demo extra: pip install 'nemo-is-plugin[demo]'")
 import pydantic  # noqa: E402
@@ -120,9 +120,7 @@ def test_pickled_loss_runs_in_a_worker_env_set_up_as_documented_and_fails_clearl
         text=True,
         timeout=360,
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1].removeprefix("RESULT "))
+    out = result_json(proc)
     for name in ("documented", "not_set_up"):
         assert out[name]["python"] == str(worker_python), out[name]  # the actor ran on the plugin-less interpreter
     assert "error" not in out["documented"], out["documented"]
