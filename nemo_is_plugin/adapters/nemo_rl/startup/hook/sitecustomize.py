@@ -4,7 +4,7 @@ The plugin's way into processes it does not start (NeMo-RL's Ray workers), run a
 (docs/nemo_rl.md, "how the plugin reaches NeMo-RL's workers"):
 
 - installed plugin: ``nemo_is_plugin_startup.pth``, which the package installs at the root of site-packages, execs
-  this file when ``NEMO_IS_NEMO_RL_HEAD`` is set. ``site.py`` processes a site-packages ``.pth`` whatever
+  this file. ``site.py`` processes a site-packages ``.pth`` whatever
   ``sitecustomize`` comes first on ``sys.path`` and under ``python -I`` / ``-E`` (not ``-S``);
 - this folder, which holds this file alone, on ``PYTHONPATH``: Python imports the first ``sitecustomize`` module on
   ``sys.path`` at start-up, and ``PYTHONPATH`` directories come first (a ``.pth`` file in a ``PYTHONPATH`` directory
@@ -15,8 +15,11 @@ The plugin's way into processes it does not start (NeMo-RL's Ray workers), run a
   runs the ``sitecustomize`` this one shadows (the next one on ``sys.path``, if any), as Python would have;
 - the repository root on ``PYTHONPATH``: the root's ``sitecustomize.py`` execs this file (and the chain, as above).
 
-Nothing happens unless ``NEMO_IS_NEMO_RL_HEAD`` is set (and not ``0``). Then it registers, with the standard library
-only (no torch, no import of the plugin at start-up), a callback on the import of ``nemo_rl.distributed.model_utils``:
+Always, with the standard library only (no torch, no import of the plugin at start-up), it registers a callback on the
+import of ``nemo_rl.algorithms.loss.loss_functions`` that lets NeMo-RL's ``ClippedPGLossFn`` build the plugin's loss
+for a ``loss_fn`` config whose ``name`` is one of the plugin's (``loss_switch.py``; any other config: NeMo-RL's own
+object, and the plugin is not imported). With ``NEMO_IS_NEMO_RL_HEAD`` set (and not ``0``) it also registers a
+callback on the import of ``nemo_rl.distributed.model_utils``:
 when NeMo-RL imports that module, the callback imports ``nemo_is_plugin.adapters.nemo_rl.head`` and replaces NeMo-RL's
 fused log-prob function by the plugin's head, or raises, which fails NeMo-RL's import (a missing plugin, a changed
 NeMo-RL, an invalid switch value), never leaving NeMo-RL's own head running unnoticed. Where this file never runs,
@@ -33,6 +36,8 @@ _PACKAGE = "nemo_is_plugin"
 # this file is nemo_is_plugin/adapters/nemo_rl/startup/hook/sitecustomize.py
 _ADAPTERS_DIR = _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))))
 _PACKAGE_DIR = _os.path.dirname(_ADAPTERS_DIR)
+_LOSS_SWITCH = _os.path.join(_ADAPTERS_DIR, "nemo_rl", "startup", "loss_switch.py")
+_LOSS_MODULE, _LOSS_KEY = "nemo_rl.algorithms.loss.loss_functions", "nemo_is.loss_fn_name"  # = loss_switch.py's
 
 
 def _exec_file(name, path):
@@ -79,13 +84,17 @@ def _callback(env, adapter):
     return patch
 
 
+def _switch_loss(module):
+    """NeMo-RL's ``ClippedPGLossFn`` builds the plugin's loss for a ``loss_fn`` naming it (``loss_switch.py``)."""
+    _exec_file("_nemo_is_startup_loss_switch", _LOSS_SWITCH).patch(module)
+
+
 def _install():
-    wanted = [(env, target) for env, target in _SWITCHES.items() if _os.environ.get(env, "") not in ("", "0")]
-    if not wanted:
-        return
     hooks = _exec_file("_nemo_is_startup_import_hooks", _os.path.join(_ADAPTERS_DIR, "import_hooks.py"))
-    for env, (module, adapter) in wanted:
-        hooks.when_imported(module, "nemo_is." + env.lower(), _callback(env, adapter))
+    hooks.when_imported(_LOSS_MODULE, _LOSS_KEY, _switch_loss)  # always: the config decides, at NeMo-RL's import
+    for env, (module, adapter) in _SWITCHES.items():
+        if _os.environ.get(env, "") not in ("", "0"):
+            hooks.when_imported(module, "nemo_is." + env.lower(), _callback(env, adapter))
 
 
 def _chain():
