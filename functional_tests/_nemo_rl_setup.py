@@ -123,11 +123,14 @@ out = {
     "single_controller": kind(single_controller.ClippedPGLossFn(config.loss_fn)),
     "ppo": kind(ppo.ClippedPGLossFn(config.loss_fn)),
     "unpickled": kind(pickle.loads(pickle.dumps(built))),
-    "same_class_everywhere": grpo.ClippedPGLossFn is single_controller.ClippedPGLossFn is ppo.ClippedPGLossFn
+    "same_class_everywhere": grpo.ClippedPGLossFn
+    is single_controller.ClippedPGLossFn
+    is ppo.ClippedPGLossFn
     is loss_functions.ClippedPGLossFn,
     "loss": batch_loss(built),
-    "nemo_rl_loss": batch_loss(loss_functions.ClippedPGLossFn(master_config(
-        {k: v for k, v in SECTION.items() if k != "name"}).loss_fn)),
+    "nemo_rl_loss": batch_loss(
+        loss_functions.ClippedPGLossFn(master_config({k: v for k, v in SECTION.items() if k != "name"}).loss_fn)
+    ),
 }
 try:
     import nemo_is_plugin

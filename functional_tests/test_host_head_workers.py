@@ -217,6 +217,7 @@ def test_verl_workers_read_the_switch_from_verl_model_config(worker_python, tmp_
     out = result_json(proc)
     assert out["hooked"]
     assert out["hooks"] == [
+        "nemo_rl.algorithms.loss.loss_functions",  # the start-up hook's loss_fn.name switch
         "verl.models.transformers.monkey_patch",  # nemo_is refused on FSDP models (adapters/verl/head.py)
         "verl.workers.config.model",
         "verl.workers.engine.megatron.transformer_impl",

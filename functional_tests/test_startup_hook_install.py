@@ -27,19 +27,20 @@ from helpers.worker_result import result_text
 
 ROOT = Path(__file__).resolve().parents[1]
 PTH = "nemo_is_plugin_startup.pth"
+LOSS_MODULE, HEAD_MODULE = "nemo_rl.algorithms.loss.loss_functions", "nemo_rl.distributed.model_utils"
 WORKER = (
     textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[1])  # the NeMo-RL tree (python -I ignores PYTHONPATH)
     at_start = {"plugin": "nemo_is_plugin" in sys.modules, "torch": "torch" in sys.modules}
-    hook_registered = hasattr(sys, "_nemo_is_after_import_callbacks")  # the .pth line's only effect
+    hooks = sorted(getattr(sys, "_nemo_is_after_import_callbacks", {}))  # the .pth line's only effect
 """)
     + FIRST_LOGPROB_PASS
     + textwrap.dedent("""
     import nemo_is_plugin
     print("RESULT " + json.dumps({
         "at_start": at_start,
-        "hook_registered": hook_registered,
+        "hooks": hooks,
         "plugin_head": bool(getattr(fn, "nemo_is_head", False)),
         "plugin_file": nemo_is_plugin.__file__,
         "sys_path": sys.path,
@@ -143,14 +144,15 @@ def test_the_installed_hook_puts_the_plugin_head_under_nemo_rl_without_pythonpat
     how, python, site = installed
     out = _worker(python, nemo_rl_tree, tmp_path, NEMO_IS_NEMO_RL_HEAD="1")
     assert out["at_start"] == {"plugin": False, "torch": False}  # the .pth line imports neither
-    assert out["hook_registered"]
+    assert out["hooks"] == [LOSS_MODULE, HEAD_MODULE]
     assert out["plugin_head"] and out["max_abs_diff"] < 1e-12  # NeMo-RL's values, from the plugin's head
     assert Path(out["plugin_file"]).is_relative_to(site if how == "wheel" else site.parents[3] / "src")
     assert not any(Path(p).resolve() == ROOT for p in out["sys_path"] if p)  # no repository on the path ("": cwd)
 
     off = _worker(python, nemo_rl_tree, tmp_path, NEMO_IS_NEMO_RL_HEAD="0")
     assert not off["plugin_head"] and off["max_abs_diff"] == 0.0  # switched off: NeMo-RL's own head
-    assert off["at_start"] == {"plugin": False, "torch": False} and not off["hook_registered"]  # and nothing ran
+    assert off["at_start"] == {"plugin": False, "torch": False}  # and nothing imported: the loss_fn.name switch alone
+    assert off["hooks"] == [LOSS_MODULE]  # (functional_tests/test_nemo_rl_config_switch.py)
 
 
 def test_another_sitecustomize_first_on_the_path_leaves_the_installed_hook_running(installed, nemo_rl_tree, tmp_path):

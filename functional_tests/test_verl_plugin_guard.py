@@ -26,6 +26,7 @@ from nemo_is_plugin.adapters.verl import fsdp_head, head, plugin_guard  # noqa: 
 from nemo_is_plugin.adapters.verl.policy_loss import VERL_LOSS_NAME  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+LOSS_SWITCH_MODULE = "nemo_rl.algorithms.loss.loss_functions"
 BROKEN_WORKER = textwrap.dedent("""
     import json, sys
     from types import SimpleNamespace
@@ -93,6 +94,7 @@ def test_the_entry_point_reaches_its_guard_on_the_standard_library_alone(tmp_pat
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("RESULT ")[1].split() == sorted(
         [
+            LOSS_SWITCH_MODULE,  # the start-up hook's loss_fn.name switch (the repository root on PYTHONPATH)
             plugin_guard.CONFIG_MODULE,
             plugin_guard.ENGINE_MODULE,
             plugin_guard.FSDP_PATCH_MODULE,
@@ -135,6 +137,7 @@ def test_import_verl_warns_once_and_installs_only_the_guard(broken_worker):
     warnings = [line for line in stderr.splitlines() if "verl entry point failed to load" in line]
     assert len(warnings) == 1 and IMPORT_ERROR in warnings[0]
     assert out["hooks"] == {  # none of head.py's
+        LOSS_SWITCH_MODULE: ["nemo_is.loss_fn_name"],  # the start-up hook's (the repository root on PYTHONPATH)
         plugin_guard.CONFIG_MODULE: ["nemo_is.verl_guard.config"],
         plugin_guard.ENGINE_MODULE: ["nemo_is.verl_guard.engine"],
         plugin_guard.FSDP_PATCH_MODULE: ["nemo_is.verl_guard.fsdp"],

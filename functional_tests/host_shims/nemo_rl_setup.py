@@ -24,6 +24,7 @@ import typing
 
 import torch.utils.data
 import typing_extensions
+
 from host_shims.nemo_rl import _empty_module, _Unused, stub_unused_imports
 
 

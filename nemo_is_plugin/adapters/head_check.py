@@ -2,7 +2,13 @@
 the swap changes nothing beyond float tolerance:
 
     <worker python> -m nemo_is_plugin.adapters.head_check nemo-rl     # with the worker's PYTHONPATH and switch
+    <driver python> -m nemo_is_plugin.adapters.head_check nemo-rl-loss [grpo.yaml]
     <worker python> -m nemo_is_plugin.adapters.head_check verl
+
+NeMo-RL's loss (``nemo-rl-loss``): whether the start-up hook registered the ``loss_fn.name`` switch in this
+interpreter, and which class NeMo-RL's installed ``ClippedPGLossFn`` builds for the ``loss_fn`` of ``grpo.yaml``
+(default: ``name: nemo_is.clipped_pg`` alone) -- the plugin's ``NeMoRLLossFn`` when the section names the plugin,
+NeMo-RL's own otherwise.
 
 NeMo-RL: whether ``NEMO_IS_NEMO_RL_HEAD`` is on, whether the start-up hook registered itself in this interpreter
 (before anything imported NeMo-RL), whether the installed ``nemo_rl.distributed.model_utils`` holds the plugin's
@@ -82,13 +88,44 @@ def check_nemo_rl() -> list[tuple[str, bool]]:
     return lines + _compare(("log-probs", "dX", "dW"), got, want)
 
 
+def check_nemo_rl_loss(section: dict | None = None) -> list[tuple[str, bool]]:
+    """Which loss NeMo-RL's ``ClippedPGLossFn`` builds in this interpreter for a ``loss_fn`` naming the plugin
+    (``section``, default ``{"name": "nemo_is.clipped_pg"}``): what ``grpo.setup`` would get."""
+    from nemo_is_plugin.adapters.nemo_rl.startup import loss_switch
+
+    state = loss_switch.status()
+    already = state["imported"] and state["patched"]
+    lines = [
+        (f"loss_fn.name switch registered in this interpreter: {state['registered']}", state["registered"] or already)
+    ]
+    try:
+        module = importlib.import_module(loss_switch.TARGET_MODULE)
+    except Exception as exc:
+        return lines + [(f"import {loss_switch.TARGET_MODULE} failed: {type(exc).__name__}: {exc}", False)]
+    section = {"name": "nemo_is.clipped_pg"} if section is None else section
+    try:
+        built = getattr(module, loss_switch.TARGET_CLASS)(module.ClippedPGLossConfig(**section))
+        what = f"{type(built).__module__}.{type(built).__qualname__}"
+    except Exception as exc:
+        return lines + [(f"NeMo-RL's ClippedPGLossFn({section}) failed: {type(exc).__name__}: {exc}", False)]
+    named = loss_switch.plugin_name(section) is not None
+    return lines + [(f"NeMo-RL's ClippedPGLossFn builds {what}", named == (what.startswith("nemo_is_plugin.")))]
+
+
+def _loss_section(path: str) -> dict:
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    return dict(config.get("loss_fn") or {}) if isinstance(config, dict) else {}
+
+
 def check_verl() -> list[tuple[str, bool]]:
     import verl  # noqa: F401  (loads the verl.plugins entry points, the plugin's among them)
 
     from nemo_is_plugin.adapters.verl import fsdp_head
     from nemo_is_plugin.adapters.verl import head as verl_head
 
-    registered = sorted(getattr(sys, "_nemo_is_after_import_callbacks", {}))
+    registered = sorted(m for m in getattr(sys, "_nemo_is_after_import_callbacks", {}) if m.startswith("verl."))
     lines = [(f"hooks registered by the verl.plugins entry point: {registered}", verl_head.CONFIG_MODULE in registered)]
     try:
         modules = [importlib.import_module(name) for name in verl_head.FUSED_MODULES]
@@ -128,10 +165,13 @@ def check_verl() -> list[tuple[str, bool]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv not in (["nemo-rl"], ["verl"]):
-        print("usage: python -m nemo_is_plugin.adapters.head_check nemo-rl|verl")
+    if argv[:1] == ["nemo-rl-loss"] and len(argv) <= 2:
+        lines = check_nemo_rl_loss(_loss_section(argv[1]) if len(argv) == 2 else None)
+    elif argv in (["nemo-rl"], ["verl"]):
+        lines = check_nemo_rl() if argv == ["nemo-rl"] else check_verl()
+    else:
+        print("usage: python -m nemo_is_plugin.adapters.head_check nemo-rl|nemo-rl-loss [grpo.yaml]|verl")
         return 2
-    lines = check_nemo_rl() if argv == ["nemo-rl"] else check_verl()
     for text, ok in lines:
         print(f"[{'ok' if ok else 'FAIL'}] {text}")
     return 0 if all(ok for _, ok in lines) else 1
@@ -141,4 +181,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["check_nemo_rl", "check_verl", "main"]
+__all__ = ["check_nemo_rl", "check_nemo_rl_loss", "check_verl", "main"]
