@@ -75,6 +75,9 @@ def validate(
             message,
             "invalid recipe:" if str(recipe) in message else f"invalid recipe {recipe}:",
         )
+    ignored = _ignored_name(recipe, override or (), section)
+    if ignored is not None:
+        _fail(console, as_json, recipe, ignored, f"invalid recipe {recipe}:")
     unknown = _unknown_keys(spec, section)
     if unknown is not None and not allow_unknown_keys:
         _fail(
@@ -104,6 +107,19 @@ def _unknown_keys(spec, section: str) -> str | None:
     known = set(ClippedPGLossConfig.model_fields)
     unknown = [k for k in spec.given if k not in known]
     return unknown_keys_message(unknown, known, section) if unknown else None
+
+
+def _ignored_name(recipe: Path, overrides, section: str) -> str | None:
+    """NeMo-RL installed here, its ``ClippedPGLossFn`` not switched: the ``name`` the section gives would be ignored."""
+    from nemo_is_plugin.adapters.nemo_rl.startup.loss_switch import ignored_name_message, plugin_name
+    from nemo_is_plugin.adapters.recipes import load_yaml
+    from nemo_is_plugin.loss.registry import NAME_KEY
+
+    loss_section: Any = load_yaml(recipe, overrides, section)
+    for part in section.split("."):
+        loss_section = loss_section.get(part) if hasattr(loss_section, "get") else None
+    name = plugin_name({NAME_KEY: loss_section.get(NAME_KEY)} if hasattr(loss_section, "get") else {})
+    return None if name is None else ignored_name_message(name)
 
 
 def _option_names(message: str) -> str:

@@ -18,6 +18,7 @@ does not name the plugin); ``python -m nemo_is_plugin.adapters.head_check nemo-r
 """
 
 import importlib
+import importlib.util
 import sys
 from collections.abc import Mapping
 
@@ -66,7 +67,7 @@ def patch(module: object) -> None:
     cls = getattr(module, TARGET_CLASS, None)
     if not isinstance(cls, type) or is_patched(cls):
         return
-    cls.__new__ = staticmethod(_switching_new(cls, cls.__new__))  # type: ignore[assignment]
+    cls.__new__ = staticmethod(_switching_new(cls, cls.__new__))  # type: ignore[method-assign]
 
 
 def is_patched(cls: type) -> bool:
@@ -86,3 +87,18 @@ def status() -> dict:
         "class_found": isinstance(cls, type),
         "patched": isinstance(cls, type) and is_patched(cls),
     }
+
+
+def ignored_name_message(name: str) -> "str | None":
+    """One line when NeMo-RL is installed in this interpreter's environment but would ignore ``loss_fn.name``
+    (``name``): the switch is not registered here (``python -S``, the plugin on ``PYTHONPATH`` as a plain directory,
+    whose ``.pth`` Python does not process, an error in the hook); None otherwise."""
+    state = status()
+    if state["registered"] or state["patched"] or importlib.util.find_spec("nemo_rl") is None:
+        return None
+    return (
+        f"loss_fn.name is {name!r} but NeMo-RL in this interpreter would build its own ClippedPGLossFn and ignore it: "
+        "the plugin's start-up hook did not run here (install the plugin with pip in this environment, or put "
+        "nemo_is_plugin/adapters/nemo_rl/startup/hook first on PYTHONPATH; check with `python -m "
+        "nemo_is_plugin.adapters.head_check nemo-rl-loss`)"
+    )
