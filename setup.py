@@ -2,10 +2,11 @@
 
 site.py runs the ``import`` line of every ``.pth`` file in site-packages at interpreter start, whatever
 ``sitecustomize`` comes first on ``sys.path`` and under ``python -I``: that line runs the plugin's NeMo-RL start-up hook
-(``nemo_is_plugin/adapters/nemo_rl/startup/``) when ``NEMO_IS_NEMO_RL_HEAD`` is set, in every process of an environment
-the plugin is installed in. A wheel puts only packages at the root of site-packages, so ``build_py`` copies the file
-there (setuptools' own ``distutils-precedence.pth`` is installed by a custom build step too), and the editable wheel
-(``pip install -e``) carries it beside its own ``.pth``.
+(``nemo_is_plugin/adapters/nemo_rl/startup/``: NeMo-RL's ``loss_fn.name`` switch always, the head when
+``NEMO_IS_NEMO_RL_HEAD`` is set), in every process of an environment the plugin is installed in. A wheel puts only
+packages at the root of site-packages, so ``build_py`` copies the file there (setuptools' own
+``distutils-precedence.pth`` is installed by a custom build step too), and the editable wheel (``pip install -e``)
+carries it beside its own ``.pth``.
 """
 
 import os
