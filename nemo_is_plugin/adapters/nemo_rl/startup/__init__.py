@@ -7,6 +7,10 @@ repository root on ``PYTHONPATH``. ``HOOK_DIR`` is printed by
 
     python -c "import nemo_is_plugin.adapters.nemo_rl.startup as s; print(s.HOOK_DIR)"
 
+It does two things: always, ``loss_switch.py`` (NeMo-RL's ``ClippedPGLossFn`` builds the plugin's loss for a
+``loss_fn`` whose ``name`` is the plugin's: the plugin on from NeMo-RL's config alone); with ``NEMO_IS_NEMO_RL_HEAD=1``,
+NeMo-RL's fused log-prob function replaced by the plugin's head.
+
 :func:`check_switch_in_effect` is the run-time side: the hook can still not run (the plugin neither installed in the
 worker's environment nor its folder on ``PYTHONPATH``, another ``sitecustomize`` first on ``sys.path`` for a
 ``PYTHONPATH`` hook, ``python -S``, ``-I`` / ``-E`` for a ``PYTHONPATH`` hook, an error inside it that ``site.py``
