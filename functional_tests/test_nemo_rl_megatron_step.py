@@ -42,8 +42,10 @@ NEMO_RL_GSPO = {
 }
 
 # The layouts of each spawn (a spawn's layouts share its world size).
-WORLD_1 = [Layout()]
-LAYOUTS = {1: WORLD_1}
+LAYOUTS = {
+    1: [Layout(), Layout(packing=True), Layout(packing=True, fuse_loss=True)],
+    2: [Layout(tp=2), Layout(dp=2), Layout(pp=2)],
+}
 
 
 HOSTS = ("nemo_rl", "plugin")
@@ -78,6 +80,14 @@ ALL_LAYOUTS = [layout for layouts in LAYOUTS.values() for layout in layouts]
 @pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=lambda layout: layout.name)
 def test_plugin_equals_nemo_rl_in_megatron_step(parity_runs, layout):
     run = parity_runs[layout.name]
+    ranks = [r["ranks"] for r in run["native"]]
+    assert sorted(r["tp"] for r in ranks) == sorted(list(range(layout.tp)) * (layout.world // layout.tp))
+    assert sorted(r["pp"] for r in ranks) == sorted(list(range(layout.pp)) * (layout.world // layout.pp))
+    assert sorted(r["dp"] for r in ranks) == sorted(list(range(layout.dp)) * (layout.world // layout.dp))
+    calls = len(run["native"][-1]["steps"][0]["all_mb_metrics"]["loss"])
+    # unpacked: the DP rank's sequences in micro-batches of MICRO_BATCH; packed: fewer, longer micro-batches
+    per_rank = BATCH // layout.dp // MICRO_BATCH
+    assert calls < per_rank if layout.packing else calls == per_rank
     for native_rank, plugin_rank in zip(run["native"], run["plugin"], strict=True):
         steps = native_rank["steps"]
         assert steps[0]["global_loss"] != steps[1]["global_loss"]
