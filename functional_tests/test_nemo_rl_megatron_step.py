@@ -24,7 +24,7 @@ from _nemo_rl_step import make_batch, nemo_rl_reduction
 from host_shims.nemo_rl import SKIP_REASON, nemo_rl_path
 from host_shims.nemo_rl_megatron import SKIP_REASON as BRIDGE_SKIP_REASON
 from host_shims.nemo_rl_megatron import megatron_bridge_path
-from host_shims.plugin_settings import CTPO
+from host_shims.plugin_settings import NEMO_RL_CTPO, NEMO_RL_M2PO, SEQ_MIS_REJECTION
 
 from nemo_is_plugin import finalize_metrics
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
@@ -86,27 +86,12 @@ PLUGIN_SETTINGS = {
         "truncated_importance_sampling_type": "tis",
         "truncated_importance_sampling_ratio": 2.0,
     },
-    "ctpo": {
-        "reference_policy_kl_penalty": 0.0,
-        **CTPO,
-        "use_importance_sampling_correction": True,
-        "is_correction_level": "sequence_mean",
-        "truncated_importance_sampling_type": "tis",
-        "truncated_importance_sampling_ratio": 5.0,
-    },
-    "m2po": {
-        "reference_policy_kl_penalty": 0.0,
-        "policy_objective": "m2po",
-        "use_importance_sampling_correction": True,
-        "truncated_importance_sampling_type": "tis",
-        "truncated_importance_sampling_ratio": 2.0,
-    },
+    "ctpo": NEMO_RL_CTPO,
+    "m2po": NEMO_RL_M2PO,
     "seq_mis_rejection": {
         **NEMO_RL_GSPO,
         "is_correction_level": "sequence_mean",
-        "importance_sampling_rejection": "seq-mis",
-        "importance_sampling_rejection_min": 0.5,
-        "importance_sampling_rejection_max": 2.0,
+        **SEQ_MIS_REJECTION,
     },
     # docs/score_centering.md: the sampler's top-k head in the batch, the logits handed to the plugin (input_type
     # LOGIT) so that the label's and the head's log-probs come from one log-softmax
