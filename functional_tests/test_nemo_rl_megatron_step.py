@@ -15,6 +15,7 @@ the shims (Megatron-Bridge, devices, gloo) functional_tests/host_shims/nemo_rl_m
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 
 import pytest
@@ -65,7 +66,13 @@ NEMO_RL_GSPO = {
 # The layouts of each spawn (a spawn's layouts share its world size); router replay with the routes the initial
 # weights' router takes (recorded in the ranks, as vLLM records them at rollout).
 LAYOUTS = {
-    1: [Layout(), Layout(packing=True), Layout(packing=True, fuse_loss=True), Layout(router_replay=True)],
+    1: [
+        Layout(),
+        Layout(packing=True),
+        Layout(packing=True, fuse_loss=True),
+        Layout(router_replay=True),
+        Layout(packing=True, router_replay=True),
+    ],
     2: [
         Layout(tp=2),
         Layout(dp=2),
@@ -199,16 +206,20 @@ def test_plugin_equals_nemo_rl_in_megatron_step(step_runs, layout):
             assert worst <= 1e-6 * max(abs(b) for b in values), (name, worst)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_router_replay_replays_the_recorded_routes(step_runs, tp):
+REPLAYED = [layout for layout in ALL_LAYOUTS if layout.router_replay]
+
+
+@pytest.mark.parametrize("layout", REPLAYED, ids=lambda layout: layout.name)
+def test_router_replay_replays_the_recorded_routes(step_runs, layout):
     """The first step sees the weights the routes were recorded with: replaying them gives the router's own
-    routing's loss and gradient norm (to fp32 rounding); routes drawn at random give another loss."""
-    replayed = step_runs[(Layout(tp=tp, router_replay=True).name, "nemo_rl")][0]["steps"][0]
-    own = step_runs[(Layout(tp=tp).name, "nemo_rl")][0]["steps"][0]
+    routing's loss and gradient norm in the same layout (to fp32 rounding); routes drawn at random give another
+    loss."""
+    replayed = step_runs[(layout.name, "nemo_rl")][0]["steps"][0]
+    own = step_runs[(replace(layout, router_replay=False).name, "nemo_rl")][0]["steps"][0]
     assert _rel(replayed["global_loss"], own["global_loss"]) < 1e-6
     assert _rel(replayed["grad_norm"], own["grad_norm"]) < 1e-6
-    if tp == 1:
-        drawn = step_runs[(Layout(router_replay=True).name, "random_routes")][0]["steps"][0]
+    if layout == Layout(router_replay=True):
+        drawn = step_runs[(layout.name, "random_routes")][0]["steps"][0]
         assert _rel(drawn["global_loss"], own["global_loss"]) > 1e-4
 
 
