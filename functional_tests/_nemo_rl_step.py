@@ -13,15 +13,15 @@ with NeMo-RL's own ``BatchedDataDict.shard_by_batch_size``. Returns, per loss: e
 
 from __future__ import annotations
 
-import json
+import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from _ranks import RESULTS_DIR_ENV, gather_objects, publish, published, results_folder, whole
-from distributed._spawn import run_checks
+from _ranks import gather_objects, publish, run_job, the_job, whole
+
+from nemo_is_plugin.adapters.nemo_rl.step_metrics import NEMO_RL_EXTREMA
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, SEQ = 64, 32, 2, 4, 2, 12
 
@@ -111,7 +111,8 @@ def policy_config(model_dir: str, tp: int, gbs: int, mbs: int) -> dict[str, Any]
 def build_loss(spec: dict[str, Any]) -> Any:
     """``{"host": "nemo_rl" | "plugin", "loss_fn": {...}}``: NeMo-RL's ``ClippedPGLossFn`` or the plugin's
     ``NeMoRLLossFn``, each given NeMo-RL's pydantic ``ClippedPGLossConfig`` built from the same section, as
-    ``grpo.setup`` builds it (nemo_rl/algorithms/grpo.py)."""
+    ``grpo.setup`` builds it (nemo_rl/algorithms/grpo.py). The plugin's takes ``"input_type"`` from the spec when
+    given (``"logit"``: NeMo-RL's worker hands it the logits)."""
     from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
 
     config = ClippedPGLossConfig(**spec["loss_fn"])
@@ -119,16 +120,40 @@ def build_loss(spec: dict[str, Any]) -> Any:
         return ClippedPGLossFn(config)
     from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
 
-    return NeMoRLLossFn(config)
+    return NeMoRLLossFn(config, input_type=spec.get("input_type", "logprob"))
+
+
+# What grpo_train averages instead of summing (nemo_rl/algorithms/grpo.py @7ea279ab, its metric reduction).
+NEMO_RL_MEANS = {
+    "lr",
+    "wd",
+    "reward",
+    "filtered_reward",
+    "global_valid_seqs",
+    "global_valid_toks",
+    "mean_prompt_length",
+}
+
+
+def nemo_rl_reduction(all_mb_metrics: dict[str, list[float]]) -> dict[str, float]:
+    """A model of grpo_train's reduction of ``train_results["all_mb_metrics"]``: NeMo-RL's four extrema with min / max
+    (infinities left out), the keys above averaged, every other key summed over the step's loss calls."""
+    out = {}
+    for k, v in all_mb_metrics.items():
+        finite = [x for x in v if not math.isinf(x)]
+        if k in NEMO_RL_EXTREMA:
+            out[k] = (min if k.endswith("_min") else max)(finite) if finite else -1.0
+        elif k in NEMO_RL_MEANS:
+            out[k] = sum(v) / len(v)
+        else:
+            out[k] = sum(v)
+    return out
 
 
 def _to_plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.double().reshape(-1).tolist() if value.numel() != 1 else float(value)
     return value
-
-
-JOB = "job"  # the file the test process writes the job to, in the results folder (functional_tests/_ranks.py)
 
 
 def setup_workers(rank: int, world_size: int) -> None:
@@ -138,7 +163,7 @@ def setup_workers(rank: int, world_size: int) -> None:
     import sys
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    sys.path.insert(0, published(os.environ[RESULTS_DIR_ENV], JOB)["nemo_rl_path"])
+    sys.path.insert(0, the_job()["nemo_rl_path"])
     from host_shims import nemo_rl as shims
 
     shims.install()
@@ -151,7 +176,7 @@ def _train(rank: int, world_size: int) -> None:
     from nemo_rl.models.policy.workers.dtensor_policy_worker import DTensorPolicyWorkerImpl
     from transformers import AutoTokenizer
 
-    job = published(os.environ[RESULTS_DIR_ENV], JOB)
+    job = the_job()
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     cfg = policy_config(job["model_dir"], job["tp"], job["gbs"], job["mbs"])
     results = []
@@ -211,8 +236,4 @@ def run_steps(
         "losses": losses,
         "batches": [{k: v.tolist() for k, v in b.items()} for b in batches],
     }
-    with tempfile.TemporaryDirectory() as tmp, results_folder(tmp) as folder:
-        (folder / f"{JOB}.json").write_text(json.dumps(job))
-        errors = run_checks(__name__, world_size)
-        assert errors["train"] is None, errors["train"]
-        return published(folder, "results")
+    return run_job(__name__, world_size, job)
