@@ -79,7 +79,7 @@ def policy_config(layout: Layout, gbs: int, mbs: int) -> dict[str, Any]:
             "enabled": layout.packing,
             "fuse_loss": layout.fuse_loss,
             "algorithm": "modified_first_fit_decreasing",
-            "train_mb_tokens": 32,
+            "train_mb_tokens": 48,
         },
         "dynamic_batching": {"enabled": False},
         "router_replay": {"enabled": layout.router_replay},
@@ -275,7 +275,8 @@ def packing_args(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def run_one(layout: Layout, spec: dict[str, Any], batches: list[dict[str, Any]], mbs: int, seed: int) -> dict:
-    """Two (or more) optimizer steps of ``train`` for one loss; every rank's results."""
+    """One optimizer step of ``train`` per batch for one loss (the spec's ``"extra"``: per batch, data keys added
+    to it); this rank's results."""
     from megatron.core import parallel_state
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -284,8 +285,9 @@ def run_one(layout: Layout, spec: dict[str, Any], batches: list[dict[str, Any]],
     loss_fn = build_loss(spec)
     dp, dp_rank = worker.dp_size, parallel_state.get_data_parallel_rank()
     steps = []
-    for batch in batches:
-        data = BatchedDataDict({k: torch.tensor(v) for k, v in batch.items()})
+    extras = spec.get("extra") or [{} for _ in batches]
+    for batch, extra in zip(batches, extras, strict=True):
+        data = BatchedDataDict({k: torch.tensor(v) for k, v in {**batch, **extra}.items()})
         args = packing_args(worker.cfg)
         if args is None:
             shard = data.shard_by_batch_size(dp, batch_size=gbs)[dp_rank]
@@ -328,7 +330,7 @@ def _train(rank: int, world_size: int) -> None:
         if layout != current:
             init_parallel_state(layout)
             current = layout
-        out = run_one(layout, run["loss"], job["batches"], job["mbs"], job["seed"])
+        out = run_one(layout, run["spec"], job["batches"], job["mbs"], job["seed"])
         results.append(gather_objects(out))
     publish("results", results)
 
@@ -344,13 +346,14 @@ def run_steps(
     mbs: int,
     seed: int = 0,
 ) -> list[list[dict[str, Any]]]:
-    """Spawn ``world_size`` ranks running every (layout, loss) of ``runs``; per run, every rank's results."""
+    """Spawn ``world_size`` ranks running every (layout, spec) of ``runs`` (a spec: ``_nemo_rl_step.build_loss``'s,
+    plus ``"extra"`` data keys per batch); per run, every rank's results."""
     assert all(layout.world == world_size for layout, _ in runs)
     job = {
         "nemo_rl_path": nemo_rl_path,
         "mbs": mbs,
         "seed": seed,
-        "runs": [{"layout": asdict(layout), "loss": loss} for layout, loss in runs],
+        "runs": [{"layout": asdict(layout), "spec": spec} for layout, spec in runs],
         "batches": [{k: v.tolist() for k, v in b.items()} for b in batches],
     }
     with tempfile.TemporaryDirectory() as tmp, results_folder(tmp) as folder:

@@ -14,6 +14,7 @@ with NeMo-RL's own ``BatchedDataDict.shard_by_batch_size``. Returns, per loss: e
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 from _ranks import RESULTS_DIR_ENV, gather_objects, publish, published, results_folder, whole
 from distributed._spawn import run_checks
+
+from nemo_is_plugin.adapters.nemo_rl.step_metrics import NEMO_RL_EXTREMA
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, SEQ = 64, 32, 2, 4, 2, 12
 
@@ -111,7 +114,8 @@ def policy_config(model_dir: str, tp: int, gbs: int, mbs: int) -> dict[str, Any]
 def build_loss(spec: dict[str, Any]) -> Any:
     """``{"host": "nemo_rl" | "plugin", "loss_fn": {...}}``: NeMo-RL's ``ClippedPGLossFn`` or the plugin's
     ``NeMoRLLossFn``, each given NeMo-RL's pydantic ``ClippedPGLossConfig`` built from the same section, as
-    ``grpo.setup`` builds it (nemo_rl/algorithms/grpo.py)."""
+    ``grpo.setup`` builds it (nemo_rl/algorithms/grpo.py). The plugin's takes ``"input_type"`` from the spec when
+    given (``"logit"``: NeMo-RL's worker hands it the logits)."""
     from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
 
     config = ClippedPGLossConfig(**spec["loss_fn"])
@@ -119,7 +123,34 @@ def build_loss(spec: dict[str, Any]) -> Any:
         return ClippedPGLossFn(config)
     from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
 
-    return NeMoRLLossFn(config)
+    return NeMoRLLossFn(config, input_type=spec.get("input_type", "logprob"))
+
+
+# What grpo_train averages instead of summing (nemo_rl/algorithms/grpo.py @7ea279ab, its metric reduction).
+NEMO_RL_MEANS = {
+    "lr",
+    "wd",
+    "reward",
+    "filtered_reward",
+    "global_valid_seqs",
+    "global_valid_toks",
+    "mean_prompt_length",
+}
+
+
+def nemo_rl_reduction(all_mb_metrics: dict[str, list[float]]) -> dict[str, float]:
+    """A model of grpo_train's reduction of ``train_results["all_mb_metrics"]``: NeMo-RL's four extrema with min / max
+    (infinities left out), the keys above averaged, every other key summed over the step's loss calls."""
+    out = {}
+    for k, v in all_mb_metrics.items():
+        finite = [x for x in v if not math.isinf(x)]
+        if k in NEMO_RL_EXTREMA:
+            out[k] = (min if k.endswith("_min") else max)(finite) if finite else -1.0
+        elif k in NEMO_RL_MEANS:
+            out[k] = sum(v) / len(v)
+        else:
+            out[k] = sum(v)
+    return out
 
 
 def _to_plain(value: Any) -> Any:

@@ -19,13 +19,12 @@ import math
 
 import pytest
 import torch
-from _nemo_rl_step import make_batch, run_steps, write_tiny_model
+from _nemo_rl_step import make_batch, nemo_rl_reduction, run_steps, write_tiny_model
 from host_shims.nemo_rl import SKIP_REASON, nemo_rl_path
 from host_shims.plugin_settings import CTPO
 
 from nemo_is_plugin import finalize_metrics
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
-from nemo_is_plugin.adapters.nemo_rl.step_metrics import NEMO_RL_EXTREMA
 from nemo_is_plugin.loss import ClippedPGLoss
 
 pytestmark = pytest.mark.skipif(nemo_rl_path() is None, reason=SKIP_REASON)
@@ -70,31 +69,6 @@ PLUGIN_SETTINGS = {
         "importance_sampling_rejection_max": 2.0,
     },
 }
-# What grpo_train averages instead of summing (nemo_rl/algorithms/grpo.py @7ea279ab, its metric reduction).
-NEMO_RL_MEANS = {
-    "lr",
-    "wd",
-    "reward",
-    "filtered_reward",
-    "global_valid_seqs",
-    "global_valid_toks",
-    "mean_prompt_length",
-}
-
-
-def nemo_rl_reduction(all_mb_metrics: dict[str, list[float]]) -> dict[str, float]:
-    """A model of grpo_train's reduction of ``train_results["all_mb_metrics"]``: NeMo-RL's four extrema with min / max
-    (infinities left out), the keys above averaged, every other key summed over the step's loss calls."""
-    out = {}
-    for k, v in all_mb_metrics.items():
-        finite = [x for x in v if not math.isinf(x)]
-        if k in NEMO_RL_EXTREMA:
-            out[k] = (min if k.endswith("_min") else max)(finite) if finite else -1.0
-        elif k in NEMO_RL_MEANS:
-            out[k] = sum(v) / len(v)
-        else:
-            out[k] = sum(v)
-    return out
 
 
 def _rel(got: float, want: float) -> float:

@@ -17,11 +17,16 @@ from __future__ import annotations
 import math
 
 import pytest
-from _nemo_rl_megatron_step import Layout, run_steps
-from _nemo_rl_step import make_batch
+import torch
+from _nemo_rl_megatron_step import EXPERTS, LAYERS, TOPK, VOCAB, Layout, run_steps
+from _nemo_rl_step import make_batch, nemo_rl_reduction
 from host_shims.nemo_rl import SKIP_REASON, nemo_rl_path
 from host_shims.nemo_rl_megatron import SKIP_REASON as BRIDGE_SKIP_REASON
 from host_shims.nemo_rl_megatron import megatron_bridge_path
+from host_shims.plugin_settings import CTPO
+
+from nemo_is_plugin import finalize_metrics
+from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
 
 pytestmark = [
     pytest.mark.skipif(nemo_rl_path() is None, reason=SKIP_REASON),
@@ -29,6 +34,7 @@ pytestmark = [
 ]
 
 BATCH, MICRO_BATCH = 8, 2
+TOP_K = 4  # score centering's head size
 
 # GSPO as NeMo-RL has it (sequence-level ratio, NeMo-RL's exp(sum) IS weight), a k3 KL; plugin keys unset.
 NEMO_RL_GSPO = {
@@ -41,18 +47,83 @@ NEMO_RL_GSPO = {
     "use_importance_sampling_correction": True,
 }
 
-# The layouts of each spawn (a spawn's layouts share its world size).
+# The layouts of each spawn (a spawn's layouts share its world size); router replay with routes drawn per token.
 LAYOUTS = {
-    1: [Layout(), Layout(packing=True), Layout(packing=True, fuse_loss=True)],
-    2: [Layout(tp=2), Layout(dp=2), Layout(pp=2)],
+    1: [Layout(), Layout(packing=True), Layout(packing=True, fuse_loss=True), Layout(router_replay=True)],
+    2: [Layout(tp=2), Layout(dp=2), Layout(pp=2), Layout(tp=2, router_replay=True)],
 }
-
-
+ALL_LAYOUTS = [layout for layouts in LAYOUTS.values() for layout in layouts]
 HOSTS = ("nemo_rl", "plugin")
+
+# The plugin's own settings in NeMo-RL's loss_fn section, run at world size 1 (unpacked) with the plugin's loss.
+PLUGIN_SETTINGS = {
+    "gspo_sequence_mean_tis": {
+        **NEMO_RL_GSPO,
+        "is_correction_level": "sequence_mean",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+    },
+    "ctpo": {
+        "reference_policy_kl_penalty": 0.0,
+        **CTPO,
+        "use_importance_sampling_correction": True,
+        "is_correction_level": "sequence_mean",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 5.0,
+    },
+    "m2po": {
+        "reference_policy_kl_penalty": 0.0,
+        "policy_objective": "m2po",
+        "use_importance_sampling_correction": True,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+    },
+    "seq_mis_rejection": {
+        **NEMO_RL_GSPO,
+        "is_correction_level": "sequence_mean",
+        "importance_sampling_rejection": "seq-mis",
+        "importance_sampling_rejection_min": 0.5,
+        "importance_sampling_rejection_max": 2.0,
+    },
+    # docs/score_centering.md: the sampler's top-k head in the batch, the logits handed to the plugin (input_type
+    # LOGIT) so that the label's and the head's log-probs come from one log-softmax
+    "score_centering": {
+        "reference_policy_kl_penalty": 0.01,
+        "reference_policy_kl_type": "k3",
+        "use_importance_sampling_correction": True,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+        "score_centering": True,
+        "score_centering_top_k": TOP_K,
+    },
+}
 
 
 def _rel(got: float, want: float) -> float:
     return abs(got - want) / max(abs(want), 1e-12)
+
+
+def routed_experts(batch: dict[str, torch.Tensor], seed: int) -> dict[str, list]:
+    """``routed_experts [B, S, layers, top-k]`` as NeMo-RL's rollout records them (nemo_rl/models/megatron/
+    router_replay.py, ``build_router_replay_assignments``): per token and MoE layer, TOPK distinct experts."""
+    g = torch.Generator().manual_seed(seed)
+    b, s = batch["input_ids"].shape
+    routes = torch.rand(b, s, LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOPK]
+    return {"routed_experts": routes.tolist()}
+
+
+def sampler_head(batch: dict[str, torch.Tensor], seed: int) -> dict[str, list]:
+    """``rollout_topk_ids`` / ``rollout_topk_logprobs [B, S, k]`` (docs/score_centering.md, aligned like
+    ``generation_logprobs``): the k most likely tokens of a random sampler distribution per response token; outside
+    the response, ids 0..k-1 at -inf."""
+    g = torch.Generator().manual_seed(seed)
+    b, s = batch["input_ids"].shape
+    logp = torch.log_softmax(2.0 * torch.randn(b, s, VOCAB, generator=g, dtype=torch.float64), -1)
+    top, ids = logp.topk(TOP_K, dim=-1)
+    response = batch["token_mask"].bool()[..., None].expand_as(top)
+    ids = torch.where(response, ids, torch.arange(TOP_K).expand_as(ids))
+    top = torch.where(response, top, torch.full_like(top, -math.inf))
+    return {"rollout_topk_ids": ids.tolist(), "rollout_topk_logprobs": top.float().tolist()}
 
 
 @pytest.fixture(scope="module")
@@ -60,35 +131,47 @@ def batches():
     return [make_batch(1, BATCH), make_batch(2, BATCH)]
 
 
+def _spec(host: str, loss_fn: dict, extra: list | None = None, input_type: str = "logprob") -> dict:
+    return {"host": host, "loss_fn": loss_fn, "extra": extra, "input_type": input_type}
+
+
 @pytest.fixture(scope="module")
-def parity_runs(batches):
-    """Per layout, NeMo-RL's loss and the plugin's on the same section: one spawn per world size."""
+def step_runs(batches):
+    """One spawn per world size: per layout NeMo-RL's loss and the plugin's on the same section; at world size 1 also
+    the plugin's settings. Keyed by (layout name, host or setting)."""
+    routes = [routed_experts(b, 10 + i) for i, b in enumerate(batches)]
+    heads = [sampler_head(b, 20 + i) for i, b in enumerate(batches)]
     out = {}
     for world, layouts in LAYOUTS.items():
-        runs = [
-            (layout, {"host": host, "loss_fn": NEMO_RL_GSPO}) for layout in layouts for host in ("nemo_rl", "plugin")
-        ]
-        results = run_steps(nemo_rl_path(), world, runs, batches, MICRO_BATCH)
-        for i, layout in enumerate(layouts):
-            out[layout.name] = {"native": results[2 * i], "plugin": results[2 * i + 1]}
+        keys, runs = [], []
+        for layout in layouts:
+            extra = routes if layout.router_replay else None
+            for host in HOSTS:
+                keys.append((layout.name, host))
+                runs.append((layout, _spec(host, NEMO_RL_GSPO, extra)))
+        if world == 1:
+            for name, section in PLUGIN_SETTINGS.items():
+                centred = name == "score_centering"
+                keys.append((Layout().name, name))
+                runs.append(
+                    (Layout(), _spec("plugin", section, heads if centred else None, "logit" if centred else "logprob"))
+                )
+        out.update(zip(keys, run_steps(nemo_rl_path(), world, runs, batches, MICRO_BATCH), strict=True))
     return out
 
 
-ALL_LAYOUTS = [layout for layouts in LAYOUTS.values() for layout in layouts]
-
-
 @pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=lambda layout: layout.name)
-def test_plugin_equals_nemo_rl_in_megatron_step(parity_runs, layout):
-    run = parity_runs[layout.name]
-    ranks = [r["ranks"] for r in run["native"]]
+def test_plugin_equals_nemo_rl_in_megatron_step(step_runs, layout):
+    native, plugin = step_runs[(layout.name, "nemo_rl")], step_runs[(layout.name, "plugin")]
+    ranks = [r["ranks"] for r in native]
     assert sorted(r["tp"] for r in ranks) == sorted(list(range(layout.tp)) * (layout.world // layout.tp))
     assert sorted(r["pp"] for r in ranks) == sorted(list(range(layout.pp)) * (layout.world // layout.pp))
     assert sorted(r["dp"] for r in ranks) == sorted(list(range(layout.dp)) * (layout.world // layout.dp))
-    calls = len(run["native"][-1]["steps"][0]["all_mb_metrics"]["loss"])
+    calls = len(native[-1]["steps"][0]["all_mb_metrics"]["loss"])
     # unpacked: the DP rank's sequences in micro-batches of MICRO_BATCH; packed: fewer, longer micro-batches
     per_rank = BATCH // layout.dp // MICRO_BATCH
     assert calls < per_rank if layout.packing else calls == per_rank
-    for native_rank, plugin_rank in zip(run["native"], run["plugin"], strict=True):
+    for native_rank, plugin_rank in zip(native, plugin, strict=True):
         steps = native_rank["steps"]
         assert steps[0]["global_loss"] != steps[1]["global_loss"]
         for theirs, ours in zip(steps, plugin_rank["steps"], strict=True):
@@ -105,3 +188,33 @@ def test_plugin_equals_nemo_rl_in_megatron_step(parity_runs, layout):
             # by fp32 rounding (an ulp of the tensor's largest entries), which near-zero entries cannot be judged by
             worst = max(abs(a - b) for a, b in zip(got, values, strict=True))
             assert worst <= 1e-6 * max(abs(b) for b in values), (name, worst)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_router_replay_replays_the_given_routes(step_runs, tp):
+    """With the recorded routes replayed the step computes another loss than with the model's own routing (the
+    routes are random, not the router's), on the first step already (same weights)."""
+    replayed = step_runs[(Layout(tp=tp, router_replay=True).name, "nemo_rl")][0]["steps"][0]["global_loss"]
+    own = step_runs[(Layout(tp=tp).name, "nemo_rl")][0]["steps"][0]["global_loss"]
+    assert _rel(replayed, own) > 1e-4
+
+
+@pytest.mark.parametrize("setting", sorted(PLUGIN_SETTINGS))
+def test_plugin_settings_run_and_every_metric_reaches_nemo_rl(step_runs, setting):
+    """The step runs and stays finite; every metric the loss declares, under the name NeMo-RL gets, is in the step's
+    ``all_mb_metrics`` at both steps, finite; after grpo_train's reduction and finalize_metrics the derived metrics
+    are there and finite (docs/nemo_rl.md)."""
+    (run,) = step_runs[(Layout().name, setting)]
+    assert all(math.isfinite(v) for values in run["params"].values() for v in values)
+    declared = set(NeMoRLLossFn(PLUGIN_SETTINGS[setting]).metric_normalizations)
+    for step in run["steps"]:
+        assert math.isfinite(step["global_loss"]) and math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0
+        per_call = step["all_mb_metrics"]
+        assert declared <= set(per_call), declared - set(per_call)
+        assert not {k: v for k, v in per_call.items() if not all(math.isfinite(x) for x in v)}
+        reduced = finalize_metrics(nemo_rl_reduction(per_call))
+        derived = {"is_weight_std", "is_weight_ess", "chi2_token", "chi2_seq"}
+        if setting == "m2po":
+            derived |= {"m2po_m2", "m2po_m2_after"}
+        assert derived <= set(reduced) and all(math.isfinite(reduced[k]) for k in derived)
+        assert 0 < reduced["is_weight_ess"] <= 1
