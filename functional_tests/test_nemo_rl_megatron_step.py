@@ -5,7 +5,8 @@ MoE GPT (2 layers, 4 experts top-2, local layer spec), fp32, two optimizer steps
 - NeMo-RL's ``ClippedPGLossFn`` and the plugin's ``NeMoRLLossFn``, each given NeMo-RL's ``ClippedPGLossConfig`` of
   the same ``loss_fn`` section (GSPO with NeMo-RL's exp(sum) IS weight and a k3 KL): the same ``global_loss``,
   ``grad_norm``, per-call metrics and parameters after the second step, 1e-6 relative, in every layout of
-  ``LAYOUTS``.
+  ``LAYOUTS``;
+- the plugin's CTPO (cumulative ratio) at CP 2 equal to CP 1, both packed.
 
 The harness (worker built without ``__init__``, model, driver's sharding) is functional_tests/_nemo_rl_megatron_step.py;
 the shims (Megatron-Bridge, devices, gloo) functional_tests/host_shims/nemo_rl_megatron.py. NeMo-RL's source comes from
