@@ -1,9 +1,10 @@
-"""The CPU core attention that takes context parallelism (``host_shims/megatron_cp_attention.py``) at CP 2 equals the
-single-rank attention: 2 gloo ranks, spawned once, fp32 and float64, grouped-query heads (4 query, 2 key / value).
+"""megatron-core's context and expert parallelism on CPU gloo ranks (2, spawned once; the stacks tier).
 
-Each rank computes the single-rank reference on the whole batch, then its CP shard, and compares its shard's output
-and the gradients of its query, key and value (the key / value gradients reduce-scattered from both ranks' queries)
-with the reference's at its tokens, for a random output gradient:
+The CPU core attention that takes context parallelism (``host_shims/megatron_cp_attention.py``) at CP 2 equals the
+single-rank attention: fp32 and float64, grouped-query heads (4 query, 2 key / value). Each rank computes the
+single-rank reference on the whole batch, then its CP shard, and compares its shard's output and the gradients of its
+query, key and value (the key / value gradients reduce-scattered from both ranks' queries) with the reference's at its
+tokens, for a random output gradient:
 
 - unpacked ``[s, b, ...]``: reference megatron-core's local ``DotProductAttention`` (causal); the shard cut by
   megatron-core's own ``get_batch_on_this_cp_rank``; once with no mask, once with a causal mask that also masks out
@@ -16,6 +17,9 @@ with the reference's at its tokens, for a random output gradient:
 Megatron-Bridge's ``get_packed_seq_cp_partition_indices`` (the other THD cut NeMo-RL names, data.py line 445, for
 models that cut their own CP inputs) cannot run here: at CP > 1 megatron-core 0.19.2 computes it with Transformer
 Engine's ``thd_get_partitioned_indices`` (``megatron/core/utils.py`` line 2441).
+
+Expert parallelism 2 with the allgather token dispatcher: a tiny MoE GPT's loss and gradients at EP 2 equal EP 1's
+(``check_expert_parallel``); NeMo-RL's Megatron step runs that layout too (test_nemo_rl_megatron_step.py).
 
 Runs on the stacks tier (Python 3.13, megatron-core 0.19.2, the version NeMo-RL's Megatron step test runs; 0.17
 changed ``get_batch_on_this_cp_rank``'s signature, so the main tier's 0.16.1 skips it).
@@ -32,7 +36,7 @@ from packaging.version import Version  # noqa: E402
 
 if Version(megatron_core.__version__) < Version("0.19"):
     pytest.skip(
-        f"megatron-core {megatron_core.__version__}: the CP attention test runs on the stacks tier (0.19.2)",
+        f"megatron-core {megatron_core.__version__}: the CP / EP test runs on the stacks tier (0.19.2)",
         allow_module_level=True,
     )
 if nemo_rl_shims.nemo_rl_path() is None:
@@ -219,7 +223,121 @@ def check_layout_is_the_hosts(rank: int, world: int) -> None:
     ).tolist()
 
 
-CHECKS = [("layout", check_layout_is_the_hosts), ("unpacked", check_unpacked), ("packed", check_packed)]
+VOCAB, EXPERTS, SEQ = 16, 4, 12
+
+
+def _moe_gpt(ep: int):
+    """A tiny MoE GPT (2 layers, 4 SwiGLU experts top-2, the allgather token dispatcher, megatron-core's local spec
+    with an RMSNorm), its experts split over expert parallelism ``ep``; seeded, so every EP 1 build is the same."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from nemo_is_plugin.apps.demo.model import SPRMSNorm
+
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=HEADS * HEAD_DIM,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=64,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32",
+        expert_model_parallel_size=ep,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        init_method_std=0.05,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+    )
+    layer = get_gpt_layer_local_spec(num_experts=EXPERTS, normalization="RMSNorm")
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SPRMSNorm
+    torch.manual_seed(0)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[layer] * 2, layer_norm=SPRMSNorm),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+
+
+def _mean_logprob(model, rank: int) -> torch.Tensor:
+    """The mean log-probability of this rank's own random tokens (its DP shard)."""
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(100 + rank))
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    logits = model(ids, torch.arange(SEQ)[None].expand(2, SEQ), causal)
+    return logits.log_softmax(-1).gather(-1, ids[..., None]).mean()
+
+
+def _global_expert(name: str, ep_rank: int, local_experts: int) -> str:
+    """The EP 1 name of an EP-split parameter (local expert j of EP rank r is expert r * local_experts + j)."""
+    if ".local_experts." not in name:
+        return name
+    head, tail = name.split(".local_experts.")
+    local, rest = tail.split(".", 1)
+    return f"{head}.local_experts.{ep_rank * local_experts + int(local)}.{rest}"
+
+
+def check_expert_parallel(rank: int, world: int) -> None:
+    """megatron-core runs EP 2 on gloo with the allgather dispatcher: each rank's loss on its own tokens equals EP 1's
+    (the weights copied expert by expert), and the gradients equal EP 1's summed over the ranks (a dense parameter's
+    all-reduced; an expert's already holds every rank's tokens, which the dispatcher gathered), each to 1e-6 of the
+    tensor's largest entry (fp32)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    try:
+        parallel_state.initialize_model_parallel()  # EP 1, DP 2: the whole model on each rank
+        whole = _moe_gpt(1)
+        want_loss = _mean_logprob(whole, rank)
+        want_loss.backward()
+        want = {n: p.grad.clone() for n, p in whole.named_parameters()}
+        for grad in want.values():
+            dist.all_reduce(grad)
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+        split = _moe_gpt(world)
+        ep_rank, local = parallel_state.get_expert_model_parallel_rank(), EXPERTS // world
+        weights = whole.state_dict()
+        names = [n for n in split.state_dict() if "_extra_state" not in n]
+        split.load_state_dict({n: weights[_global_expert(n, ep_rank, local)] for n in names}, strict=False)
+        loss = _mean_logprob(split, rank)
+        loss.backward()
+        errors = {}
+        for name, param in split.named_parameters():
+            grad = param.grad.clone()
+            if ".local_experts." not in name:
+                dist.all_reduce(grad)
+            reference = want[_global_expert(name, ep_rank, local)]
+            errors[name] = float((grad - reference).abs().max() / reference.abs().max())
+    finally:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(context_parallel_size=world)  # the other checks' layout
+    assert sum(".local_experts." in n for n in errors) == 2 * local * 2  # 2 layers x local experts x (fc1, fc2)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    assert max(errors.values()) < 1e-6, {n: e for n, e in errors.items() if e >= 1e-6}
+
+
+CHECKS = [
+    ("layout", check_layout_is_the_hosts),
+    ("unpacked", check_unpacked),
+    ("packed", check_packed),
+    ("expert_parallel", check_expert_parallel),
+]
 
 
 @pytest.fixture(scope="module")
@@ -228,5 +346,5 @@ def results() -> dict[str, str | None]:
 
 
 @pytest.mark.parametrize("name", [name for name, _ in CHECKS])
-def test_cp_attention_equals_single_rank(results, name):
+def test_cp_attention_and_expert_parallel(results, name):
     assert results[name] is None, results[name]
