@@ -141,7 +141,8 @@ STAMP_STACKS := $(VENV_STACKS)/.installed-$(shell cat $(INSTALL_INPUTS) $(LOCK_S
 STACKS_TESTS := tests/test_golden_nemo_rl.py tests/test_golden_nemo_rl_compat.py tests/test_golden_verl.py \
 	tests/test_golden_ctpo.py tests/test_golden_verl_score_centering.py tests/test_nemo_rl_differential.py \
 	tests/test_cuda_golden.py tests/test_cuda_entry_points.py tests/common tests/loss tests/config tests/kernels tests/distributed tests/adapters \
-	tests/test_bad_inputs.py tests/test_device_guard.py functional_tests/test_megatron_cp_ep.py
+	tests/test_bad_inputs.py tests/test_device_guard.py functional_tests/test_megatron_cp_ep.py \
+	functional_tests/test_nemo_rl_megatron_step.py
 
 # As `setup`: torch first with its own dependencies (the nvidia-* libraries at the lock's versions), then the lock
 # with --no-deps, then the project. The interpreter check stops a venv of another Python from passing as this tier.
@@ -170,6 +171,13 @@ lock-stacks:
 	$(LOCK_VENV_STACKS)/bin/python -m pip install -q --upgrade pip "setuptools>=77"
 	$(LOCK_VENV_STACKS)/bin/python -m pip install -q torch==$(TORCH_STACKS)
 	$(LOCK_VENV_STACKS)/bin/python -m pip install -q -e ".[test]"
+	# NeMo-RL's Megatron worker's light imports (functional_tests/test_nemo_rl_megatron_step.py runs its train from the
+	# pinned source), without their trees: transformers with huggingface_hub (httpx, httpcore, anyio, h11), tokenizers,
+	# safetensors, regex, tqdm; pyzmq, nvidia-ml-py, prometheus-client, hydra-core with antlr4 4.9.3
+	$(LOCK_VENV_STACKS)/bin/python -m pip install -q --no-deps "transformers==5.10.4" "huggingface_hub==1.33.0" \
+		"tokenizers==0.22.2" "safetensors==0.8.0" "regex==2026.11.15" "tqdm==4.70.1" "httpx==0.28.1" \
+		"httpcore==1.0.9" "anyio==4.16.0" "h11==0.16.0" "pyzmq==27.3.0" "nvidia-ml-py==13.615.71" \
+		"prometheus-client==0.26.0" "hydra-core==1.3.8" "antlr4-python3-runtime==4.9.3"
 	{ sed -n '/^#/p' $(LOCK_STACKS); $(LOCK_VENV_STACKS)/bin/python -m pip freeze --all --exclude-editable; } \
 		> $(LOCK_STACKS).new
 	mv $(LOCK_STACKS).new $(LOCK_STACKS)

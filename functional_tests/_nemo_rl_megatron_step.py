@@ -264,6 +264,43 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def record_routes(model, input_ids: torch.Tensor) -> list:
+    """``routed_experts [B, S, layers, top-k]`` of the model's own router on ``input_ids`` at its current weights, as
+    vLLM records them at rollout: megatron-core's ``RouterReplayAction.RECORD`` on each MoE layer's replay instance
+    (NeMo-RL's ``_router_replay_instances_for_model``) over one forward with the inputs NeMo-RL's unpacked path builds
+    (data.py:597, ``get_ltor_masks_and_position_ids``). Under sequence parallelism each TP rank's router sees its
+    slice of the ``[S, B]`` tokens: the slices are gathered over the TP group."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    from nemo_rl.models.megatron.data import get_ltor_masks_and_position_ids
+    from nemo_rl.models.megatron.router_replay import _router_replay_instances_for_model, clear_router_replay
+
+    instances = sorted(_router_replay_instances_for_model(model), key=lambda pair: pair[1])
+    for replay, _ in instances:
+        replay.set_router_replay_action(RouterReplayAction.RECORD)
+    mask, _, positions = get_ltor_masks_and_position_ids(
+        data=input_ids,
+        eod_token=0,
+        pad_token=0,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        pad_mask_loss=False,
+    )
+    with torch.no_grad():
+        model.module(input_ids=input_ids, position_ids=positions, attention_mask=mask)
+    per_layer = [replay.get_recorded_indices() for replay, _ in instances]  # each [tokens on this rank, top-k]
+    clear_router_replay(model)
+    routes = torch.stack(per_layer, dim=1)  # [tokens, layers, top-k], tokens s-major ([S, B] flattened)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    if model.config.sequence_parallel and dist.get_world_size(tp_group) > 1:
+        parts = [torch.empty_like(routes) for _ in range(dist.get_world_size(tp_group))]
+        dist.all_gather(parts, routes.contiguous(), group=tp_group)
+        routes = torch.cat(parts, dim=0)
+    b, s = input_ids.shape
+    return routes.reshape(s, b, *routes.shape[1:]).transpose(0, 1).tolist()
+
+
 def packing_args(cfg: dict[str, Any]) -> dict[str, Any] | None:
     """NeMo-RL's ``SequencePackingArgs`` as ``Policy`` builds them (lm_policy.py:343-348, :523-525)."""
     if not cfg["sequence_packing"]["enabled"]:
@@ -289,6 +326,8 @@ def run_one(layout: Layout, spec: dict[str, Any], batches: list[dict[str, Any]],
     dp, dp_rank = worker.dp_size, parallel_state.get_data_parallel_rank()
     steps = []
     extras = spec.get("extra") or [{} for _ in batches]
+    if spec.get("record_routes"):  # the rollout policy's routes: the initial weights', for every batch
+        extras = [{"routed_experts": record_routes(worker.model, torch.tensor(b["input_ids"]))} for b in batches]
     for batch, extra in zip(batches, extras, strict=True):
         data = BatchedDataDict({k: torch.tensor(v) for k, v in {**batch, **extra}.items()})
         args = packing_args(worker.cfg)
