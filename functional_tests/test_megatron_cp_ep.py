@@ -348,3 +348,12 @@ def results() -> dict[str, str | None]:
 @pytest.mark.parametrize("name", [name for name, _ in CHECKS])
 def test_cp_attention_and_expert_parallel(results, name):
     assert results[name] is None, results[name]
+
+
+def test_boundaries_the_load_balanced_cut_cannot_make_are_refused():
+    from host_shims.megatron_cp_attention import check_cp_boundaries
+
+    check_cp_boundaries(torch.tensor([0, 8, 20]), 2, 10)  # sequences of 8 and 12 at CP 2: 10 tokens per rank
+    for cu, tokens in (([0, 6, 20], 10), ([0, 8, 20], 12), ([4, 8, 20], 8)):
+        with pytest.raises(ValueError, match="multiples of 2 \\* cp_size = 4"):
+            check_cp_boundaries(torch.tensor(cu), 2, tokens)

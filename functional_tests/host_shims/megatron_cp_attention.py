@@ -51,7 +51,8 @@ def load_balanced_positions(
     return seq, position
 
 
-def _check_boundaries(cu_seqlens: torch.Tensor, cp_size: int, num_tokens: int) -> None:
+def check_cp_boundaries(cu_seqlens: torch.Tensor, cp_size: int, num_tokens: int) -> None:
+    """Refuse boundaries the load-balanced cut cannot have made (ValueError naming the padding that fixes them)."""
     bounds = cu_seqlens.tolist()  # one host read per forward: the layout has to be valid before it is used
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     if bounds[0] != 0 or bounds[-1] != cp_size * num_tokens or any(n % (2 * cp_size) for n in lengths):
@@ -130,7 +131,7 @@ def cp_core_attention_cls():
             else:
                 cu = torch.tensor([0, cp_size * query.shape[0]], device=query.device)
             local_tokens = query.shape[0]
-            _check_boundaries(cu, cp_size, local_tokens)
+            check_cp_boundaries(cu, cp_size, local_tokens)
             seq_q, pos_q = load_balanced_positions(cu, cp_rank, cp_size, local_tokens)
             keys = [load_balanced_positions(cu, r, cp_size, local_tokens) for r in range(cp_size)]
             seq_k, pos_k = (torch.cat(parts) for parts in zip(*keys, strict=True))  # gathered order: rank by rank
