@@ -22,9 +22,6 @@ model-parallel state rebuilt between layouts.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -32,11 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _nemo_rl_step import build_loss
-from _ranks import RESULTS_DIR_ENV, gather_objects, publish, published, results_folder
-from distributed._spawn import run_checks
+from _ranks import gather_objects, publish, run_job, the_job
 
 VOCAB, HIDDEN, LAYERS, HEADS, EXPERTS, TOPK, EXPERT_FFN = 64, 32, 2, 4, 4, 2, 64
-JOB = "job"
 LR = 0.5
 
 
@@ -356,7 +351,7 @@ def setup_workers(rank: int, world_size: int) -> None:
     """NeMo-RL on the path and the shims, before any of NeMo-RL's modules is imported."""
     import sys
 
-    job = published(os.environ[RESULTS_DIR_ENV], JOB)
+    job = the_job()
     sys.path.insert(0, job["nemo_rl_path"])
     from host_shims import nemo_rl_megatron as shims
 
@@ -364,7 +359,7 @@ def setup_workers(rank: int, world_size: int) -> None:
 
 
 def _train(rank: int, world_size: int) -> None:
-    job = published(os.environ[RESULTS_DIR_ENV], JOB)
+    job = the_job()
     results = []
     current = None
     for run in job["runs"]:
@@ -398,8 +393,4 @@ def run_steps(
         "runs": [{"layout": asdict(layout), "spec": spec} for layout, spec in runs],
         "batches": [{k: v.tolist() for k, v in b.items()} for b in batches],
     }
-    with tempfile.TemporaryDirectory() as tmp, results_folder(tmp) as folder:
-        (folder / f"{JOB}.json").write_text(json.dumps(job))
-        errors = run_checks(__name__, world_size)
-        assert errors["train"] is None, errors["train"]
-        return published(folder, "results")
+    return run_job(__name__, world_size, job)

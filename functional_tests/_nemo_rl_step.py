@@ -13,16 +13,13 @@ with NeMo-RL's own ``BatchedDataDict.shard_by_batch_size``. Returns, per loss: e
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from _ranks import RESULTS_DIR_ENV, gather_objects, publish, published, results_folder, whole
-from distributed._spawn import run_checks
+from _ranks import gather_objects, publish, run_job, the_job, whole
 
 from nemo_is_plugin.adapters.nemo_rl.step_metrics import NEMO_RL_EXTREMA
 
@@ -159,9 +156,6 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-JOB = "job"  # the file the test process writes the job to, in the results folder (functional_tests/_ranks.py)
-
-
 def setup_workers(rank: int, world_size: int) -> None:
     """The environment NeMo-RL's worker group gives a worker (the DTensor worker reads ``LOCAL_RANK``; its
     ``init_process_group`` finds the harness's gloo group and keeps it, host_shims/nemo_rl.py), NeMo-RL on the path
@@ -169,7 +163,7 @@ def setup_workers(rank: int, world_size: int) -> None:
     import sys
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    sys.path.insert(0, published(os.environ[RESULTS_DIR_ENV], JOB)["nemo_rl_path"])
+    sys.path.insert(0, the_job()["nemo_rl_path"])
     from host_shims import nemo_rl as shims
 
     shims.install()
@@ -182,7 +176,7 @@ def _train(rank: int, world_size: int) -> None:
     from nemo_rl.models.policy.workers.dtensor_policy_worker import DTensorPolicyWorkerImpl
     from transformers import AutoTokenizer
 
-    job = published(os.environ[RESULTS_DIR_ENV], JOB)
+    job = the_job()
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     cfg = policy_config(job["model_dir"], job["tp"], job["gbs"], job["mbs"])
     results = []
@@ -242,8 +236,4 @@ def run_steps(
         "losses": losses,
         "batches": [{k: v.tolist() for k, v in b.items()} for b in batches],
     }
-    with tempfile.TemporaryDirectory() as tmp, results_folder(tmp) as folder:
-        (folder / f"{JOB}.json").write_text(json.dumps(job))
-        errors = run_checks(__name__, world_size)
-        assert errors["train"] is None, errors["train"]
-        return published(folder, "results")
+    return run_job(__name__, world_size, job)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 RESULTS_DIR_ENV = "NEMO_IS_RANK_RESULTS_DIR"
+JOB = "job"  # the file the test process writes a job to, in the results folder (run_job)
 
 
 def gather_objects(obj: Any, group: Any = None) -> list[Any]:
@@ -67,3 +69,22 @@ def publish(name: str, value: Any) -> None:
 def published(folder: Path | str, name: str) -> Any:
     """What rank 0 published as ``name`` in ``folder``."""
     return json.loads(Path(folder, f"{name}.json").read_text())
+
+
+def the_job() -> Any:
+    """In a rank spawned by :func:`run_job`: the job the test process handed it."""
+    return published(os.environ[RESULTS_DIR_ENV], JOB)
+
+
+def run_job(module_name: str, world_size: int, job: Any) -> Any:
+    """Spawn ``world_size`` ranks running ``module_name``'s checks (tests/distributed/_spawn.py's ``run_checks``) with
+    ``job`` (JSON) readable through :func:`the_job`; every check must pass. Returns what rank 0 published as
+    ``"results"``."""
+    from distributed._spawn import run_checks
+
+    with tempfile.TemporaryDirectory() as tmp, results_folder(tmp) as folder:
+        (folder / f"{JOB}.json").write_text(json.dumps(job))
+        errors = run_checks(module_name, world_size)
+        failed = {name: error for name, error in errors.items() if error is not None}
+        assert not failed, "\n".join(f"{name}: {error}" for name, error in failed.items())
+        return published(folder, "results")

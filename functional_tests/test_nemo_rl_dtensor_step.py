@@ -21,7 +21,7 @@ import pytest
 import torch
 from _nemo_rl_step import make_batch, nemo_rl_reduction, run_steps, write_tiny_model
 from host_shims.nemo_rl import SKIP_REASON, nemo_rl_path
-from host_shims.plugin_settings import CTPO
+from host_shims.plugin_settings import NEMO_RL_CTPO, NEMO_RL_M2PO, SEQ_MIS_REJECTION
 
 from nemo_is_plugin import finalize_metrics
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
@@ -47,26 +47,11 @@ NEMO_RL_TIS = {
 # The plugin's own settings, in NeMo-RL's loss_fn section (NeMo-RL's keys and the plugin's).
 PLUGIN_SETTINGS = {
     "sequence_mean_tis": {**NEMO_RL_TIS, "is_correction_level": "sequence_mean"},
-    "ctpo": {
-        "reference_policy_kl_penalty": 0.0,
-        **CTPO,
-        "use_importance_sampling_correction": True,
-        "is_correction_level": "sequence_mean",
-        "truncated_importance_sampling_type": "tis",
-        "truncated_importance_sampling_ratio": 5.0,
-    },
-    "m2po": {
-        "reference_policy_kl_penalty": 0.0,
-        "policy_objective": "m2po",
-        "use_importance_sampling_correction": True,
-        "truncated_importance_sampling_type": "tis",
-        "truncated_importance_sampling_ratio": 2.0,
-    },
+    "ctpo": NEMO_RL_CTPO,
+    "m2po": NEMO_RL_M2PO,
     "seq_mis_rejection": {
         **NEMO_RL_TIS,
-        "importance_sampling_rejection": "seq-mis",
-        "importance_sampling_rejection_min": 0.5,
-        "importance_sampling_rejection_max": 2.0,
+        **SEQ_MIS_REJECTION,
     },
 }
 

@@ -16,6 +16,7 @@ the shims (Megatron-Bridge, devices, gloo) functional_tests/host_shims/nemo_rl_m
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 
 import pytest
@@ -25,7 +26,7 @@ from _nemo_rl_step import make_batch, nemo_rl_reduction
 from host_shims.nemo_rl import SKIP_REASON, nemo_rl_path
 from host_shims.nemo_rl_megatron import SKIP_REASON as BRIDGE_SKIP_REASON
 from host_shims.nemo_rl_megatron import megatron_bridge_path
-from host_shims.plugin_settings import CTPO
+from host_shims.plugin_settings import NEMO_RL_CTPO, NEMO_RL_M2PO, SEQ_MIS_REJECTION
 
 from nemo_is_plugin import finalize_metrics
 from nemo_is_plugin.adapters.nemo_rl import NeMoRLLossFn
@@ -66,7 +67,13 @@ NEMO_RL_GSPO = {
 # The layouts of each spawn (a spawn's layouts share its world size); router replay with the routes the initial
 # weights' router takes (recorded in the ranks, as vLLM records them at rollout).
 LAYOUTS = {
-    1: [Layout(), Layout(packing=True), Layout(packing=True, fuse_loss=True), Layout(router_replay=True)],
+    1: [
+        Layout(),
+        Layout(packing=True),
+        Layout(packing=True, fuse_loss=True),
+        Layout(router_replay=True),
+        Layout(packing=True, router_replay=True),
+    ],
     2: [
         Layout(tp=2),
         Layout(dp=2),
@@ -95,27 +102,12 @@ PLUGIN_SETTINGS = {
         "truncated_importance_sampling_type": "tis",
         "truncated_importance_sampling_ratio": 2.0,
     },
-    "ctpo": {
-        "reference_policy_kl_penalty": 0.0,
-        **CTPO,
-        "use_importance_sampling_correction": True,
-        "is_correction_level": "sequence_mean",
-        "truncated_importance_sampling_type": "tis",
-        "truncated_importance_sampling_ratio": 5.0,
-    },
-    "m2po": {
-        "reference_policy_kl_penalty": 0.0,
-        "policy_objective": "m2po",
-        "use_importance_sampling_correction": True,
-        "truncated_importance_sampling_type": "tis",
-        "truncated_importance_sampling_ratio": 2.0,
-    },
+    "ctpo": NEMO_RL_CTPO,
+    "m2po": NEMO_RL_M2PO,
     "seq_mis_rejection": {
         **NEMO_RL_GSPO,
         "is_correction_level": "sequence_mean",
-        "importance_sampling_rejection": "seq-mis",
-        "importance_sampling_rejection_min": 0.5,
-        "importance_sampling_rejection_max": 2.0,
+        **SEQ_MIS_REJECTION,
     },
     # docs/score_centering.md: the sampler's top-k head in the batch, the logits handed to the plugin (input_type
     # LOGIT) so that the label's and the head's log-probs come from one log-softmax
@@ -226,16 +218,20 @@ def test_plugin_equals_nemo_rl_in_megatron_step(step_runs, layout):
             assert worst <= 1e-6 * max(abs(b) for b in values), (name, worst)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_router_replay_replays_the_recorded_routes(step_runs, tp):
+REPLAYED = [layout for layout in ALL_LAYOUTS if layout.router_replay]
+
+
+@pytest.mark.parametrize("layout", REPLAYED, ids=lambda layout: layout.name)
+def test_router_replay_replays_the_recorded_routes(step_runs, layout):
     """The first step sees the weights the routes were recorded with: replaying them gives the router's own
-    routing's loss and gradient norm (to fp32 rounding); routes drawn at random give another loss."""
-    replayed = step_runs[(Layout(tp=tp, router_replay=True).name, "nemo_rl")][0]["steps"][0]
-    own = step_runs[(Layout(tp=tp).name, "nemo_rl")][0]["steps"][0]
+    routing's loss and gradient norm in the same layout (to fp32 rounding); routes drawn at random give another
+    loss."""
+    replayed = step_runs[(layout.name, "nemo_rl")][0]["steps"][0]
+    own = step_runs[(replace(layout, router_replay=False).name, "nemo_rl")][0]["steps"][0]
     assert _rel(replayed["global_loss"], own["global_loss"]) < 1e-6
     assert _rel(replayed["grad_norm"], own["grad_norm"]) < 1e-6
-    if tp == 1:
-        drawn = step_runs[(Layout(router_replay=True).name, "random_routes")][0]["steps"][0]
+    if layout == Layout(router_replay=True):
+        drawn = step_runs[(layout.name, "random_routes")][0]["steps"][0]
         assert _rel(drawn["global_loss"], own["global_loss"]) > 1e-4
 
 

@@ -12,16 +12,21 @@ changes what the step computes.
 
   - ``megatron/bridge/training/utils/packed_seq_utils.py`` (``get_packed_seq_cp_partition_indices``, which NeMo-RL's
     CP sharding of packed sequences calls) is executed as written from the file at 8c46dc42, found through
-    ``MEGATRON_BRIDGE_PATH`` or the snapshot ``megatron_bridge-8c46dc42`` beside NeMo-RL's; its parent packages are
-    empty placeholders, so no Megatron-Bridge ``__init__`` runs;
+    ``MEGATRON_BRIDGE_PATH`` or the snapshot ``megatron_bridge-8c46dc42`` beside NeMo-RL's source; its parent packages
+    are empty placeholders, so no Megatron-Bridge ``__init__`` runs;
   - every other name imported from ``megatron.bridge`` is a placeholder: a class (usable as an annotation, a base or
     an ``isinstance`` target, refusing to be instantiated) for a capitalised name, else a function that raises when
     called;
-  - except the three functions ``MegatronPolicyWorkerImpl.train`` calls (megatron_policy_worker.py:945-963):
+  - except the three functions ``MegatronPolicyWorkerImpl.train`` calls (megatron_policy_worker.py:961-987):
     ``get_pg_collection`` (Megatron-Bridge training/utils/pg_utils.py: the model's ``pg_collection`` attribute) and
     ``logical_and_across_model_parallel_group`` / ``reduce_max_stat_across_model_parallel_group`` (training/utils/
     train_utils.py: a MIN all-reduce of a bool, a MAX all-reduce of a float32 stat with None as -1, over the given
     model-parallel group), written here from their documented behaviour.
+
+- tensordict and datasets, imported at module level by code ``train`` does not run: placeholders too
+  (``PLACEHOLDER_ROOTS``); megatron-core 0.19.2's missing names and CUDA calls: :func:`install`.
+
+``install(nemo_rl_root)``: once per fresh process, before NeMo-RL's modules are imported.
 """
 
 from __future__ import annotations
