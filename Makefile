@@ -141,7 +141,8 @@ STAMP_STACKS := $(VENV_STACKS)/.installed-$(shell cat $(INSTALL_INPUTS) $(LOCK_S
 STACKS_TESTS := tests/test_golden_nemo_rl.py tests/test_golden_nemo_rl_compat.py tests/test_golden_verl.py \
 	tests/test_golden_ctpo.py tests/test_golden_verl_score_centering.py tests/test_nemo_rl_differential.py \
 	tests/test_cuda_golden.py tests/test_cuda_entry_points.py tests/common tests/loss tests/config tests/kernels tests/distributed tests/adapters \
-	tests/test_bad_inputs.py tests/test_device_guard.py functional_tests/test_nemo_rl_megatron_step.py
+	tests/test_bad_inputs.py tests/test_device_guard.py functional_tests/test_megatron_cp_ep.py \
+	functional_tests/test_nemo_rl_megatron_step.py
 
 # As `setup`: torch first with its own dependencies (the nvidia-* libraries at the lock's versions), then the lock
 # with --no-deps, then the project. The interpreter check stops a venv of another Python from passing as this tier.

@@ -108,6 +108,7 @@ def init_parallel_state(layout: Layout) -> None:
 def build_model(layout: Layout, seed: int):
     """The tiny MoE GPT of this rank's pipeline stage in megatron-core's DDP, its optimizer and scheduler."""
     import torch.nn.functional as F
+    from host_shims.megatron_cp_attention import cp_core_attention_cls
     from host_shims.megatron_cpu import packed_causal_attention_cls
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -160,7 +161,9 @@ def build_model(layout: Layout, seed: int):
     layer = get_gpt_layer_local_spec(num_experts=EXPERTS, normalization="RMSNorm")
     layer.submodules.input_layernorm = SPRMSNorm
     layer.submodules.pre_mlp_layernorm = SPRMSNorm
-    layer.submodules.self_attention.submodules.core_attention = packed_causal_attention_cls()
+    # at CP > 1 the core attention that takes CP (the local one refuses it): host_shims/megatron_cp_attention.py
+    attention = cp_core_attention_cls() if layout.cp > 1 else packed_causal_attention_cls()
+    layer.submodules.self_attention.submodules.core_attention = attention
     local_layers = LAYERS // layout.pp
     block = TransformerBlockSubmodules(layer_specs=[layer] * local_layers, layer_norm=SPRMSNorm)
     torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())

@@ -5,7 +5,8 @@ MoE GPT (2 layers, 4 experts top-2, local layer spec), fp32, two optimizer steps
 - NeMo-RL's ``ClippedPGLossFn`` and the plugin's ``NeMoRLLossFn``, each given NeMo-RL's ``ClippedPGLossConfig`` of
   the same ``loss_fn`` section (GSPO with NeMo-RL's exp(sum) IS weight and a k3 KL): the same ``global_loss``,
   ``grad_norm``, per-call metrics and parameters after the second step, 1e-6 relative, in every layout of
-  ``LAYOUTS``.
+  ``LAYOUTS``;
+- the plugin's CTPO (cumulative ratio) at CP 2 equal to CP 1, both packed.
 
 The harness (worker built without ``__init__``, model, driver's sharding) is functional_tests/_nemo_rl_megatron_step.py;
 the shims (Megatron-Bridge, devices, gloo) functional_tests/host_shims/nemo_rl_megatron.py. NeMo-RL's source comes from
@@ -80,8 +81,16 @@ LAYOUTS = {
         Layout(tp=2, packing=True),
         Layout(dp=2, packing=True, fuse_loss=True),
         Layout(tp=2, router_replay=True),
+        # context parallelism (the CP core attention of host_shims/megatron_cp_attention.py), packed with both
+        # wrappers: NeMo-RL's Megatron path takes CP only with sequence packing (nemo_rl/models/megatron/setup.py:881)
+        Layout(cp=2, packing=True),
+        Layout(cp=2, packing=True, fuse_loss=True),
+        # expert parallelism 2 (DP 2, each rank 2 of the 4 experts) with the allgather token dispatcher
+        Layout(ep=2, dp=2),
     ],
 }
+# The plugin's CTPO (its cumulative ratio needs each whole sequence) at CP 1 and CP 2, both packed
+CTPO_ACROSS_CP = (Layout(packing=True), Layout(cp=2, packing=True))
 ALL_LAYOUTS = [layout for layouts in LAYOUTS.values() for layout in layouts]
 HOSTS = ("nemo_rl", "plugin")
 
@@ -172,6 +181,9 @@ def step_runs(batches):
                 runs.append(
                     (Layout(), _spec("plugin", section, heads if centred else None, "logit" if centred else "logprob"))
                 )
+        for layout in (layout for layout in CTPO_ACROSS_CP if layout.world == world):
+            keys.append((layout.name, "ctpo"))
+            runs.append((layout, _spec("plugin", PLUGIN_SETTINGS["ctpo"])))
         out.update(zip(keys, run_steps(nemo_rl_path(), world, runs, batches, MICRO_BATCH), strict=True))
     return out
 
@@ -242,3 +254,24 @@ def test_plugin_settings_run_and_every_metric_reaches_nemo_rl(step_runs, setting
             derived |= {"m2po_m2", "m2po_m2_after"}
         assert derived <= set(reduced) and all(math.isfinite(reduced[k]) for k in derived)
         assert 0 < reduced["is_weight_ess"] <= 1
+
+
+def test_ctpo_cumulative_ratio_is_exact_across_cp(step_runs):
+    """The plugin's CTPO step at CP 2 equals the CP 1 one (NeMo-RL's packed CP path hands the loss each whole
+    sequence's log-probs, gathered over the CP group): every CP rank's loss, grad norm and parameters after two
+    steps to 1e-6, its metrics after grpo_train's reduction to 5e-6 (the CP forward sums in another order, so the
+    log-probs differ by fp32 rounding; the per-token ratio extrema, exp of a log-ratio of two ~-4 log-probs, carry it
+    at up to 2.4e-6 measured, every other metric below 1e-6)."""
+    (whole,) = step_runs[(CTPO_ACROSS_CP[0].name, "ctpo")]
+    for rank in step_runs[(CTPO_ACROSS_CP[1].name, "ctpo")]:
+        for want, got in zip(whole["steps"], rank["steps"], strict=True):
+            assert _rel(got["global_loss"], want["global_loss"]) < 1e-6
+            assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-6
+            # other micro-batches (CP pads each sequence to 2 x CP): compared after grpo_train's reduction
+            expected, reduced = nemo_rl_reduction(want["all_mb_metrics"]), nemo_rl_reduction(got["all_mb_metrics"])
+            assert set(reduced) == set(expected)
+            for name, value in expected.items():
+                assert abs(reduced[name] - value) <= 5e-6 * max(abs(value), 1e-3), (name, reduced[name], value)
+        for name, values in whole["params"].items():
+            worst = max(abs(a - b) for a, b in zip(rank["params"][name], values, strict=True))
+            assert worst <= 1e-6 * max(abs(b) for b in values), (name, worst)

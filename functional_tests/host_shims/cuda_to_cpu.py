@@ -21,7 +21,8 @@ def on_cpu(device: Any) -> Any:
 
 
 class CudaToCpu(TorchFunctionMode):
-    """Within it, ``.cuda()`` is a no-op, ``device=`` and ``.to(...)`` naming CUDA name the CPU, and, with
+    """Within it, ``.cuda()`` is a no-op, ``device=`` and ``.to(...)`` naming CUDA name the CPU, ``pin_memory=True``
+    (page-locked memory for copies to a GPU, which needs one) is off, and, with
     ``cuda_type_names``, ``Tensor.type()`` answers with the CUDA type name (for hosts that assert a tensor's type by
     name, e.g. megatron-core's ``'torch.cuda.FloatTensor'`` checks)."""
 
@@ -38,6 +39,8 @@ class CudaToCpu(TorchFunctionMode):
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs:
             kwargs["device"] = on_cpu(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to:
             args = tuple(on_cpu(a) for a in args)
         return func(*args, **kwargs)

@@ -187,6 +187,27 @@ class _NoStream:
         return None
 
 
+def cp_gather_backward_on_cpu() -> None:
+    """nemo_rl/distributed/model_utils.py:1369-1371: ``AllGatherCPTensor.backward`` (the backward of the log-probs'
+    gather over the CP group) builds its chunk index with ``pin_memory=True`` and ``.cuda()``. Autograd runs a
+    backward without the process's torch-function mode (its mode stack is empty there), so this one runs inside a
+    :class:`~host_shims.cuda_to_cpu.CudaToCpu` of its own (idempotent)."""
+    from nemo_rl.distributed.model_utils import AllGatherCPTensor
+
+    from host_shims.cuda_to_cpu import CudaToCpu
+
+    backward = AllGatherCPTensor.backward
+    if getattr(backward, "_nemo_is_cpu", False):
+        return
+
+    def backward_on_cpu(ctx: Any, *grads: Any) -> Any:
+        with CudaToCpu():
+            return backward(ctx, *grads)
+
+    backward_on_cpu._nemo_is_cpu = True  # type: ignore[attr-defined]
+    AllGatherCPTensor.backward = staticmethod(backward_on_cpu)  # type: ignore[method-assign,assignment]
+
+
 def install(nemo_rl_root: str) -> None:
     """The process-wide shims, in a process that runs NeMo-RL's Megatron step and nothing else, before NeMo-RL's
     modules are imported.
@@ -199,6 +220,7 @@ def install(nemo_rl_root: str) -> None:
     - ``torch.cuda.current_stream()``, read by megatron-core 0.19.2's grad sync
       (distributed/param_and_grad_buffer.py:632) to wait on CUDA-graph events, which a CPU model never records: a
       stream with nothing to wait for;
+    - the backward of NeMo-RL's gather over the CP group in a CPU mode of its own (``cp_gather_backward_on_cpu``);
     - megatron-core on a CPU (``nemo_is_plugin.apps.demo.model.apply_cpu_patches``: buffers on the current device, a
       CPU RNG tracker, no Transformer Engine GEMM in the router);
     - a process-wide :class:`~host_shims.cuda_to_cpu.CudaToCpu` mode with CUDA type names: NeMo-RL's ``"cuda"``
@@ -219,6 +241,7 @@ def install(nemo_rl_root: str) -> None:
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()  # type: ignore[assignment]
     apply_cpu_patches()
+    cp_gather_backward_on_cpu()
     if not _CPU_MODE:
         mode = CudaToCpu(cuda_type_names=True)
         mode.__enter__()
