@@ -126,12 +126,20 @@ def compute_is_correction(
             sequences), taken after the truncation type (IcePop's zeros included) and before sequence masks,
             rejections and the veto, as verl does.
     """
+    # NeMo-RL sums the sequence log-weight over token_mask * sample_mask and the geometric mean over token_mask.
+    level_mask = valid_mask if level == "sequence" else token_mask
     x = prev - gen
     measured = torch.isfinite(x)
+    unmeasured = (token_mask != 0) & ~measured  # counted tokens without an IS ratio
     rejects = truncation in SEQUENCE_MASK_TYPES or rejection is not None or bool(rules) or veto_threshold is not None
-    log_w, dropped = _level_log_weight(
-        prev, gen, x, measured, token_mask, valid_mask, layout, level, nemo_rl_exact, apply_weights, rejects
-    )
+    if nemo_rl_exact:
+        log_w = is_log_weight(level, prev, gen, level_mask, layout)
+        dropped = unmeasured if rejects else None
+    else:
+        # the other weights from finite terms only (a masked NaN must not reach a weight either: 0 * NaN gradients)
+        log_w = level_log_weight(level, torch.where(measured, x, 0.0), level_mask, layout).clamp(max=MAX_LOG_WEIGHT)
+        dropped = unmeasured_weights(level, unmeasured, level_mask, layout) if apply_weights else unmeasured
+        log_w = torch.where(dropped, float("-inf"), log_w)
     raw = finite_exp(log_w)
     w, oob, keep, seq_oob = _truncated_weights(
         truncation, raw, log_w, prev, gen, token_mask, layout, low, high, nemo_rl_exact
@@ -160,33 +168,6 @@ def compute_is_correction(
     keep = keep | ((token_mask != 0) & (valid_mask == 0))
     w = torch.where(keep, w, torch.zeros_like(w))
     return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor, outcomes, rules_keep, truncated, truncation_keep)
-
-
-def _level_log_weight(
-    prev: torch.Tensor,
-    gen: torch.Tensor,
-    x: torch.Tensor,
-    measured: torch.Tensor,
-    token_mask: torch.Tensor,
-    valid_mask: torch.Tensor,
-    layout: TokenLayout,
-    level: str,
-    nemo_rl_exact: bool,
-    apply_weights: bool,
-    rejects: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The level's log w (``x = prev - gen``, ``measured`` its finite tokens) and the counted tokens whose weight is
-    dropped for a term without an IS ratio (module docstring; None: none, NeMo-RL's exact path without a rejection).
-    On the explicit path the dropped weights are -inf already."""
-    # NeMo-RL sums the sequence log-weight over token_mask * sample_mask and the geometric mean over token_mask.
-    level_mask = valid_mask if level == "sequence" else token_mask
-    unmeasured = (token_mask != 0) & ~measured  # counted tokens without an IS ratio
-    if nemo_rl_exact:
-        return is_log_weight(level, prev, gen, level_mask, layout), (unmeasured if rejects else None)
-    # the other weights from finite terms only (a masked NaN must not reach a weight either: 0 * NaN gradients)
-    log_w = level_log_weight(level, torch.where(measured, x, 0.0), level_mask, layout).clamp(max=MAX_LOG_WEIGHT)
-    dropped = unmeasured_weights(level, unmeasured, level_mask, layout) if apply_weights else unmeasured
-    return torch.where(dropped, float("-inf"), log_w), dropped
 
 
 def _truncated_weights(
