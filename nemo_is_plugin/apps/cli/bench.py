@@ -1,11 +1,11 @@
 """``nemo-is bench``: LM head -> log-prob -> PG loss benchmark of the naive, from-logits, fused-linear (one and two
 passes, torch and Triton backends), Liger and cut-cross-entropy paths against the bare GEMM, on CPU or CUDA; with
-``--model-step``, training steps of a megatron-core MoE GPT model with the naive and the fused loss; with
-``--host-heads``, the hosts' own fused LM heads against the plugin's (``cli/bench_host_heads.py``); with
-``--score-centering-head``, the LM-head paths with score centering's k head ids per token against the same paths
-without them (``cli/bench_head_cost.py``). Prints a rich table, writes JSON + PNG (the project's
-``docs/performance.md`` is written from that JSON by its tooling, ``python -m tools.bench_docs``, outside the installed
-package). Heavy imports (torch, matplotlib, liger, megatron) happen inside the command."""
+``--model-step``, training steps of a megatron-core MoE GPT model with the naive and the fused loss
+(``cli/bench_model_step.py``); with ``--host-heads``, the hosts' own fused LM heads against the plugin's
+(``cli/bench_host_heads.py``); with ``--score-centering-head``, the LM-head paths with score centering's k head ids
+per token against the same paths without them (``cli/bench_head_cost.py``). Prints a rich table, writes JSON + PNG
+(the project's ``docs/performance.md`` is written from that JSON by its tooling, ``python -m tools.bench_docs``,
+outside the installed package). Heavy imports (torch, matplotlib, liger, megatron) happen inside the command."""
 
 from __future__ import annotations
 
