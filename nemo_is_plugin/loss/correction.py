@@ -141,11 +141,54 @@ def compute_is_correction(
         dropped = unmeasured_weights(level, unmeasured, level_mask, layout) if apply_weights else unmeasured
         log_w = torch.where(dropped, float("-inf"), log_w)
     raw = finite_exp(log_w)
+    w, oob, keep, seq_oob = _truncated_weights(
+        truncation, raw, log_w, prev, gen, token_mask, layout, low, high, nemo_rl_exact
+    )
+    if dropped is not None:  # 0, not the tis cap or min: before batch normalisation, whose mean counts it as 0
+        w = torch.where(dropped, torch.zeros_like(w), w)
+        keep = keep & ~dropped
+    truncation_keep, truncated = keep, w
+    rules_keep, outcomes = _rule_outcomes(
+        prev, gen, token_mask, layout, rules, rejection, rejection_low, rejection_high
+    )
+    if rules_keep is not None:
+        keep = keep & rules_keep
+    if veto_threshold is not None:
+        keep = keep & _veto_keep(x, measured, token_mask, layout, veto_threshold)
+
+    if not apply_weights:
+        w = torch.ones_like(raw)
+    factor = torch.ones((), dtype=w.dtype, device=w.device)
+    if batch_normalize:
+        factor = _batch_norm_factor(w, truncation_keep, valid_mask, layout, truncation, level)
+        w = w / torch.where(factor > 0, factor, torch.ones_like(factor))
+    # Rejections act on counted tokens only: the tokens of a sample masked out by sample_mask keep their (unused)
+    # weight whatever their values, as nothing may read those (NeMo-RL's GSPO sampling_importance_ratio sums every
+    # row's weight).
+    keep = keep | ((token_mask != 0) & (valid_mask == 0))
+    w = torch.where(keep, w, torch.zeros_like(w))
+    return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor, outcomes, rules_keep, truncated, truncation_keep)
+
+
+def _truncated_weights(
+    truncation: str | None,
+    raw: torch.Tensor,
+    log_w: torch.Tensor,
+    prev: torch.Tensor,
+    gen: torch.Tensor,
+    token_mask: torch.Tensor,
+    layout: TokenLayout,
+    low: float | None,
+    high: float | None,
+    nemo_rl_exact: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The truncation type on the level's weights ``raw = exp(log_w)``: ``(weights, out_of_band, keep,
+    seq_out_of_band)``, the tokens it changed or tested out of band, the tokens its band keeps and, for a sequence
+    mask, its [S] sequences out of band. Tested on the weight on NeMo-RL's exact path, on log w otherwise."""
     w = raw
     oob = torch.zeros_like(raw, dtype=torch.bool)
     keep = torch.ones_like(raw, dtype=torch.bool)
     seq_oob = None
-
     if truncation == "tis":
         hi = _bound(high, "high", truncation)
         w, oob = T.tis(raw, low, hi) if nemo_rl_exact else T.tis_log(log_w, low, hi)
@@ -165,36 +208,48 @@ def compute_is_correction(
         seq_oob = ~in_band
         keep = layout.to_tokens(in_band)
         oob = ~keep
-    if dropped is not None:  # 0, not the tis cap or min: before batch normalisation, whose mean counts it as 0
-        w = torch.where(dropped, torch.zeros_like(w), w)
-        keep = keep & ~dropped
-    truncation_keep, truncated = keep, w
+    return w, oob, keep, seq_oob
+
+
+def _rule_outcomes(
+    prev: torch.Tensor,
+    gen: torch.Tensor,
+    token_mask: torch.Tensor,
+    layout: TokenLayout,
+    rules: Sequence[RuleSpec],
+    rejection: str | None,
+    rejection_low: float | None,
+    rejection_high: float | None,
+) -> tuple[torch.Tensor | None, tuple[RuleOutcome, ...]]:
+    """The tokens every rejection rule keeps (None without rules) and each rule's outcome; ``rejection``'s band is
+    the first rule."""
     if rejection is not None:
         band = band_rule(rejection, _bound(rejection_low, "low", rejection), _bound(rejection_high, "high", rejection))
         rules = (band, *rules)
-    rules_keep, outcomes = evaluate_rules(rules, prev, gen, token_mask, layout) if rules else (None, ())
-    if rules_keep is not None:
-        keep = keep & rules_keep
-    if veto_threshold is not None:
-        # a non-finite term vetoes nothing (it counts as 0, and 0 >= log threshold)
-        min_log = layout.seq_min(torch.where((token_mask != 0) & measured, x, torch.full_like(x, float("inf"))))
-        keep = keep & layout.to_tokens(T.veto_keep(min_log, veto_threshold))
+    return evaluate_rules(rules, prev, gen, token_mask, layout) if rules else (None, ())
 
-    if not apply_weights:
-        w = torch.ones_like(raw)
-    factor = torch.ones((), dtype=w.dtype, device=w.device)
-    if batch_normalize:
-        # As verl: the divisor is the mean of the truncated weights (IcePop's zeros are weights) *before* sequence
-        # masks and rejections, which verl applies to the response mask instead.
-        trunc_w = torch.where(truncation_keep, w, torch.zeros_like(w)) if truncation == "icepop" else w
-        factor = _batch_mean(trunc_w, valid_mask, layout, per_sequence=level in SEQUENCE_LEVELS)
-        w = w / torch.where(factor > 0, factor, torch.ones_like(factor))
-    # Rejections act on counted tokens only: the tokens of a sample masked out by sample_mask keep their (unused)
-    # weight whatever their values, as nothing may read those (NeMo-RL's GSPO sampling_importance_ratio sums every
-    # row's weight).
-    keep = keep | ((token_mask != 0) & (valid_mask == 0))
-    w = torch.where(keep, w, torch.zeros_like(w))
-    return ISCorrection(w, raw, log_w, oob, ~keep, seq_oob, factor, outcomes, rules_keep, truncated, truncation_keep)
+
+def _veto_keep(
+    x: torch.Tensor, measured: torch.Tensor, token_mask: torch.Tensor, layout: TokenLayout, threshold: float
+) -> torch.Tensor:
+    """The tokens of the sequences whose smallest token weight ``exp(x)`` is at least ``threshold``."""
+    # a non-finite term vetoes nothing (it counts as 0, and 0 >= log threshold)
+    min_log = layout.seq_min(torch.where((token_mask != 0) & measured, x, torch.full_like(x, float("inf"))))
+    return layout.to_tokens(T.veto_keep(min_log, threshold))
+
+
+def _batch_norm_factor(
+    w: torch.Tensor,
+    truncation_keep: torch.Tensor,
+    valid_mask: torch.Tensor,
+    layout: TokenLayout,
+    truncation: str | None,
+    level: str,
+) -> torch.Tensor:
+    """The divisor of batch normalisation: as verl, the mean of the truncated weights (IcePop's zeros are weights)
+    *before* sequence masks and rejections, which verl applies to the response mask instead."""
+    trunc_w = torch.where(truncation_keep, w, torch.zeros_like(w)) if truncation == "icepop" else w
+    return _batch_mean(trunc_w, valid_mask, layout, per_sequence=level in SEQUENCE_LEVELS)
 
 
 def _bound(value: float | None, which: str, kind: str) -> float:

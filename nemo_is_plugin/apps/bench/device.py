@@ -60,6 +60,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def clocked(fn: Callable[[], object], clock: Callable[[], float]) -> float:
+    """Seconds of ``clock`` during one call of ``fn`` (its result is dropped), the collector paused: like timeit, no
+    collector pause inside a timed call."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = clock()
+        fn()
+        return clock() - start
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @dataclass(frozen=True)
 class BenchDevice:
     """The device the inputs live on and their dtype (the LM head's and the hidden states')."""
@@ -101,15 +115,7 @@ class BenchDevice:
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3
-        enabled = gc.isenabled()
-        gc.disable()  # like timeit: no collector pause inside a timed call
-        try:
-            start_s = time.perf_counter()
-            fn()
-            return time.perf_counter() - start_s
-        finally:
-            if enabled:
-                gc.enable()
+        return clocked(fn, time.perf_counter)
 
     def summarise(self, seconds: list[float]) -> float:
         """The reported time of several rounds: median on CUDA, minimum on the shared CPU."""
@@ -118,6 +124,10 @@ class BenchDevice:
     @property
     def statistic(self) -> str:
         return "median" if self.is_cuda else "best"
+
+    def recorded(self) -> dict[str, str]:
+        """What a run's ``config`` records of the device: its type, the dtype and the statistic of the rounds."""
+        return dict(device=self.device.type, dtype=dtype_name(self.dtype), statistic=self.statistic)
 
     def measure_memory(self, fn: Callable[[], object]) -> Measured:
         """Peak bytes allocated above the start during one call of ``fn`` (its result is dropped)."""
@@ -181,4 +191,4 @@ def _version(module: str) -> str | None:
         return None
 
 
-__all__ = ["BenchDevice", "DEVICE_TYPES", "DTYPES", "Measured", "dtype_name", "parse_dtype"]
+__all__ = ["BenchDevice", "DEVICE_TYPES", "DTYPES", "Measured", "clocked", "dtype_name", "parse_dtype"]

@@ -22,14 +22,13 @@ random ids, the label among them for most tokens, a few ``-1`` padding slots.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from nemo_is_plugin.apps.bench.device import BenchDevice, dtype_name
+from nemo_is_plugin.apps.bench.device import BenchDevice, clocked
 from nemo_is_plugin.apps.bench.shapes import MODEL_SHAPES, QUICK_SHAPES, ModelShape
 from nemo_is_plugin.distributed.entry_points.fused_linear_loss import _SinglePassFusedLoss
 from nemo_is_plugin.distributed.head.fused_linear import HeadOptions, check_head_inputs, fused_linear_logprobs
@@ -143,15 +142,7 @@ def _jobs(bench: BenchDevice, shape: ModelShape, cfg: HeadCostConfig) -> dict[tu
 
 def cpu_seconds(fn: Callable[[], object]) -> float:
     """CPU seconds of this process during one call of ``fn`` (all its threads), the collector paused as in timeit."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        start = time.process_time()
-        fn()
-        return time.process_time() - start
-    finally:
-        if enabled:
-            gc.enable()
+    return clocked(fn, time.process_time)
 
 
 def run_head_cost(cfg: HeadCostConfig, progress: Callable[[str], None] = lambda _: None) -> dict:
@@ -191,10 +182,8 @@ def run_head_cost(cfg: HeadCostConfig, progress: Callable[[str], None] = lambda 
         chunk_size=cfg.chunk_size,
         threads=cfg.threads,
         quick=cfg.quick_run,
-        statistic=bench.statistic,
-        dtype=dtype_name(bench.dtype),
         clock="CUDA events" if bench.is_cuda else "process CPU time",
-        device=bench.device.type,
+        **bench.recorded(),
     )
     return dict(config=config, machine=bench.describe(), rows=rows)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_is_plugin.apps.bench.device import BenchDevice, dtype_name
+from nemo_is_plugin.apps.bench.device import BenchDevice
 from nemo_is_plugin.apps.bench.jobs import BENCH_LOSS_CONFIG, bench_loss_fn
 from nemo_is_plugin.apps.bench.moe_model import (
     GPU_STEP_SHAPE,
@@ -207,15 +207,13 @@ def run_model_step(cfg: StepConfig, progress: Callable[[str], None] | None = Non
         shape=dataclasses.asdict(shape),
         tokens=shape.tokens,
         params=params,
-        device=dev.device.type,
-        dtype=dtype_name(dev.dtype),
         repeats=cfg.repeats,
         warmup=cfg.warmup,
         chunk_size=cfg.chunk_size,
         quick=cfg.quick,
-        statistic=dev.statistic,
         loss=BENCH_LOSS_CONFIG,
         diff_base=diff_base,
+        **dev.recorded(),
     )
     machine = dict(dev.describe(), megatron_core=_megatron_version())
     return dict(kind="model_step", config=config, machine=machine, rows=rows, skipped=skipped)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from nemo_is_plugin.apps.bench.device import BenchDevice
+from nemo_is_plugin.apps.moe_gpt import moe_gpt_settings, untied_rope_gpt
 
 
 @dataclass(frozen=True)
@@ -113,56 +113,20 @@ def single_process_parallel(dev: BenchDevice, seed: int):
 
 def build_model(shape: StepShape, dev: BenchDevice, seed: int):
     """The MoE ``GPTModel`` on ``dev`` in ``dev.dtype`` (see the module docstring)."""
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     half = dev.dtype in (torch.bfloat16, torch.float16)
     settings = dict(
-        num_layers=shape.layers,
-        hidden_size=shape.hidden,
-        num_attention_heads=shape.heads,
+        moe_gpt_settings(shape, dev.dtype, init_std=0.02, cpu_init=not dev.is_cuda),
         num_query_groups=shape.query_groups,
-        ffn_hidden_size=shape.expert_ffn,
-        moe_ffn_hidden_size=shape.expert_ffn,
-        num_moe_experts=shape.experts,
-        moe_router_topk=shape.topk,
-        moe_token_dispatcher_type="allgather",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=False,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=0.02,
-        params_dtype=dev.dtype,
-        bf16=dev.dtype == torch.bfloat16,
-        fp16=dev.dtype == torch.float16,
-        use_cpu_initialization=not dev.is_cuda,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
         moe_router_dtype="fp32" if half else None,
     )
     known = {f.name for f in dataclasses.fields(TransformerConfig)}  # megatron-core versions differ in their fields
     config = TransformerConfig(**{k: v for k, v in settings.items() if k in known and v is not None})
     spec = get_gpt_layer_local_spec(num_experts=shape.experts, moe_grouped_gemm=False, normalization="RMSNorm")
-    torch.manual_seed(seed)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=shape.vocab,
-        max_sequence_length=shape.seq_len,
-        pre_process=True,
-        post_process=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-    )
+    model = untied_rope_gpt(config, spec, vocab=shape.vocab, max_seq_len=shape.seq_len, seed=seed)
     return model.to(device=dev.device)  # parameters are already in params_dtype; buffers keep theirs
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from nemo_is_plugin.apps.bench.catalog import bench_paths
-from nemo_is_plugin.apps.bench.device import BenchDevice, Measured, dtype_name
+from nemo_is_plugin.apps.bench.device import BenchDevice, Measured
 from nemo_is_plugin.apps.bench.jobs import BENCH_LOSS_CONFIG, Job, bench_loss_fn, fwd_bwd_job, matmul_jobs, path_jobs
 from nemo_is_plugin.apps.bench.jobs import path_loss as _path_loss
 from nemo_is_plugin.apps.bench.liger import liger_mean_logprob_grad
@@ -159,6 +159,18 @@ class _ShapeRun:
         return values
 
 
+def _shape_problem(
+    cfg: BenchConfig, shape: ModelShape, vocab: int, dev: BenchDevice, tokens: int, *, seed: int, dtype: torch.dtype
+) -> HeadProblem:
+    """``tokens`` positions in ``cfg.batch`` sequences at the shape's hidden size and ``vocab`` (this TP rank's
+    rows), on the device; prev / generation / reference log-probs near the model's own: ratios near 1, both sides of
+    the clip hit."""
+    seq_len = tokens // cfg.batch + 1
+    return make_problem(
+        cfg.batch, seq_len, shape.hidden, vocab, seed=seed, dtype=dtype, device=dev.device, base_logprobs="model"
+    )
+
+
 def bench_shape(
     shape: ModelShape,
     cfg: BenchConfig,
@@ -176,17 +188,7 @@ def bench_shape(
     jobs, not all repetitions of one job, and the matmul reference is timed in the same rounds as the paths.
     """
     vocab = shape.vocab // cfg.tp
-    # prev / generation / reference log-probs near the model's own: ratios near 1, both sides of the clip hit
-    problem = make_problem(
-        cfg.batch,
-        cfg.tokens // cfg.batch + 1,
-        shape.hidden,
-        vocab,
-        seed=0,
-        dtype=dev.dtype,
-        device=dev.device,
-        base_logprobs="model",
-    )
+    problem = _shape_problem(cfg, shape, vocab, dev, cfg.tokens, seed=0, dtype=dev.dtype)
     loss_fn = bench_loss_fn()
     progress(f"{shape.name}: fp32 reference of loss, dX, dW")
     ref = reference_loss_and_grads(problem, loss_fn)
@@ -265,15 +267,7 @@ def _add_loss_errors(
     """``loss_grad_err``: max relative error of the benchmark loss's ``d loss / d hidden`` against the naive path in
     float64, on a ``ref_tokens``-token problem of the same shape in fp32 (this checks the algorithm, the full-size
     ``dx_err`` the precision)."""
-    small = make_problem(
-        cfg.batch,
-        cfg.ref_tokens // cfg.batch + 1,
-        shape.hidden,
-        vocab,
-        seed=2,
-        device=dev.device,
-        base_logprobs="model",
-    )
+    small = _shape_problem(cfg, shape, vocab, dev, cfg.ref_tokens, seed=2, dtype=torch.float32)
 
     def hidden_grad(path: LogprobPath, dtype: torch.dtype) -> torch.Tensor:
         h = small.hidden.detach().to(dtype).requires_grad_(True)
@@ -327,11 +321,9 @@ def run_benchmark(cfg: BenchConfig, progress: Progress | None = None) -> dict:
         direct_memory_paths=list(cfg.direct_memory_paths),
         shapes=[dict(name=s.name, hidden=s.hidden, vocab=s.vocab) for s in cfg.shapes],
         loss=BENCH_LOSS_CONFIG,
-        device=dev.device.type,
-        dtype=dtype_name(dev.dtype),
         warmup=cfg.warmup,
-        statistic=dev.statistic,
         quick=cfg.quick_run,
+        **dev.recorded(),
     )
     machine = dict(dev.describe(), threads=cfg.threads)
     return dict(

@@ -1,11 +1,11 @@
 """``nemo-is bench``: LM head -> log-prob -> PG loss benchmark of the naive, from-logits, fused-linear (one and two
 passes, torch and Triton backends), Liger and cut-cross-entropy paths against the bare GEMM, on CPU or CUDA; with
-``--model-step``, training steps of a megatron-core MoE GPT model with the naive and the fused loss; with
-``--host-heads``, the hosts' own fused LM heads against the plugin's (``cli/bench_host_heads.py``); with
-``--score-centering-head``, the LM-head paths with score centering's k head ids per token against the same paths
-without them (``cli/bench_head_cost.py``). Prints a rich table, writes JSON + PNG (the project's
-``docs/performance.md`` is written from that JSON by its tooling, ``python -m tools.bench_docs``, outside the installed
-package). Heavy imports (torch, matplotlib, liger, megatron) happen inside the command."""
+``--model-step``, training steps of a megatron-core MoE GPT model with the naive and the fused loss
+(``cli/bench_model_step.py``); with ``--host-heads``, the hosts' own fused LM heads against the plugin's
+(``cli/bench_host_heads.py``); with ``--score-centering-head``, the LM-head paths with score centering's k head ids
+per token against the same paths without them (``cli/bench_head_cost.py``). Prints a rich table, writes JSON + PNG
+(the project's ``docs/performance.md`` is written from that JSON by its tooling, ``python -m tools.bench_docs``,
+outside the installed package). Heavy imports (torch, matplotlib, liger, megatron) happen inside the command."""
 
 from __future__ import annotations
 
@@ -14,7 +14,17 @@ from pathlib import Path
 
 import typer
 
-from nemo_is_plugin.apps.cli.bench_common import print_targets, selected_shapes
+from nemo_is_plugin.apps.cli.bench_common import (
+    BenchRun,
+    print_note,
+    print_targets,
+    print_written,
+    selected_shapes,
+    usage_error,
+)
+from nemo_is_plugin.apps.cli.bench_head_cost import head_cost_command
+from nemo_is_plugin.apps.cli.bench_host_heads import host_heads_command
+from nemo_is_plugin.apps.cli.bench_model_step import model_step_command
 
 
 def register(app: typer.Typer) -> None:
@@ -86,117 +96,44 @@ def bench(
 ) -> None:
     """Benchmark the log-prob + loss paths at MoE LM-head shapes; prints the table, writes JSON and plots."""
     from rich.console import Console
-    from rich.markup import escape
 
     from nemo_is_plugin.apps.cli.paths import check_paths
 
-    check_paths(
-        "bench",
-        [
-            (out, "--out", "output_dir"),
-            *((p, "--from-json", "input_file") for p in from_json or ()),
-        ],
-    )
+    check_paths("bench", [(out, "--out", "output_dir"), *((p, "--from-json", "input_file") for p in from_json or ())])
     console = Console()
     if not console.is_terminal:  # piped / captured: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, 130))
+    run = BenchRun(device, dtype, quick, tokens, repeats, out, tuple(from_json or ()))
     if score_centering_head:
-        from nemo_is_plugin.apps.cli.bench_head_cost import head_cost_command
-
-        head_cost_command(
-            console,
-            device=device,
-            dtype=dtype,
-            quick=quick,
-            tokens=tokens,
-            repeats=repeats,
-            models=models,
-            paths=paths,
-            ks=head_ks,
-            chunk_size=chunk_size,
-            threads=threads,
-            out=out,
-            from_json=from_json[0] if from_json else None,
-        )
-        return
-    if host_heads:
-        from nemo_is_plugin.apps.cli.bench_host_heads import host_heads_command
-
+        head_cost_command(console, run, models=models, paths=paths, ks=head_ks, chunk_size=chunk_size, threads=threads)
+    elif host_heads:
         host_heads_command(
-            console,
-            device=device,
-            dtype=dtype,
-            quick=quick,
-            tokens=tokens,
-            repeats=repeats,
-            models=models,
-            heads=heads,
-            tp=tp,
-            nemo_rl_path=nemo_rl_path,
-            verl_path=verl_path,
-            out=out,
-            from_json=from_json[0] if from_json else None,
+            console, run, models=models, heads=heads, tp=tp, nemo_rl_path=nemo_rl_path, verl_path=verl_path
         )
-        return
-    if model_step:
-        if from_json and len(from_json) > 1:
-            console.print(
-                "[red]error:[/red] --model-step renders one model_step.json (--from-json given more than once)"
-            )
-            raise typer.Exit(code=2)
-        model_step_command(
-            console,
-            device=device,
-            dtype=dtype,
-            quick=quick,
-            tokens=tokens,
-            repeats=repeats,
-            layers=layers,
-            experts=experts,
-            chunk_size=chunk_size,
-            out=out,
-            from_json=from_json[0] if from_json else None,
-        )
-        return
-    try:
-        cfg = _config(
-            tokens,
-            models,
-            paths,
-            chunk_size,
-            tp,
-            repeats,
-            memory_tokens,
-            not no_memory_sweep,
-            threads,
-            quick,
-            device,
-            dtype,
-        )
-    except ValueError as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}")
-        raise typer.Exit(code=2) from exc
-
-    if from_json:
-        from nemo_is_plugin.apps.bench.merge import merge_results
-
-        try:
-            results = merge_results([json.loads(p.read_text()) for p in from_json])
-        except ValueError as exc:
-            console.print(f"[red]error:[/red] {escape(str(exc))}")
-            raise typer.Exit(code=2) from exc
+    elif model_step:
+        model_step_command(console, run, layers=layers, experts=experts, chunk_size=chunk_size)
     else:
-        results = _run_with_progress(cfg, console)
-    _report(results, console, out)
+        _head_paths_command(console, run, models, paths, chunk_size, tp, memory_tokens, not no_memory_sweep, threads)
 
 
-def _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, memory_sweep, threads, quick, device, dtype):
+def _head_paths_command(console, run: BenchRun, models, paths, chunk_size, tp, memory_tokens, memory_sweep, threads):
+    """The head paths: their config (checked even when earlier runs are rendered), the earlier runs' rows merged or
+    a measurement, the report. A bad option or an unmergeable set of runs is a usage error."""
+    try:
+        cfg = _config(run, models, paths, chunk_size, tp, memory_tokens, memory_sweep, threads)
+        merged = _merged(run.from_json) if run.from_json else None
+    except ValueError as exc:
+        raise usage_error(console, exc) from exc
+    _report(merged if merged is not None else _measured(cfg, console), console, run.out)
+
+
+def _config(run: BenchRun, models, paths, chunk_size, tp, memory_tokens, memory_sweep, threads):
     from nemo_is_plugin.apps.bench.device import BenchDevice
     from nemo_is_plugin.apps.bench.shapes import PATHS, BenchConfig
 
-    BenchDevice.resolve(device, dtype)  # a usage error (no CUDA here, unknown dtype) before anything runs
-    overrides: dict = dict(tp=tp, threads=threads, dtype=dtype)
-    for key, value in (("tokens", tokens), ("repeats", repeats), ("chunk_size", chunk_size)):
+    BenchDevice.resolve(run.device, run.dtype)  # a usage error (no CUDA here, unknown dtype) before anything runs
+    overrides: dict = dict(tp=tp, threads=threads, dtype=run.dtype)
+    for key, value in (("tokens", run.tokens), ("repeats", run.repeats), ("chunk_size", chunk_size)):
         if value is not None:
             overrides[key] = value
     if paths:
@@ -207,12 +144,19 @@ def _config(tokens, models, paths, chunk_size, tp, repeats, memory_tokens, memor
         overrides["memory_tokens"] = tuple(memory_tokens)
     if not memory_sweep:
         overrides["memory_tokens"] = ()
-    if shapes := selected_shapes(quick, models):
+    if shapes := selected_shapes(run.quick, models):
         overrides["shapes"] = shapes
-    return BenchConfig.for_device(device, quick=quick, **overrides)
+    return BenchConfig.for_device(run.device, quick=run.quick, **overrides)
 
 
-def _run_with_progress(cfg, console) -> dict:
+def _merged(from_json: tuple[Path, ...]) -> dict:
+    """The rows of earlier runs' results.json files in one result (one setting, different models)."""
+    from nemo_is_plugin.apps.bench.merge import merge_results
+
+    return merge_results([json.loads(p.read_text()) for p in from_json])
+
+
+def _measured(cfg, console) -> dict:
     from nemo_is_plugin.apps.bench.progress import progress_bar
     from nemo_is_plugin.apps.bench.runner import count_steps, run_benchmark
 
@@ -234,66 +178,12 @@ def _report(results: dict, console, out: Path) -> None:
         console.print(f"[red]failed:[/red] {escape(line)}")
     if note := fallback_note(results):
         console.print(f"[bold red]note:[/bold red] {escape(note)}")
-    if note := comparability_note(results):
-        console.print(f"[bold yellow]note:[/bold yellow] {escape(note)}")
+    print_note(console, comparability_note(results))
     print_targets(console, run_targets(results))
     written = [write_json(results, out / "results.json"), plot_ratios(results, out / "perf_ratios.png")]
     if results["memory_sweep"]:
         written.append(plot_memory(results, out / "perf_memory.png"))
-    console.print("wrote " + ", ".join(str(p) for p in written))
-
-
-def model_step_command(
-    console,
-    *,
-    device: str,
-    dtype: str | None,
-    quick: bool,
-    tokens: int | None,
-    repeats: int | None,
-    layers: int | None,
-    experts: int | None,
-    chunk_size: int | None,
-    out: Path,
-    from_json: Path | None,
-) -> None:
-    """Run the model-step benchmark with a progress bar, print its table, write its JSON."""
-    from rich.markup import escape
-
-    from nemo_is_plugin.apps.bench.device import BenchDevice
-    from nemo_is_plugin.apps.bench.model_report import model_step_table
-    from nemo_is_plugin.apps.bench.model_step import StepConfig, count_model_steps, run_model_step
-    from nemo_is_plugin.apps.bench.progress import progress_bar
-    from nemo_is_plugin.apps.bench.report import QUICK_NOTE, write_json
-
-    if from_json is not None:
-        results = json.loads(from_json.read_text())
-    else:
-        try:
-            BenchDevice.resolve(device, dtype)
-            extra = {"repeats": repeats} if repeats is not None else {}
-            cfg = StepConfig.for_device(
-                device,
-                quick=quick,
-                tokens=tokens,
-                layers=layers,
-                experts=experts,
-                dtype=dtype,
-                chunk_size=chunk_size,
-                **extra,
-            )
-        except ValueError as exc:
-            console.print(f"[red]error:[/red] {escape(str(exc))}")
-            raise typer.Exit(code=2) from exc
-        with progress_bar(console, count_model_steps(cfg)) as progress:
-            results = run_model_step(cfg, progress)
-    console.print(model_step_table(results))
-    for name, why in results.get("skipped", {}).items():
-        console.print(f"[yellow]not measured: {name}:[/yellow] {escape(why)}")
-    if results["config"].get("quick"):
-        console.print(f"[bold yellow]note:[/bold yellow] {escape(QUICK_NOTE)}")
-    written = [write_json(results, out / "model_step.json")]
-    console.print("wrote " + ", ".join(str(p) for p in written))
+    print_written(console, written)
 
 
 __all__ = ["bench", "register"]

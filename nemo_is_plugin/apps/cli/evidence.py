@@ -117,18 +117,19 @@ def _print_headline(console, head: dict, table_cls) -> None:
             t.add_row(name, f"{r['max_abs_z']:.1f}", f"{r['p_value']:.2g}", f"{r['exact_bias_norm']:.4f}")
         console.print(t)
     if "objectives" in head:
-        t = table_cls(title="Policy objectives on synthetic batches (logit drift s from pi_old)")
-        for col, justify in (("objective", "left"), ("measured property", "left"), ("value", "right")):
-            t.add_column(col, justify=justify)
-        for name, props in head["objectives"].items():
-            for i, (prop, value) in enumerate(props.items()):
-                t.add_row(name if i == 0 else "", prop, "not reached" if value is None else f"{value:.3g}")
-        console.print(t)
+        title = "Policy objectives on synthetic batches (logit drift s from pi_old)"
+        console.print(_property_table(table_cls, title, "objective", head["objectives"]))
     if "rejection" in head:
-        t = table_cls(title="IS rejection rules on synthetic batches (rollout mismatch m between pi_prev and mu)")
-        for col, justify in (("rule", "left"), ("measured property", "left"), ("value", "right")):
-            t.add_column(col, justify=justify)
-        for name, props in head["rejection"].items():
-            for i, (prop, value) in enumerate(props.items()):
-                t.add_row(name if i == 0 else "", prop, f"{value:.3g}")
-        console.print(t)
+        title = "IS rejection rules on synthetic batches (rollout mismatch m between pi_prev and mu)"
+        console.print(_property_table(table_cls, title, "rule", head["rejection"]))
+
+
+def _property_table(table_cls, title: str, kind: str, properties: dict):
+    """One row per measured property of each objective or rule (``kind``); a None value was not reached."""
+    t = table_cls(title=title)
+    for col, justify in ((kind, "left"), ("measured property", "left"), ("value", "right")):
+        t.add_column(col, justify=justify)
+    for name, props in properties.items():
+        for i, (prop, value) in enumerate(props.items()):
+            t.add_row(name if i == 0 else "", prop, "not reached" if value is None else f"{value:.3g}")
+    return t

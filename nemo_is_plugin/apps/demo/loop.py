@@ -75,16 +75,9 @@ class GRPODemo:
         self.cfg, self.settings, self.records, self.hook = cfg, loss_settings, records, hook
         longest = max(cfg.short_response_length(), *(p.response_length or 0 for _, p in cfg.phases()))
         m = cfg.model
-        self.shape = ModelShape(
-            vocab_size=task.VOCAB_SIZE,
-            hidden=m.hidden,
-            layers=m.layers,
-            heads=m.heads,
-            experts=m.experts,
-            topk=m.topk,
-            expert_ffn=m.expert_ffn,
-            max_seq_len=cfg.num_digits + 2 + longest + 8,
-        )
+        architecture = m.model_dump(exclude={"tensor_parallel", "micro_batch_tokens"})  # ModelShape's fields
+        max_seq_len = cfg.num_digits + 2 + longest + 8
+        self.shape = ModelShape(vocab_size=task.VOCAB_SIZE, max_seq_len=max_seq_len, **architecture)
         self.started_ray = workers.start_ray(cfg.ray_address)
         hook(
             "info",

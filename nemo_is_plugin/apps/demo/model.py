@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from nemo_is_plugin.apps.moe_gpt import moe_gpt_settings, untied_rope_gpt
 
 
 @dataclass(frozen=True)
@@ -127,60 +128,30 @@ def build_gpt(shape: ModelShape, tp: int, seed: int):
     All ranks draw the same master weights (``use_cpu_initialization`` initialises the full matrix from the global
     CPU generator and keeps this rank's slice), so TP=1 and TP=2 models built with one seed are the same network.
     """
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     apply_cpu_patches()
     config = TransformerConfig(
-        num_layers=shape.layers,
-        hidden_size=shape.hidden,
-        num_attention_heads=shape.heads,
-        ffn_hidden_size=shape.expert_ffn,
-        moe_ffn_hidden_size=shape.expert_ffn,
-        num_moe_experts=shape.experts,
-        moe_router_topk=shape.topk,
-        moe_token_dispatcher_type="allgather",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
+        **moe_gpt_settings(shape, torch.float32, init_std=0.05, cpu_init=True),
         moe_router_dtype="fp32",
         tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1,  # MoE + TP>1 trains only with sequence parallelism
-        normalization="RMSNorm",
         layernorm_epsilon=shape.norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        init_method_std=0.05,
-        params_dtype=torch.float32,
-        bf16=False,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
     )
     layer_spec = get_gpt_layer_local_spec(num_experts=shape.experts, normalization="RMSNorm")
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         setattr(layer_spec.submodules, name, SPRMSNorm)
     block_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * shape.layers, layer_norm=SPRMSNorm)
-    torch.manual_seed(seed)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=block_spec,
-        vocab_size=shape.vocab_size,
-        max_sequence_length=shape.max_seq_len,
-        pre_process=True,
-        post_process=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
+    return untied_rope_gpt(
+        config,
+        block_spec,
+        vocab=shape.vocab_size,
+        max_seq_len=shape.max_seq_len,
+        seed=seed,
         rotary_base=shape.rotary_base,
     )
-    return model
 
 
 def allreduce_sequence_parallel_grads(model: torch.nn.Module, tp_group) -> None:

@@ -75,16 +75,7 @@ def settings_table(a: Analysis, rec: Recommendation | None = None) -> Table:
         t.add_column("verdict")
     for r in a.settings:
         o = r.overall
-        cells: list[str | Text] = [
-            r.setting.name,
-            fmt(o.mean),
-            fmt(o.std),
-            fmt(o.min),
-            fmt(o.max),
-            fmt(o.ess),
-            fmt(o.truncated, True),
-            fmt(o.masked, True),
-        ]
+        cells: list[str | Text] = [r.setting.name, *_weight_cells(o)]
         style = None
         if rec is not None:
             fails = rec.failures.get(r.setting.name, [])
@@ -132,20 +123,13 @@ def detail_table(a: Analysis, name: str) -> Table:
     ):
         t.add_column(head, justify="left" if head == "length" else "right")
     for label, st in [(b.label, s) for b, s in zip(a.bins, r.by_bin)] + [("all", r.overall)]:
-        t.add_row(
-            label,
-            str(st.n_responses),
-            str(st.n_tokens),
-            fmt(st.mean),
-            fmt(st.std),
-            fmt(st.min),
-            fmt(st.max),
-            fmt(st.ess),
-            fmt(st.truncated, True),
-            fmt(st.masked, True),
-            fmt(st.saturated, True),
-        )
+        t.add_row(label, str(st.n_responses), str(st.n_tokens), *_weight_cells(st), fmt(st.saturated, True))
     return t
+
+
+def _weight_cells(st: WeightStats) -> list[str]:
+    """mean, std, min, max, ESS of the weights and the truncated and masked shares."""
+    return [*map(fmt, (st.mean, st.std, st.min, st.max, st.ess)), fmt(st.truncated, True), fmt(st.masked, True)]
 
 
 def recommendation_panel(rec: Recommendation) -> Panel:

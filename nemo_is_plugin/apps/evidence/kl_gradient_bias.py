@@ -23,6 +23,7 @@ known exactly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -122,25 +123,20 @@ def per_sample_penalty(
     cfg = ClippedPGLossConfig()  # NeMo-RL's clamps, from the only place defaults live
     theta = problem.logits.expand(actions.numel(), -1).clone().requires_grad_(True)
     logp = torch.log_softmax(theta, -1).gather(-1, actions[:, None]).squeeze(-1)
-    if variant.loss_config is not None:
-        with torch.no_grad():
-            values = kl_penalty(
-                logp,
-                problem.ref_logprobs[actions],
-                kl_type=variant.kl_type,
-                input_clamp=cfg.kl_input_clamp_value,
-                output_clamp=cfg.kl_output_clamp_value,
-            )
-        return values, _loss_gradient(problem, actions, logp, theta, dict(variant.loss_config))
-    kl = kl_penalty(
+    penalty = functools.partial(
+        kl_penalty,
         logp,
         problem.ref_logprobs[actions],
         kl_type=variant.kl_type,
         input_clamp=cfg.kl_input_clamp_value,
         output_clamp=cfg.kl_output_clamp_value,
-        weights=score_function_weight(logp) if variant.score_weight else None,
-        straight_through_k2=variant.straight_through,
     )
+    if variant.loss_config is not None:
+        with torch.no_grad():
+            values = penalty()
+        return values, _loss_gradient(problem, actions, logp, theta, dict(variant.loss_config))
+    weights = score_function_weight(logp) if variant.score_weight else None
+    kl = penalty(weights=weights, straight_through_k2=variant.straight_through)
     (grad,) = torch.autograd.grad(kl.sum(), theta)
     return kl.detach(), grad
 

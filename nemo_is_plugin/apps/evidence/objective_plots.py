@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_is_plugin.apps.evidence.plots import plt, save_figure
+from nemo_is_plugin.apps.evidence.plots import plt, save_synthetic_batch_figure
 
 MASKING = ("ppo_clip", "dppo_tv", "dppo_kl", "prob_diff")
 
@@ -132,11 +132,5 @@ def plot_objectives(result: dict, path: Path) -> Path:
     _gmpo_panel(axes[1, 2], result["gmpo_spread"])
     _gpg_panel(axes[1, 3], sweep)
     _dro_panel(axes[1, 4], sweep)
-    for ax in axes.flat:
-        ax.legend(fontsize=7)
-    fig.suptitle(
-        f"Policy objectives on synthetic batches ({sweep['num_seqs']} x {sweep['length']} tokens, "
-        f"{sweep['num_actions']} actions; tokens from the rollout policy, pi drifted by s from pi_old)",
-        fontsize=11,
-    )
-    return save_figure(fig, path)
+    draws = "tokens from the rollout policy, pi drifted by s from pi_old"
+    return save_synthetic_batch_figure(fig, axes.flat, sweep, "Policy objectives", draws, path)

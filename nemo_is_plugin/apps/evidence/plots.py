@@ -35,6 +35,19 @@ def save_figure(fig, path: Path) -> Path:
     return path
 
 
+def save_synthetic_batch_figure(fig, axes, sweep: dict, what: str, draws: str, path: Path) -> Path:
+    """Save a figure of the synthetic-batch experiments: a legend in each panel and a title saying ``what`` it shows on
+    which batches (``sweep``'s sequences x tokens and actions) and how their tokens were drawn (``draws``)."""
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        f"{what} on synthetic batches ({sweep['num_seqs']} x {sweep['length']} tokens, "
+        f"{sweep['num_actions']} actions; {draws})",
+        fontsize=11,
+    )
+    return save_figure(fig, path)
+
+
 def _length_axis(ax, lengths) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("response length L (tokens)")

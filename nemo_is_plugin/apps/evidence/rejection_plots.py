@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_is_plugin.apps.evidence.plots import plt, save_figure
+from nemo_is_plugin.apps.evidence.plots import plt, save_synthetic_batch_figure
 
 MIN_COUNT = 10  # a share of fewer rejected tokens is noise: not drawn
 STYLES = {"k1": "C0-o", "k2": "C9:", "k3": "C2-s", "prob_diff": "C3-^"}
@@ -81,11 +81,5 @@ def plot_rejection(result: dict, path: Path) -> Path:
     _fraction_panel(axes[0], sweep)
     _rare_panel(axes[1], sweep)
     _length_panel(axes[2], result["sequence_lengths"])
-    for ax in axes:
-        ax.legend(fontsize=7)
-    fig.suptitle(
-        f"IS rejection rules on synthetic batches ({sweep['num_seqs']} x {sweep['length']} tokens, "
-        f"{sweep['num_actions']} actions; tokens from mu, pi_prev moved by m times a Student-t logit direction)",
-        fontsize=11,
-    )
-    return save_figure(fig, path)
+    draws = "tokens from mu, pi_prev moved by m times a Student-t logit direction"
+    return save_synthetic_batch_figure(fig, axes, sweep, "IS rejection rules", draws, path)

@@ -11,8 +11,18 @@ import platform
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from nemo_is_plugin.apps.evidence import (
+    ctpo_variance,
+    drift,
+    is_collapse,
+    kl_gradient_bias,
+    objective_experiment,
+    rejection,
+)
 
 EXPERIMENTS = ("is_collapse", "ctpo_variance", "kl_gradient_bias", "objectives", "rejection", "drift")
 JSON_NAME = "evidence_numbers.json"
@@ -23,6 +33,14 @@ FIGURES = {
     "objectives": ("evidence_objectives.png",),
     "rejection": ("evidence_rejection.png",),
     "drift": ("evidence_drift.png",),
+}
+PLOTTING = {  # what the progress line says while an experiment's figures are drawn
+    "is_collapse": "IS collapse",
+    "ctpo_variance": "CTPO variance",
+    "kl_gradient_bias": "KL gradient bias",
+    "objectives": "policy objectives",
+    "rejection": "rejection rules",
+    "drift": "drift",
 }
 
 
@@ -46,6 +64,11 @@ class Sizes:
     drift_batch: int = 64
     drift_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
 
+    def synthetic_batch(self, experiment: str) -> dict[str, Any]:
+        """The ``num_seqs``, ``length`` and ``lengths`` of the policy objectives' or the rejection rules' batch."""
+        prefix = {"objectives": "objective", "rejection": "rejection"}[experiment]
+        return {key: getattr(self, f"{prefix}_{key}") for key in ("num_seqs", "length", "lengths")}
+
 
 FULL = Sizes()
 QUICK = Sizes(
@@ -67,15 +90,6 @@ QUICK = Sizes(
 
 def step_count(only: Sequence[str] = EXPERIMENTS) -> int:
     """Number of progress messages :func:`run_evidence` emits (for a progress bar's total)."""
-    from nemo_is_plugin.apps.evidence import (
-        ctpo_variance,
-        drift,
-        is_collapse,
-        kl_gradient_bias,
-        objective_experiment,
-        rejection,
-    )
-
     counts = {
         "drift": drift.step_count(),
         "is_collapse": len(is_collapse.default_distributions()) * len(is_collapse.LENGTHS),
@@ -99,19 +113,6 @@ def run_evidence(
 
     Returns the dict written to the JSON: ``meta``, one entry per experiment, ``headline`` and ``files``.
     """
-    from nemo_is_plugin.apps.evidence import (
-        ctpo_variance,
-        drift,
-        drift_plots,
-        is_collapse,
-        kl_gradient_bias,
-        objective_experiment,
-        objective_plots,
-        plots,
-        rejection,
-        rejection_plots,
-    )
-
     names = tuple(only) if only else EXPERIMENTS
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
@@ -129,63 +130,50 @@ def run_evidence(
             "python": platform.python_version(),
         },
     }
-    files = []
-    if "is_collapse" in names:
-        res = is_collapse.run_is_collapse(num_seqs=sizes.is_num_seqs, seed=seed, progress=say)
-        say("plotting IS collapse")
-        files.append(plots.plot_is_collapse(res, out_dir / FIGURES["is_collapse"][0]))
-        files.append(plots.plot_is_lr_scale(res, out_dir / FIGURES["is_collapse"][1]))
-        results["is_collapse"] = res
-    if "ctpo_variance" in names:
-        res = ctpo_variance.run_ctpo_variance(
-            num_samples=sizes.ctpo_num_samples, horizon=sizes.ctpo_horizon, seed=seed, progress=say
-        )
-        say("plotting CTPO variance")
-        files.append(plots.plot_ctpo_variance(res, out_dir / FIGURES["ctpo_variance"][0]))
-        results["ctpo_variance"] = res
-    if "kl_gradient_bias" in names:
-        res = kl_gradient_bias.run_kl_gradient_bias(num_samples=sizes.kl_num_samples, seed=seed, progress=say)
-        say("plotting KL gradient bias")
-        files.append(plots.plot_kl_gradient_bias(res, out_dir / FIGURES["kl_gradient_bias"][0]))
-        results["kl_gradient_bias"] = res
-    if "objectives" in names:
-        res = objective_experiment.run_objectives(
-            num_seqs=sizes.objective_num_seqs,
-            length=sizes.objective_length,
-            lengths=sizes.objective_lengths,
-            seed=seed,
-            progress=say,
-        )
-        say("plotting policy objectives")
-        files.append(objective_plots.plot_objectives(res, out_dir / FIGURES["objectives"][0]))
-        results["objectives"] = res
-    if "rejection" in names:
-        res = rejection.run_rejection(
-            num_seqs=sizes.rejection_num_seqs,
-            length=sizes.rejection_length,
-            lengths=sizes.rejection_lengths,
-            seed=seed,
-            progress=say,
-        )
-        say("plotting rejection rules")
-        files.append(rejection_plots.plot_rejection(res, out_dir / FIGURES["rejection"][0]))
-        results["rejection"] = res
-    if "drift" in names:
-        # seeds offset by the run's seed: each drift seed is its own paired (SC off / on) replicate
-        res = drift.run_drift(
-            steps=sizes.drift_steps,
-            batch=sizes.drift_batch,
-            seeds=[seed + s for s in sizes.drift_seeds],
-            progress=say,
-        )
-        say("plotting drift")
-        files.append(drift_plots.plot_drift(res, out_dir / FIGURES["drift"][0]))
-        results["drift"] = res
+    files: list[Path] = []
+    for name in (n for n in EXPERIMENTS if n in names):
+        res = _run_experiment(name, sizes, seed, say)
+        say(f"plotting {PLOTTING[name]}")
+        files += _plot_experiment(name, res, [out_dir / f for f in FIGURES[name]])
+        results[name] = res
     results["headline"] = headline(results)
     results["files"] = [str(f) for f in files]
     # allow_nan=False: the file must be strict JSON (a NaN would mean a bug upstream, so fail loudly).
     (out_dir / JSON_NAME).write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
     return results
+
+
+def _run_experiment(name: str, sizes: Sizes, seed: int, say: Callable[[str], None]) -> dict:
+    if name == "is_collapse":
+        return is_collapse.run_is_collapse(num_seqs=sizes.is_num_seqs, seed=seed, progress=say)
+    if name == "ctpo_variance":
+        samples, horizon = sizes.ctpo_num_samples, sizes.ctpo_horizon
+        return ctpo_variance.run_ctpo_variance(num_samples=samples, horizon=horizon, seed=seed, progress=say)
+    if name == "kl_gradient_bias":
+        return kl_gradient_bias.run_kl_gradient_bias(num_samples=sizes.kl_num_samples, seed=seed, progress=say)
+    if name == "objectives":
+        return objective_experiment.run_objectives(**sizes.synthetic_batch(name), seed=seed, progress=say)
+    if name == "rejection":
+        return rejection.run_rejection(**sizes.synthetic_batch(name), seed=seed, progress=say)
+    # seeds offset by the run's seed: each drift seed is its own paired (SC off / on) replicate
+    seeds = [seed + s for s in sizes.drift_seeds]
+    return drift.run_drift(steps=sizes.drift_steps, batch=sizes.drift_batch, seeds=seeds, progress=say)
+
+
+def _plot_experiment(name: str, res: dict, paths: list[Path]) -> list[Path]:
+    """The experiment's figures, written to ``paths`` (its ``FIGURES``)."""
+    from nemo_is_plugin.apps.evidence import drift_plots, objective_plots, plots, rejection_plots
+
+    if name == "is_collapse":
+        return [plots.plot_is_collapse(res, paths[0]), plots.plot_is_lr_scale(res, paths[1])]
+    plot = {
+        "ctpo_variance": plots.plot_ctpo_variance,
+        "kl_gradient_bias": plots.plot_kl_gradient_bias,
+        "objectives": objective_plots.plot_objectives,
+        "rejection": rejection_plots.plot_rejection,
+        "drift": drift_plots.plot_drift,
+    }[name]
+    return [plot(res, paths[0])]
 
 
 def headline(results: dict) -> dict:

@@ -60,7 +60,7 @@ from nemo_is_plugin.kernels.gemm import acc_dtype, compute_dtype
 from nemo_is_plugin.kernels.head_ids import dense_grad, head_logprobs, valid_head_grad
 from nemo_is_plugin.kernels.softmax_partials import finalize_partials
 from nemo_is_plugin.loss import ClippedPGLoss
-from nemo_is_plugin.loss.aligned_inputs import CURR_HEAD_KEY
+from nemo_is_plugin.loss.aligned_inputs import CURR_HEAD_KEY, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
 
@@ -196,11 +196,7 @@ def fused_linear_pg_loss(
     # score centering: the sampler's head ids of each next-token position ([B, T, k], sliced like the log-probs)
     head_ids = inputs.rollout_topk_ids if loss_fn.config.score_centering else None
     layout = with_data_parallel(layout, dp_group)
-    why = single_pass_blocker(loss_fn.config, layout)
-    if single_pass and why is not None:
-        raise ValueError(f"single_pass=True is not possible here: {why}; pass single_pass=None (auto) or False")
-    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if why is not None or single_pass is False or not wants_grad:
+    if not _runs_single_pass(loss_fn, layout, single_pass, hidden, weight):
         lp = fused_linear_logprobs(
             hidden,
             weight,
@@ -222,6 +218,37 @@ def fused_linear_pg_loss(
     if sequence_parallel:
         hidden = all_gather(hidden, tp_group, dim=0)  # its backward reduce-scatters dX: no all-reduce inside
     chunk = check_head_inputs(hidden, weight, target, temperature, chunk_size, backend=backend)
+    opts = HeadOptions(
+        tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype, grad_weight_out
+    )
+    return _single_pass_loss(loss_fn, inputs, layout, hidden, weight, target, head_ids, opts)
+
+
+def _runs_single_pass(
+    loss_fn: ClippedPGLoss, layout: TokenLayout, single_pass: bool | None, hidden: torch.Tensor, weight: torch.Tensor
+) -> bool:
+    """Whether the single pass runs: the config and layout allow it (``separable.single_pass_blocker``; with
+    ``single_pass=True`` a ValueError with the reason otherwise), it is not turned off, and a gradient is wanted."""
+    why = single_pass_blocker(loss_fn.config, layout)
+    if single_pass and why is not None:
+        raise ValueError(f"single_pass=True is not possible here: {why}; pass single_pass=None (auto) or False")
+    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return why is None and single_pass is not False and wants_grad
+
+
+def _single_pass_loss(
+    loss_fn: ClippedPGLoss,
+    inputs: LossInputs,
+    layout: TokenLayout,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    head_ids: torch.Tensor | None,
+    opts: HeadOptions,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The single pass: each chunk's ``dL/dc`` (and ``dL/dc_head``) from ``TokenLossGradient``; the loss value and
+    the metrics from :meth:`ClippedPGLoss.compute` on the final log-probs, with the IS correction the gradient was
+    built with."""
     token_grad = TokenLossGradient.build(loss_fn, inputs, layout)
     metrics: dict[str, Any] = {}
 
@@ -233,9 +260,6 @@ def fused_linear_pg_loss(
         metrics.update(m)
         return loss.detach()
 
-    opts = HeadOptions(
-        tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype, grad_weight_out
-    )
     chunk_grad = token_grad if head_ids is None else token_grad.with_head  # (dL/dc, dL/dc_head) per chunk
     loss = _SinglePassFusedLoss.apply(hidden, weight, target, head_ids, chunk_grad, finish, opts)
     return loss, metrics
