@@ -343,7 +343,7 @@ def test_the_logits_path_without_score_centering_and_its_misuse():
 
 def test_its_metrics_declare_their_denominators_without_data():
     """The shape-only trace (what the NeMo-RL adapter advertises as metric_normalizations) carries the head too."""
-    from nemo_is_plugin.loss.metrics import Denominator
+    from nemo_is_plugin.loss.denominator import Denominator
 
     for aggregation, loss_per in (("token-mean", Denominator.TOKENS), ("seq-mean-token-mean", Denominator.SEQUENCES)):
         got = ClippedPGLoss({**SC, "loss_aggregation": aggregation}).metric_denominators()

@@ -37,9 +37,9 @@ from collections.abc import Callable
 
 import torch
 
+from nemo_is_plugin.loss.denominator import Denominator
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import where_mask
-from nemo_is_plugin.loss.metrics import Denominator
 from nemo_is_plugin.loss.objectives import ObjectiveOut, PolicyObjective
 from nemo_is_plugin.loss.score_centering import CenteringOut, score_centering_metrics
 from nemo_is_plugin.loss.terms import TermInputs

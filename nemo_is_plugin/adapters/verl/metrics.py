@@ -39,7 +39,7 @@ from collections.abc import Mapping
 import torch
 
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
-from nemo_is_plugin.loss.metrics import Denominator
+from nemo_is_plugin.loss.denominator import Denominator
 from nemo_is_plugin.loss.objectives import OBJECTIVES
 from nemo_is_plugin.loss.terms import LossTerms
 
@@ -63,7 +63,7 @@ def plugin_metrics(local: Mapping[str, float], denominators: Mapping[str, Denomi
     """The plugin's metrics of one micro-batch as verl receives them (before ``actor/nemo_is/``).
 
     ``local``: the loss's metrics renormalised to the micro-batch's counts; ``denominators``: each one's
-    :class:`~nemo_is_plugin.loss.metrics.Denominator`. Extrema (``_min`` / ``_max``, no denominator) get the suffix
+    :class:`~nemo_is_plugin.loss.denominator.Denominator`. Extrema (``_min`` / ``_max``, no denominator) get the suffix
     ``_micro_batch_mean`` (what verl makes of them, see ``MICRO_BATCH_MEAN``); the objective's derived statistics
     (``PolicyObjective.finalize``, e.g. M2PO's ``m2po_m2`` / ``m2po_m2_after``) are added, over this micro-batch (where
     verl's step computes M2PO's statistic, docs/verl.md), and reach verl averaged like every other metric.
