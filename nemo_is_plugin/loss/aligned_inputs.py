@@ -12,7 +12,7 @@ from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.input_validation import POSITIVE_LOGPROB_TOLERANCE, loss_input_checks
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives import objective_of
-from nemo_is_plugin.loss.score_centering import check_head_inputs, head_value_checks
+from nemo_is_plugin.loss.score_centering import check_head_shapes, head_value_checks
 
 # NeMo-RL's data keys; [B, S] tensors are sliced [:, 1:] to align with next-token log-probs [B, S-1].
 TOKEN_KEYS = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
@@ -113,7 +113,7 @@ def align_nemo_rl_inputs(
     if cfg.score_centering:
         head = {k: data[k][:, 1:] if k in data else None for k in HEAD_KEYS}
         head[CURR_HEAD_KEY] = data.get(CURR_HEAD_KEY)  # already [B, S-1, k]
-        check_head_inputs(
+        check_head_shapes(
             tuple(next_token_logprobs.shape),
             cfg.score_centering_top_k,
             head["rollout_topk_ids"],

@@ -157,7 +157,7 @@ def label_and_head_logprobs(
     return label, logp.gather(-1, head_ids.long())
 
 
-def check_head_inputs(
+def check_head_shapes(
     token_shape: tuple[int, ...],
     top_k: int | None,
     ids: torch.Tensor | None,
@@ -292,7 +292,7 @@ __all__ = [
     "CenteringOut",
     "CenteringSpec",
     "centering_term",
-    "check_head_inputs",
+    "check_head_shapes",
     "check_head_values",
     "head_value_checks",
     "label_and_head_logprobs",

@@ -21,7 +21,7 @@ import torch
 
 from nemo_is_plugin.adapters.slime.layout import ResponseShard
 from nemo_is_plugin.loss.input_validation import POSITIVE_LOGPROB_TOLERANCE
-from nemo_is_plugin.loss.score_centering import check_head_inputs, check_head_values
+from nemo_is_plugin.loss.score_centering import check_head_shapes, check_head_values
 from nemo_is_plugin.loss.terms import TermInputs
 
 HEAD_KEYS = ("rollout_topk_token_ids", "rollout_topk_log_probs")  # upstream slime's sample fields
@@ -40,7 +40,7 @@ def slime_head(batch: Mapping[str, Any], shard: ResponseShard, top_k: int | None
             )
         got.append(shard.check_local_rows(name, values))
     ids, sampler = got
-    check_head_inputs((ids.shape[0],), top_k, ids, sampler, sampler, names=(HEAD_KEYS[0], HEAD_KEYS[1], HEAD_KEYS[1]))
+    check_head_shapes((ids.shape[0],), top_k, ids, sampler, sampler, names=(HEAD_KEYS[0], HEAD_KEYS[1], HEAD_KEYS[1]))
     return ids.to(device=shard.device, dtype=torch.long), sampler.to(shard.device)
 
 

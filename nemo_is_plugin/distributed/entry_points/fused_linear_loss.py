@@ -48,7 +48,7 @@ from nemo_is_plugin.distributed.head.fused_linear import (
     HeadChunks,
     HeadOptions,
     check_grad_weight_out,
-    check_head_inputs,
+    check_lm_head_call,
     chunk_logits,
     fused_linear_logprobs,
 )
@@ -221,7 +221,7 @@ def fused_linear_pg_loss(
 
     if sequence_parallel:
         hidden = all_gather(hidden, tp_group, dim=0)  # its backward reduce-scatters dX: no all-reduce inside
-    chunk = check_head_inputs(hidden, weight, target, temperature, chunk_size, backend=backend)
+    chunk = check_lm_head_call(hidden, weight, target, temperature, chunk_size, backend=backend)
     token_grad = TokenLossGradient.build(loss_fn, inputs, layout)
     metrics: dict[str, Any] = {}
 

@@ -42,7 +42,7 @@ from nemo_is_plugin.loss.aligned_inputs import CURR_HEAD_KEY, HEAD_KEYS
 from nemo_is_plugin.loss.clipped_pg import TOKEN_KEYS, ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout, host_ints
 from nemo_is_plugin.loss.masked import EPS, where_mask
-from nemo_is_plugin.loss.score_centering import check_head_inputs
+from nemo_is_plugin.loss.score_centering import check_head_shapes
 
 _UNSET: Any = object()
 
@@ -221,7 +221,7 @@ class LogitClippedPGLoss:
             with_head=self.loss.config.score_centering,
         )
         if self.loss.config.score_centering:
-            check_head_inputs(
+            check_head_shapes(
                 layout.shape,
                 self.loss.config.score_centering_top_k,
                 inputs.rollout_topk_ids,
