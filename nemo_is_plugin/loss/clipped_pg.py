@@ -216,10 +216,10 @@ class ClippedPGLoss:
         """The loss's metrics from its terms, read in one host synchronisation; ``read_with``: a caller's own 0-d
         tensors read in the same synchronisation and returned beside the metrics (not among them)."""
         cfg, t, src = self.config, terms.term_inputs, terms.loss_inputs
-        corr, sur, c_in, g = terms.correction, terms.surrogate, src.curr_logprobs, t.generation
+        corr, sur, c_in, g = terms.correction, terms.surrogate, src.curr_logprobs, t.mu
         book = MetricBook(t.layout, t.valid, terms.n_tok, terms.n_seq)
         # NeMo-RL's mismatch diagnostics (no grad).
-        nemo_rl_error_metrics(book, terms.log_pi_prev, g, t.valid, cfg.reference_policy_kl_type)
+        nemo_rl_error_metrics(book, terms.is_prev, g, t.valid, cfg.reference_policy_kl_type)
         beta, loss_per = cfg.effective_kl_penalty, aggregation_denominator(cfg.effective_loss_aggregation)
         kl = parts.kl.detach()
         book.add_sum("kl_penalty", kl.double() / beta if beta != 0 else kl, loss_per)
@@ -258,7 +258,7 @@ class ClippedPGLoss:
         )
         book.token_mean("input_nonfinite_generation_fraction", nonfinite)
         book.token_mean("input_positive_logprob_fraction", positive)
-        book.mismatch(terms.log_pi_prev, g, t.token_mask * torch.isfinite(g).to(g.dtype), terms.sample_mask)
+        book.mismatch(terms.is_prev, g, t.token_mask * torch.isfinite(g).to(g.dtype), terms.sample_mask)
         book.clip_by_position(sur, t.positions)
         if terms.tokens.centering is not None and parts.centering is not None:
             head = src.curr_topk_logprobs
@@ -274,7 +274,7 @@ class ClippedPGLoss:
             check_finite_loss(
                 metrics,
                 terms.curr,
-                t.prev,
+                t.pi_old,
                 t.valid,
                 anchor,
                 ratio_has_gradient=objective_of(cfg).differentiates_ratio(cfg),

@@ -70,7 +70,7 @@ class Roles:
         cls, cfg: ClippedPGLossConfig, inputs: LossInputs, layout: TokenLayout, c: torch.Tensor
     ) -> Roles:
         """NeMo-RL's roles (and verl's, whose adapter builds the same ``LossInputs``): pi_old by :func:`pi_old_of`
-        from ``prev_logprobs``; IS weights and mismatch metrics compare :func:`log_pi_prev` with
+        from ``prev_logprobs``; IS weights and mismatch metrics compare :func:`is_prev_of` with
         ``generation_logprobs``; the correction is always computed (its metrics are reported with IS off); the KL is
         the plugin's keys. ``c``: the current log-probs in the loss dtype."""
         dtype = c.dtype
@@ -81,7 +81,7 @@ class Roles:
         tm, sm = inputs.token_mask.to(dtype), inputs.sample_mask.to(dtype)
         mu = as_f(inputs.generation_logprobs)
         p = pi_old_of(cfg, c, lambda: as_f(required_input(inputs.prev_logprobs, "prev_logprobs")), lambda: mu)
-        prev = log_pi_prev(cfg, c, p)
+        prev = is_prev_of(cfg, c, p)
         beta = cfg.effective_kl_penalty
         reference = as_f(required_input(inputs.reference_logprobs, "reference_policy_logprobs")) if beta != 0 else None
         head = None
@@ -122,10 +122,10 @@ def pi_old_of(
     return logged()
 
 
-def log_pi_prev(cfg: ClippedPGLossConfig, c: torch.Tensor, pi_old: torch.Tensor) -> torch.Tensor:
+def is_prev_of(cfg: ClippedPGLossConfig, c: torch.Tensor, pi_old: torch.Tensor) -> torch.Tensor:
     """NeMo-RL's and verl's log pi_prev, what the IS weights, rejections and mismatch diagnostics compare with mu:
     pi_old, or in bypass mode (pi_old = mu) the current policy, detached, as verl's bypass mode does."""
     return c.detach() if cfg.bypasses_prev else pi_old
 
 
-__all__ = ["Roles", "log_pi_prev", "pi_old_of"]
+__all__ = ["Roles", "is_prev_of", "pi_old_of"]

@@ -41,18 +41,19 @@ class TermInputs:
     """The batch constants of the per-token terms: detached token tensors of ``layout`` (flat ``[N]`` after
     :meth:`flat`, ``[n]`` after :meth:`chunk`).
 
-    prev: the old log-probs the policy ratio divides by (the roles' pi_old: ``roles.pi_old_of``). generation: log mu
-    (the KL's on-policy weight reads it). valid: token_mask times the sequence's sample mask. positions: n_t, 1-based
-    among unmasked tokens. correction: the IS correction (weights, truncation and rejection masks, rule outcomes),
-    None without one; is_weight: its final weights (None: 1). reference / kl / kl_coef: the KL term (reference None:
-    no KL). nll_tokens / nll_count: the positive samples' tokens (Float[*T]) and their count (0-d) for the NLL term
-    -sum_t q_t c_t, q_t = nll_tokens / (nll_count + 1e-8) (None: no NLL term).
+    pi_old: the old log-probs the policy ratio divides by (``roles.pi_old_of``). mu: the sampler's log-probs (the
+    KL's on-policy weight reads them; the roles' pi_old where the roles have none). Each field has its role's name in
+    :class:`~nemo_is_plugin.loss.roles.Roles`. valid: token_mask times the sequence's sample mask. positions: n_t,
+    1-based among unmasked tokens. correction: the IS correction (weights, truncation and rejection masks, rule
+    outcomes), None without one; is_weight: its final weights (None: 1). reference / kl / kl_coef: the KL term
+    (reference None: no KL). nll_tokens / nll_count: the positive samples' tokens (Float[*T]) and their count (0-d)
+    for the NLL term -sum_t q_t c_t, q_t = nll_tokens / (nll_count + 1e-8) (None: no NLL term).
     """
 
     config: ClippedPGLossConfig
     layout: TokenLayout
-    prev: torch.Tensor
-    generation: torch.Tensor
+    pi_old: torch.Tensor
+    mu: torch.Tensor
     advantages: torch.Tensor
     token_mask: torch.Tensor
     valid: torch.Tensor
@@ -68,8 +69,8 @@ class TermInputs:
     centering: CenteringSpec | None = None
 
     _TOKEN_FIELDS = (
-        "prev",
-        "generation",
+        "pi_old",
+        "mu",
         "advantages",
         "token_mask",
         "valid",
@@ -139,8 +140,8 @@ def token_terms(
     # gradients in (bit-identical gradients to NeMo-RL's float32 arithmetic).
     kl = None
     if t.reference is not None and t.kl is not None:
-        kl = t.kl.tokens(c if c_kl is None else c_kl, t.reference, t.generation, t.prev)
-    anchor = ratio_anchor(t.prev, c, t.valid)
+        kl = t.kl.tokens(c if c_kl is None else c_kl, t.reference, t.mu, t.pi_old)
+    anchor = ratio_anchor(t.pi_old, c, t.valid)
     causal_anchor = None
     if causal is not None:
         with torch.no_grad():  # as ratios.policy_log_ratio: the cumulative value carries no gradient
@@ -156,7 +157,7 @@ def token_terms(
             raise ValueError("score centering needs the current log-probs at the head ids (c_head)")
         # the tokens the term acts on: counted, with a finite generation log-prob (without one the sampler's
         # distribution at that position is not what it recorded: the IS weight is 0 there too)
-        counted = (t.valid != 0) & torch.isfinite(t.generation)
+        counted = (t.valid != 0) & torch.isfinite(t.mu)
         spec = t.centering
         centering = centering_term(
             c_head.to(c.dtype),
@@ -174,15 +175,15 @@ def token_terms(
 class LossTerms:
     """Every per-token term of one ``ClippedPGLoss`` call (token tensors of ``term_inputs.layout``), and what its
     reductions and metrics read besides: the call's ``LossInputs`` as given (``loss_inputs``) and the batch constants
-    of its terms (``term_inputs``), the loss dtype's current log-probs ``curr``, ``log_pi_prev`` (the roles'
-    ``is_prev``, the log-probs the IS weights pi_prev / mu compare with mu: pi_old, or sg c in bypass mode), the sample
-    mask and the global counts."""
+    of its terms (``term_inputs``), the loss dtype's current log-probs ``curr``, the roles' ``is_prev`` (log
+    pi_prev, what the IS weights pi_prev / mu compare with mu: pi_old, or sg c in bypass mode), the sample mask and the
+    global counts."""
 
     loss_inputs: LossInputs
     term_inputs: TermInputs
     tokens: TokenTerms
     curr: torch.Tensor
-    log_pi_prev: torch.Tensor
+    is_prev: torch.Tensor
     sample_mask: torch.Tensor
     n_tok: torch.Tensor
     n_seq: torch.Tensor
@@ -267,8 +268,8 @@ def term_inputs(
     return TermInputs(
         config=cfg,
         layout=layout,
-        prev=roles.pi_old,
-        generation=mu,
+        pi_old=roles.pi_old,
+        mu=mu,
         advantages=roles.advantages,
         token_mask=tm,
         valid=valid,
@@ -311,7 +312,7 @@ def loss_terms(
         term_inputs=t,
         tokens=token_terms(t, c, c_kl=c_kl, c_head=c_head),
         curr=c,
-        log_pi_prev=roles.is_prev,
+        is_prev=roles.is_prev,
         sample_mask=inputs.sample_mask.to(c.dtype),
         n_tok=_as_scalar(inputs.global_valid_toks, c.dtype, c.device),
         n_seq=_as_scalar(inputs.global_valid_seqs, c.dtype, c.device),

@@ -47,7 +47,7 @@ def slime_head(batch: Mapping[str, Any], shard: ResponseShard, top_k: int | None
 def check_slime_head(t: TermInputs, c_head: torch.Tensor) -> None:
     """Refuse, in one host read, head values the term cannot use on the tokens it acts on (the loss's rule)."""
     assert t.head_sampler is not None
-    counted = (t.valid != 0) & torch.isfinite(t.generation)
+    counted = (t.valid != 0) & torch.isfinite(t.mu)
     tolerance = POSITIVE_LOGPROB_TOLERANCE.get(t.head_sampler.dtype, 1e-4)
     check_head_values(counted, t.head_sampler, c_head, (HEAD_KEYS[1], "the trainer's head log-probs"), tolerance)
 

@@ -271,7 +271,7 @@ def slime_metrics(
     cfg, sur, corr = t.config, terms.surrogate, t.correction
     with torch.no_grad():
         token_ratio = objective_of(cfg).token_ratio(cfg)
-        ppo_kl = (t.prev - c.detach()) if token_ratio else -torch.log(sur.ratio)
+        ppo_kl = (t.pi_old - c.detach()) if token_ratio else -torch.log(sur.ratio)
         out = {"pg_clipfrac": reduce(sur.clipped.to(c.dtype)), "ppo_kl": reduce(ppo_kl)}
         for name, flag in (("low", sur.clipped_low), ("high", sur.clipped_high), ("dual", sur.dual_clipped)):
             out[f"{PLUGIN_PREFIX}clip_fraction_{name}"] = reduce(flag.to(c.dtype))

@@ -130,7 +130,7 @@ def verl_statistics(terms: LossTerms) -> dict[str, torch.Tensor]:
     Returns 0-d float64 tensors under their ``rollout_corr/`` names (read with the loss's metrics: no host sync).
     """
     config, corr = terms.term_inputs.config, terms.correction
-    p, g = terms.log_pi_prev.double(), terms.term_inputs.generation.double()
+    p, g = terms.is_prev.double(), terms.term_inputs.mu.double()
     m = terms.term_inputs.token_mask.to(torch.float64)
     out = off_policy_statistics(p, g, m)
     if config.use_importance_sampling_correction and corr.truncated is not None and corr.truncation_keep is not None:
