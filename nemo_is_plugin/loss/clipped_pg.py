@@ -22,14 +22,14 @@ import torch
 
 from nemo_is_plugin.config import ConfigError
 from nemo_is_plugin.loss.aggregation import aggregate
-from nemo_is_plugin.loss.aligned_inputs import CURR_HEAD_KEY, LossInputs, align_nemo_rl_inputs
 from nemo_is_plugin.loss.aligned_inputs import TOKEN_KEYS as TOKEN_KEYS  # re-exported: distributed/ imports it here
+from nemo_is_plugin.loss.aligned_inputs import TRAINER_HEAD_KEY, LossInputs, align_nemo_rl_inputs
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig, load_loss_config
 from nemo_is_plugin.loss.correction import ISCorrection
+from nemo_is_plugin.loss.denominator import Denominator
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
 from nemo_is_plugin.loss.metrics import (
-    Denominator,
     MetricBook,
     MetricValues,
     aggregation_denominator,
@@ -38,7 +38,7 @@ from nemo_is_plugin.loss.metrics import (
 from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.output_checks import check_finite_loss, input_anomalies, warn_input_anomalies
 from nemo_is_plugin.loss.registry import NAME_KEY, get_loss, split_name
-from nemo_is_plugin.loss.score_centering import label_and_head_logprobs, score_centering_metrics
+from nemo_is_plugin.loss.score_centering import ScoreCenteringHead, label_and_head_logprobs, score_centering_metrics
 from nemo_is_plugin.loss.terms import LossTerms, TermInputs, loss_terms
 
 
@@ -140,8 +140,8 @@ class ClippedPGLoss:
             return label_and_head_logprobs(logits[:, :-1], labels, labels.unsqueeze(-1))[0], data
         if "rollout_topk_ids" not in data:
             raise KeyError("score_centering: true needs data['rollout_topk_ids'] [B, S, k] (the sampler's head ids)")
-        label, head = label_and_head_logprobs(logits[:, :-1], labels, data["rollout_topk_ids"][:, 1:])
-        return label, {**data, CURR_HEAD_KEY: head}
+        label, trainer_head = label_and_head_logprobs(logits[:, :-1], labels, data["rollout_topk_ids"][:, 1:])
+        return label, {**data, TRAINER_HEAD_KEY: trainer_head}
 
     def prepare(
         self,
@@ -261,10 +261,11 @@ class ClippedPGLoss:
         book.mismatch(terms.is_prev, g, t.token_mask * torch.isfinite(g).to(g.dtype), terms.sample_mask)
         book.clip_by_position(sur, t.positions)
         if terms.tokens.centering is not None and parts.centering is not None:
-            head = src.curr_topk_logprobs
-            assert head is not None  # loss_terms required it
-            sc = terms.tokens.centering
-            score_centering_metrics(book, sc, parts.centering, loss_per, terms.curr, head, t.advantages, t.is_weight)
+            assert src.head is not None and src.head.trainer_head is not None  # loss_terms required it
+            trainer_head, sc = src.head.trainer_head, terms.tokens.centering
+            score_centering_metrics(
+                book, sc, parts.centering, loss_per, terms.curr, trainer_head, t.advantages, t.is_weight
+            )
         objective_of(cfg).report(book, terms.tokens.objective, terms.sample_mask)
         for name, value in (extra_metric_sums or {}).items():
             book.add_sum(name, value, Denominator.NONE)
@@ -289,9 +290,8 @@ class ClippedPGLoss:
         meta = torch.empty(1, 1, device="meta")  # one token of one sequence; every input may be the same tensor
         inputs = LossInputs(meta, meta, meta, meta, meta, meta, meta[0], 1.0, 1.0, rewards=meta[0])
         if self.config.score_centering:
-            head = meta.unsqueeze(-1)
-            inputs.rollout_topk_ids = torch.empty(1, 1, 1, dtype=torch.long, device="meta")
-            inputs.rollout_topk_logprobs = inputs.curr_topk_logprobs = head
+            head_ids = torch.empty(1, 1, 1, dtype=torch.long, device="meta")
+            inputs.head = ScoreCenteringHead(head_ids, meta.unsqueeze(-1), meta.unsqueeze(-1))
         _, metrics = self.compute(inputs, TokenLayout.padded(1, 1, device=meta.device))
         return metrics.denominators
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -84,7 +84,10 @@ class MissingInputError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def required_input(t: torch.Tensor | None, key: str) -> torch.Tensor:
+Required = TypeVar("Required")
+
+
+def required_input(t: Required | None, key: str) -> Required:
     """``t``, a loss input the config reads; absent (loss inputs built without the validating entry point), the
     :class:`MissingInputError` that :func:`validate_loss_inputs` raises for the missing data key."""
     if t is None:

@@ -47,8 +47,8 @@ class Roles:
     mismatch_prev: what the IS correction / the mismatch diagnostics compare with mu. corrects: the plugin computes
     the IS correction (else the host corrects, or nothing does). advantages, token_mask; valid: the tokens that count
     (token_mask times the sample's mask). reference / kl / kl_coef: the KL term (reference None: none). rewards: the
-    samples' rewards ``[S]`` (the positive-sample NLL term reads them; None: no NLL term). head_sampler: the sampler's
-    top-k head log-probs ``[*T, k]`` (score centering).
+    samples' rewards ``[S]`` (the positive-sample NLL term reads them; None: no NLL term). sampler_head: the sampler's
+    top-k head log-probs ``[*T, k]`` (score centering: ``ScoreCenteringHead.sampler_head``).
     """
 
     pi_old: torch.Tensor
@@ -63,7 +63,7 @@ class Roles:
     kl: KLSpec | None = None
     kl_coef: float = 0.0
     rewards: torch.Tensor | None = None
-    head_sampler: torch.Tensor | None = None
+    sampler_head: torch.Tensor | None = None
 
     @classmethod
     def of_loss_inputs(
@@ -84,9 +84,10 @@ class Roles:
         prev = is_prev_of(cfg, c, p)
         beta = cfg.effective_kl_penalty
         reference = as_f(required_input(inputs.reference_logprobs, "reference_policy_logprobs")) if beta != 0 else None
-        head = None
+        sampler_head = None
         if cfg.score_centering:
-            head = as_f(required_input(inputs.rollout_topk_logprobs, "rollout_topk_logprobs"))
+            head = required_input(inputs.head, "rollout_topk_logprobs")
+            sampler_head = as_f(head.sampler_head)
         return cls(
             pi_old=p,
             mu=mu,
@@ -100,7 +101,7 @@ class Roles:
             kl=KLSpec.of(cfg) if reference is not None else None,
             kl_coef=beta,
             rewards=inputs.rewards,
-            head_sampler=head,
+            sampler_head=sampler_head,
         )
 
 
