@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
-from nemo_is_plugin.loss.input_validation import POSITIVE_LOGPROB_TOLERANCE, loss_input_checks
+from nemo_is_plugin.loss.input_validation import loss_input_checks
+from nemo_is_plugin.loss.input_values import POSITIVE_LOGPROB_TOLERANCE
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.score_centering import ScoreCenteringHead, check_head_shapes, head_value_checks

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 
 from nemo_is_plugin.loss.denominator import Denominator
-from nemo_is_plugin.loss.input_validation import DeferredCheck
+from nemo_is_plugin.loss.input_values import DeferredCheck
 
 if TYPE_CHECKING:
     from nemo_is_plugin.loss.config_model import ClippedPGLossConfig

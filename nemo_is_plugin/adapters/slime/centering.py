@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from nemo_is_plugin.adapters.slime.layout import ResponseShard
-from nemo_is_plugin.loss.input_validation import POSITIVE_LOGPROB_TOLERANCE
+from nemo_is_plugin.loss.input_values import POSITIVE_LOGPROB_TOLERANCE
 from nemo_is_plugin.loss.score_centering import ScoreCenteringHead, check_head_shapes, check_head_values
 from nemo_is_plugin.loss.terms import TermInputs
 
