@@ -19,7 +19,8 @@ from helpers.golden_outcome import assert_same_outcome, no_guard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_is_plugin import build_loss_fn
-from nemo_is_plugin.loss.metrics import Denominator, MetricBook
+from nemo_is_plugin.loss.denominator import Denominator
+from nemo_is_plugin.loss.metrics import MetricBook
 
 CALLS = golden_calls()
 

@@ -168,3 +168,18 @@ def test_the_checks_see_upward_imports_and_cycles():
     # a lazy import inside a function counts: the NeMo-RL adapter builds the LOGIT loss that way
     adapter_imports = {name for name, _, _ in imports("nemo_is_plugin.adapters.nemo_rl.loss_fn")}
     assert "nemo_is_plugin.distributed.entry_points.logit_loss" in adapter_imports
+
+
+def test_score_centering_sits_with_the_terms_math():
+    """Score centering's term is a sibling of the other terms' math (the KL, the IS correction), not a floor above the
+    metrics machinery: at run time it imports only leaves of the loss package (modules that import no other module of
+    it), e.g. ``Denominator``'s module rather than metrics.py."""
+    term = "nemo_is_plugin.loss.score_centering"
+
+    def runtime_loss_imports(module: str) -> set[str]:
+        return {n for n, _, typing in imports(module) if not typing and n.startswith("nemo_is_plugin.loss.")}
+
+    used = runtime_loss_imports(term)
+    assert "nemo_is_plugin.loss.denominator" in used and "nemo_is_plugin.loss.metrics" not in used
+    not_leaves = {n: sorted(runtime_loss_imports(n)) for n in used if runtime_loss_imports(n)}
+    assert not not_leaves, f"{term} imports modules above the loss's leaves: {not_leaves}"

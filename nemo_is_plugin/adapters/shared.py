@@ -16,7 +16,8 @@ from pydantic import BaseModel
 from nemo_is_plugin.config import REJECTION_TYPES
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
-from nemo_is_plugin.loss.metrics import Denominator, MetricValues
+from nemo_is_plugin.loss.denominator import Denominator
+from nemo_is_plugin.loss.metrics import MetricValues
 
 # ----------------------------------------------------------------------------------------- the rollout correction
 
@@ -99,7 +100,7 @@ def renormalize(metrics: MetricValues, *, tokens: tuple[float, float], seqs: tup
     """Change each metric's denominator from one count to another: ``tokens = (old, new)``, ``seqs = (old, new)``.
 
     Every additive metric is "a local sum / a global count" (docs/design.md, metrics contract), and each metric
-    declares which count where the loss emits it (:class:`~nemo_is_plugin.loss.metrics.Denominator`). E.g. from the
+    declares which count where the loss emits it (:class:`~nemo_is_plugin.loss.denominator.Denominator`). E.g. from the
     global counts the loss divided by to this micro-batch's own counts, for hosts (verl) that average per-micro-batch
     metrics instead of summing them. A new count of 0 gives 0 (the metric's sum is 0 then too).
     """

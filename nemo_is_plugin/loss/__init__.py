@@ -3,8 +3,9 @@
 :class:`ClippedPGLoss` (``clipped_pg``) reduces and reports the per-token terms that ``terms`` computes once per call
 (one typed :class:`~nemo_is_plugin.loss.terms.LossTerms`): the policy objective's surrogate (``objectives``: one
 module per ``policy_objective``, PPO's clip among them, with ``ratios``), the IS correction (``is_weights`` /
-``truncation`` / ``rejection`` / ``correction``), the KL penalty (``kl``); ``aggregation`` reduces them, ``metrics`` /
-``mismatch_metrics`` report them, ``input_validation`` checks the inputs; ``layout`` (TokenLayout: which sequence and
+``truncation`` / ``rejection`` / ``correction``), the KL penalty (``kl``), score centering's term
+(``score_centering``); ``aggregation`` reduces them, ``metrics`` / ``mismatch_metrics`` report them (each with its
+``denominator``), ``input_validation`` / ``input_values`` check the inputs; ``layout`` (TokenLayout: which sequence and
 position each token is) and ``masked`` underlie them. ``separable`` gives the loss's per-token gradient chunk by chunk
 (the fused single pass) from the same terms. ``registry`` resolves loss names; its ``build_loss_fn`` builds the loss a
 ``loss_fn`` section names.

@@ -9,18 +9,20 @@ from dataclasses import dataclass
 import torch
 
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
-from nemo_is_plugin.loss.input_validation import POSITIVE_LOGPROB_TOLERANCE, loss_input_checks
+from nemo_is_plugin.loss.input_validation import loss_input_checks
+from nemo_is_plugin.loss.input_values import POSITIVE_LOGPROB_TOLERANCE
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives import objective_of
-from nemo_is_plugin.loss.score_centering import check_head_inputs, head_value_checks
+from nemo_is_plugin.loss.score_centering import ScoreCenteringHead, check_head_shapes, head_value_checks
 
 # NeMo-RL's data keys; [B, S] tensors are sliced [:, 1:] to align with next-token log-probs [B, S-1].
 TOKEN_KEYS = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
-# Score centering's sampler head: [B, S, k] tensors, sliced [:, 1:] like generation_logprobs (the head of the token
-# at position s is recorded where its log-prob is). curr_topk_logprobs, the trainer's log-probs at those ids, is
-# [B, S-1, k], aligned like next_token_logprobs (not sliced).
+# Score centering's head under NeMo-RL's data keys (read here and by the distributed entry points, nowhere else): the
+# sampler's head ids and log-probs, [B, S, k] tensors sliced [:, 1:] like generation_logprobs (the head of the token at
+# position s is recorded where its log-prob is), and the trainer's log-probs at those ids, [B, S-1, k], aligned like
+# next_token_logprobs (not sliced). In the package they are ScoreCenteringHead's head_ids / sampler_head / trainer_head.
 HEAD_KEYS = ("rollout_topk_ids", "rollout_topk_logprobs")
-CURR_HEAD_KEY = "curr_topk_logprobs"
+TRAINER_HEAD_KEY = "curr_topk_logprobs"
 
 
 @dataclass
@@ -43,13 +45,9 @@ class LossInputs:
     # NeMo-RL's current log-probs without top-k / top-p filtering (same shape as curr_logprobs, requires grad): the
     # KL penalty and its weight use them when present.
     curr_logprobs_unfiltered: torch.Tensor | None = None
-    # Score centering (``score_centering: true``): the sampler's top-k head of each token, [*T, k]. rollout_topk_ids:
-    # integer vocabulary ids; rollout_topk_logprobs: the sampler's full-vocabulary log-probs q_v at them (-inf marks an
-    # empty slot: zero mass, no gradient); curr_topk_logprobs: the trainer's log-probs p_v at the same ids, requires
-    # grad, from the same log-softmax as curr_logprobs (a second normalisation would skew the tail ratio rho).
-    rollout_topk_ids: torch.Tensor | None = None
-    rollout_topk_logprobs: torch.Tensor | None = None
-    curr_topk_logprobs: torch.Tensor | None = None
+    # Score centering (``score_centering: true``): the sampler's top-k head of each token and the trainer's log-probs
+    # at it, [*T, k] each (its trainer_head requires grad, from the same log-softmax as curr_logprobs).
+    head: ScoreCenteringHead | None = None
 
     @classmethod
     def from_tokens(
@@ -61,8 +59,8 @@ class LossInputs:
         global_valid_toks: torch.Tensor | float,
     ) -> LossInputs:
         """Build from token tensors under NeMo-RL's keys (``tokens``, already aligned with ``curr_logprobs``, optionally
-        ``curr_logprobs_unfiltered``) and the per-sequence entries of ``data`` (``sample_mask``, optional
-        ``rewards``)."""
+        ``curr_logprobs_unfiltered`` and score centering's head under :data:`HEAD_KEYS` / :data:`TRAINER_HEAD_KEY`)
+        and the per-sequence entries of ``data`` (``sample_mask``, optional ``rewards``)."""
         return cls(
             curr_logprobs=curr_logprobs,
             prev_logprobs=tokens.get("prev_logprobs"),
@@ -75,10 +73,16 @@ class LossInputs:
             global_valid_toks=global_valid_toks,
             rewards=data.get("rewards"),
             curr_logprobs_unfiltered=tokens.get("curr_logprobs_unfiltered"),
-            rollout_topk_ids=tokens.get("rollout_topk_ids"),
-            rollout_topk_logprobs=tokens.get("rollout_topk_logprobs"),
-            curr_topk_logprobs=tokens.get(CURR_HEAD_KEY),
+            head=nemo_rl_head(tokens),
         )
+
+
+def nemo_rl_head(tokens: Mapping[str, torch.Tensor]) -> ScoreCenteringHead | None:
+    """Score centering's head under NeMo-RL's keys (already aligned); None without the sampler's log-probs."""
+    sampler_head = tokens.get(HEAD_KEYS[1])
+    if sampler_head is None:
+        return None
+    return ScoreCenteringHead(tokens.get(HEAD_KEYS[0]), sampler_head, tokens.get(TRAINER_HEAD_KEY))
 
 
 def align_nemo_rl_inputs(
@@ -112,21 +116,22 @@ def align_nemo_rl_inputs(
         layout = TokenLayout.padded(curr.shape[0], curr.shape[1], device=curr.device)
     if cfg.score_centering:
         head = {k: data[k][:, 1:] if k in data else None for k in HEAD_KEYS}
-        head[CURR_HEAD_KEY] = data.get(CURR_HEAD_KEY)  # already [B, S-1, k]
-        check_head_inputs(
+        head[TRAINER_HEAD_KEY] = data.get(TRAINER_HEAD_KEY)  # already [B, S-1, k]
+        check_head_shapes(
             tuple(next_token_logprobs.shape),
             cfg.score_centering_top_k,
-            head["rollout_topk_ids"],
-            head["rollout_topk_logprobs"],
-            head[CURR_HEAD_KEY],
-            names=("data['rollout_topk_ids']", "data['rollout_topk_logprobs']", f"data['{CURR_HEAD_KEY}']"),
-            hint=f" (the rollout_topk_* data are [B, S, k], sliced [:, 1:]; {CURR_HEAD_KEY} is [B, S-1, k])",
+            head[HEAD_KEYS[0]],
+            head[HEAD_KEYS[1]],
+            head[TRAINER_HEAD_KEY],
+            names=(f"data['{HEAD_KEYS[0]}']", f"data['{HEAD_KEYS[1]}']", f"data['{TRAINER_HEAD_KEY}']"),
+            hint=f" (the rollout_topk_* data are [B, S, k], sliced [:, 1:]; {TRAINER_HEAD_KEY} is [B, S-1, k])",
         )
         sliced.update({k: v for k, v in head.items() if v is not None})
         counted = (sliced["token_mask"] != 0) & (layout.to_tokens(data["sample_mask"]) != 0)
-        q, p = sliced["rollout_topk_logprobs"], sliced[CURR_HEAD_KEY]
-        names = ("data['rollout_topk_logprobs']", f"data['{CURR_HEAD_KEY}']")
+        sampler_head, trainer_head = sliced[HEAD_KEYS[1]], sliced[TRAINER_HEAD_KEY]
+        names = (f"data['{HEAD_KEYS[1]}']", f"data['{TRAINER_HEAD_KEY}']")
+        tolerance = POSITIVE_LOGPROB_TOLERANCE.get(sampler_head.dtype, 1e-4)
         # read with the inputs' own checks: score centering adds no host read
-        pending.add(head_value_checks(counted, q, p, names, POSITIVE_LOGPROB_TOLERANCE.get(q.dtype, 1e-4)))
+        pending.add(head_value_checks(counted, sampler_head, trainer_head, names, tolerance))
     pending.run()  # the one host read of the inputs' values
     return LossInputs.from_tokens(curr, sliced, data, global_valid_seqs, global_valid_toks), layout

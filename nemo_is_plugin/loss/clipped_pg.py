@@ -22,14 +22,14 @@ import torch
 
 from nemo_is_plugin.config import ConfigError
 from nemo_is_plugin.loss.aggregation import aggregate
-from nemo_is_plugin.loss.aligned_inputs import CURR_HEAD_KEY, LossInputs, align_nemo_rl_inputs
 from nemo_is_plugin.loss.aligned_inputs import TOKEN_KEYS as TOKEN_KEYS  # re-exported: distributed/ imports it here
+from nemo_is_plugin.loss.aligned_inputs import TRAINER_HEAD_KEY, LossInputs, align_nemo_rl_inputs
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig, load_loss_config
 from nemo_is_plugin.loss.correction import ISCorrection
+from nemo_is_plugin.loss.denominator import Denominator
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
 from nemo_is_plugin.loss.metrics import (
-    Denominator,
     MetricBook,
     MetricValues,
     aggregation_denominator,
@@ -38,7 +38,7 @@ from nemo_is_plugin.loss.metrics import (
 from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.output_checks import check_finite_loss, input_anomalies, warn_input_anomalies
 from nemo_is_plugin.loss.registry import NAME_KEY, get_loss, split_name
-from nemo_is_plugin.loss.score_centering import label_and_head_logprobs, score_centering_metrics
+from nemo_is_plugin.loss.score_centering import ScoreCenteringHead, label_and_head_logprobs, score_centering_metrics
 from nemo_is_plugin.loss.terms import LossTerms, TermInputs, loss_terms
 
 
@@ -140,8 +140,8 @@ class ClippedPGLoss:
             return label_and_head_logprobs(logits[:, :-1], labels, labels.unsqueeze(-1))[0], data
         if "rollout_topk_ids" not in data:
             raise KeyError("score_centering: true needs data['rollout_topk_ids'] [B, S, k] (the sampler's head ids)")
-        label, head = label_and_head_logprobs(logits[:, :-1], labels, data["rollout_topk_ids"][:, 1:])
-        return label, {**data, CURR_HEAD_KEY: head}
+        label, trainer_head = label_and_head_logprobs(logits[:, :-1], labels, data["rollout_topk_ids"][:, 1:])
+        return label, {**data, TRAINER_HEAD_KEY: trainer_head}
 
     def prepare(
         self,
@@ -216,10 +216,10 @@ class ClippedPGLoss:
         """The loss's metrics from its terms, read in one host synchronisation; ``read_with``: a caller's own 0-d
         tensors read in the same synchronisation and returned beside the metrics (not among them)."""
         cfg, t, src = self.config, terms.term_inputs, terms.loss_inputs
-        corr, sur, c_in, g = terms.correction, terms.surrogate, src.curr_logprobs, t.generation
+        corr, sur, c_in, g = terms.correction, terms.surrogate, src.curr_logprobs, t.mu
         book = MetricBook(t.layout, t.valid, terms.n_tok, terms.n_seq)
         # NeMo-RL's mismatch diagnostics (no grad).
-        nemo_rl_error_metrics(book, terms.log_pi_prev, g, t.valid, cfg.reference_policy_kl_type)
+        nemo_rl_error_metrics(book, terms.is_prev, g, t.valid, cfg.reference_policy_kl_type)
         beta, loss_per = cfg.effective_kl_penalty, aggregation_denominator(cfg.effective_loss_aggregation)
         kl = parts.kl.detach()
         book.add_sum("kl_penalty", kl.double() / beta if beta != 0 else kl, loss_per)
@@ -258,13 +258,14 @@ class ClippedPGLoss:
         )
         book.token_mean("input_nonfinite_generation_fraction", nonfinite)
         book.token_mean("input_positive_logprob_fraction", positive)
-        book.mismatch(terms.log_pi_prev, g, t.token_mask * torch.isfinite(g).to(g.dtype), terms.sample_mask)
+        book.mismatch(terms.is_prev, g, t.token_mask * torch.isfinite(g).to(g.dtype), terms.sample_mask)
         book.clip_by_position(sur, t.positions)
         if terms.tokens.centering is not None and parts.centering is not None:
-            head = src.curr_topk_logprobs
-            assert head is not None  # loss_terms required it
-            sc = terms.tokens.centering
-            score_centering_metrics(book, sc, parts.centering, loss_per, terms.curr, head, t.advantages, t.is_weight)
+            assert src.head is not None and src.head.trainer_head is not None  # loss_terms required it
+            trainer_head, sc = src.head.trainer_head, terms.tokens.centering
+            score_centering_metrics(
+                book, sc, parts.centering, loss_per, terms.curr, trainer_head, t.advantages, t.is_weight
+            )
         objective_of(cfg).report(book, terms.tokens.objective, terms.sample_mask)
         for name, value in (extra_metric_sums or {}).items():
             book.add_sum(name, value, Denominator.NONE)
@@ -274,7 +275,7 @@ class ClippedPGLoss:
             check_finite_loss(
                 metrics,
                 terms.curr,
-                t.prev,
+                t.pi_old,
                 t.valid,
                 anchor,
                 ratio_has_gradient=objective_of(cfg).differentiates_ratio(cfg),
@@ -289,9 +290,8 @@ class ClippedPGLoss:
         meta = torch.empty(1, 1, device="meta")  # one token of one sequence; every input may be the same tensor
         inputs = LossInputs(meta, meta, meta, meta, meta, meta, meta[0], 1.0, 1.0, rewards=meta[0])
         if self.config.score_centering:
-            head = meta.unsqueeze(-1)
-            inputs.rollout_topk_ids = torch.empty(1, 1, 1, dtype=torch.long, device="meta")
-            inputs.rollout_topk_logprobs = inputs.curr_topk_logprobs = head
+            head_ids = torch.empty(1, 1, 1, dtype=torch.long, device="meta")
+            inputs.head = ScoreCenteringHead(head_ids, meta.unsqueeze(-1), meta.unsqueeze(-1))
         _, metrics = self.compute(inputs, TokenLayout.padded(1, 1, device=meta.device))
         return metrics.denominators
 

@@ -29,30 +29,22 @@ Non-finite *IS weights* are never an input error: an ``exp`` of finite log-probs
 as NeMo-RL does (``nan_to_num(w, nan=0, posinf=0, neginf=0)``).
 
 Cost: two reductions per float tensor (max, min; NaN propagates through max), one per non-bool mask, and a single
-host synchronisation for all of them together. The per-element search for the offending entry only runs once an
-error has been found. A caller's own value checks (:class:`DeferredCheck`, e.g. score centering's head values) ride
-along in the same synchronisation: :func:`loss_input_checks` returns the checks unread, ``run()`` reads them.
+host synchronisation for all of them together (``loss/input_values.py``: the value half of the checks). The
+per-element search for the offending entry only runs once an error has been found. A caller's own value checks
+(:class:`~nemo_is_plugin.loss.input_values.DeferredCheck`, e.g. score centering's head values) ride along in the same
+synchronisation: :func:`loss_input_checks` returns the checks unread, ``run()`` reads them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import torch
 
 from nemo_is_plugin.common.once import warn_once
+from nemo_is_plugin.loss.input_values import POSITIVE_LOGPROB_TOLERANCE, PendingInputChecks
 
-# How far above 0 a log-prob may be before it counts as positive (an error in strict mode), per dtype. log_softmax
-# rounds: in float32 a near-certain token can come out at +1e-6; half-precision log-probs computed from
-# half-precision logits err by up to one ulp of the logit (bf16 spacing is 0.0625 at |logit| in [8, 16)).
-POSITIVE_LOGPROB_TOLERANCE: dict[torch.dtype, float] = {
-    torch.float64: 1e-4,
-    torch.float32: 1e-4,
-    torch.float16: 1e-2,
-    torch.bfloat16: 1e-1,
-}
 FLOAT_DTYPES = tuple(POSITIVE_LOGPROB_TOLERANCE)
 _DTYPE_NAMES = "float16, bfloat16, float32 or float64"
 
@@ -84,36 +76,15 @@ class MissingInputError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def required_input(t: torch.Tensor | None, key: str) -> torch.Tensor:
+Required = TypeVar("Required")
+
+
+def required_input(t: Required | None, key: str) -> Required:
     """``t``, a loss input the config reads; absent (loss inputs built without the validating entry point), the
     :class:`MissingInputError` that :func:`validate_loss_inputs` raises for the missing data key."""
     if t is None:
         raise MissingInputError(f"the loss inputs lack '{key}' (needed by {_WHY[key]})")
     return t
-
-
-class DeferredCheck(NamedTuple):
-    """A caller's own value check: a 0-d device ``scalar`` read with the inputs' reductions, and ``raise_if_bad``,
-    called with its value (a float) once the inputs' own checks have passed, which raises when it is bad."""
-
-    scalar: torch.Tensor
-    raise_if_bad: Callable[[float], None]
-
-
-@dataclass
-class PendingInputChecks:
-    """The value checks of :func:`loss_input_checks`, not yet read: ``add`` more, then ``run`` (one host read)."""
-
-    checks: list[tuple[str, torch.Tensor, str]]
-    deferred: list[DeferredCheck] = field(default_factory=list)
-
-    def add(self, checks: list[DeferredCheck]) -> None:
-        self.deferred.extend(checks)
-
-    def run(self) -> None:
-        """Read every reduction in one host synchronisation; raise for the first bad input (the inputs' own checks
-        first, then the deferred ones in order)."""
-        _check_values(self.checks, self.deferred)
 
 
 def validate_loss_inputs(
@@ -162,6 +133,30 @@ def loss_input_checks(
         or from ``run()``.
     """
     x = next_token_logprobs
+    _check_call_types(x, data)
+    _refuse_unshifted_logprobs(x, data)
+    flags = {"needs_prev": needs_prev, "needs_generation": needs_generation, "needs_reference": needs_reference}
+    if needs_rewards and not strict and "rewards" not in data:  # here: the warning points at the loss's caller
+        warn_once(
+            "rewards",
+            "positive_example_nll_weight > 0 but data has no 'rewards': the positive-example NLL term "
+            "is skipped, as NeMo-RL does (set strict_input_checks: true to make this an error)",
+        )
+    needed = _needed_keys(data, flags, needs_rewards and strict)
+    # (name, tensor restricted to what the loss reads, kind) for the value checks, read in one host sync by run()
+    logprob = "logprob" if strict else "finite"
+    checks: list[tuple[str, torch.Tensor, str]] = [("next_token_logprobs", x, logprob)]
+    if needs_reference and "curr_logprobs_unfiltered" in data:
+        checks.append(_unfiltered_check(data["curr_logprobs_unfiltered"], x, logprob))
+    checks += _token_tensor_checks(data, x, needed, strict, generation_is_old_policy)
+    checks += _sequence_tensor_checks(data, x, num_seqs, needs_rewards and "rewards" in data, strict)
+    for name, count in (("global_valid_seqs", global_valid_seqs), ("global_valid_toks", global_valid_toks)):
+        checks.append((name, _count_tensor(name, count, x.device), "count"))
+    return PendingInputChecks(checks)
+
+
+def _check_call_types(x: Any, data: Any) -> None:
+    """The call's log-probs are a non-empty 2-D float tensor ``[B, S-1]``, its data a mapping."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"next_token_logprobs must be a torch.Tensor [B, S-1], got {type(x).__name__}")
     if x.dim() != 2:
@@ -169,14 +164,17 @@ def loss_input_checks(
     _check_float_dtype("next_token_logprobs", x)
     if not isinstance(data, Mapping):
         raise TypeError(f"data must be a mapping of tensors (dict / BatchedDataDict), got {type(data).__name__}")
-
     batch, s_minus_1 = x.shape
     if batch == 0 or s_minus_1 == 0:
         raise ValueError(
             f"next_token_logprobs has shape {_shape(x)}: an empty batch; the loss needs B >= 1 sequences and S-1 >= 1 "
             "tokens (skip the loss call for an empty micro-batch)"
         )
-    # every [B, S] data tensor as wide as the log-probs: the log-probs, not the data, are one column too wide
+
+
+def _refuse_unshifted_logprobs(x: torch.Tensor, data: Mapping[str, Any]) -> None:
+    """Every [B, S] data tensor as wide as the log-probs: the log-probs, not the data, are one column too wide."""
+    batch, s_minus_1 = x.shape
     token_shapes = {
         tuple(data[k].shape)
         for k in ("token_mask", "advantages", *_LOGPROB_KEYS)
@@ -188,18 +186,15 @@ def loss_input_checks(
             f"be [B, S-1] = [{batch}, {s_minus_1 - 1}]: one per predicted token 1..S-1, from the logits at positions "
             "0..S-2 (drop the last position's logits, or the first token's log-prob)"
         )
+
+
+def _needed_keys(data: Mapping[str, Any], flags: dict[str, bool], requires_rewards: bool) -> set[str]:
+    """The data keys the configured loss requires (``flags``: the ``needs_*`` of :func:`loss_input_checks`;
+    ``rewards`` in strict mode only); raises naming the missing ones."""
     needed = {"token_mask", "sample_mask", "advantages"}
-    flags = {"needs_prev": needs_prev, "needs_generation": needs_generation, "needs_reference": needs_reference}
     needed.update(k for k, flag in _LOGPROB_KEYS.items() if flags[flag])
-    if needs_rewards and strict:
+    if requires_rewards:
         needed.add("rewards")
-    elif needs_rewards and "rewards" not in data:
-        warn_once(
-            "rewards",
-            "positive_example_nll_weight > 0 but data has no 'rewards': the positive-example NLL term "
-            "is skipped, as NeMo-RL does (set strict_input_checks: true to make this an error)",
-        )
-    read_rewards = needs_rewards and "rewards" in data
     missing = sorted(k for k in needed if k not in data)
     if missing:
         raise MissingInputError(
@@ -207,19 +202,28 @@ def loss_input_checks(
             + ", ".join(f"'{k}' (needed by {_WHY[k]})" for k in missing)
             + f"; present: {sorted(map(str, data.keys()))}"
         )
+    return needed
 
-    # (name, tensor restricted to what the loss reads, kind) for the value checks below
+
+def _unfiltered_check(value: Any, x: torch.Tensor, logprob: str) -> tuple[str, torch.Tensor, str]:
+    """NeMo-RL's unfiltered current log-probs, already aligned with ``x`` ([B, S-1], not sliced)."""
+    t = _tensor("curr_logprobs_unfiltered", value, x)
+    if t.shape != x.shape:
+        raise ValueError(
+            f"data['curr_logprobs_unfiltered'] has shape {_shape(t)}, expected [B, S-1] = {_shape(x)} "
+            "like next_token_logprobs (it is already aligned with the next token, not sliced)"
+        )
+    _check_float_dtype("data['curr_logprobs_unfiltered']", t)
+    return ("data['curr_logprobs_unfiltered']", t, logprob)
+
+
+def _token_tensor_checks(
+    data: Mapping[str, Any], x: torch.Tensor, needed: set[str], strict: bool, generation_is_old_policy: bool
+) -> list[tuple[str, torch.Tensor, str]]:
+    """The [B, S] tensors' shapes and dtypes, and their value checks on the columns the loss reads (``[:, 1:]``)."""
+    batch, s_minus_1 = x.shape
     logprob = "logprob" if strict else "finite"
-    checks: list[tuple[str, torch.Tensor, str]] = [("next_token_logprobs", x, logprob)]
-    if needs_reference and "curr_logprobs_unfiltered" in data:
-        t = _tensor("curr_logprobs_unfiltered", data["curr_logprobs_unfiltered"], x)
-        if t.shape != x.shape:
-            raise ValueError(
-                f"data['curr_logprobs_unfiltered'] has shape {_shape(t)}, expected [B, S-1] = [{batch}, {s_minus_1}] "
-                "like next_token_logprobs (it is already aligned with the next token, not sliced)"
-            )
-        _check_float_dtype("data['curr_logprobs_unfiltered']", t)
-        checks.append(("data['curr_logprobs_unfiltered']", t, logprob))
+    checks = []
     for key in ("token_mask", "advantages", *[k for k in _LOGPROB_KEYS if k in needed]):
         t = _tensor(key, data[key], x)
         if t.shape != (batch, s_minus_1 + 1):
@@ -230,14 +234,23 @@ def loss_input_checks(
         if key == "token_mask":
             _check_mask_dtype(key, t)
             checks.append((f"data['{key}']", t[:, 1:], "mask"))
-        else:
-            _check_float_dtype(f"data['{key}']", t)
-            name = f"data['{key}']"
-            if key == "generation_logprobs" and generation_is_old_policy:
-                name += " (pi_old: old_policy_logprobs is 'generation')"
-            elif key == "generation_logprobs" and not strict:
-                continue  # NeMo-RL zeroes the IS weight of a non-finite generation log-prob
-            checks.append((name, t[:, 1:], logprob if key in _LOGPROB_KEYS else "finite"))
+            continue
+        _check_float_dtype(f"data['{key}']", t)
+        name = f"data['{key}']"
+        if key == "generation_logprobs" and generation_is_old_policy:
+            name += " (pi_old: old_policy_logprobs is 'generation')"
+        elif key == "generation_logprobs" and not strict:
+            continue  # NeMo-RL zeroes the IS weight of a non-finite generation log-prob
+        checks.append((name, t[:, 1:], logprob if key in _LOGPROB_KEYS else "finite"))
+    return checks
+
+
+def _sequence_tensor_checks(
+    data: Mapping[str, Any], x: torch.Tensor, num_seqs: int | None, read_rewards: bool, strict: bool
+) -> list[tuple[str, torch.Tensor, str]]:
+    """The per-sequence tensors' (``sample_mask``, ``rewards`` when read) shapes and dtypes, and their value checks."""
+    batch, s_minus_1 = x.shape
+    checks = []
     for key in ("sample_mask", "rewards") if read_rewards else ("sample_mask",):
         t = _tensor(key, data[key], x)
         if num_seqs is not None and t.shape != (num_seqs,):
@@ -250,15 +263,12 @@ def loss_input_checks(
         if key == "sample_mask":
             _check_mask_dtype(key, t)
             checks.append((f"data['{key}']", t, "mask"))
-        else:
-            if t.dtype == torch.bool or t.is_complex():
-                raise TypeError(f"data['rewards'] has dtype {t.dtype}, expected a real number dtype")
-            # NeMo-RL only compares rewards with 0 (NaN is not positive): tolerated, with a warning, by default
-            checks.append((f"data['{key}']", t, "finite" if strict else "compared"))
-
-    for name, count in (("global_valid_seqs", global_valid_seqs), ("global_valid_toks", global_valid_toks)):
-        checks.append((name, _count_tensor(name, count, x.device), "count"))
-    return PendingInputChecks(checks)
+            continue
+        if t.dtype == torch.bool or t.is_complex():
+            raise TypeError(f"data['rewards'] has dtype {t.dtype}, expected a real number dtype")
+        # NeMo-RL only compares rewards with 0 (NaN is not positive): tolerated, with a warning, by default
+        checks.append((f"data['{key}']", t, "finite" if strict else "compared"))
+    return checks
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -284,92 +294,6 @@ def _check_float_dtype(name: str, t: torch.Tensor) -> None:
 def _check_mask_dtype(name: str, t: torch.Tensor) -> None:
     if t.is_complex():
         raise TypeError(f"data['{name}'] has dtype {t.dtype}, expected bool, an integer dtype or a float dtype (0/1)")
-
-
-def _reductions(t: torch.Tensor, kind: str) -> list[torch.Tensor]:
-    """Scalars, still on device, that reveal every bad value of ``t`` (empty tensors have none)."""
-    if t.numel() == 0:
-        return []
-    if kind == "count":
-        return [t.reshape(())]
-    if kind == "mask":
-        if t.dtype == torch.bool:
-            return []
-        return [((t != 0) & (t != 1)).any()]  # NaN != 0 and NaN != 1, so NaN is caught here too
-    # NaN propagates through max; +inf shows as max; -inf as min.
-    return [t.max(), t.min()]
-
-
-def _check_values(checks: list[tuple[str, torch.Tensor, str]], deferred: list[DeferredCheck]) -> None:
-    scalars: list[torch.Tensor] = []
-    spans: list[tuple[int, int]] = []
-    for _, t, kind in checks:
-        red = _reductions(t, kind)
-        spans.append((len(scalars), len(red)))
-        scalars.extend(red)
-    scalars.extend(d.scalar.reshape(()) for d in deferred)
-    if not scalars:
-        return
-    dev = scalars[0].device
-    values = torch.stack([s.detach().to(device=dev, dtype=torch.float64) for s in scalars]).tolist()  # one sync
-    _raise_for_bad_values(checks, spans, values)
-    for d, value in zip(deferred, values[len(values) - len(deferred) :]):
-        d.raise_if_bad(value)
-
-
-def _raise_for_bad_values(checks: list[tuple[str, torch.Tensor, str]], spans: list[tuple[int, int]], values: list):
-    for (name, t, kind), (start, n) in zip(checks, spans):
-        if n == 0:
-            continue
-        v = values[start : start + n]
-        if kind == "count":
-            if not (v[0] == v[0] and abs(v[0]) != float("inf")):
-                raise ValueError(f"{name} = {v[0]} is not finite")
-            if v[0] < 0:
-                raise ValueError(f"{name} = {v[0]} is negative; it counts valid sequences/tokens over all DP ranks")
-            continue
-        if kind == "mask":
-            if v[0]:
-                raise ValueError(f"{name} must hold only 0 and 1; {_first_bad(name, t, (t != 0) & (t != 1))}")
-            continue
-        mx, mn = v
-        if kind == "compared":
-            if mx != mx or mx == float("inf") or mn == float("-inf"):
-                warn_once(
-                    f"nonfinite {name}",
-                    f"{name} holds NaN or inf; only 'reward > 0' is read from it (NaN "
-                    "is not positive), as in NeMo-RL (set strict_input_checks: true to make this an error)",
-                )
-            continue
-        if mx != mx or mx == float("inf") or mn == float("-inf"):
-            nonfinite = ~torch.isfinite(t)
-            hint = " (masked positions included: NaN * 0 is NaN in masked sums, so fill padding with 0)"
-            raise ValueError(f"{name} contains NaN or inf; {_first_bad(name, t, nonfinite)}{hint}")
-        if kind == "logprob":
-            tol = POSITIVE_LOGPROB_TOLERANCE[t.dtype]
-            if mx > tol:
-                raise ValueError(
-                    f"{name} holds positive log-probs (max {mx:.6g} > tolerance {tol:g} for {t.dtype}); "
-                    f"log-probs must be <= 0: {_first_bad(name, t, t > tol)}"
-                )
-
-
-_ALIGNED = "data['curr_logprobs_unfiltered']"  # a data tensor already [B, S-1] (checked whole, not as [:, 1:])
-
-
-def _first_bad(name: str, t: torch.Tensor, bad: torch.Tensor) -> str:
-    """Human description of the bad entries; only called on the error path.
-
-    ``data[...]`` [B, S] tensors are checked as their ``[:, 1:]`` view; the index is given in [B, S] coordinates.
-    """
-    idx = bad.nonzero()
-    count = int(idx.shape[0])
-    first = [int(i) for i in idx[0]] if count else []
-    value = t[tuple(first)].item() if count else None
-    if name.startswith("data[") and not name.startswith(_ALIGNED) and len(first) == 2:
-        first[1] += 1
-    where = "[" + ", ".join(map(str, first)) + "]"
-    return f"{count} bad element(s), first at {where} = {value!r}"
 
 
 def _count_tensor(name: str, count: Any, device: torch.device) -> torch.Tensor:

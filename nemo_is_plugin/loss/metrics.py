@@ -15,26 +15,18 @@ returned :class:`MetricValues` carry the declarations next to the values.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Mapping
 
 import torch
 
 from nemo_is_plugin.loss.correction import ISCorrection
+from nemo_is_plugin.loss.denominator import Denominator
 from nemo_is_plugin.loss.kl import kl_estimate
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import EPS, where_mask
 from nemo_is_plugin.loss.mismatch_metrics import POSITION_BUCKETS, bucket_names, mismatch_metric_sums_by_count
 from nemo_is_plugin.loss.objectives import SurrogateOut
-
-
-class Denominator(enum.Enum):
-    """The global count a metric was divided by; the values are NeMo-RL's ``MetricNormalizer`` values."""
-
-    TOKENS = "tokens"  # global_valid_toks
-    SEQUENCES = "sequences"  # global_valid_seqs
-    NONE = "none"  # none: extrema, raw counts, local means; never rescaled
 
 
 def aggregation_denominator(aggregation: str) -> Denominator:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from nemo_is_plugin.common.once import warn_once
-from nemo_is_plugin.loss.input_validation import POSITIVE_LOGPROB_TOLERANCE
+from nemo_is_plugin.loss.input_values import POSITIVE_LOGPROB_TOLERANCE
 
 
 @torch.no_grad()

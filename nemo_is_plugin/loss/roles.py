@@ -47,8 +47,8 @@ class Roles:
     mismatch_prev: what the IS correction / the mismatch diagnostics compare with mu. corrects: the plugin computes
     the IS correction (else the host corrects, or nothing does). advantages, token_mask; valid: the tokens that count
     (token_mask times the sample's mask). reference / kl / kl_coef: the KL term (reference None: none). rewards: the
-    samples' rewards ``[S]`` (the positive-sample NLL term reads them; None: no NLL term). head_sampler: the sampler's
-    top-k head log-probs ``[*T, k]`` (score centering).
+    samples' rewards ``[S]`` (the positive-sample NLL term reads them; None: no NLL term). sampler_head: the sampler's
+    top-k head log-probs ``[*T, k]`` (score centering: ``ScoreCenteringHead.sampler_head``).
     """
 
     pi_old: torch.Tensor
@@ -63,14 +63,14 @@ class Roles:
     kl: KLSpec | None = None
     kl_coef: float = 0.0
     rewards: torch.Tensor | None = None
-    head_sampler: torch.Tensor | None = None
+    sampler_head: torch.Tensor | None = None
 
     @classmethod
     def of_loss_inputs(
         cls, cfg: ClippedPGLossConfig, inputs: LossInputs, layout: TokenLayout, c: torch.Tensor
     ) -> Roles:
         """NeMo-RL's roles (and verl's, whose adapter builds the same ``LossInputs``): pi_old by :func:`pi_old_of`
-        from ``prev_logprobs``; IS weights and mismatch metrics compare :func:`log_pi_prev` with
+        from ``prev_logprobs``; IS weights and mismatch metrics compare :func:`is_prev_of` with
         ``generation_logprobs``; the correction is always computed (its metrics are reported with IS off); the KL is
         the plugin's keys. ``c``: the current log-probs in the loss dtype."""
         dtype = c.dtype
@@ -81,12 +81,13 @@ class Roles:
         tm, sm = inputs.token_mask.to(dtype), inputs.sample_mask.to(dtype)
         mu = as_f(inputs.generation_logprobs)
         p = pi_old_of(cfg, c, lambda: as_f(required_input(inputs.prev_logprobs, "prev_logprobs")), lambda: mu)
-        prev = log_pi_prev(cfg, c, p)
+        prev = is_prev_of(cfg, c, p)
         beta = cfg.effective_kl_penalty
         reference = as_f(required_input(inputs.reference_logprobs, "reference_policy_logprobs")) if beta != 0 else None
-        head = None
+        sampler_head = None
         if cfg.score_centering:
-            head = as_f(required_input(inputs.rollout_topk_logprobs, "rollout_topk_logprobs"))
+            head = required_input(inputs.head, "rollout_topk_logprobs")
+            sampler_head = as_f(head.sampler_head)
         return cls(
             pi_old=p,
             mu=mu,
@@ -100,7 +101,7 @@ class Roles:
             kl=KLSpec.of(cfg) if reference is not None else None,
             kl_coef=beta,
             rewards=inputs.rewards,
-            head_sampler=head,
+            sampler_head=sampler_head,
         )
 
 
@@ -122,10 +123,10 @@ def pi_old_of(
     return logged()
 
 
-def log_pi_prev(cfg: ClippedPGLossConfig, c: torch.Tensor, pi_old: torch.Tensor) -> torch.Tensor:
+def is_prev_of(cfg: ClippedPGLossConfig, c: torch.Tensor, pi_old: torch.Tensor) -> torch.Tensor:
     """NeMo-RL's and verl's log pi_prev, what the IS weights, rejections and mismatch diagnostics compare with mu:
     pi_old, or in bypass mode (pi_old = mu) the current policy, detached, as verl's bypass mode does."""
     return c.detach() if cfg.bypasses_prev else pi_old
 
 
-__all__ = ["Roles", "log_pi_prev", "pi_old_of"]
+__all__ = ["Roles", "is_prev_of", "pi_old_of"]

@@ -12,8 +12,14 @@ sum_v p_v grad log p_v = 0 the tail folds onto the head:
 
     l_t = policy term  +  sg(A) sum_{v in H} sg(c_v) log p_v,   c_v = q_v f(r_v) - alpha p_v,   alpha = rho f(1 / rho)
 
-This module computes the second part (:func:`centering_term`), f (:class:`Calibration`, from the IS keys), the head
-inputs' checks, and the label and head log-probs from one log-softmax (:func:`label_and_head_logprobs`). Every
+The head is one record, :class:`ScoreCenteringHead`, and each of its tensors has one name in the package from the
+host's batch to the term: ``head_ids`` (the sampler's top-k ids), ``sampler_head`` (q at them), ``trainer_head`` (p at
+them); the hosts' own keys (NeMo-RL's ``rollout_topk_ids`` / ``rollout_topk_logprobs`` / ``curr_topk_logprobs``, verl's
+``rollout_topk_ids`` / ``rollout_topk_log_probs`` / ``topk_log_probs``, slime's ``rollout_topk_token_ids`` /
+``rollout_topk_log_probs``) are read once, where each host's data enters. This module computes the second part
+(:func:`centering_term`), f (:class:`Calibration`, from the IS keys), the head's checks, and the label and head
+log-probs from one log-softmax (:func:`label_and_head_logprobs`). It sits at the floor of the other terms' math (it
+imports only leaves of the loss package). Every
 coefficient is detached: the gradient flows through the k head log-probs only. Sources: the paper's official loss
 (github.com/MJ10/score-centering, ``losses.py``), verl ``verl/trainer/ppo/score_centering.py`` (PR #8010, commit
 c6236f51), SkyRL PR #2244; docs/config.md, *Score centering*, derives each composition.
@@ -27,14 +33,30 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from nemo_is_plugin.loss.input_validation import DeferredCheck
-from nemo_is_plugin.loss.metrics import Denominator
+from nemo_is_plugin.loss.denominator import Denominator
+from nemo_is_plugin.loss.input_values import DeferredCheck
 
 if TYPE_CHECKING:
     from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
     from nemo_is_plugin.loss.correction import ISCorrection
 
 CalibrationKind = Literal["none", "tis", "icepop"]
+
+
+@dataclass(frozen=True)
+class ScoreCenteringHead:
+    """The sampler's top-k head of each token, ``[*T, k]`` each, as score centering reads it.
+
+    head_ids: integer vocabulary ids (None once only the log-probs are carried: the term never reads the ids).
+    sampler_head: q_v, the sampler's full-vocabulary log-probs at them; -inf marks an empty slot (zero mass, no
+    gradient). trainer_head: p_v, the trainer's log-probs at the same ids, requires grad, from the same log-softmax as
+    the label's (a second normalisation would skew the tail ratio rho); None until the trainer's pass has computed
+    them.
+    """
+
+    head_ids: torch.Tensor | None
+    sampler_head: torch.Tensor
+    trainer_head: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +130,7 @@ class CenteringOut:
 
 
 def centering_term(
-    curr_head: torch.Tensor,
+    trainer_head: torch.Tensor,
     sampler_head: torch.Tensor,
     advantages: torch.Tensor,
     counted: torch.Tensor,
@@ -120,7 +142,7 @@ def centering_term(
     """The score-centering term of each token (see the module docstring).
 
     Args:
-        curr_head: Float[*T, k] the trainer's log-probs p_v at the head ids (requires grad).
+        trainer_head: Float[*T, k] the trainer's log-probs p_v at the head ids (requires grad).
         sampler_head: Float[*T, k] the sampler's log-probs q_v at them; -inf marks an empty slot.
         advantages: Float[*T] A (detached here).
         counted: bool [*T], the tokens the term acts on (the valid tokens with a finite generation log-prob).
@@ -129,7 +151,7 @@ def centering_term(
     filled = torch.isfinite(sampler_head) & counted.unsqueeze(-1)
     # Empty slots and tokens that do not count take log p = 0 through a where: their gradient is exactly 0 whatever
     # value the slot holds (a padding id's log-prob, -inf).
-    lp = torch.where(filled, curr_head, torch.zeros_like(curr_head))
+    lp = torch.where(filled, trainer_head, torch.zeros_like(trainer_head))
     with torch.no_grad():
         lp_d = lp.detach()
         q_log = torch.where(filled, sampler_head.to(lp.dtype), torch.zeros_like(lp_d))
@@ -157,12 +179,12 @@ def label_and_head_logprobs(
     return label, logp.gather(-1, head_ids.long())
 
 
-def check_head_inputs(
+def check_head_shapes(
     token_shape: tuple[int, ...],
     top_k: int | None,
-    ids: torch.Tensor | None,
-    sampler: torch.Tensor | None,
-    curr: torch.Tensor | None,
+    head_ids: torch.Tensor | None,
+    sampler_head: torch.Tensor | None,
+    trainer_head: torch.Tensor | None,
     *,
     names: tuple[str, str, str] = ("rollout_topk_ids", "rollout_topk_logprobs", "curr_topk_logprobs"),
     hint: str = "",
@@ -170,7 +192,7 @@ def check_head_inputs(
     """Shapes and dtypes of the head tensors (no host read): each ``[*T, k]`` with ``*T = token_shape`` and k =
     ``top_k`` when set; ids integer, log-probs floating point. ``hint`` is appended to a shape error. Raises
     ``ValueError`` / ``TypeError`` naming the tensor, or ``KeyError`` for a missing one."""
-    tensors = dict(zip(names, (ids, sampler, curr)))
+    tensors = dict(zip(names, (head_ids, sampler_head, trainer_head)))
     missing = [name for name, t in tensors.items() if t is None]
     if missing:
         raise KeyError(
@@ -197,16 +219,20 @@ def check_head_inputs(
 
 @torch.no_grad()
 def head_value_checks(
-    counted: torch.Tensor, sampler: torch.Tensor, curr: torch.Tensor, names: tuple[str, str], tolerance: float
+    counted: torch.Tensor,
+    sampler_head: torch.Tensor,
+    trainer_head: torch.Tensor,
+    names: tuple[str, str],
+    tolerance: float,
 ) -> list[DeferredCheck]:
     """The checks, unread (0-d device counts and what raises for them), of what the term cannot compute on the tokens it
     acts on (``counted``, bool [*T]): a sampler log-prob that is NaN, +inf or above ``tolerance`` (a -inf is an empty
     slot), and a trainer log-prob that is not finite in a filled slot (its coefficient times -inf). Other tokens may
     hold anything (padding). Read with a caller's other checks (``PendingInputChecks.add``) or alone
     (:func:`check_head_values`)."""
-    filled = torch.isfinite(sampler) & counted.unsqueeze(-1)
-    bad_q = counted.unsqueeze(-1) & ((sampler != -math.inf) & ~filled | (sampler > tolerance))
-    bad_p = filled & ~torch.isfinite(curr)
+    filled = torch.isfinite(sampler_head) & counted.unsqueeze(-1)
+    bad_q = counted.unsqueeze(-1) & ((sampler_head != -math.inf) & ~filled | (sampler_head > tolerance))
+    bad_p = filled & ~torch.isfinite(trainer_head)
 
     def refusal(name: str, bad: torch.Tensor, values: torch.Tensor) -> DeferredCheck:
         def raise_if_bad(count: float) -> None:
@@ -221,14 +247,18 @@ def head_value_checks(
 
         return DeferredCheck(bad.sum(), raise_if_bad)
 
-    return [refusal(names[0], bad_q, sampler), refusal(names[1], bad_p, curr)]
+    return [refusal(names[0], bad_q, sampler_head), refusal(names[1], bad_p, trainer_head)]
 
 
 def check_head_values(
-    counted: torch.Tensor, sampler: torch.Tensor, curr: torch.Tensor, names: tuple[str, str], tolerance: float
+    counted: torch.Tensor,
+    sampler_head: torch.Tensor,
+    trainer_head: torch.Tensor,
+    names: tuple[str, str],
+    tolerance: float,
 ) -> None:
     """:func:`head_value_checks` read at once (one host read): raises for the first bad head tensor."""
-    checks = head_value_checks(counted, sampler, curr, names, tolerance)
+    checks = head_value_checks(counted, sampler_head, trainer_head, names, tolerance)
     counts = torch.stack([c.scalar for c in checks]).tolist()  # the one host read
     for check, count in zip(checks, counts):
         check.raise_if_bad(count)
@@ -250,7 +280,7 @@ def score_centering_metrics(
     loss_part: torch.Tensor,
     per: Denominator,
     curr: torch.Tensor,
-    curr_head: torch.Tensor,
+    trainer_head: torch.Tensor,
     advantages: torch.Tensor,
     is_weight: torch.Tensor | None,
 ) -> None:
@@ -273,7 +303,7 @@ def score_centering_metrics(
     coef_l1 = out.coef.abs().sum(-1)
     a = advantages.abs().to(coef_l1.dtype)
     w = torch.ones_like(a) if is_weight is None else is_weight.to(a.dtype)
-    in_head = (out.filled & (curr_head.detach().to(curr.dtype) == curr.detach().unsqueeze(-1))).any(-1)
+    in_head = (out.filled & (trainer_head.detach().to(curr.dtype) == curr.detach().unsqueeze(-1))).any(-1)
     for name, values in (
         ("score_centering_sampler_tail", out.sampler_tail),
         ("score_centering_trainer_tail", out.trainer_tail),
@@ -291,8 +321,9 @@ __all__ = [
     "CenteringBook",
     "CenteringOut",
     "CenteringSpec",
+    "ScoreCenteringHead",
     "centering_term",
-    "check_head_inputs",
+    "check_head_shapes",
     "check_head_values",
     "head_value_checks",
     "label_and_head_logprobs",

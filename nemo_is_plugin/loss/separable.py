@@ -128,22 +128,24 @@ class TokenLossGradient:
         )
 
     def __call__(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
-        if self.constants.head_sampler is not None:
-            raise ValueError("score_centering: the chunk gradient has a head part too; call with_head(sl, c, c_head)")
+        if self.constants.sampler_head is not None:
+            raise ValueError(
+                "score_centering: the chunk gradient has a head part too; call with_head(sl, c, trainer_head)"
+            )
         return self._grads(sl, c, None)[0]
 
-    def with_head(self, sl: slice, c: torch.Tensor, c_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def with_head(self, sl: slice, c: torch.Tensor, trainer_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(dL/dc [n], dL/dc_head [n, k])`` of the chunk ``sl`` under ``score_centering``: the head part is each
         token's sg(A) a_t c_v, to be scattered onto the head ids' logits as the label's gradient is onto its own."""
-        grad, head = self._grads(sl, c, c_head)
+        grad, head = self._grads(sl, c, trainer_head)
         assert head is not None
         return grad, head
 
-    def _grads(self, sl: slice, c: torch.Tensor, c_head: torch.Tensor | None):
+    def _grads(self, sl: slice, c: torch.Tensor, trainer_head: torch.Tensor | None):
         a = self.agg_weight[sl]
         with torch.enable_grad():  # the fused forward runs without grad mode
             leaf = c.detach().to(a.dtype).requires_grad_(True)
-            head = None if c_head is None else c_head.detach().to(a.dtype).requires_grad_(True)
+            head = None if trainer_head is None else trainer_head.detach().to(a.dtype).requires_grad_(True)
             leaves = [leaf] if head is None else [leaf, head]
             grads = torch.autograd.grad(self.chunk_terms(sl, leaf, head), leaves, grad_outputs=a, allow_unused=True)
         # the loss's where_mask: tokens with a = 0 add exactly 0, whatever inf/NaN their terms' derivatives hold
@@ -157,13 +159,13 @@ class TokenLossGradient:
             grad = grad + self.constants.config.positive_example_nll_weight * nll_grad
         return grad, head_grad
 
-    def chunk_terms(self, sl: slice, c: torch.Tensor, c_head: torch.Tensor | None = None) -> torch.Tensor:
-        """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` (+ the score-centering term of ``c_head [n, k]``) of the chunk
-        ``sl`` (``[n]``), by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms`: the loss is
+    def chunk_terms(self, sl: slice, c: torch.Tensor, trainer_head: torch.Tensor | None = None) -> torch.Tensor:
+        """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` (+ the score-centering term of ``trainer_head [n, k]``) of the
+        chunk ``sl`` (``[n]``), by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms`: the loss is
         ``sum_t a_t x_t`` plus the NLL term."""
         t, prefix = self.constants.chunk(sl), self.prefix
         causal = None if prefix is None else (lambda p: prefix.anchor(sl, c, p, t.token_mask, t.positions))
-        return token_terms(t, c, c_head=c_head, causal=causal).combined(t.kl_coef)
+        return token_terms(t, c, trainer_head=trainer_head, causal=causal).combined(t.kl_coef)
 
 
 class PrefixCarry:

@@ -41,18 +41,19 @@ class TermInputs:
     """The batch constants of the per-token terms: detached token tensors of ``layout`` (flat ``[N]`` after
     :meth:`flat`, ``[n]`` after :meth:`chunk`).
 
-    prev: the old log-probs the policy ratio divides by (the roles' pi_old: ``roles.pi_old_of``). generation: log mu
-    (the KL's on-policy weight reads it). valid: token_mask times the sequence's sample mask. positions: n_t, 1-based
-    among unmasked tokens. correction: the IS correction (weights, truncation and rejection masks, rule outcomes),
-    None without one; is_weight: its final weights (None: 1). reference / kl / kl_coef: the KL term (reference None:
-    no KL). nll_tokens / nll_count: the positive samples' tokens (Float[*T]) and their count (0-d) for the NLL term
-    -sum_t q_t c_t, q_t = nll_tokens / (nll_count + 1e-8) (None: no NLL term).
+    pi_old: the old log-probs the policy ratio divides by (``roles.pi_old_of``). mu: the sampler's log-probs (the
+    KL's on-policy weight reads them; the roles' pi_old where the roles have none). Each field has its role's name in
+    :class:`~nemo_is_plugin.loss.roles.Roles`. valid: token_mask times the sequence's sample mask. positions: n_t,
+    1-based among unmasked tokens. correction: the IS correction (weights, truncation and rejection masks, rule
+    outcomes), None without one; is_weight: its final weights (None: 1). reference / kl / kl_coef: the KL term
+    (reference None: no KL). nll_tokens / nll_count: the positive samples' tokens (Float[*T]) and their count (0-d)
+    for the NLL term -sum_t q_t c_t, q_t = nll_tokens / (nll_count + 1e-8) (None: no NLL term).
     """
 
     config: ClippedPGLossConfig
     layout: TokenLayout
-    prev: torch.Tensor
-    generation: torch.Tensor
+    pi_old: torch.Tensor
+    mu: torch.Tensor
     advantages: torch.Tensor
     token_mask: torch.Tensor
     valid: torch.Tensor
@@ -64,12 +65,12 @@ class TermInputs:
     kl_coef: float = 0.0
     nll_tokens: torch.Tensor | None = None
     nll_count: torch.Tensor | None = None
-    head_sampler: torch.Tensor | None = None
+    sampler_head: torch.Tensor | None = None
     centering: CenteringSpec | None = None
 
     _TOKEN_FIELDS = (
-        "prev",
-        "generation",
+        "pi_old",
+        "mu",
         "advantages",
         "token_mask",
         "valid",
@@ -85,8 +86,8 @@ class TermInputs:
         changes: dict[str, Any] = {
             k: None if getattr(self, k) is None else fn(getattr(self, k)) for k in self._TOKEN_FIELDS
         }
-        if self.head_sampler is not None:
-            changes["head_sampler"] = (head_fn or fn)(self.head_sampler)
+        if self.sampler_head is not None:
+            changes["sampler_head"] = (head_fn or fn)(self.sampler_head)
         return dataclasses.replace(self, **changes)
 
     def flat(self) -> TermInputs:
@@ -124,13 +125,13 @@ def token_terms(
     c: torch.Tensor,
     *,
     c_kl: torch.Tensor | None = None,
-    c_head: torch.Tensor | None = None,
+    trainer_head: torch.Tensor | None = None,
     causal: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> TokenTerms:
     """The per-token terms of the current log-probs ``c`` (requires grad) on the constants ``t``.
 
-    ``c_head``: the current log-probs at the sampler's head ids ``[*T, k]`` (requires grad), read by score centering
-    (``t.head_sampler`` set), from the same log-softmax as ``c``.
+    ``trainer_head``: the current log-probs at the sampler's head ids ``[*T, k]`` (requires grad), read by score
+    centering (``t.sampler_head`` set), from the same log-softmax as ``c``.
     ``c_kl``: the log-probs the KL reads when they differ from ``c`` (NeMo-RL's unfiltered ones under top-k / top-p).
     ``causal``: the fused single pass's cumulative ratio (``separable``): its stop-gradient value from the ratio's
     anchor and the running sums of the earlier chunks.
@@ -139,8 +140,8 @@ def token_terms(
     # gradients in (bit-identical gradients to NeMo-RL's float32 arithmetic).
     kl = None
     if t.reference is not None and t.kl is not None:
-        kl = t.kl.tokens(c if c_kl is None else c_kl, t.reference, t.generation, t.prev)
-    anchor = ratio_anchor(t.prev, c, t.valid)
+        kl = t.kl.tokens(c if c_kl is None else c_kl, t.reference, t.mu, t.pi_old)
+    anchor = ratio_anchor(t.pi_old, c, t.valid)
     causal_anchor = None
     if causal is not None:
         with torch.no_grad():  # as ratios.policy_log_ratio: the cumulative value carries no gradient
@@ -151,16 +152,16 @@ def token_terms(
     sur = objective.surrogate
     actor = sur.loss if t.is_weight is None else t.is_weight * sur.loss
     centering = None
-    if t.head_sampler is not None and t.centering is not None:
-        if c_head is None:
-            raise ValueError("score centering needs the current log-probs at the head ids (c_head)")
+    if t.sampler_head is not None and t.centering is not None:
+        if trainer_head is None:
+            raise ValueError("score centering needs the current log-probs at the head ids (trainer_head)")
         # the tokens the term acts on: counted, with a finite generation log-prob (without one the sampler's
         # distribution at that position is not what it recorded: the IS weight is 0 there too)
-        counted = (t.valid != 0) & torch.isfinite(t.generation)
+        counted = (t.valid != 0) & torch.isfinite(t.mu)
         spec = t.centering
         centering = centering_term(
-            c_head.to(c.dtype),
-            t.head_sampler,
+            trainer_head.to(c.dtype),
+            t.sampler_head,
             t.advantages,
             counted,
             spec.calibration,
@@ -174,15 +175,15 @@ def token_terms(
 class LossTerms:
     """Every per-token term of one ``ClippedPGLoss`` call (token tensors of ``term_inputs.layout``), and what its
     reductions and metrics read besides: the call's ``LossInputs`` as given (``loss_inputs``) and the batch constants
-    of its terms (``term_inputs``), the loss dtype's current log-probs ``curr``, ``log_pi_prev`` (the roles'
-    ``is_prev``, the log-probs the IS weights pi_prev / mu compare with mu: pi_old, or sg c in bypass mode), the sample
-    mask and the global counts."""
+    of its terms (``term_inputs``), the loss dtype's current log-probs ``curr``, the roles' ``is_prev`` (log
+    pi_prev, what the IS weights pi_prev / mu compare with mu: pi_old, or sg c in bypass mode), the sample mask and the
+    global counts."""
 
     loss_inputs: LossInputs
     term_inputs: TermInputs
     tokens: TokenTerms
     curr: torch.Tensor
-    log_pi_prev: torch.Tensor
+    is_prev: torch.Tensor
     sample_mask: torch.Tensor
     n_tok: torch.Tensor
     n_seq: torch.Tensor
@@ -262,13 +263,13 @@ def term_inputs(
     pos = count = None
     if cfg.positive_example_nll_weight > 0 and roles.rewards is not None:
         pos, count = positive_sample_tokens(roles.rewards, valid, layout)
-    if cfg.score_centering and roles.head_sampler is None:
-        raise ValueError("score_centering: the roles carry no sampler head (rollout_topk_logprobs)")
+    if cfg.score_centering and roles.sampler_head is None:
+        raise ValueError("score_centering: the roles carry no sampler head (Roles.sampler_head)")
     return TermInputs(
         config=cfg,
         layout=layout,
-        prev=roles.pi_old,
-        generation=mu,
+        pi_old=roles.pi_old,
+        mu=mu,
         advantages=roles.advantages,
         token_mask=tm,
         valid=valid,
@@ -283,7 +284,7 @@ def term_inputs(
         kl_coef=roles.kl_coef,
         nll_tokens=pos,
         nll_count=count,
-        head_sampler=roles.head_sampler if cfg.score_centering else None,
+        sampler_head=roles.sampler_head if cfg.score_centering else None,
         centering=CenteringSpec.of(cfg, correction) if cfg.score_centering else None,
     )
 
@@ -303,15 +304,16 @@ def loss_terms(
     # KL on the unfiltered log-probs under top-k / top-p (NeMo-RL: the reference's are unfiltered too).
     unfiltered = inputs.curr_logprobs_unfiltered
     c_kl = None if t.reference is None or unfiltered is None else unfiltered.to(c.dtype)
-    c_head = None
+    trainer_head = None
     if cfg.score_centering:
-        c_head = required_input(inputs.curr_topk_logprobs, "curr_topk_logprobs").to(c.dtype)
+        head = required_input(inputs.head, "rollout_topk_logprobs")
+        trainer_head = required_input(head.trainer_head, "curr_topk_logprobs").to(c.dtype)
     return LossTerms(
         loss_inputs=inputs,
         term_inputs=t,
-        tokens=token_terms(t, c, c_kl=c_kl, c_head=c_head),
+        tokens=token_terms(t, c, c_kl=c_kl, trainer_head=trainer_head),
         curr=c,
-        log_pi_prev=roles.is_prev,
+        is_prev=roles.is_prev,
         sample_mask=inputs.sample_mask.to(c.dtype),
         n_tok=_as_scalar(inputs.global_valid_toks, c.dtype, c.device),
         n_seq=_as_scalar(inputs.global_valid_seqs, c.dtype, c.device),

@@ -48,7 +48,7 @@ def test_nemo_rl_logprob_input_is_device_clean(name):
 
     (got, files), (want, _) = run_guarded_and_plain(run)
     assert_identical(got, want)
-    assert files == ["nemo_is_plugin/loss/input_validation.py", "nemo_is_plugin/loss/metrics.py"]
+    assert files == ["nemo_is_plugin/loss/input_values.py", "nemo_is_plugin/loss/metrics.py"]
 
 
 @pytest.mark.parametrize("name", ["nemo_rl_default", "gspo_nemo_rl", "ctpo_cumulative_is", "seq_mis_veto"])

@@ -22,7 +22,8 @@ from nemo_is_plugin.adapters.nemo_rl.protocol import MetricNormalizer
 from nemo_is_plugin.adapters.nemo_rl.step_metrics import is_summed_extremum, micro_batch_mean_name
 from nemo_is_plugin.adapters.shared import renormalize
 from nemo_is_plugin.loss import ClippedPGLoss
-from nemo_is_plugin.loss.metrics import Denominator, MetricValues
+from nemo_is_plugin.loss.denominator import Denominator
+from nemo_is_plugin.loss.metrics import MetricValues
 
 T, S, N = MetricNormalizer.TOKENS, MetricNormalizer.SEQUENCES, MetricNormalizer.NONE
 BUCKETS = ("1_16", "16_128", "128_1024", "1024_8192", "8192_inf")

@@ -15,7 +15,7 @@ from nemo_is_plugin.adapters.nemo_rl.step_metrics import for_nemo_rl_step, is_su
 from nemo_is_plugin.distributed.parallel.groups import ParallelGroups
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
-from nemo_is_plugin.loss.metrics import Denominator
+from nemo_is_plugin.loss.denominator import Denominator
 from nemo_is_plugin.loss.registry import UnknownLossError
 
 CASES = {c["id"]: c for c in load_cases("nemo_rl") if "error" not in c["expected"]}

@@ -100,7 +100,8 @@ def test_given_keys():
 
 
 def test_renormalize_divides_by_the_new_counts():
-    from nemo_is_plugin.loss.metrics import Denominator, MetricValues
+    from nemo_is_plugin.loss.denominator import Denominator
+    from nemo_is_plugin.loss.metrics import MetricValues
 
     denominators = {"t": Denominator.TOKENS, "s": Denominator.SEQUENCES, "n": Denominator.NONE}
     values = MetricValues({"t": 1.0, "s": 2.0, "n": 3.0}, denominators)

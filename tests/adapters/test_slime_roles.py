@@ -81,7 +81,7 @@ def _nemo_rl(cfg: ClippedPGLossConfig) -> tuple[TermInputs, Roles]:
 
 
 def _assert_same(a: TermInputs, b: TermInputs) -> None:
-    for name in ("prev", "generation", "advantages", "token_mask", "valid", "positions", "is_weight", "reference"):
+    for name in ("pi_old", "mu", "advantages", "token_mask", "valid", "positions", "is_weight", "reference"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         assert x is None or torch.equal(x, y), name
@@ -97,7 +97,7 @@ def test_slimes_and_nemo_rls_roles_give_the_same_constants(case):
     (slime_t, slime_roles), (nemo_t, _) = _slime(cfg), _nemo_rl(cfg)
     _assert_same(slime_t, nemo_t)
     assert slime_t.is_weight is not None and not torch.equal(slime_t.is_weight, MASK)  # the correction bites
-    assert torch.equal(slime_t.prev, LOG_PROBS) and torch.equal(slime_roles.mismatch_prev, LOG_PROBS)
+    assert torch.equal(slime_t.pi_old, LOG_PROBS) and torch.equal(slime_roles.mismatch_prev, LOG_PROBS)
 
 
 # pi_old of both hosts (one rule), and what slime's train_rollout_logprob_abs_diff compares with mu
@@ -115,7 +115,7 @@ def test_slimes_is_correction_reads_its_log_probs_whatever_pi_old_is(case):
     keys, pi_old, mismatch = PI_OLD_NOT_PREV[case]
     cfg = ClippedPGLossConfig(**keys, use_importance_sampling_correction=True)
     (slime_t, slime_roles), (nemo_t, nemo_roles) = _slime(cfg), _nemo_rl(cfg)
-    assert torch.equal(slime_t.prev, pi_old) and torch.equal(nemo_t.prev, pi_old)
+    assert torch.equal(slime_t.pi_old, pi_old) and torch.equal(nemo_t.pi_old, pi_old)
     assert torch.equal(slime_roles.is_prev, LOG_PROBS) and torch.equal(nemo_roles.is_prev, C)
     assert slime_t.correction is not None and nemo_t.correction is not None
     valid = MASK.bool()
@@ -132,10 +132,10 @@ def test_slime_corrects_only_when_the_plugins_keys_ask():
     (slime_t, slime_roles), (nemo_t, _) = _slime(cfg), _nemo_rl(cfg)
     assert not slime_roles.corrects and slime_t.correction is None and slime_t.is_weight is None
     assert nemo_t.correction is not None and torch.equal(nemo_t.is_weight, MASK)  # NeMo-RL: weight 1, for its metrics
-    assert torch.equal(slime_t.prev, nemo_t.prev) and torch.equal(slime_t.generation, nemo_t.generation)
+    assert torch.equal(slime_t.pi_old, nemo_t.pi_old) and torch.equal(slime_t.mu, nemo_t.mu)
     # on-policy training without log_probs: pi_old is the current policy, detached
     on_policy, _ = _slime(cfg, log_probs=False)
-    assert torch.equal(on_policy.prev, C) and not on_policy.prev.requires_grad
+    assert torch.equal(on_policy.pi_old, C) and not on_policy.pi_old.requires_grad
 
 
 @pytest.mark.parametrize(("unbiased", "weight"), [(True, "anchor"), (False, "none")])
@@ -152,6 +152,6 @@ def test_slimes_kl_loss_is_its_estimator_weighted_by_pi_old(unbiased, weight):
         t, _ = _slime(ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **keys), kl)
         assert t.kl == KLSpec("k3", output_clamp=10.0, weight=weight) and t.kl_coef == 0.3
         assert t.reference is not None and torch.equal(t.reference, REF)
-        assert t.kl.tokens(C, t.reference, t.generation, t.prev).tolist() == pytest.approx(
+        assert t.kl.tokens(C, t.reference, t.mu, t.pi_old).tolist() == pytest.approx(
             ((torch.exp(C - pi_old) if unbiased else 1.0) * (torch.exp(REF - C) - 1 - (REF - C))).tolist(), rel=1e-14
         )

@@ -16,6 +16,7 @@ from nemo_is_plugin.distributed.parallel.context_parallel import cp_layout
 from nemo_is_plugin.distributed.parallel.cp_sharding import CP_ORDERS, shard_packed, shard_padded
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.score_centering import ScoreCenteringHead
 
 WORLD = 2
 B, T, K = 3, 8, 3  # T a multiple of 2 * WORLD (load-balanced chunks)
@@ -70,9 +71,7 @@ def _inputs(c, p, g, a, m, h, hq, num_seqs):
     counts = (float(num_seqs), float(m.sum()))
     sm = torch.ones(num_seqs, dtype=c.dtype)
     ids = torch.zeros(h.shape, dtype=torch.long)  # the loss reads log-probs only
-    return LossInputs(
-        c, p, g, None, a, m, sm, *counts, rollout_topk_ids=ids, rollout_topk_logprobs=hq, curr_topk_logprobs=h
-    )
+    return LossInputs(c, p, g, None, a, m, sm, *counts, head=ScoreCenteringHead(ids, hq, h))
 
 
 def check_loss(rank: int, world: int) -> None:

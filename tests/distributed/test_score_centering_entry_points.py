@@ -164,7 +164,7 @@ def test_entry_points_with_the_head_are_device_clean_and_add_no_host_sync():
     assert reads == reads_off
     assert reads["single_pass"] == [
         "nemo_is_plugin/distributed/entry_points/fused_linear_loss.py",
-        "nemo_is_plugin/loss/input_validation.py",
+        "nemo_is_plugin/loss/input_values.py",
         "nemo_is_plugin/loss/metrics.py",
     ]
 

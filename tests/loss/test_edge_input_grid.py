@@ -39,6 +39,7 @@ from nemo_is_plugin import TokenLayout, build_loss_fn
 from nemo_is_plugin.distributed.parallel.context_parallel import CPTokenLayout
 from nemo_is_plugin.distributed.parallel.cp_sharding import local_tokens, num_chunks
 from nemo_is_plugin.loss import LossInputs
+from nemo_is_plugin.loss.score_centering import ScoreCenteringHead
 
 GRID = config_grid()
 ROWS = GRID.rows
@@ -187,7 +188,6 @@ def compute(loss_fn, inputs: LossInputs, layout) -> Outcome:
 
 
 FIELDS = ("curr_logprobs", "prev_logprobs", "generation_logprobs", "reference_logprobs", "advantages", "token_mask")
-FIELDS += ("rollout_topk_ids", "rollout_topk_logprobs", "curr_topk_logprobs")
 
 
 @pytest.mark.parametrize("index", range(len(ROWS)), ids=IDS)
@@ -206,7 +206,7 @@ def test_edge_inputs_on_packed_and_context_parallel_layouts(index):
         ends = [int(torch.nonzero(row).max()) + 1 if bool(row.any()) else 0 for row in tm]
         mult = num_chunks(1, "load_balanced")
         lengths = [max(-(-n // mult) * mult, mult) for n in ends]
-        flat = dataclasses.replace(inputs, **{f: _pack(getattr(inputs, f), lengths) for f in FIELDS})
+        flat = _pack_inputs(inputs, lengths)
         cu = list(itertools.accumulate(lengths, initial=0))
         lt = local_tokens(lengths, 0, 1, "load_balanced", torch.device("cpu"))
         cp = CPTokenLayout(lt.seq, lt.position, lt.chunk, len(lengths), mult, None, in_order=True)
@@ -221,6 +221,16 @@ def test_edge_inputs_on_packed_and_context_parallel_layouts(index):
             torch.testing.assert_close(got.grad, _pack(want.grad, lengths), rtol=1e-9, atol=1e-12, msg=where)
             for k, v in want.metrics.items():
                 assert got.metrics[k] == pytest.approx(v, rel=1e-9, abs=1e-12, nan_ok=True), (where, k)
+
+
+def _pack_inputs(inputs: LossInputs, lengths: list[int]) -> LossInputs:
+    """The token tensors of ``inputs`` (score centering's head included) packed by :func:`_pack`."""
+    head = inputs.head
+    if head is not None:
+        head = ScoreCenteringHead(
+            *(None if t is None else _pack(t, lengths) for t in (head.head_ids, head.sampler_head, head.trainer_head))
+        )
+    return dataclasses.replace(inputs, head=head, **{f: _pack(getattr(inputs, f), lengths) for f in FIELDS})
 
 
 def _pack(t: torch.Tensor, lengths: list[int]) -> torch.Tensor:

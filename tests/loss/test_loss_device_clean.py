@@ -55,7 +55,7 @@ def test_golden_call_reads_the_device_back_once(call):
     validated = call.fmt == "nemo_rl"  # through ClippedPGLoss.__call__, which validates its inputs
     # the objective compositions keep their metrics on the device; slime's entry points return tensor metrics
     host_metrics = call.fmt != "verl_loss_modes" and not call.fmt.startswith("slime")
-    want = ["nemo_is_plugin/loss/input_validation.py"] * validated + ["nemo_is_plugin/loss/metrics.py"] * host_metrics
+    want = ["nemo_is_plugin/loss/input_values.py"] * validated + ["nemo_is_plugin/loss/metrics.py"] * host_metrics
     assert _files(holder["syncs"]) == want, str(holder["syncs"])
 
 
@@ -95,7 +95,7 @@ def test_random_config_is_device_clean_with_two_host_syncs(cfg, batch):
 
     (got, files), (want, _) = run_guarded_and_plain(run)
     assert_identical(got, want)
-    assert files == ["nemo_is_plugin/loss/input_validation.py", "nemo_is_plugin/loss/metrics.py"], cfg
+    assert files == ["nemo_is_plugin/loss/input_values.py", "nemo_is_plugin/loss/metrics.py"], cfg
 
 
 # ---------------------------------------------------------------------------------------------------- layouts

@@ -9,8 +9,9 @@ import collections
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nemo_is_plugin.loss.denominator import Denominator
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.metrics import EPS, Denominator, MetricBook
+from nemo_is_plugin.loss.metrics import EPS, MetricBook
 
 
 def _book(valid: torch.Tensor) -> MetricBook:

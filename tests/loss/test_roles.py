@@ -51,9 +51,9 @@ def test_pi_old_and_the_is_compare_tensor_land_in_their_places(case):
     # bypass and force_on_policy_ratio never read prev_logprobs: they may be absent
     terms = loss_terms(cfg, _inputs(PREV if case == "prev_logprobs" else None), LAYOUT)
     t = terms.term_inputs
-    assert torch.equal(t.prev, pi_old) and not t.prev.requires_grad
-    assert torch.equal(t.generation, GEN)
-    assert torch.equal(terms.log_pi_prev, is_prev)
+    assert torch.equal(t.pi_old, pi_old) and not t.pi_old.requires_grad
+    assert torch.equal(t.mu, GEN)
+    assert torch.equal(terms.is_prev, is_prev)
     log_w = t.correction.log_weights if t.correction is not None else None
     assert log_w is not None and torch.equal(log_w[VALID], (is_prev - GEN)[VALID])
     # the policy ratio divides by pi_old (the counted tokens; the masked one is anchored at ratio 1)
@@ -128,6 +128,6 @@ def test_without_a_correction_or_a_sampler_the_roles_say_so():
     roles = _roles(cfg, C, corrects=False, mu=None)
     t = term_inputs(cfg, roles, LAYOUT)
     assert t.correction is None and t.is_weight is None
-    assert torch.equal(t.generation, PREV)
+    assert torch.equal(t.mu, PREV)
     with pytest.raises(ValueError, match="mu"):
         term_inputs(cfg, dataclasses.replace(roles, corrects=True), LAYOUT)

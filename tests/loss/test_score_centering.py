@@ -6,6 +6,7 @@ tests/distributed/test_score_centering_cp.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -14,6 +15,7 @@ import torch
 
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.score_centering import ScoreCenteringHead
 from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
 
 V, K = 11, 4
@@ -57,12 +59,16 @@ def inputs_of(d: dict[str, torch.Tensor], logits: torch.Tensor | None = None, **
         sample_mask=torch.ones(ids.shape[0], dtype=torch.float64),
         global_valid_seqs=float(ids.shape[0]),
         global_valid_toks=float(d["mask"].sum()),
-        rollout_topk_ids=head,
-        rollout_topk_logprobs=over.pop("head_q", d["head_q"]),
-        curr_topk_logprobs=logp.gather(-1, head),
+        head=ScoreCenteringHead(head, over.pop("head_q", d["head_q"]), logp.gather(-1, head)),
     )
     fields.update(over)
     return LossInputs(**fields)
+
+
+def replace_head(inputs: LossInputs, **changes: torch.Tensor) -> None:
+    """Replace tensors of ``inputs``' score-centering head (``head_ids`` / ``sampler_head`` / ``trainer_head``)."""
+    assert inputs.head is not None
+    inputs.head = dataclasses.replace(inputs.head, **changes)
 
 
 def loss_and_grad(config: dict, inputs: LossInputs, layout: TokenLayout, leaf: torch.Tensor):
@@ -82,10 +88,10 @@ def test_empty_head_slots_are_ignored_whatever_their_ids_and_values(config):
     pad_ids = torch.cat([d["head_ids"], d["head_ids"][..., :1].expand(b, t, 2)], -1)
     pad_q = torch.cat([d["head_q"], torch.full((b, t, 2), -math.inf, dtype=torch.float64)], -1)
     padded = inputs_of(d, head_ids=pad_ids, head_q=pad_q)
-    head = padded.curr_topk_logprobs
-    assert head is not None
+    assert padded.head is not None and padded.head.trainer_head is not None
+    head = padded.head.trainer_head
     bad = torch.tensor([-math.inf, math.nan], dtype=torch.float64).expand(b, t, 2)
-    padded.curr_topk_logprobs = torch.cat([head[..., :K], bad], -1)
+    replace_head(padded, trainer_head=torch.cat([head[..., :K], bad], -1))
     got, grad, metrics = loss_and_grad(config, padded, lay, d["logits"])
     torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
     torch.testing.assert_close(grad, want_grad, rtol=1e-13, atol=1e-16)
@@ -123,7 +129,7 @@ def test_masked_rows_and_positions_contribute_nothing():
     head_q = d["head_q"].clone()
     head_q[2] = math.nan
     head_q[1, 4:] = math.nan
-    full.rollout_topk_logprobs = head_q
+    replace_head(full, sampler_head=head_q)
     loss, grad, _ = loss_and_grad(TIS, full, TokenLayout.padded(3, 6), d["logits"])
     assert torch.isfinite(grad).all() and (grad[2] == 0).all() and (grad[1, 4:] == 0).all()
     part = {k: v[:2] for k, v in keep.items() if k != "logits"}
@@ -162,8 +168,8 @@ def test_batch_normalisation_scales_the_coefficients_as_the_weights():
     d = batch(4)
     b, t = d["ids"].shape
     inputs = inputs_of(d)
-    head = inputs.curr_topk_logprobs.detach().clone().requires_grad_(True)  # type: ignore[union-attr]
-    inputs.curr_topk_logprobs = head
+    head = inputs.head.trainer_head.detach().clone().requires_grad_(True)  # type: ignore[union-attr]
+    replace_head(inputs, trainer_head=head)
     plain, _ = ClippedPGLoss(TIS).compute(inputs, TokenLayout.padded(b, t))
     (g_plain,) = torch.autograd.grad(plain, head)
     normed, _ = ClippedPGLoss({**TIS, "importance_sampling_batch_normalize": True}).compute(
@@ -255,13 +261,14 @@ def test_nemo_rl_head_inputs_are_checked(change, error, match):
 @pytest.mark.parametrize("config", [SC, {**TIS, "importance_sampling_batch_normalize": True}], ids=["f=1", "tis-bn"])
 def test_the_chunk_gradients_equal_the_whole_batch_gradients(config):
     """The fused single pass's chunk gradient (separable.TokenLossGradient.with_head), chunk by chunk: dL/dc and
-    dL/dc_head of the whole batch's loss (a masked row included)."""
+    dL/d(trainer_head) of the whole batch's loss (a masked row included)."""
     d = batch(9, b=3, t=5)
     d["mask"][2, 3:] = 0.0
     inputs = inputs_of(d)
     c = inputs.curr_logprobs.detach().clone().requires_grad_(True)
-    head = inputs.curr_topk_logprobs.detach().clone().requires_grad_(True)  # type: ignore[union-attr]
-    inputs.curr_logprobs, inputs.curr_topk_logprobs = c, head
+    head = inputs.head.trainer_head.detach().clone().requires_grad_(True)  # type: ignore[union-attr]
+    inputs.curr_logprobs = c
+    replace_head(inputs, trainer_head=head)
     loss = ClippedPGLoss(config)
     layout = TokenLayout.padded(3, 5)
     assert single_pass_blocker(loss.config, layout) is None
@@ -343,7 +350,7 @@ def test_the_logits_path_without_score_centering_and_its_misuse():
 
 def test_its_metrics_declare_their_denominators_without_data():
     """The shape-only trace (what the NeMo-RL adapter advertises as metric_normalizations) carries the head too."""
-    from nemo_is_plugin.loss.metrics import Denominator
+    from nemo_is_plugin.loss.denominator import Denominator
 
     for aggregation, loss_per in (("token-mean", Denominator.TOKENS), ("seq-mean-token-mean", Denominator.SEQUENCES)):
         got = ClippedPGLoss({**SC, "loss_aggregation": aggregation}).metric_denominators()

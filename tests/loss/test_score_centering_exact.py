@@ -14,7 +14,7 @@ import torch
 
 from nemo_is_plugin.loss import ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.score_centering import Calibration
+from nemo_is_plugin.loss.score_centering import Calibration, ScoreCenteringHead
 
 V = 7
 HEAD = torch.tensor([4, 1, 6])  # the sampler's top-k ids (any order)
@@ -43,9 +43,7 @@ def loss_of(config: dict, logits: torch.Tensor, q: torch.Tensor, y: int, advanta
         sample_mask=torch.ones(1, dtype=torch.float64),
         global_valid_seqs=1.0,
         global_valid_toks=1.0,
-        rollout_topk_ids=head.reshape(1, 1, -1),
-        rollout_topk_logprobs=q[head].log().reshape(1, 1, -1),
-        curr_topk_logprobs=logp[head].reshape(1, 1, -1),
+        head=ScoreCenteringHead(head.reshape(1, 1, -1), q[head].log().reshape(1, 1, -1), logp[head].reshape(1, 1, -1)),
     )
     loss, _ = ClippedPGLoss(config).compute(inputs, TokenLayout.padded(1, 1))
     return loss
@@ -166,9 +164,7 @@ def test_the_head_coefficients_by_hand():
         torch.ones(1, dtype=torch.float64),
         1.0,
         1.0,
-        rollout_topk_ids=HEAD.reshape(1, 1, -1),
-        rollout_topk_logprobs=q[HEAD].log().reshape(1, 1, -1),
-        curr_topk_logprobs=head,
+        head=ScoreCenteringHead(HEAD.reshape(1, 1, -1), q[HEAD].log().reshape(1, 1, -1), head),
     )
     loss, metrics = ClippedPGLoss(BASE).compute(inputs, TokenLayout.padded(1, 1))
     (grad,) = torch.autograd.grad(loss, head)

@@ -20,16 +20,16 @@ from typing import Any
 import torch
 
 from nemo_is_plugin.adapters.slime.layout import ResponseShard
-from nemo_is_plugin.loss.input_validation import POSITIVE_LOGPROB_TOLERANCE
-from nemo_is_plugin.loss.score_centering import check_head_inputs, check_head_values
+from nemo_is_plugin.loss.input_values import POSITIVE_LOGPROB_TOLERANCE
+from nemo_is_plugin.loss.score_centering import ScoreCenteringHead, check_head_shapes, check_head_values
 from nemo_is_plugin.loss.terms import TermInputs
 
 HEAD_KEYS = ("rollout_topk_token_ids", "rollout_topk_log_probs")  # upstream slime's sample fields
 
 
-def slime_head(batch: Mapping[str, Any], shard: ResponseShard, top_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's head ids (long ``[N, k]``) and sampler log-probs (``[N, k]``) from slime's batch; a missing key
-    raises naming it."""
+def slime_head(batch: Mapping[str, Any], shard: ResponseShard, top_k: int | None) -> ScoreCenteringHead:
+    """This rank's head ids (long ``[N, k]``) and sampler log-probs (``[N, k]``) from slime's batch (the trainer's
+    log-probs at them come later, from the label's pass); a missing key raises naming it."""
     got = []
     for name in HEAD_KEYS:
         values = batch.get(name)
@@ -39,17 +39,20 @@ def slime_head(batch: Mapping[str, Any], shard: ResponseShard, top_k: int | None
                 "--use-score-centering records it); record the head or turn score centering off"
             )
         got.append(shard.check_local_rows(name, values))
-    ids, sampler = got
-    check_head_inputs((ids.shape[0],), top_k, ids, sampler, sampler, names=(HEAD_KEYS[0], HEAD_KEYS[1], HEAD_KEYS[1]))
-    return ids.to(device=shard.device, dtype=torch.long), sampler.to(shard.device)
+    head_ids, sampler_head = got
+    token_shape = (head_ids.shape[0],)  # the sampler's log-probs stand in for the trainer's, not computed yet
+    names = (HEAD_KEYS[0], HEAD_KEYS[1], HEAD_KEYS[1])
+    check_head_shapes(token_shape, top_k, head_ids, sampler_head, sampler_head, names=names)
+    return ScoreCenteringHead(head_ids.to(device=shard.device, dtype=torch.long), sampler_head.to(shard.device))
 
 
-def check_slime_head(t: TermInputs, c_head: torch.Tensor) -> None:
+def check_slime_head(t: TermInputs, trainer_head: torch.Tensor) -> None:
     """Refuse, in one host read, head values the term cannot use on the tokens it acts on (the loss's rule)."""
-    assert t.head_sampler is not None
-    counted = (t.valid != 0) & torch.isfinite(t.generation)
-    tolerance = POSITIVE_LOGPROB_TOLERANCE.get(t.head_sampler.dtype, 1e-4)
-    check_head_values(counted, t.head_sampler, c_head, (HEAD_KEYS[1], "the trainer's head log-probs"), tolerance)
+    assert t.sampler_head is not None
+    counted = (t.valid != 0) & torch.isfinite(t.mu)
+    tolerance = POSITIVE_LOGPROB_TOLERANCE.get(t.sampler_head.dtype, 1e-4)
+    names = (HEAD_KEYS[1], "the trainer's head log-probs")
+    check_head_values(counted, t.sampler_head, trainer_head, names, tolerance)
 
 
 __all__ = ["HEAD_KEYS", "check_slime_head", "slime_head"]

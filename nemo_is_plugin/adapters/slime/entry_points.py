@@ -206,18 +206,20 @@ class SlimePolicyLoss(_SlimeEntry):
         loss_fn, kl = self.settings(args)
         cfg, groups = loss_fn.config, self.groups()
         shard = ResponseShard(batch["total_lengths"], batch["response_lengths"], groups.cp, logits.device)
-        head_ids = sampler_head = c_head = None
+        head = trainer_head = None
         if cfg.score_centering:  # the sampler's head, and the trainer's log-probs at it from the label's pass
-            head_ids, sampler_head = slime_head(batch, shard, cfg.score_centering_top_k)
+            head = slime_head(batch, shard, cfg.score_centering_top_k)
+        head_ids = None if head is None else head.head_ids
         got = response_logprobs(
             args, logits, batch["unconcat_tokens"], batch["total_lengths"], shard, groups, head_ids=head_ids
         )
         c, entropy = got[0], got[1]
+        sampler_head = None if head is None else head.sampler_head
         t, roles = slime_term_inputs(cfg, kl, batch, shard, c, groups.dp, sampler_head=sampler_head)
-        if head_ids is not None:
-            c_head = got[2]
-            check_slime_head(t, c_head)
-        terms = token_terms(t, c, c_head=c_head)
+        if head is not None:
+            trainer_head = got[2]
+            check_slime_head(t, trainer_head)
+        terms = token_terms(t, c, trainer_head=trainer_head)
         pg_loss = sum_of_sample_mean(terms.actor)  # rejected tokens' IS weight is 0: they leave the policy term
         sc_loss = None
         if terms.centering is not None:  # reduced as the policy term, and part of it (as upstream slime's pg_loss)
@@ -231,8 +233,9 @@ class SlimePolicyLoss(_SlimeEntry):
         if c.numel() == 0:  # keep the graph connected on a rank without response tokens (as slime does)
             loss = loss + 0 * logits.sum()
         metrics = slime_metrics(t, terms, sum_of_sample_mean, c, roles, batch, shard)
-        if sc_loss is not None and terms.centering is not None and c_head is not None:
-            metrics.update(centering_metrics(t, terms.centering, sc_loss, c, c_head, sum_of_sample_mean, PLUGIN_PREFIX))
+        if sc_loss is not None and terms.centering is not None and trainer_head is not None:
+            sc = terms.centering
+            metrics.update(centering_metrics(t, sc, sc_loss, c, trainer_head, sum_of_sample_mean, PLUGIN_PREFIX))
         metrics.update(loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss)
         if kl_loss is not None:
             metrics["kl_loss"] = kl_loss
@@ -271,7 +274,7 @@ def slime_metrics(
     cfg, sur, corr = t.config, terms.surrogate, t.correction
     with torch.no_grad():
         token_ratio = objective_of(cfg).token_ratio(cfg)
-        ppo_kl = (t.prev - c.detach()) if token_ratio else -torch.log(sur.ratio)
+        ppo_kl = (t.pi_old - c.detach()) if token_ratio else -torch.log(sur.ratio)
         out = {"pg_clipfrac": reduce(sur.clipped.to(c.dtype)), "ppo_kl": reduce(ppo_kl)}
         for name, flag in (("low", sur.clipped_low), ("high", sur.clipped_high), ("dual", sur.dual_clipped)):
             out[f"{PLUGIN_PREFIX}clip_fraction_{name}"] = reduce(flag.to(c.dtype))

@@ -37,9 +37,9 @@ from collections.abc import Callable
 
 import torch
 
+from nemo_is_plugin.loss.denominator import Denominator
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import where_mask
-from nemo_is_plugin.loss.metrics import Denominator
 from nemo_is_plugin.loss.objectives import ObjectiveOut, PolicyObjective
 from nemo_is_plugin.loss.score_centering import CenteringOut, score_centering_metrics
 from nemo_is_plugin.loss.terms import TermInputs
@@ -121,17 +121,17 @@ def centering_metrics(
     out: CenteringOut,
     sc_loss: torch.Tensor,
     c: torch.Tensor,
-    c_head: torch.Tensor,
+    trainer_head: torch.Tensor,
     reduce: Reducer,
     prefix: str,
 ) -> dict[str, torch.Tensor]:
     """Score centering's metrics for slime (module docstring): the loss's, prefixed, and upstream slime's names."""
     with torch.no_grad():
         book = SlimeObjectiveBook(t.layout, t.valid, reduce, prefix)
-        score_centering_metrics(book, out, sc_loss, Denominator.NONE, c, c_head, t.advantages, t.is_weight)
+        score_centering_metrics(book, out, sc_loss, Denominator.NONE, c, trainer_head, t.advantages, t.is_weight)
         dtype = c.dtype
         got = {prefix + name: value.to(dtype) for name, value in book.values.items()}
-        lp = torch.where(out.filled, c_head.detach().to(out.coef.dtype), torch.zeros_like(out.coef))
+        lp = torch.where(out.filled, trainer_head.detach().to(out.coef.dtype), torch.zeros_like(out.coef))
         zero = torch.zeros_like(out.sampler_tail)
         for name, values in (
             ("sc_sampler_head_mass", 1.0 - out.sampler_tail),

@@ -75,11 +75,8 @@ def slime_roles(
         else:  # slime's unbiased KL: its gradient through the ratio to pi_old
             weight: KLWeight = "anchor" if kl["unbiased"] else "none"
             spec, coef = KLSpec(kl["kl_type"], output_clamp=kl["output_clamp"], weight=weight), kl["coef"]
-    head = None
-    if cfg.score_centering:
-        if sampler_head is None:
-            raise ValueError("score_centering: slime_roles needs sampler_head (slime's rollout_topk_log_probs)")
-        head = sampler_head.detach().to(c.dtype)
+    if cfg.score_centering and sampler_head is None:
+        raise ValueError("score_centering: slime_roles needs sampler_head (slime's rollout_topk_log_probs)")
     return Roles(
         pi_old=p,
         mu=rollout,
@@ -92,7 +89,7 @@ def slime_roles(
         reference=ref,
         kl=spec,
         kl_coef=coef,
-        head_sampler=head,
+        sampler_head=sampler_head.detach().to(c.dtype) if cfg.score_centering and sampler_head is not None else None,
     )
 
 

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 import torch
 
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
-from nemo_is_plugin.loss.metrics import Denominator
+from nemo_is_plugin.loss.denominator import Denominator
 from nemo_is_plugin.loss.objectives import OBJECTIVES
 from nemo_is_plugin.loss.terms import LossTerms
 
@@ -63,7 +63,7 @@ def plugin_metrics(local: Mapping[str, float], denominators: Mapping[str, Denomi
     """The plugin's metrics of one micro-batch as verl receives them (before ``actor/nemo_is/``).
 
     ``local``: the loss's metrics renormalised to the micro-batch's counts; ``denominators``: each one's
-    :class:`~nemo_is_plugin.loss.metrics.Denominator`. Extrema (``_min`` / ``_max``, no denominator) get the suffix
+    :class:`~nemo_is_plugin.loss.denominator.Denominator`. Extrema (``_min`` / ``_max``, no denominator) get the suffix
     ``_micro_batch_mean`` (what verl makes of them, see ``MICRO_BATCH_MEAN``); the objective's derived statistics
     (``PolicyObjective.finalize``, e.g. M2PO's ``m2po_m2`` / ``m2po_m2_after``) are added, over this micro-batch (where
     verl's step computes M2PO's statistic, docs/verl.md), and reach verl averaged like every other metric.
@@ -130,7 +130,7 @@ def verl_statistics(terms: LossTerms) -> dict[str, torch.Tensor]:
     Returns 0-d float64 tensors under their ``rollout_corr/`` names (read with the loss's metrics: no host sync).
     """
     config, corr = terms.term_inputs.config, terms.correction
-    p, g = terms.log_pi_prev.double(), terms.term_inputs.generation.double()
+    p, g = terms.is_prev.double(), terms.term_inputs.mu.double()
     m = terms.term_inputs.token_mask.to(torch.float64)
     out = off_policy_statistics(p, g, m)
     if config.use_importance_sampling_correction and corr.truncated is not None and corr.truncation_keep is not None:

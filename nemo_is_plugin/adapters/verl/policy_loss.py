@@ -308,10 +308,10 @@ class VerlPolicyLoss:
             sample_mask=torch.ones(b, dtype=m.dtype, device=m.device),
             global_valid_seqs=own["local_seqs"] if info_seq is None else info_seq,
             global_valid_toks=own["local_toks"] if info_tok is None else info_tok,
-            **head,
+            head=head,
         )
         terms = loss_fn.terms(inputs, TokenLayout.padded(b, t, device=log_prob.device))
-        own.update(verl_centering_statistics(terms, head.get("curr_topk_logprobs")))
+        own.update(verl_centering_statistics(terms, None if head is None else head.trainer_head))
         parts = loss_fn.reduce(terms)
         if reads_mu:  # verl's rollout_corr/ statistics from the loss's own IS correction (read in the same host sync)
             own.update(verl_statistics(terms))

@@ -31,14 +31,16 @@ from typing import Any
 import torch
 
 from nemo_is_plugin.adapters.verl.fields import VerlConfigError
+from nemo_is_plugin.loss.score_centering import ScoreCenteringHead
 
 HEAD_FIELDS = ("rollout_topk_ids", "rollout_topk_log_probs")  # verl's batch fields (the sampler's head)
 TRAINER_HEAD = "topk_log_probs"  # the trainer's log-probs at the head ids (the counterpart of log_prob)
 VERL_SC_METRICS = ("actor/sc_correction", "actor/sc_sampler_head_mass", "actor/sc_train_head_mass")
 
 
-def head_inputs(score_centering: bool, extra: Mapping[str, Any]) -> dict[str, torch.Tensor | None]:
-    """The ``LossInputs`` head fields from a verl call's keyword arguments (verl's names), or refusals.
+def head_inputs(score_centering: bool, extra: Mapping[str, Any]) -> ScoreCenteringHead | None:
+    """The ``LossInputs`` head from a verl call's keyword arguments (verl's names; None with score centering off), or
+    refusals.
 
     Raises ``VerlConfigError`` for verl's own ``sc_correction`` (its bypass loss's term: the plugin computes its own,
     so adding verl's would count the centring twice and dropping it would hide it) and for head tensors given without
@@ -58,7 +60,7 @@ def head_inputs(score_centering: bool, extra: Mapping[str, Any]) -> dict[str, to
                 f"{', '.join(given)} given but score centering is off: set rollout_correction.score_centering: true "
                 "in policy_loss.nemo_is, or stop passing the head"
             )
-        return {}
+        return None
     missing = [k for k in (*HEAD_FIELDS, TRAINER_HEAD) if k not in given]
     if missing:
         raise VerlConfigError(
@@ -66,26 +68,22 @@ def head_inputs(score_centering: bool, extra: Mapping[str, Any]) -> dict[str, to
             f"trainer's log-probs at them ({TRAINER_HEAD}, [B, T, k]; docs/verl.md, Score centering), or set "
             "rollout_correction.score_centering: false"
         )
-    return {
-        "rollout_topk_ids": extra.get("rollout_topk_ids"),
-        "rollout_topk_logprobs": extra.get("rollout_topk_log_probs"),
-        "curr_topk_logprobs": extra.get(TRAINER_HEAD),
-    }
+    return ScoreCenteringHead(extra[HEAD_FIELDS[0]], extra[HEAD_FIELDS[1]], extra[TRAINER_HEAD])
 
 
-def verl_centering_statistics(terms: Any, curr_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def verl_centering_statistics(terms: Any, trainer_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """verl's score-centering metrics as device tensors (read in the loss's one host sync); empty without the term.
 
-    ``terms``: the loss's ``LossTerms``; ``curr_head``: the trainer's head log-probs it was given.
+    ``terms``: the loss's ``LossTerms``; ``trainer_head``: the trainer's head log-probs it was given.
     """
     sc = getattr(terms.tokens, "centering", None)
-    if sc is None or curr_head is None:
+    if sc is None or trainer_head is None:
         return {}
     with torch.no_grad():
         mask = sc.counted.to(sc.coef.dtype)
         n = mask.sum() + 1e-8  # verl's masked_mean
-        head = torch.where(sc.filled, curr_head.detach().to(sc.coef.dtype), torch.zeros_like(sc.coef))
-        correction = (sc.coef * head).sum(-1)
+        lp = torch.where(sc.filled, trainer_head.detach().to(sc.coef.dtype), torch.zeros_like(sc.coef))
+        correction = (sc.coef * lp).sum(-1)
         return {
             "actor/sc_correction": (correction * mask).sum() / n,
             "actor/sc_sampler_head_mass": ((1 - sc.sampler_tail) * mask).sum() / n,

@@ -31,7 +31,7 @@ import torch
 from nemo_is_plugin.apps.bench.device import BenchDevice, clocked
 from nemo_is_plugin.apps.bench.shapes import MODEL_SHAPES, QUICK_SHAPES, ModelShape
 from nemo_is_plugin.distributed.entry_points.fused_linear_loss import _SinglePassFusedLoss
-from nemo_is_plugin.distributed.head.fused_linear import HeadOptions, check_head_inputs, fused_linear_logprobs
+from nemo_is_plugin.distributed.head.fused_linear import HeadOptions, check_lm_head_call, fused_linear_logprobs
 from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 
 HEAD_PATHS = ("from_logits", "fused_2pass", "fused_linear")
@@ -104,7 +104,7 @@ def _jobs(bench: BenchDevice, shape: ModelShape, cfg: HeadCostConfig) -> dict[tu
     heads = {k: head_ids_like_a_sampler(target, shape.vocab, k, g) for k in cfg.ks if k}
     c_heads = {k: torch.randn(n, k, generator=g).to(bench.device) for k in cfg.ks if k}
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    chunk = check_head_inputs(hidden, weight, target, 1.0, cfg.chunk_size)
+    chunk = check_lm_head_call(hidden, weight, target, 1.0, cfg.chunk_size)
 
     def loss_of(lp, head, k):
         loss = (lp * c_label).sum()

@@ -25,8 +25,9 @@ Two schedules, same loss, metrics and gradients:
 
 Score centering (``score_centering: true``): the head ids ``data['rollout_topk_ids']`` go to the head, whose chunks
 also give the head's log-probs from the same lse (:mod:`~nemo_is_plugin.kernels.head_ids`); in the single pass
-``g`` of a chunk is ``(dL/dc, dL/dc_head)`` from one autograd call over the term (linear in ``c_head`` with detached
-coefficients), pass 2 runs with ``dL/dc + sum_k dL/dc_head`` and the ids' columns take their scatter-adds.
+``g`` of a chunk is ``(dL/dc, dL/d(trainer_head))`` from one autograd call over the term (linear in ``trainer_head``
+with detached coefficients), pass 2 runs with ``dL/dc + sum_k dL/d(trainer_head)`` and the ids' columns take their
+scatter-adds.
 
 Parallelism: TP (vocab-sharded weight) and sequence parallelism; not CP (the batch would need the sharding that
 :class:`~nemo_is_plugin.distributed.entry_points.logit_loss.LogitClippedPGLoss` does: use that entry point under CP).
@@ -48,7 +49,7 @@ from nemo_is_plugin.distributed.head.fused_linear import (
     HeadChunks,
     HeadOptions,
     check_grad_weight_out,
-    check_head_inputs,
+    check_lm_head_call,
     chunk_logits,
     fused_linear_logprobs,
 )
@@ -60,7 +61,7 @@ from nemo_is_plugin.kernels.gemm import acc_dtype, compute_dtype
 from nemo_is_plugin.kernels.head_ids import dense_grad, head_logprobs, valid_head_grad
 from nemo_is_plugin.kernels.softmax_partials import finalize_partials
 from nemo_is_plugin.loss import ClippedPGLoss
-from nemo_is_plugin.loss.aligned_inputs import CURR_HEAD_KEY, LossInputs
+from nemo_is_plugin.loss.aligned_inputs import HEAD_KEYS, TRAINER_HEAD_KEY, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
 
@@ -78,8 +79,9 @@ def _scale_(grad: torch.Tensor | None, s: torch.Tensor, skip: bool) -> torch.Ten
 
 class _SinglePassFusedLoss(torch.autograd.Function):
     """The single pass. ``token_grad(sl, c)`` is ``dL/dc`` of the chunk's log-probs ``c [n]``; with ``head_ids``
-    ``token_grad(sl, c, c_head)`` returns ``(dL/dc, dL/dc_head [n, k])``, ``c_head`` the chunk's head log-probs (same
-    lse). ``finish(logprob, head)`` (``head`` None without ``head_ids``) returns the loss value."""
+    ``token_grad(sl, c, trainer_head)`` returns ``(dL/dc, dL/d(trainer_head) [n, k])``, ``trainer_head`` the chunk's
+    head log-probs (same lse). ``finish(logprob, trainer_head)`` (``trainer_head`` None without ``head_ids``) returns
+    the loss value."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, head_ids, token_grad, finish, opts: HeadOptions):
@@ -87,7 +89,7 @@ class _SinglePassFusedLoss(torch.autograd.Function):
         # a caller's main_grad buffer receives dW scaled by the upstream gradient, known in the backward only
         chunks = HeadChunks.build(hidden, weight, target, head_ids, dataclasses.replace(opts, grad_weight_out=None))
         logprob = torch.empty(chunks.n, dtype=chunks.acc, device=chunks.x.device)
-        head = None if chunks.head is None else logprob.new_empty(chunks.head[0].shape)
+        trainer_head = None if chunks.head is None else logprob.new_empty(chunks.head[0].shape)
         grad_x, grad_w = chunks.grad_buffers(need_x, need_w, weight)
         inv_t = opts.inv_temperature
         for sl in chunks.slices():
@@ -100,10 +102,10 @@ class _SinglePassFusedLoss(torch.autograd.Function):
             lp, lse, _ = finalize_partials(merged)
             logprob[sl] = lp
             g_head = None
-            if head is not None and head_z is not None and chunks.head is not None:
+            if trainer_head is not None and head_z is not None and chunks.head is not None:
                 valid = chunks.head[2][sl]
-                head[sl] = head_lp = head_logprobs(head_z, lse, valid)
-                g, g_head = token_grad(sl, lp, head_lp)
+                trainer_head[sl] = chunk_trainer_head = head_logprobs(head_z, lse, valid)
+                g, g_head = token_grad(sl, lp, chunk_trainer_head)
                 g_head = valid_head_grad(g_head, valid, lp.dtype)
                 g = dense_grad(g, g_head)
             else:
@@ -120,7 +122,8 @@ class _SinglePassFusedLoss(torch.autograd.Function):
             ctx.grad_w = grad_w.buf if grad_w.buf is not None else torch.zeros_like(opts.grad_weight_out)
         else:
             ctx.grad_w = grad_w.result()
-        return finish(logprob.reshape(target.shape), None if head is None else head.reshape(head_ids.shape))
+        trainer_head = None if trainer_head is None else trainer_head.reshape(head_ids.shape)
+        return finish(logprob.reshape(target.shape), trainer_head)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -140,10 +143,10 @@ def _with_head_placeholder(
 ) -> Mapping[str, torch.Tensor]:
     """Score centering: the head log-probs this entry point computes stand as zeros ``[B, T, k]`` while the inputs
     are prepared (shape and dtype only; without head ids ``prepare`` names what is missing)."""
-    ids = data.get("rollout_topk_ids")
-    if not loss_fn.config.score_centering or ids is None or CURR_HEAD_KEY in data:
+    ids = data.get(HEAD_KEYS[0])
+    if not loss_fn.config.score_centering or ids is None or TRAINER_HEAD_KEY in data:
         return data
-    return {**data, CURR_HEAD_KEY: placeholder.new_zeros((*placeholder.shape, ids.shape[-1]))}
+    return {**data, TRAINER_HEAD_KEY: placeholder.new_zeros((*placeholder.shape, ids.shape[-1]))}
 
 
 def fused_linear_pg_loss(
@@ -194,7 +197,7 @@ def fused_linear_pg_loss(
     data = _with_head_placeholder(loss_fn, data, placeholder)
     inputs, layout = loss_fn.prepare(placeholder, data, global_valid_seqs, global_valid_toks, layout)
     # score centering: the sampler's head ids of each next-token position ([B, T, k], sliced like the log-probs)
-    head_ids = inputs.rollout_topk_ids if loss_fn.config.score_centering else None
+    head_ids = inputs.head.head_ids if loss_fn.config.score_centering and inputs.head is not None else None
     layout = with_data_parallel(layout, dp_group)
     if not _runs_single_pass(loss_fn, layout, single_pass, hidden, weight):
         lp = fused_linear_logprobs(
@@ -211,13 +214,13 @@ def fused_linear_pg_loss(
             head_ids=head_ids,
         )
         if head_ids is not None:
-            lp, head = lp
-            data = {**data, CURR_HEAD_KEY: head}
+            lp, trainer_head = lp
+            data = {**data, TRAINER_HEAD_KEY: trainer_head}
         return loss_fn(lp, data, global_valid_seqs, global_valid_toks, layout=layout)  # validates lp's values too
 
     if sequence_parallel:
         hidden = all_gather(hidden, tp_group, dim=0)  # its backward reduce-scatters dX: no all-reduce inside
-    chunk = check_head_inputs(hidden, weight, target, temperature, chunk_size, backend=backend)
+    chunk = check_lm_head_call(hidden, weight, target, temperature, chunk_size, backend=backend)
     opts = HeadOptions(
         tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype, grad_weight_out
     )
@@ -252,15 +255,16 @@ def _single_pass_loss(
     token_grad = TokenLossGradient.build(loss_fn, inputs, layout)
     metrics: dict[str, Any] = {}
 
-    def finish(logprob: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
-        done = dataclasses.replace(inputs, curr_logprobs=logprob)
-        if head is not None:
-            done = dataclasses.replace(done, curr_topk_logprobs=head)
+    def finish(logprob: torch.Tensor, trainer_head: torch.Tensor | None) -> torch.Tensor:
+        head = inputs.head
+        if trainer_head is not None and head is not None:
+            head = dataclasses.replace(head, trainer_head=trainer_head)
+        done = dataclasses.replace(inputs, curr_logprobs=logprob, head=head)
         loss, m = loss_fn.compute(done, layout, is_correction=token_grad.correction)
         metrics.update(m)
         return loss.detach()
 
-    chunk_grad = token_grad if head_ids is None else token_grad.with_head  # (dL/dc, dL/dc_head) per chunk
+    chunk_grad = token_grad if head_ids is None else token_grad.with_head  # (dL/dc, dL/d(trainer_head)) per chunk
     loss = _SinglePassFusedLoss.apply(hidden, weight, target, head_ids, chunk_grad, finish, opts)
     return loss, metrics
 

@@ -38,11 +38,11 @@ from nemo_is_plugin.distributed.parallel.context_parallel import cp_layout
 from nemo_is_plugin.distributed.parallel.cp_sharding import CPOrder
 from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
 from nemo_is_plugin.distributed.parallel.groups import ProcessGroup, group_rank, group_size
-from nemo_is_plugin.loss.aligned_inputs import CURR_HEAD_KEY, HEAD_KEYS
+from nemo_is_plugin.loss.aligned_inputs import HEAD_KEYS, TRAINER_HEAD_KEY
 from nemo_is_plugin.loss.clipped_pg import TOKEN_KEYS, ClippedPGLoss, LossInputs
 from nemo_is_plugin.loss.layout import TokenLayout, host_ints
 from nemo_is_plugin.loss.masked import EPS, where_mask
-from nemo_is_plugin.loss.score_centering import check_head_inputs
+from nemo_is_plugin.loss.score_centering import check_head_shapes
 
 _UNSET: Any = object()
 
@@ -121,7 +121,7 @@ def logit_loss_inputs(
     local = {k: _local(next_token_aligned(data[k], width), layout) for k in TOKEN_KEYS if k in data}
     if with_head:
         local.update(_local_head(data, layout, width))
-    head_ids = local.get("rollout_topk_ids")
+    head_ids = local.get(HEAD_KEYS[0])
     out = vocab_parallel_logprobs(
         logits,
         target.reshape(logits.shape[:-1]),
@@ -134,7 +134,7 @@ def logit_loss_inputs(
     curr, entropy = outs[0], outs[1] if with_entropy else None
     shape = layout.shape
     if head_ids is not None:
-        local[CURR_HEAD_KEY] = outs[-1].reshape(*shape, head_ids.shape[-1])
+        local[TRAINER_HEAD_KEY] = outs[-1].reshape(*shape, head_ids.shape[-1])
     inputs = LossInputs.from_tokens(curr.reshape(shape), local, data, global_valid_seqs, global_valid_toks)
     return inputs, layout, None if entropy is None else entropy.reshape(shape)
 
@@ -221,13 +221,10 @@ class LogitClippedPGLoss:
             with_head=self.loss.config.score_centering,
         )
         if self.loss.config.score_centering:
-            check_head_inputs(
-                layout.shape,
-                self.loss.config.score_centering_top_k,
-                inputs.rollout_topk_ids,
-                inputs.rollout_topk_logprobs,
-                inputs.curr_topk_logprobs,
-            )
+            head = inputs.head
+            assert head is not None  # logit_loss_inputs raised for a missing one
+            top_k = self.loss.config.score_centering_top_k
+            check_head_shapes(layout.shape, top_k, head.head_ids, head.sampler_head, head.trainer_head)
         layout = with_data_parallel(layout, dp_group)
         extra = dict(extra_metric_sums(inputs, layout)) if extra_metric_sums is not None else {}
         if entropy is not None:

@@ -72,7 +72,7 @@ from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials, empty_parti
 from nemo_is_plugin.kernels.vocab_shard import local_vocab_range, localize_target, owned_column
 
 
-def check_head_inputs(
+def check_lm_head_call(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
@@ -349,7 +349,7 @@ def fused_linear_logprobs(
     if sequence_parallel:
         # all_gather's backward is the reduce-scatter of the per-rank partial dX: no second all-reduce inside.
         hidden = all_gather(hidden, tp_group, dim=0)
-    chunk = check_head_inputs(
+    chunk = check_lm_head_call(
         hidden, weight, target, temperature, chunk_size, backend=backend, with_entropy=with_entropy, head_ids=head_ids
     )
     reduce_x = reduce_grad_hidden and not sequence_parallel
@@ -359,4 +359,4 @@ def fused_linear_logprobs(
     return outs if len(outs) > 1 else logprob
 
 
-__all__ = ["HeadChunks", "HeadOptions", "check_grad_weight_out", "check_head_inputs", "fused_linear_logprobs"]
+__all__ = ["HeadChunks", "HeadOptions", "check_grad_weight_out", "check_lm_head_call", "fused_linear_logprobs"]
