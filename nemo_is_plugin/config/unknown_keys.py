@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import os
 import warnings
+from collections.abc import Iterable
 from contextvars import ContextVar
 
 from nemo_is_plugin.config.errors import ConfigError, UnknownConfigKeyWarning
@@ -26,12 +27,18 @@ def strict_keys_default() -> bool:
     return os.environ.get(STRICT_KEYS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def closest_name(name: str, known: Iterable[str]) -> str | None:
+    """The known name nearest to a misspelled ``name`` (difflib, ratio >= 0.5), or None: every "did you mean"."""
+    near = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.5)
+    return near[0] if near else None
+
+
 def unknown_keys_message(unknown: list[str], known: set[str], section: str = "loss_fn") -> str:
     """``unknown <section> key(s): 'x' (did you mean 'y'?), ...`` with the nearest valid key of each."""
     hints = []
     for key in unknown:
-        near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.5)
-        hints.append(f"'{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+        near = closest_name(key, known)
+        hints.append(f"'{key}'" + (f" (did you mean '{near}'?)" if near else ""))
     return f"unknown {section} key(s): " + ", ".join(hints)
 
 

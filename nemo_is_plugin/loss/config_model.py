@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, field_validator, model_validator
 
 from nemo_is_plugin.config.contradictions import contradictions
 from nemo_is_plugin.config.errors import ConfigError, ConfigValidationError
@@ -59,10 +59,12 @@ from nemo_is_plugin.loss.objectives import (
     objective_contradictions,
     objective_names,
     seal_registry,
+    unresolved_objective_message,
 )
 
 # Other packages' objectives (entry-point group nemo_is_plugin.objectives) register before the model is built from the
-# registry. This module is imported on first use (the package root re-exports it lazily), and built once.
+# registry. This module is imported on first use (the package root re-exports it lazily), and built once. An entry
+# point that fails to load is a warning here; a config naming an objective it would have provided is refused below.
 load_entry_point_objectives()
 
 if TYPE_CHECKING:
@@ -123,6 +125,15 @@ class ClippedPGLossConfig(_Keys):
             raise ConfigValidationError.wrap(exc) from None
 
     # ------------------------------------------------------------------ validation
+    @field_validator("policy_objective", mode="wrap")
+    @classmethod
+    def _known_objective(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # A name nothing registers gets one line (the nearest name, the entry points that failed) instead of
+        # pydantic's list of every choice; a value of the wrong type is pydantic's to refuse.
+        if isinstance(value, str) and value not in OBJECTIVES:
+            raise ConfigError(unresolved_objective_message(value, objective_names()))
+        return handler(value)
+
     @model_validator(mode="before")
     @classmethod
     def _drop_unknown_keys(cls, data: Any) -> Any:
