@@ -45,6 +45,7 @@ from nemo_is_plugin.config.keys import (
     LossKeys,
 )
 from nemo_is_plugin.config.unknown_keys import (
+    ADAPTER_TRANSLATED_KEYS,
     STRICT_KEYS_OVERRIDE,
     check_unknown_keys,
     strict_keys_default,
@@ -140,6 +141,9 @@ class ClippedPGLossConfig(_Keys):
         if isinstance(data, Mapping):  # a dict, or e.g. an OmegaConf DictConfig given to model_validate
             known = set(cls.model_fields)
             unknown = [k for k in data if k not in known]
+            translated = [ADAPTER_TRANSLATED_KEYS[k] for k in unknown if k in ADAPTER_TRANSLATED_KEYS]
+            if translated:
+                raise ConfigError("; ".join(translated))
             if unknown:
                 strict = STRICT_KEYS_OVERRIDE.get()
                 check_unknown_keys(unknown, known, strict=strict_keys_default() if strict is None else bool(strict))

@@ -359,15 +359,18 @@ def plugin_section_keys(section: Any) -> dict[str, Any]:
     keys = _items(section)
     keys.pop("name", None)
     rc = keys.pop("rollout_correction", None)
-    if rc is None:
-        return keys
+    return keys if rc is None else {**rollout_correction_entry_keys(rc), **keys}
+
+
+def rollout_correction_entry_keys(rc: Any) -> dict[str, Any]:
+    """A ``rollout_correction`` entry of a plugin section (a preset name, a mapping of verl's keys, or ``{preset:
+    name, <preset keyword>: value}``) as plugin keys: the one translation every host's section uses
+    (:mod:`nemo_is_plugin.adapters.host_vocabulary`)."""
     if isinstance(rc, str):
-        mapped = preset_keys(rc)
-    else:
-        rc = _items(rc)
-        preset = rc.pop("preset", None)
-        mapped = preset_keys(preset, **rc) if preset is not None else rollout_correction_keys(rc)
-    return {**mapped, **keys}
+        return preset_keys(rc)
+    rc = _items(rc)
+    preset = rc.pop("preset", None)
+    return preset_keys(preset, **rc) if preset is not None else rollout_correction_keys(rc)
 
 
 __all__ = [
@@ -384,5 +387,6 @@ __all__ = [
     "preset_keys",
     "preset_settings",
     "rejection_rules",
+    "rollout_correction_entry_keys",
     "rollout_correction_keys",
 ]

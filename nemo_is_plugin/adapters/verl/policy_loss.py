@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from nemo_is_plugin.adapters.host_vocabulary import host_section_keys
 from nemo_is_plugin.adapters.shared import MissingPluginConfigError, given_keys, reads_rollout_logprobs, renormalize
 from nemo_is_plugin.adapters.verl.config import (
     VERL_AGG_MODES,
@@ -105,7 +106,7 @@ def _user_keys(config: Any, section: str) -> dict[str, Any]:
         return given_keys(config)
     from nemo_is_plugin.adapters.recipes import to_loss_mapping
 
-    return plugin_section_keys(to_loss_mapping(config, section=section))
+    return host_section_keys(plugin_section_keys(to_loss_mapping(config, section=section)), "verl", also=("loss_mode",))
 
 
 def verl_config(
