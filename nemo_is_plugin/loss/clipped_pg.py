@@ -34,8 +34,10 @@ from nemo_is_plugin.loss.metrics import (
     MetricValues,
     aggregation_denominator,
     nemo_rl_error_metrics,
+    nemo_rl_ratios,
 )
 from nemo_is_plugin.loss.objectives import objective_of
+from nemo_is_plugin.loss.objectives.nemo_rl_switches import selecting_switch
 from nemo_is_plugin.loss.output_checks import check_finite_loss, input_anomalies, warn_input_anomalies
 from nemo_is_plugin.loss.registry import NAME_KEY, get_loss, split_name
 from nemo_is_plugin.loss.score_centering import label_and_head_logprobs, score_centering_metrics
@@ -224,7 +226,8 @@ class ClippedPGLoss:
         kl = parts.kl.detach()
         book.add_sum("kl_penalty", kl.double() / beta if beta != 0 else kl, loss_per)
         book.add_sum("loss", parts.loss.detach(), loss_per)
-        book.policy_ratio(sur)
+        book.policy_ratio(*nemo_rl_ratios(sur, terms.curr, selecting_switch(cfg.policy_objective, cfg)))
+        book.clip_fractions(sur)
         # NeMo-RL reports the truncated weights even when the correction is not applied to the loss.
         w_metric = corr.weights if cfg.use_importance_sampling_correction else corr.raw_weights
         book.importance_weights(

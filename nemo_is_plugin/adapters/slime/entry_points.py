@@ -271,10 +271,12 @@ def slime_metrics(
     cfg, sur, corr = t.config, terms.surrogate, t.correction
     with torch.no_grad():
         token_ratio = objective_of(cfg).token_ratio(cfg)
-        ppo_kl = (t.prev - c.detach()) if token_ratio else -torch.log(sur.ratio)
-        out = {"pg_clipfrac": reduce(sur.clipped.to(c.dtype)), "ppo_kl": reduce(ppo_kl)}
+        ppo_kl = (t.prev - c.detach()) if token_ratio or sur.ratio is None else -torch.log(sur.ratio)
+        out = {} if sur.clipped is None else {"pg_clipfrac": reduce(sur.clipped.to(c.dtype))}
+        out["ppo_kl"] = reduce(ppo_kl)
         for name, flag in (("low", sur.clipped_low), ("high", sur.clipped_high), ("dual", sur.dual_clipped)):
-            out[f"{PLUGIN_PREFIX}clip_fraction_{name}"] = reduce(flag.to(c.dtype))
+            if flag is not None:  # the clip indicators the objective has
+                out[f"{PLUGIN_PREFIX}clip_fraction_{name}"] = reduce(flag.to(c.dtype))
         if roles.mu is not None:
             out["train_rollout_logprob_abs_diff"] = reduce((roles.mismatch_prev - roles.mu).abs())
         if corr is not None:

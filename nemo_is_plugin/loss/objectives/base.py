@@ -55,21 +55,25 @@ class ObjectiveBook(Protocol):
 OBJECTIVE_LOG_RATIO_CLAMP = 20.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SurrogateOut:
-    """loss: Float[*T] per-token loss (to be minimised). ratio / clipped_ratio: Float[*T] (detached, for metrics).
-    clipped / clipped_low / clipped_high / dual_clipped: Bool[*T] indicators (CTPO's definitions for PPO's clip):
-    clipped = the objective dropped or clipped the token (verl's ``pg_clipfrac``); high = that with A > 0, the ratio
-    above its bound; low = that with A < 0 (A <= 0 for the trust masks); dual = the dual clip, or DPPO's ratio cap, is
-    active."""
+    """An objective's per-token result, built by keyword: its loss, and the ratio and clip indicators its metrics read
+    where the objective has them (None: it has none; the shared metrics then report nothing under that name).
+
+    loss: Float[*T] per-token loss (to be minimised). ratio: Float[*T] the policy ratio its loss reads (detached), None
+    for an objective without one (REINFORCE, GPG read log pi itself). clipped_ratio: Float[*T] the ratio after the
+    objective's clip (detached; None: no clipped ratio). clipped / clipped_low / clipped_high / dual_clipped: Bool[*T]
+    indicators (CTPO's definitions for PPO's clip): clipped = the objective dropped or clipped the token (verl's
+    ``pg_clipfrac``); high = that with A > 0, the ratio above its bound; low = that with A < 0 (A <= 0 for the trust
+    masks); dual = the dual clip, or DPPO's ratio cap, is active. None: the objective has no such clip."""
 
     loss: torch.Tensor
-    ratio: torch.Tensor
-    clipped_ratio: torch.Tensor
-    clipped: torch.Tensor
-    clipped_low: torch.Tensor
-    clipped_high: torch.Tensor
-    dual_clipped: torch.Tensor
+    ratio: torch.Tensor | None = None
+    clipped_ratio: torch.Tensor | None = None
+    clipped: torch.Tensor | None = None
+    clipped_low: torch.Tensor | None = None
+    clipped_high: torch.Tensor | None = None
+    dual_clipped: torch.Tensor | None = None
 
 
 @dataclass
@@ -315,11 +319,6 @@ def nemo_rl_key_refusals(cfg: ObjectiveConfig, objective: PolicyObjective) -> li
     return out
 
 
-def none_like(like: torch.Tensor) -> torch.Tensor:
-    """An all-False indicator shaped like ``like``."""
-    return torch.zeros_like(like, dtype=torch.bool)
-
-
 def max_unclipped_on_tie(unclipped: torch.Tensor, clipped: torch.Tensor) -> torch.Tensor:
     """max(unclipped, clipped), a tie going to the unclipped branch by explicit selection.
 
@@ -352,8 +351,9 @@ def masked_ratio_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, ma
     """-A r on kept tokens (prime-rl ``ipo``, CPPO): the ratio's own gradient, no truncation."""
     ratio = torch.exp(log_ratio)
     loss = -advantages * ratio * mask.keep.to(ratio.dtype)
-    r = ratio.detach()
-    return SurrogateOut(loss, r, r, ~mask.keep, mask.masked_low, mask.masked_high, none_like(r))
+    return SurrogateOut(
+        loss=loss, ratio=ratio.detach(), clipped=~mask.keep, clipped_low=mask.masked_low, clipped_high=mask.masked_high
+    )
 
 
 __all__ = [
@@ -375,7 +375,6 @@ __all__ = [
     "effective_objective",
     "max_unclipped_on_tie",
     "nemo_rl_key_refusals",
-    "none_like",
     "objective_of",
     "objective_of_keys",
     "register_objective",

@@ -29,7 +29,6 @@ from nemo_is_plugin.loss.objectives.base import (
     PolicyObjective,
     SurrogateOut,
     max_unclipped_on_tie,
-    none_like,
     register_objective,
 )
 
@@ -85,14 +84,13 @@ def gmpo_surrogate(
     loss = layout.to_tokens(-seq_adv * seq_ratio)
     clipped = (d != clamped).detach()
     r = torch.exp(d.detach())
-    return SurrogateOut(
-        loss,
-        r,
-        layout.to_tokens(seq_ratio.detach()),
-        clipped & (advantages != 0),
-        clipped & (advantages < 0),
-        clipped & (advantages > 0),
-        none_like(r),
+    return SurrogateOut(  # no dual clip
+        loss=loss,
+        ratio=r,
+        clipped_ratio=layout.to_tokens(seq_ratio.detach()),
+        clipped=clipped & (advantages != 0),
+        clipped_low=clipped & (advantages < 0),
+        clipped_high=clipped & (advantages > 0),
     )
 
 

@@ -27,7 +27,6 @@ from nemo_is_plugin.loss.objectives.base import (
     PolicyObjective,
     SurrogateOut,
     chosen_as,
-    none_like,
     register_objective,
 )
 from nemo_is_plugin.loss.objectives.ppo_clip import apply_dual_clip, format_number
@@ -41,9 +40,7 @@ def on_policy_surrogate(curr: torch.Tensor, advantages: torch.Tensor, *, dual_cl
     curr, advantages: Float[*T]."""
     ratio = torch.exp(curr - curr.detach())
     loss, dual = apply_dual_clip(-advantages * ratio, advantages, dual_clip)
-    r = ratio.detach()
-    none = none_like(r)
-    return SurrogateOut(loss, r, r, none, none, none, dual)
+    return SurrogateOut(loss=loss, ratio=ratio.detach(), dual_clipped=dual)
 
 
 @register_objective

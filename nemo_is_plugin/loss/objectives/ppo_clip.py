@@ -141,13 +141,13 @@ def ratio_clip_surrogate(
     loss, dual = apply_dual_clip(max_unclipped_on_tie(loss1, loss2), advantages, dual_clip)
     r = ratio.detach()
     return SurrogateOut(
-        loss,
-        r,
-        clipped_ratio.detach(),
-        (loss2 > loss1).detach(),
-        (r < 1 - clip_low) & (advantages < 0),
-        (r > 1 + clip_high) & (advantages > 0),
-        dual,
+        loss=loss,
+        ratio=r,
+        clipped_ratio=clipped_ratio.detach(),
+        clipped=(loss2 > loss1).detach(),
+        clipped_low=(r < 1 - clip_low) & (advantages < 0),
+        clipped_high=(r > 1 + clip_high) & (advantages > 0),
+        dual_clipped=dual,
     )
 
 
@@ -172,13 +172,13 @@ def log_space_clip_surrogate(
     loss, dual = apply_dual_clip(max_unclipped_on_tie(loss1, loss2), advantages, cap)
     lr = log_ratio.detach()
     return SurrogateOut(
-        loss,
-        ratio.detach(),
-        clipped_ratio.detach(),
-        (loss2 > loss1).detach(),
-        (lr < lo) & (advantages < 0),
-        (lr > hi) & (advantages > 0),
-        dual,
+        loss=loss,
+        ratio=ratio.detach(),
+        clipped_ratio=clipped_ratio.detach(),
+        clipped=(loss2 > loss1).detach(),
+        clipped_low=(lr < lo) & (advantages < 0),
+        clipped_high=(lr > hi) & (advantages > 0),
+        dual_clipped=dual,
     )
 
 
