@@ -268,7 +268,7 @@ def rollout_correction_keys(rollout_correction: Any) -> dict[str, Any]:
         keys["old_policy_logprobs"] = "generation"
         if loss_type == "reinforce":
             # verl's REINFORCE: -w * A * log pi, no PPO ratio and no dual clip
-            keys.update(disable_ppo_ratio=True, ratio_clip_c=None)
+            keys.update(policy_objective="reinforce", ratio_clip_c=None)
     elif loss_type != "ppo_clip":
         _ignored("loss_type", "verl reads it in bypass mode only (bypass_mode: false here)")
     if rc["score_centering"]:  # f follows from the IS truncation above; the plugin's contradictions say what composes
@@ -367,6 +367,12 @@ def plugin_section_keys(section: Any) -> dict[str, Any]:
         rc = _items(rc)
         preset = rc.pop("preset", None)
         mapped = preset_keys(preset, **rc) if preset is not None else rollout_correction_keys(rc)
+    chosen = mapped.get("policy_objective")
+    if chosen is not None and keys.get("policy_objective", chosen) != chosen:
+        raise VerlConfigError(
+            f"rollout_correction's loss_type: {chosen} (policy_objective {chosen!r}) and policy_objective="
+            f"{keys['policy_objective']!r} both choose the objective: keep one"
+        )
     return {**mapped, **keys}
 
 

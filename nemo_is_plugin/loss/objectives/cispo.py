@@ -63,9 +63,6 @@ class CISPO(PolicyObjective):
     ratio_levels = ("token",)
     ratio = "the token ratio"
     summary = "'cispo' (CISPO: -A sg(clip r) log pi; NeMo-RL's use_cispo)"
-    clip_keys = ("ratio_clip_min", "ratio_clip_max")
-    switches = ("use_cispo",)
-    centres_score = True
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         cfg, c = t.config, t.curr
@@ -80,9 +77,6 @@ class CISPO(PolicyObjective):
         )
         sur = cispo_surrogate(log_r, c, t.advantages, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max)
         return ObjectiveOut(sur)
-
-    def token_ratio(self, cfg: ObjectiveConfig) -> bool:
-        return True
 
     def refusals(self, cfg: ObjectiveConfig) -> list[str]:
         out = []

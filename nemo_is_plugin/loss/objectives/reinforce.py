@@ -45,16 +45,12 @@ class Reinforce(PolicyObjective):
     ratio_levels = ("token",)
     ratio = "no policy ratio (-A log pi)"
     summary = "'reinforce' (REINFORCE: -A log pi; NeMo-RL's disable_ppo_ratio)"
-    clip_keys = ("ratio_clip_c",)
-    switches = ("disable_ppo_ratio", "sequence_level_importance_ratios")
-    nemo_rl_ignores = ("ratio_clip_min", "ratio_clip_max")
-    centres_score = True
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         return ObjectiveOut(reinforce_surrogate(t.curr, t.advantages, dual_clip=t.config.ratio_clip_c))
 
-    def token_ratio(self, cfg: ObjectiveConfig) -> bool:
-        return True
+    def score_centering_refusals(self, cfg: ObjectiveConfig) -> list[str]:
+        return []  # its gradient is a token's own score times -A: the head coefficients model it
 
     def describe(self, cfg: ObjectiveConfig) -> str:
         dual = f", dual clip c = {format_number(cfg.ratio_clip_c)}" if cfg.ratio_clip_c is not None else ""
