@@ -8,7 +8,7 @@ them:
 
 - ``rollout_correction`` (verl's ``algorithm.rollout_correction``: a preset name, a mapping of its keys, or
   ``{preset: name, <keyword>: value}``) is translated into plugin keys in every host's section, by verl's own
-  translation (:func:`~nemo_is_plugin.adapters.verl.config.rollout_correction_entry_keys`); the section's plugin keys
+  translation (:func:`~nemo_is_plugin.adapters.verl.config.with_rollout_correction`); the section's plugin keys
   win over it;
 - verl's actor keys that have a plugin key of the same meaning (``clip_ratio*``, ``loss_agg_mode``) are refused,
   naming the key the host reads instead (:data:`OWN_KEYS`);
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from nemo_is_plugin.adapters.verl.config import rollout_correction_entry_keys
+from nemo_is_plugin.adapters.verl.config import with_rollout_correction
 from nemo_is_plugin.config import ConfigError, check_unknown_keys, strict_keys_default
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
@@ -73,7 +73,7 @@ def applied_other_hosts_keys(section: Mapping[str, Any], host: Host) -> dict[str
                 f"{where}.{key} is verl's actor key, which the plugin does not read here: set {own[host]}"
             )
     entry = keys.pop("rollout_correction", None)  # config.unknown_keys.ADAPTER_TRANSLATED_KEYS
-    return keys if entry is None else {**rollout_correction_entry_keys(entry), **keys}
+    return keys if entry is None else with_rollout_correction(entry, keys)
 
 
 def known_keys_only(keys: Mapping[str, Any], host: Host, also: tuple[str, ...] = ("name",)) -> dict[str, Any]:

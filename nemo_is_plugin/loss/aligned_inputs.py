@@ -11,7 +11,6 @@ import torch
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.input_validation import POSITIVE_LOGPROB_TOLERANCE, loss_input_checks
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.score_centering import check_head_inputs, head_value_checks
 
 # NeMo-RL's data keys; [B, S] tensors are sliced [:, 1:] to align with next-token log-probs [B, S-1].
@@ -97,7 +96,7 @@ def align_nemo_rl_inputs(
         global_valid_seqs,
         global_valid_toks,
         num_seqs=None if layout is None else layout.num_seqs,
-        needs_prev=not objective_of(cfg).pi_old_is_current and not cfg.bypasses_prev,
+        needs_prev=not cfg.objective.pi_old_is_current and not cfg.bypasses_prev,
         needs_generation=True,
         needs_reference=cfg.effective_kl_penalty != 0,
         needs_rewards=cfg.positive_example_nll_weight > 0,

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, ValidatorFunctionWrapHandler, field_validator, model_validator
 
 from nemo_is_plugin.config.contradictions import contradictions
 from nemo_is_plugin.config.errors import ConfigError, ConfigValidationError
@@ -54,14 +54,16 @@ from nemo_is_plugin.config.unknown_keys import (
 from nemo_is_plugin.loss.objectives import (
     DEFAULT_OBJECTIVE,
     OBJECTIVES,
-    effective_objective,
     key_sections,
     load_entry_point_objectives,
     objective_contradictions,
     objective_names,
+    objective_of,
     seal_registry,
     unresolved_objective_message,
 )
+from nemo_is_plugin.loss.objectives import base as objective_base
+from nemo_is_plugin.loss.objectives.nemo_rl_switches import resolve_objective
 
 # Other packages' objectives (entry-point group nemo_is_plugin.objectives) register before the model is built from the
 # registry. This module is imported on first use (the package root re-exports it lazily), and built once. An entry
@@ -89,6 +91,7 @@ class ClippedPGLossConfig(_Keys):
     this class adds the unknown-key policy, the combination checks and the derived choices. See ``docs/config.md``.
     """
 
+    _objective: tuple[str, str | None] | None = PrivateAttr(None)  # (effective_objective, objective_switch)
     policy_objective: PolicyObjective = Field(
         DEFAULT_OBJECTIVE,
         description="The per-token surrogate and its trust region, anchored at pi_old (docs/objectives.md): "
@@ -156,6 +159,9 @@ class ClippedPGLossConfig(_Keys):
         # that a model_dump() reloads unchanged.
         if self.loss_aggregation is not None and "token_level_loss" not in self.model_fields_set:
             self.__dict__["token_level_loss"] = self.loss_aggregation in TOKEN_AGGREGATIONS
+        # The objective, resolved once per validation (NeMo-RL's switches read here only): what every reader reads.
+        self._objective = None
+        self._resolved_objective()
         # Runs only once every field is valid: out-of-range values were refused by their NumericRange already.
         shared = objective_contradictions(self)  # the rules every objective shares, then the objective's own
         errors = [msg for msg in contradictions(self, shared) if msg]
@@ -164,12 +170,30 @@ class ClippedPGLossConfig(_Keys):
         return self
 
     # ------------------------------------------------------------------ derived choices (the generic ones: LossKeys)
+    def _resolved_objective(self) -> tuple[str, str | None]:
+        """(the objective computed, the NeMo-RL switch that selected it): resolved at validation, which every
+        construction and assignment runs; resolved here only for a model built without validation
+        (``model_construct``)."""
+        if self._objective is None:
+            self._objective = resolve_objective(self.policy_objective, self)
+        return self._objective
+
     @property
     def effective_objective(self) -> str:
         """The objective computed: ``policy_objective``, or the one NeMo-RL's switch selects under ``ppo_clip``
         (``force_on_policy_ratio`` -> ``on_policy``, ``disable_ppo_ratio`` -> ``reinforce``, ``use_cispo`` ->
-        ``cispo``; :func:`~nemo_is_plugin.loss.objectives.base.effective_objective`)."""
-        return effective_objective(self.policy_objective, self)
+        ``cispo``; :func:`~nemo_is_plugin.loss.objectives.nemo_rl_switches.resolve_objective`), resolved once."""
+        return self._resolved_objective()[0]
+
+    @property
+    def objective_switch(self) -> str | None:
+        """The NeMo-RL switch that selected the objective (``use_cispo``, ...); None: ``policy_objective`` names it."""
+        return self._resolved_objective()[1]
+
+    @property
+    def objective(self) -> objective_base.PolicyObjective:
+        """The registered objective this config computes (:func:`~nemo_is_plugin.loss.objectives.objective_of`)."""
+        return objective_of(self)
 
     @property
     def uses_log_space_clip(self) -> bool:

@@ -255,7 +255,12 @@ def policy_config(args: Any, user: Mapping[str, Any]) -> ClippedPGLossConfig:
     if estimator == "gspo":
         base["ratio_level"] = "sequence"
     elif estimator == "cispo":
-        base["use_cispo"] = True
+        if user.get("policy_objective", "cispo") != "cispo":
+            raise SlimeConfigError(
+                f"--advantage-estimator cispo and policy_objective={user['policy_objective']!r} both choose the "
+                "objective: keep one"
+            )
+        base["policy_objective"] = "cispo"
         if base.pop("ratio_clip_c") is not None:
             warnings.warn("--eps-clip-c is ignored with --advantage-estimator cispo, as slime ignores it", stacklevel=3)
     elif estimator not in ADVANTAGE_ONLY_ESTIMATORS:

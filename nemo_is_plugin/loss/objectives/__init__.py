@@ -34,12 +34,15 @@ from nemo_is_plugin.loss.objectives.base import (
     key_sections,
     objective_contradictions,
     objective_of,
-    objective_of_keys,
     register_objective,
     seal_registry,
-    unread_clip_keys,
 )
 from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
+from nemo_is_plugin.loss.objectives.nemo_rl_switches import (
+    effective_objective_of_keys,
+    selecting_switch,
+    unread_clip_keys,
+)
 
 for _module in sorted(info.name for info in pkgutil.iter_modules(__path__)):
     if _module != "base" and not _module.startswith("_"):
@@ -74,10 +77,11 @@ __all__ = [
     "load_entry_point_objectives",
     "objective_contradictions",
     "objective_names",
+    "effective_objective_of_keys",
     "objective_of",
-    "objective_of_keys",
     "register_objective",
     "seal_registry",
+    "selecting_switch",
     "unread_clip_keys",
     "unresolved_objective_message",
 ]
