@@ -63,6 +63,7 @@ from nemo_is_plugin.loss.objectives import (
     unresolved_objective_message,
 )
 from nemo_is_plugin.loss.objectives import base as objective_base
+from nemo_is_plugin.loss.objectives._import_path import REGISTERED_BY_PATH, is_import_path, objective_by_import_path
 from nemo_is_plugin.loss.objectives.nemo_rl_switches import resolve_objective
 
 # Other packages' objectives (entry-point group nemo_is_plugin.objectives) register before the model is built from the
@@ -134,9 +135,13 @@ class ClippedPGLossConfig(_Keys):
     def _known_objective(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         # A name nothing registers gets one line (the nearest name, the entry points that failed) instead of
         # pydantic's list of every choice; a value of the wrong type is pydantic's to refuse.
+        # A 'module:Class' value is imported (loss/objectives/_import_path.py): a registered class gives its name,
+        # a class without keys is registered under the path, which stays outside the choices of the Literal.
         if isinstance(value, str) and value not in OBJECTIVES:
-            raise ConfigError(unresolved_objective_message(value, objective_names()))
-        return handler(value)
+            if not is_import_path(value):
+                raise ConfigError(unresolved_objective_message(value, objective_names()))
+            value = objective_by_import_path(value)
+        return value if value in REGISTERED_BY_PATH else handler(value)
 
     @model_validator(mode="before")
     @classmethod

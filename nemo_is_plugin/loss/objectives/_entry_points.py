@@ -92,7 +92,7 @@ def unresolved_objective_message(name: str, known: tuple[str, ...]) -> str:
         return f"{message}; these entry points of group {ENTRY_POINT_GROUP!r} may provide it but failed: {failed}"
     return (
         f"{message}. An objective of another package is registered through its entry point in the group "
-        f"{ENTRY_POINT_GROUP!r} (docs/writing_an_objective.md)"
+        f"{ENTRY_POINT_GROUP!r}, or named by import path, 'module:Class' (docs/writing_an_objective.md)"
     )
 
 
