@@ -3,11 +3,12 @@ through its entry point, it validates with its own key's range in ``nemo-is vali
 L_t = -w_t A_t gamma^(n_t - 1) c_t in float64 (loss and gradient; w the token TIS weight), takes both fused passes
 (single pass and two-pass, equal to the naive path at 1e-10 in float64), runs through the verl adapter, and is
 selectable by import path. Skipped where the package is not installed (pip install --no-deps --no-build-isolation -e
-examples/tapered_reinforce)."""
+examples/tapered_reinforce); the check that docs/writing_an_objective.md quotes its module runs everywhere."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "tapered_reinforce" / "recipe.yaml"
 F64 = torch.float64
 
-pytestmark = pytest.mark.skipif(
+installed = pytest.mark.skipif(
     "tapered_reinforce" not in {e.name for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)},
     reason="the example package is not installed (make setup installs it)",
 )
@@ -48,11 +49,13 @@ def _batch(seed: int = 0):
     return prev, gen, curr, adv, mask
 
 
+@installed
 def test_the_entry_point_registers_it_after_the_built_ins():
     names = objective_names()
     assert "tapered_reinforce" in names and names.index("tapered_reinforce") >= 13
 
 
+@installed
 def test_nemo_is_validate_shows_it_and_refuses_a_decay_outside_its_range():
     from nemo_is_plugin.apps.cli.main import app
 
@@ -66,6 +69,7 @@ def test_nemo_is_validate_shows_it_and_refuses_a_decay_outside_its_range():
     assert "use a decay in (0, 1]" in bad.output
 
 
+@installed
 def test_loss_and_gradient_are_the_float64_hand_formula():
     prev, gen, c0, adv, mask = _batch()
     section = {**CONFIG, **OBJECTIVE_IS}  # token TIS at 2: w = min(exp(prev - gen), 2)
@@ -85,6 +89,7 @@ def test_loss_and_gradient_are_the_float64_hand_formula():
     assert float(grad.abs().max()) > 0 and float(grad[0, :2].abs().max()) == 0  # masked tokens get nothing
 
 
+@installed
 @pytest.mark.parametrize("single_pass", [True, False], ids=["single-pass", "two-pass"])
 def test_both_fused_passes_equal_the_naive_path(single_pass):
     p = pg_problem(dtype=F64)
@@ -93,6 +98,7 @@ def test_both_fused_passes_equal_the_naive_path(single_pass):
     assert_parity(fused(p, cfg, single_pass=single_pass), want, rtol=1e-10, grad_rtol=1e-10, metric_atol=1e-13)
 
 
+@installed
 def test_the_verl_adapter_computes_it():
     """verl's call (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, actor config): the token mean
     over the counted tokens of -A gamma^(n-1) c (verl's settings add nothing here: no IS weights, no KL; verl's clip
@@ -110,7 +116,15 @@ def test_the_verl_adapter_computes_it():
     assert torch.allclose(grad, per_token / n, rtol=1e-12, atol=1e-15)
 
 
+@installed
 def test_it_is_selectable_by_import_path_too():
     """The registered class by import path resolves to its registered name (its keys included)."""
     cfg = load_loss_config({"policy_objective": "tapered_reinforce.objective:TaperedReinforce"})
     assert cfg.policy_objective == "tapered_reinforce" and cfg.tapered_reinforce_decay == 0.999
+
+
+def test_the_authors_guide_quotes_the_example_module_as_it_is():
+    """docs/writing_an_objective.md shows the example's objective module: the file this test runs, verbatim."""
+    guide = (ROOT / "docs" / "writing_an_objective.md").read_text()
+    (quoted,) = re.findall(r"^```py\n(.*?)^```", guide, flags=re.S | re.M)
+    assert quoted == (ROOT / "examples" / "tapered_reinforce" / "tapered_reinforce" / "objective.py").read_text()
