@@ -137,7 +137,9 @@ class ClippedPGLossConfig(_Keys):
         # pydantic's list of every choice; a value of the wrong type is pydantic's to refuse.
         # A 'module:Class' value is imported (loss/objectives/_import_path.py): a registered class gives its name,
         # a class without keys is registered under the path, which stays outside the choices of the Literal.
-        if isinstance(value, str) and value not in OBJECTIVES:
+        if not isinstance(value, str):
+            return handler(value)
+        if value not in OBJECTIVES:
             if not is_import_path(value):
                 raise ConfigError(unresolved_objective_message(value, objective_names()))
             value = objective_by_import_path(value)

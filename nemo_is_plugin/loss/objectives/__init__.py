@@ -23,6 +23,7 @@ from nemo_is_plugin.loss.objectives._entry_points import (
     load_entry_point_objectives,
     unresolved_objective_message,
 )
+from nemo_is_plugin.loss.objectives._import_path import REGISTERED_BY_PATH
 from nemo_is_plugin.loss.objectives.base import (
     DEFAULT_OBJECTIVE,
     OBJECTIVES,
@@ -56,8 +57,9 @@ BUILTIN_OBJECTIVES: tuple[str, ...] = tuple(OBJECTIVES)
 
 def objective_names() -> tuple[str, ...]:
     """The registered ``policy_objective`` values: the default first, then the others in registration order (this
-    package's modules by name, then the entry points')."""
-    return (DEFAULT_OBJECTIVE, *(name for name in OBJECTIVES if name != DEFAULT_OBJECTIVE))
+    package's modules by name, then the entry points'); not the import paths a config named (``_import_path``)."""
+    others = (name for name in OBJECTIVES if name != DEFAULT_OBJECTIVE and name not in REGISTERED_BY_PATH)
+    return (DEFAULT_OBJECTIVE, *others)
 
 
 __all__ = [
