@@ -271,8 +271,8 @@ def slime_metrics(
     with torch.no_grad():
         # slime's ppo_kl: log pi_old - log pi per token; minus the log of the objective's ratio where that is not a
         # token's own (a sequence ratio level: GSPO's, as slime's GSPO reports it)
-        token_ratio = sur.ratio is None or cfg.effective_ratio_level == "token"
-        ppo_kl = (t.prev - c.detach()) if token_ratio or sur.ratio is None else -torch.log(sur.ratio)
+        sequence_ratio = sur.ratio if cfg.effective_ratio_level != "token" else None
+        ppo_kl = t.prev - c.detach() if sequence_ratio is None else -torch.log(sequence_ratio)
         out = {} if sur.clipped is None else {"pg_clipfrac": reduce(sur.clipped.to(c.dtype))}
         out["ppo_kl"] = reduce(ppo_kl)
         for name, flag in (("low", sur.clipped_low), ("high", sur.clipped_high), ("dual", sur.dual_clipped)):
