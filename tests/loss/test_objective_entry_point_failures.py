@@ -10,13 +10,10 @@ with its directory on the path. About 10 s (one interpreter importing torch and 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.site_checks import run_with_site
 
 from nemo_is_plugin.config import ConfigError
 from nemo_is_plugin.loss.config_model import load_loss_config
@@ -76,14 +73,8 @@ def broken_site(tmp_path_factory) -> Path:
 def test_a_broken_entry_point_breaks_only_the_configs_naming_its_objective(broken_site, tmp_path):
     naming = tmp_path / "naming.yaml"
     naming.write_text("loss_fn:\n  policy_objective: missing_objective\n")
-    path = os.pathsep.join([str(broken_site), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", CHECKS, str(ROOT / "configs" / "nemo_rl_default_grpo.yaml"), str(naming)],
-        capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    default = str(ROOT / "configs" / "nemo_rl_default_grpo.yaml")
+    got = run_with_site(CHECKS, broken_site, default, str(naming), COLUMNS="200")
     # one warning per failed entry point, naming it, its package, the error and the fix
     half, missing = got["warnings"]
     assert "'half = half_broken' of package 'broken-objectives' failed to load (RuntimeError: half_broken fails" in half
