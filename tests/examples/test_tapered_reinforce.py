@@ -84,7 +84,7 @@ def test_loss_and_gradient_are_the_float64_hand_formula():
     weight = torch.exp(prev - gen).clamp(max=OBJECTIVE_IS["truncated_importance_sampling_ratio"])
     per_token = -weight * adv * 0.9 ** (positions - 1) * mask
     n = float(mask.sum()) + 1e-8
-    assert float(loss) == pytest.approx(float((per_token * c0).sum() / n), rel=1e-12, abs=1e-15)
+    assert float(loss.detach()) == pytest.approx(float((per_token * c0).sum() / n), rel=1e-12, abs=1e-15)
     assert torch.allclose(grad, per_token / n, rtol=1e-12, atol=1e-15)
     assert float(grad.abs().max()) > 0 and float(grad[0, :2].abs().max()) == 0  # masked tokens get nothing
 
@@ -112,7 +112,7 @@ def test_the_verl_adapter_computes_it():
     (grad,) = torch.autograd.grad(loss, c)
     per_token = -adv * 0.9 ** (torch.cumsum(mask, dim=1) - 1) * mask
     n = float(mask.sum()) + 1e-8  # the plugin's token-mean under verl's token-mean: / (N + 1e-8)
-    assert float(loss) == pytest.approx(float((per_token * c0).sum() / n), rel=1e-12)
+    assert float(loss.detach()) == pytest.approx(float((per_token * c0).sum() / n), rel=1e-12)
     assert torch.allclose(grad, per_token / n, rtol=1e-12, atol=1e-15)
 
 

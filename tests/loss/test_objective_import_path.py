@@ -54,7 +54,7 @@ def _loss_and_grad(objective: str):
     section = {"policy_objective": objective, "reference_policy_kl_penalty": 0.0}
     loss, _ = ClippedPGLoss(section).compute(inputs, TokenLayout.padded(2, 5))
     (grad,) = torch.autograd.grad(loss, c)
-    return float(loss), grad
+    return float(loss.detach()), grad
 
 
 def test_a_class_without_keys_is_registered_under_its_path_and_computes(experiment):
