@@ -8,13 +8,16 @@ TORCH := 2.13.0
 # What the install reads besides the lock: setup.py copies the start-up hook's .pth into site-packages (a copy, also in
 # an editable install), so a change to either reinstalls.
 INSTALL_INPUTS := pyproject.toml setup.py nemo_is_plugin/adapters/nemo_rl/startup/nemo_is_plugin_startup.pth
-STAMP := $(VENV)/.installed-$(shell cat $(INSTALL_INPUTS) $(LOCK) | cksum | cut -d' ' -f1)
+# The third-party example objective (docs/writing_an_objective.md), installed editable so that the whole suite runs
+# with another package's objective present; its pyproject.toml declares the entry point, so a change reinstalls.
+EXAMPLE_INPUTS := examples/tapered_reinforce/pyproject.toml
+STAMP := $(VENV)/.installed-$(shell cat $(INSTALL_INPUTS) $(EXAMPLE_INPUTS) $(LOCK) | cksum | cut -d' ' -f1)
 
 .PHONY: setup lint test demo bench bench-docs evidence lock clean golden golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo setup-stacks test-stacks lock-stacks golden-slime \
 	golden-verl-loss-modes golden-verl-score-centering
 
 # Every package at the exact version of $(LOCK), installed without resolution (--no-deps), then the project.
-$(STAMP): $(INSTALL_INPUTS) $(LOCK)
+$(STAMP): $(INSTALL_INPUTS) $(EXAMPLE_INPUTS) $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c $(LOCK) pip
 	# torch first, resolved with its own dependencies: the local CPU wheel here (pinned: an unpinned torch may pull a
@@ -23,6 +26,7 @@ $(STAMP): $(INSTALL_INPUTS) $(LOCK)
 	$(PY) -m pip install -q torch==$(TORCH)
 	$(PY) -m pip install -q --no-deps -r $(LOCK)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e examples/tapered_reinforce
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -110,9 +110,10 @@ def test_preset_weights_and_masks_equal_verls(batch, name):
     want = verl_mask * (weights.batch["rollout_is_weights"] if applies else 1.0)
 
     cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **preset_keys(name))
-    assert cfg.bypasses_prev == verl_cfg.bypass_mode and cfg.disable_ppo_ratio == (
+    assert cfg.bypasses_prev == verl_cfg.bypass_mode and (cfg.effective_objective == "reinforce") == (
         verl_cfg.loss_type == "reinforce" and verl_cfg.bypass_mode
     )
+    assert cfg.policy_objective == cfg.effective_objective  # the adapter names it; no NeMo-RL switch
     corr = compute_is_correction(
         numerator, batch["rollout"], m, m, TokenLayout.padded(B, T), **is_correction_kwargs(cfg)
     )

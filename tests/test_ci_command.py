@@ -68,7 +68,9 @@ def test_make_test_sets_up_then_lints_then_runs_the_whole_suite_then_the_stacks_
     setup = main[:-4]
     assert setup[0] == f"test -x {venv}/bin/python || python3 -m venv {venv}"
     assert f"{venv}/bin/python -m pip install -q --no-deps -r requirements/ci.lock" in setup
-    assert setup[-3] == f"{venv}/bin/python -m pip install -q --no-deps --no-build-isolation -e ."
+    editable = f"{venv}/bin/python -m pip install -q --no-deps --no-build-isolation -e"
+    # the project, then the example objective package: the whole suite runs with another package's objective installed
+    assert setup[-4:-2] == [f"{editable} .", f"{editable} examples/tapered_reinforce"]
     assert setup[-1].startswith(f"touch {venv}/.installed-")
     stacks = commands[len(main) + 1 :]
     assert stacks[-1].startswith(f"OMP_NUM_THREADS=1 {venv}-313/bin/python -m pytest -q tests/")

@@ -85,7 +85,7 @@ def test_guard_lets_device_aware_code_through_with_real_values():
 
 def test_guard_catches_the_kl_penalty_metric_bug(monkeypatch):
     """The first GPU run's crash: a 0-d metric tensor created without device= (the kl_penalty of KL weight 0)."""
-    real = MetricBook.policy_ratio
+    real = MetricBook.clip_fractions
 
     def buggy(self, sur):
         real(self, sur)
@@ -93,7 +93,7 @@ def test_guard_catches_the_kl_penalty_metric_bug(monkeypatch):
 
     call = next(c for c in CALLS if c.suite == "nemo_rl")
     call.run("cpu", None, device_guard)  # clean
-    monkeypatch.setattr(MetricBook, "policy_ratio", buggy)
+    monkeypatch.setattr(MetricBook, "clip_fractions", buggy)
     call.run("cpu", None, no_guard)  # the bug is invisible without the guard
     with pytest.raises(DeviceLessTensorError, match="torch.zeros"):
         call.run("cpu", None, device_guard)

@@ -36,13 +36,15 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 LAYERS = ("base", "config", "loss", "kernels", "distributed", "integration", "apps")
 # Module prefix -> layer; the longest matching prefix wins. The package root (``nemo_is_plugin/__init__.py``) and the
-# ``nemo_is_plugin.registry`` / ``nemo_is_plugin.recipes`` modules re-export documented names from the layer below.
+# ``nemo_is_plugin.registry`` / ``nemo_is_plugin.recipes`` / ``nemo_is_plugin.objectives`` (the authors' API) modules
+# re-export documented names from the layers below.
 LAYER_OF_PREFIX = {
     "nemo_is_plugin": "loss",
     "nemo_is_plugin.common": "base",
     "nemo_is_plugin.config": "config",
     "nemo_is_plugin.loss": "loss",
     "nemo_is_plugin.registry": "loss",
+    "nemo_is_plugin.objectives": "loss",
     "nemo_is_plugin.kernels": "kernels",
     "nemo_is_plugin.distributed": "distributed",
     "nemo_is_plugin.adapters": "integration",
@@ -50,7 +52,7 @@ LAYER_OF_PREFIX = {
     "nemo_is_plugin.apps": "apps",
 }
 # Documented import paths kept for users; no module of the package imports them.
-REEXPORT_MODULES = ("nemo_is_plugin.registry", "nemo_is_plugin.recipes")
+REEXPORT_MODULES = ("nemo_is_plugin.registry", "nemo_is_plugin.recipes", "nemo_is_plugin.objectives")
 # Third-party packages the modules under a package prefix must not import: no config module imports torch (the
 # objective modules the assembled config reads do, and are in the loss package).
 FORBIDDEN_THIRD_PARTY = {

@@ -34,7 +34,9 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nemo_is_plugin.adapters.host_vocabulary import applied_other_hosts_keys
 from nemo_is_plugin.config import ConfigError
+from nemo_is_plugin.config.unknown_keys import ADAPTER_TRANSLATED_KEYS
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.registry import DEFAULT_LOSS_NAME, NAME_KEY, UnknownLossError, check_loss_name, split_name
 
@@ -156,7 +158,8 @@ def apply_override(cfg: DictConfig, item: str, section: str = DEFAULT_SECTION) -
 
 
 _MISSING = object()
-LOSS_KEYS = frozenset(ClippedPGLossConfig.model_fields) | {NAME_KEY}
+# A bare loss section's keys: the config's, its name, and the other hosts' keys every section translates
+LOSS_KEYS = frozenset(ClippedPGLossConfig.model_fields) | {NAME_KEY} | set(ADAPTER_TRANSLATED_KEYS)
 
 
 def _is_bare(cfg: DictConfig, section: str) -> bool:
@@ -256,6 +259,8 @@ def load_loss_spec(
     except (TypeError, UnknownLossError) as exc:
         raise RecipeError(f"{where}: invalid {section!r} section: {exc}") from exc
     try:
+        if name == DEFAULT_LOSS_NAME:  # verl's rollout_correction applied, as in every host's section
+            values = applied_other_hosts_keys(values, "NeMo-RL")
         config = ClippedPGLossConfig(**values)
     except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
         raise RecipeError(f"{where}: invalid {section!r} section: {exc}") from exc

@@ -20,6 +20,7 @@ from nemo_is_plugin.config.errors import (
     ConfigTypeError,
     ConfigValidationError,
     ConfigValidationTypeError,
+    ObjectiveEntryPointWarning,
     UnknownConfigKeyWarning,
 )
 from nemo_is_plugin.config.field_types import KLType, NumericRange
@@ -47,6 +48,7 @@ from nemo_is_plugin.config.rejection_rule import (
 from nemo_is_plugin.config.unknown_keys import (
     STRICT_KEYS_ENV,
     check_unknown_keys,
+    closest_name,
     strict_keys_default,
     unknown_keys_message,
 )
@@ -88,10 +90,12 @@ __all__ = [
     "RejectionAggregation",
     "RejectionRule",
     "RejectionStatistic",
+    "ObjectiveEntryPointWarning",
     "RejectionType",
     "TruncationType",
     "UnknownConfigKeyWarning",
     "check_unknown_keys",
+    "closest_name",
     "strict_keys_default",
     "unknown_keys_message",
     "verl_rejection_rule",

@@ -1,5 +1,6 @@
 """The config's error and warning types: one exception type for every invalid config (with a TypeError flavour for
-values of the wrong type), one warning for unknown keys. Imports without torch.
+values of the wrong type), one warning for unknown keys, one for a
+third-party objective that failed to load. Imports without torch.
 """
 
 from __future__ import annotations
@@ -70,3 +71,8 @@ def is_type_error(error: ErrorDetails | dict[str, Any]) -> bool:
 
 class UnknownConfigKeyWarning(UserWarning):
     """A ``loss_fn`` key that no field of :class:`ClippedPGLossConfig` reads (ignored unless strict)."""
+
+
+class ObjectiveEntryPointWarning(UserWarning):
+    """An installed package's policy-objective entry point that failed to load: its objectives are unavailable, the
+    configs that do not name them are unaffected (a config naming one is refused, saying why)."""

@@ -12,7 +12,6 @@ from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.input_validation import loss_input_checks
 from nemo_is_plugin.loss.input_values import POSITIVE_LOGPROB_TOLERANCE
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.score_centering import ScoreCenteringHead, check_head_shapes, head_value_checks
 
 # NeMo-RL's data keys; [B, S] tensors are sliced [:, 1:] to align with next-token log-probs [B, S-1].
@@ -101,7 +100,7 @@ def align_nemo_rl_inputs(
         global_valid_seqs,
         global_valid_toks,
         num_seqs=None if layout is None else layout.num_seqs,
-        needs_prev=not objective_of(cfg).pi_old_is_current and not cfg.bypasses_prev,
+        needs_prev=not cfg.objective.pi_old_is_current and not cfg.bypasses_prev,
         needs_generation=True,
         needs_reference=cfg.effective_kl_penalty != 0,
         needs_rewards=cfg.positive_example_nll_weight > 0,

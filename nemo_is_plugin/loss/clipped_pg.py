@@ -34,8 +34,8 @@ from nemo_is_plugin.loss.metrics import (
     MetricValues,
     aggregation_denominator,
     nemo_rl_error_metrics,
+    nemo_rl_ratios,
 )
-from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.output_checks import check_finite_loss, input_anomalies, warn_input_anomalies
 from nemo_is_plugin.loss.registry import NAME_KEY, get_loss, split_name
 from nemo_is_plugin.loss.score_centering import ScoreCenteringHead, label_and_head_logprobs, score_centering_metrics
@@ -224,7 +224,8 @@ class ClippedPGLoss:
         kl = parts.kl.detach()
         book.add_sum("kl_penalty", kl.double() / beta if beta != 0 else kl, loss_per)
         book.add_sum("loss", parts.loss.detach(), loss_per)
-        book.policy_ratio(sur)
+        book.policy_ratio(*nemo_rl_ratios(sur, terms.curr, cfg.objective_switch))
+        book.clip_fractions(sur)
         # NeMo-RL reports the truncated weights even when the correction is not applied to the loss.
         w_metric = corr.weights if cfg.use_importance_sampling_correction else corr.raw_weights
         book.importance_weights(
@@ -251,7 +252,7 @@ class ClippedPGLoss:
             {
                 "curr": c_in,
                 "unfiltered": src.curr_logprobs_unfiltered if beta != 0 else None,
-                "prev": None if objective_of(cfg).pi_old_is_current or cfg.bypasses_prev else src.prev_logprobs,
+                "prev": None if cfg.objective.pi_old_is_current or cfg.bypasses_prev else src.prev_logprobs,
                 "generation": src.generation_logprobs,
                 "reference": src.reference_logprobs if beta != 0 else None,
             },
@@ -266,7 +267,7 @@ class ClippedPGLoss:
             score_centering_metrics(
                 book, sc, parts.centering, loss_per, terms.curr, trainer_head, t.advantages, t.is_weight
             )
-        objective_of(cfg).report(book, terms.tokens.objective, terms.sample_mask)
+        cfg.objective.report(book, terms.tokens.objective, terms.sample_mask)
         for name, value in (extra_metric_sums or {}).items():
             book.add_sum(name, value, Denominator.NONE)
         metrics, read = book.finish_reading(read_with)
@@ -278,7 +279,7 @@ class ClippedPGLoss:
                 t.pi_old,
                 t.valid,
                 anchor,
-                ratio_has_gradient=objective_of(cfg).differentiates_ratio(cfg),
+                ratio_has_gradient=cfg.objective.differentiates_ratio(cfg),
             )
         warn_input_anomalies(metrics)
         return metrics, read

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, ValidatorFunctionWrapHandler, field_validator, model_validator
 
 from nemo_is_plugin.config.contradictions import contradictions
 from nemo_is_plugin.config.errors import ConfigError, ConfigValidationError
@@ -45,6 +45,7 @@ from nemo_is_plugin.config.keys import (
     LossKeys,
 )
 from nemo_is_plugin.config.unknown_keys import (
+    ADAPTER_TRANSLATED_KEYS,
     STRICT_KEYS_OVERRIDE,
     check_unknown_keys,
     strict_keys_default,
@@ -53,16 +54,21 @@ from nemo_is_plugin.config.unknown_keys import (
 from nemo_is_plugin.loss.objectives import (
     DEFAULT_OBJECTIVE,
     OBJECTIVES,
-    effective_objective,
     key_sections,
     load_entry_point_objectives,
     objective_contradictions,
     objective_names,
+    objective_of,
     seal_registry,
+    unresolved_objective_message,
 )
+from nemo_is_plugin.loss.objectives import base as objective_base
+from nemo_is_plugin.loss.objectives._import_path import REGISTERED_BY_PATH, is_import_path, objective_by_import_path
+from nemo_is_plugin.loss.objectives.nemo_rl_switches import resolve_objective
 
 # Other packages' objectives (entry-point group nemo_is_plugin.objectives) register before the model is built from the
-# registry. This module is imported on first use (the package root re-exports it lazily), and built once.
+# registry. This module is imported on first use (the package root re-exports it lazily), and built once. An entry
+# point that fails to load is a warning here; a config naming an objective it would have provided is refused below.
 load_entry_point_objectives()
 
 if TYPE_CHECKING:
@@ -86,6 +92,7 @@ class ClippedPGLossConfig(_Keys):
     this class adds the unknown-key policy, the combination checks and the derived choices. See ``docs/config.md``.
     """
 
+    _objective: tuple[str, str | None] | None = PrivateAttr(None)  # (effective_objective, objective_switch)
     policy_objective: PolicyObjective = Field(
         DEFAULT_OBJECTIVE,
         description="The per-token surrogate and its trust region, anchored at pi_old (docs/objectives.md): "
@@ -123,12 +130,30 @@ class ClippedPGLossConfig(_Keys):
             raise ConfigValidationError.wrap(exc) from None
 
     # ------------------------------------------------------------------ validation
+    @field_validator("policy_objective", mode="wrap")
+    @classmethod
+    def _known_objective(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # A name nothing registers gets one line (the nearest name, the entry points that failed) instead of
+        # pydantic's list of every choice; a value of the wrong type is pydantic's to refuse.
+        # A 'module:Class' value is imported (loss/objectives/_import_path.py): a registered class gives its name,
+        # a class without keys is registered under the path, which stays outside the choices of the Literal.
+        if not isinstance(value, str):
+            return handler(value)
+        if value not in OBJECTIVES:
+            if not is_import_path(value):
+                raise ConfigError(unresolved_objective_message(value, objective_names()))
+            value = objective_by_import_path(value)
+        return value if value in REGISTERED_BY_PATH else handler(value)
+
     @model_validator(mode="before")
     @classmethod
     def _drop_unknown_keys(cls, data: Any) -> Any:
         if isinstance(data, Mapping):  # a dict, or e.g. an OmegaConf DictConfig given to model_validate
             known = set(cls.model_fields)
             unknown = [k for k in data if k not in known]
+            translated = [ADAPTER_TRANSLATED_KEYS[k] for k in unknown if k in ADAPTER_TRANSLATED_KEYS]
+            if translated:
+                raise ConfigError("; ".join(translated))
             if unknown:
                 strict = STRICT_KEYS_OVERRIDE.get()
                 check_unknown_keys(unknown, known, strict=strict_keys_default() if strict is None else bool(strict))
@@ -141,6 +166,9 @@ class ClippedPGLossConfig(_Keys):
         # that a model_dump() reloads unchanged.
         if self.loss_aggregation is not None and "token_level_loss" not in self.model_fields_set:
             self.__dict__["token_level_loss"] = self.loss_aggregation in TOKEN_AGGREGATIONS
+        # The objective, resolved once per validation (NeMo-RL's switches read here only): what every reader reads.
+        self._objective = None
+        self._resolved_objective()
         # Runs only once every field is valid: out-of-range values were refused by their NumericRange already.
         shared = objective_contradictions(self)  # the rules every objective shares, then the objective's own
         errors = [msg for msg in contradictions(self, shared) if msg]
@@ -149,12 +177,30 @@ class ClippedPGLossConfig(_Keys):
         return self
 
     # ------------------------------------------------------------------ derived choices (the generic ones: LossKeys)
+    def _resolved_objective(self) -> tuple[str, str | None]:
+        """(the objective computed, the NeMo-RL switch that selected it): resolved at validation, which every
+        construction and assignment runs; resolved here only for a model built without validation
+        (``model_construct``)."""
+        if self._objective is None:
+            self._objective = resolve_objective(self.policy_objective, self)
+        return self._objective
+
     @property
     def effective_objective(self) -> str:
         """The objective computed: ``policy_objective``, or the one NeMo-RL's switch selects under ``ppo_clip``
         (``force_on_policy_ratio`` -> ``on_policy``, ``disable_ppo_ratio`` -> ``reinforce``, ``use_cispo`` ->
-        ``cispo``; :func:`~nemo_is_plugin.loss.objectives.base.effective_objective`)."""
-        return effective_objective(self.policy_objective, self)
+        ``cispo``; :func:`~nemo_is_plugin.loss.objectives.nemo_rl_switches.resolve_objective`), resolved once."""
+        return self._resolved_objective()[0]
+
+    @property
+    def objective_switch(self) -> str | None:
+        """The NeMo-RL switch that selected the objective (``use_cispo``, ...); None: ``policy_objective`` names it."""
+        return self._resolved_objective()[1]
+
+    @property
+    def objective(self) -> objective_base.PolicyObjective:
+        """The registered objective this config computes (:func:`~nemo_is_plugin.loss.objectives.objective_of`)."""
+        return objective_of(self)
 
     @property
     def uses_log_space_clip(self) -> bool:

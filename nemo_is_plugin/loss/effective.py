@@ -9,8 +9,7 @@ spells each one out, with where it came from.
 from __future__ import annotations
 
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
-from nemo_is_plugin.loss.objectives import objective_of
-from nemo_is_plugin.loss.objectives.base import NEMO_RL_SWITCHES, selecting_switch
+from nemo_is_plugin.loss.objectives.base import NEMO_RL_SWITCHES
 from nemo_is_plugin.loss.objectives.ppo_clip import PPOClipKeys
 
 
@@ -21,8 +20,7 @@ def _g(x: float | None) -> str:
 
 def _objective(cfg: ClippedPGLossConfig) -> str:
     """The objective computed and what chose it: ``policy_objective``, or the NeMo-RL switch that selects it."""
-    name = objective_of(cfg).name
-    switch = selecting_switch(cfg.policy_objective, cfg)
+    name, switch = cfg.effective_objective, cfg.objective_switch
     if switch is None:
         return f"{name} ({'policy_objective' if 'policy_objective' in cfg.model_fields_set else 'default'})"
     later = [s for s, _ in NEMO_RL_SWITCHES if s != switch and getattr(cfg, s)]
@@ -31,7 +29,7 @@ def _objective(cfg: ClippedPGLossConfig) -> str:
 
 
 def _ratio(cfg: ClippedPGLossConfig) -> str:
-    own = objective_of(cfg).describe_ratio(cfg)
+    own = cfg.objective.describe_ratio(cfg)
     if own is not None:
         return own
     level = cfg.effective_ratio_level
@@ -140,7 +138,7 @@ def effective_settings(cfg: ClippedPGLossConfig) -> dict[str, str]:
     return {
         "policy objective": _objective(cfg),
         "policy ratio": _ratio(cfg),
-        "ratio clip": objective_of(cfg).describe(cfg),
+        "ratio clip": cfg.objective.describe(cfg),
         "log-ratio guards": _log_ratio_guards(cfg),
         "IS correction": "applied to the loss" if is_on else "off (weights are still computed for the metrics)",
         "IS level": _is_level(cfg),

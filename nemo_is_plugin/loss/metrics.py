@@ -133,18 +133,27 @@ class MetricBook:
         self._extrema.clear()
 
     # ------------------------------------------------------------------ metric groups
-    def policy_ratio(self, sur: SurrogateOut) -> None:
-        self.nemo_rl_token_mean("probs_ratio", sur.ratio)
-        self.nemo_rl_token_mean("probs_ratio_clamped", sur.clipped_ratio)
-        self.min_max("probs_ratio", sur.ratio)
-        self.min_max("probs_ratio_clamped", sur.clipped_ratio)
+    def policy_ratio(self, ratio: torch.Tensor | None, clipped_ratio: torch.Tensor | None) -> None:
+        """NeMo-RL's ``probs_ratio`` / ``probs_ratio_clamped`` (means and extrema) of the ratios :func:`nemo_rl_ratios`
+        gives, each only where there is one."""
+        ratios = [
+            (name, r) for name, r in (("probs_ratio", ratio), ("probs_ratio_clamped", clipped_ratio)) if r is not None
+        ]
+        for name, r in ratios:
+            self.nemo_rl_token_mean(name, r)
+        for name, r in ratios:
+            self.min_max(name, r)
+
+    def clip_fractions(self, sur: SurrogateOut) -> None:
+        """The share of tokens each of the objective's clip indicators marks (none for an indicator it has not)."""
         for name, flag in (
             ("clip_fraction", sur.clipped),
             ("clip_fraction_low", sur.clipped_low),
             ("clip_fraction_high", sur.clipped_high),
             ("clip_fraction_dual", sur.dual_clipped),
         ):
-            self.token_mean(name, flag.double())
+            if flag is not None:
+                self.token_mean(name, flag.double())
 
     def importance_weights(
         self,
@@ -218,7 +227,12 @@ class MetricBook:
             self.add_sum(name, value, Denominator.SEQUENCES)
 
     def clip_by_position(self, sur: SurrogateOut, positions: torch.Tensor) -> None:
-        clipped = (sur.clipped | sur.dual_clipped).double()
+        """The clipped (or dual-clipped) share of the tokens by position bucket; nothing for an objective that clips
+        nothing."""
+        flags = [flag for flag in (sur.clipped, sur.dual_clipped) if flag is not None]
+        if not flags:
+            return
+        clipped = (flags[0] if len(flags) == 1 else flags[0] | flags[1]).double()
         edges = list(POSITION_BUCKETS) + [float("inf")]
         for name, lo, hi in zip(bucket_names(), edges[:-1], edges[1:]):
             in_bucket = ((positions >= lo) & (positions < hi)).double()
@@ -254,6 +268,21 @@ class MetricBook:
             return MetricValues(dict.fromkeys(names, math.nan), self.denominators), dict.fromkeys(own, math.nan)
         read = values.tolist()  # the call's one host sync
         return MetricValues(dict(zip(names, read)), self.denominators), dict(zip(own, read[len(names) :]))
+
+
+def nemo_rl_ratios(
+    sur: SurrogateOut, curr: torch.Tensor, nemo_rl_switch: str | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The ratio and clipped ratio that ``probs_ratio`` / ``probs_ratio_clamped`` report: the objective's own (None
+    where it has none). Where a NeMo-RL switch selected the objective (``use_cispo``, ``disable_ppo_ratio``,
+    ``force_on_policy_ratio``: ``nemo_rl_switch``), NeMo-RL's ``ClippedPGLossFn`` reports both always, and so does the
+    loss, with NeMo-RL's values: its ``ratios`` are the log-probs ``curr`` under ``disable_ppo_ratio``, and its
+    ``ratios_clamped`` are its ``ratios`` where it clamps nothing (NVIDIA-NeMo/RL
+    ``nemo_rl/algorithms/loss/loss_functions.py`` @ 7ea279ab)."""
+    if nemo_rl_switch is None:
+        return sur.ratio, sur.clipped_ratio
+    ratio = curr.detach() if sur.ratio is None else sur.ratio
+    return ratio, ratio if sur.clipped_ratio is None else sur.clipped_ratio
 
 
 def _stack_broadcast(values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:

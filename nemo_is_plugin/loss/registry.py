@@ -12,12 +12,11 @@ the loss.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from nemo_is_plugin.config import ConfigError
+from nemo_is_plugin.config import ConfigError, closest_name
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 
 ENTRY_POINT_GROUP = "nemo_is_plugin.losses"
@@ -38,13 +37,18 @@ class UnknownLossError(ConfigError, LookupError):
 
     def __init__(self, name: str, known: list[str]):
         self.name, self.known = name, known
-        near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-        hint = f" Did you mean {near[0]!r}?" if near else ""
+        near = closest_name(name, known)
+        hint = f" Did you mean {near!r}?" if near else ""
         listed = ", ".join(repr(k) for k in known) or "(none)"
         super().__init__(
             f"unknown loss {name!r}.{hint} Registered losses: {listed}. Register one in "
             f"nemo_is_plugin.registry.LOSSES or as an entry point in the {ENTRY_POINT_GROUP!r} group."
         )
+
+
+class LossEntryPointError(ConfigError, ImportError):
+    """The entry point of the loss a config names failed to load: a config error (the CLI's exit 2) and an
+    ``ImportError``. Raised only for the loss named: the other names resolve whatever else is installed."""
 
 
 def _entry_points() -> dict[str, EntryPoint]:
@@ -75,9 +79,11 @@ def get_loss(name: str) -> LossFactory:
         raise UnknownLossError(name, registered_names())
     try:
         return eps[name].load()
-    except Exception as exc:  # an installed but broken plugin: say which entry point failed
-        raise ImportError(
-            f"loss {name!r}: entry point {eps[name].value!r} in group {ENTRY_POINT_GROUP!r} failed to load: {exc}"
+    except Exception as exc:  # an installed but broken plugin: say which entry point failed, only when it is named
+        raise LossEntryPointError(
+            f"loss {name!r}: entry point {eps[name].value!r} in group {ENTRY_POINT_GROUP!r} failed to load "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())}): repair or reinstall the package that declares it, "
+            "or name another loss"
         ) from exc
 
 

@@ -32,7 +32,6 @@ from nemo_is_plugin.loss.aligned_inputs import LossInputs
 from nemo_is_plugin.loss.input_validation import required_input
 from nemo_is_plugin.loss.kl import KLSpec
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.objectives import objective_of
 
 if TYPE_CHECKING:
     from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
@@ -116,7 +115,7 @@ def pi_old_of(
     the ratio is 1 with the policy gradient); mu in bypass mode (``old_policy_logprobs:
     generation``: verl's ``bypass_mode``, slime's ``--use-rollout-logprobs``); else the host's logged old policy.
     ``logged`` and ``mu`` are read only when chosen (a host without them raises its own error there)."""
-    if objective_of(cfg).pi_old_is_current:
+    if cfg.objective.pi_old_is_current:
         return c.detach()
     if cfg.bypasses_prev:
         return mu()

@@ -51,7 +51,6 @@ from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.correction import ISCorrection
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.masked import where_mask
-from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.objectives.base import chosen_as
 from nemo_is_plugin.loss.objectives.ppo_clip import CAUSAL_LEVELS
 from nemo_is_plugin.loss.ratios import cumulative_anchor, token_log_ratio
@@ -66,7 +65,7 @@ def is_token_separable(config: ClippedPGLossConfig) -> bool:
     excluded: it takes the IS weights from ``c`` itself; so is ``old_policy_logprobs='generation'`` (bypass), whose
     IS weights and rejections measure ``c`` against mu.
     """
-    objective = objective_of(config)
+    objective = config.objective
     if objective.pi_old_is_current or config.bypasses_prev:
         return False
     return objective.whole_batch_reason(config) is None and not objective.causal(config)
@@ -75,7 +74,7 @@ def is_token_separable(config: ClippedPGLossConfig) -> bool:
 def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> str | None:
     """Why the loss gradient of a chunk cannot be known from the log-probs seen so far; None when it can."""
     level = config.effective_ratio_level
-    objective = objective_of(config)
+    objective = config.objective
     if objective.pi_old_is_current:
         return f"{chosen_as(config)} takes the old log-probs (and the IS weights) from the current ones"
     if config.bypasses_prev:
@@ -124,7 +123,7 @@ class TokenLossGradient:
         return cls(
             constants=t.flat(),
             agg_weight=agg.reshape(-1),
-            prefix=PrefixCarry(cfg, layout) if objective_of(cfg).causal(cfg) else None,
+            prefix=PrefixCarry(cfg, layout) if cfg.objective.causal(cfg) else None,
         )
 
     def __call__(self, sl: slice, c: torch.Tensor) -> torch.Tensor:

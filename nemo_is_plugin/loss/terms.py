@@ -27,7 +27,7 @@ from nemo_is_plugin.loss.correction import ISCorrection, ISCorrectionOptions, co
 from nemo_is_plugin.loss.input_validation import required_input
 from nemo_is_plugin.loss.kl import KLSpec, KLWeight
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.objectives import ObjectiveInputs, ObjectiveOut, SurrogateOut, objective_of
+from nemo_is_plugin.loss.objectives import ObjectiveInputs, ObjectiveOut, SurrogateOut
 from nemo_is_plugin.loss.ratios import unmasked_positions
 from nemo_is_plugin.loss.roles import Roles
 from nemo_is_plugin.loss.score_centering import CenteringOut, CenteringSpec, centering_term
@@ -146,7 +146,7 @@ def token_terms(
     if causal is not None:
         with torch.no_grad():  # as ratios.policy_log_ratio: the cumulative value carries no gradient
             causal_anchor = causal(anchor)
-    objective = objective_of(t.config).surrogate(
+    objective = t.config.objective.surrogate(
         ObjectiveInputs(t.config, c, anchor, t.advantages, t.token_mask, t.valid, t.layout, t.positions, causal_anchor)
     )
     sur = objective.surrogate

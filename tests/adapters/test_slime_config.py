@@ -54,7 +54,7 @@ def test_clip_flags_map_onto_the_ratio_clip():
     ("flags", "field", "value"),
     [
         ({"advantage_estimator": "gspo"}, "ratio_level", "sequence"),
-        ({"advantage_estimator": "cispo", "eps_clip": 1.0}, "use_cispo", True),
+        ({"advantage_estimator": "cispo", "eps_clip": 1.0}, "policy_objective", "cispo"),
         ({"use_rollout_logprobs": True}, "old_policy_logprobs", "generation"),
         ({"use_tis": True, "tis_clip": 3.0}, "truncated_importance_sampling_ratio", 3.0),
         ({"get_mismatch_metrics": True}, "use_importance_sampling_correction", True),
@@ -73,6 +73,15 @@ def test_cispo_ignores_the_dual_clip_as_slime_does_and_says_so():
     with pytest.warns(UserWarning, match="eps-clip-c"):
         cfg = policy_config(args(advantage_estimator="cispo", eps_clip=1.0, eps_clip_c=3.0), {})
     assert cfg.ratio_clip_c is None
+
+
+def test_the_cispo_estimator_and_another_policy_objective_are_refused():
+    """slime's --advantage-estimator cispo writes policy_objective: cispo; a user key naming another objective is not
+    overridden silently either way."""
+    with pytest.raises(SlimeConfigError, match="--advantage-estimator cispo and policy_objective='sapo'"):
+        policy_config(args(advantage_estimator="cispo", eps_clip=1.0), {"policy_objective": "sapo"})
+    cfg = policy_config(args(advantage_estimator="cispo", eps_clip=1.0), {"policy_objective": "cispo"})
+    assert cfg.effective_objective == "cispo" and cfg.objective_switch is None
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
         ({"bypass_mode": True}, dict(old_policy_logprobs="generation")),
         (
             {"bypass_mode": True, "loss_type": "reinforce"},
-            dict(old_policy_logprobs="generation", disable_ppo_ratio=True, ratio_clip_c=None),
+            dict(old_policy_logprobs="generation", policy_objective="reinforce", ratio_clip_c=None),
         ),
         ({"_target_": "verl.trainer.config.RolloutCorrectionConfig"}, {}),
     ],
@@ -206,3 +206,15 @@ def test_docs_table_names_every_verl_key():
     assert wanted <= rows, sorted(wanted - rows)
     for name in PRESETS:
         assert f"`{name}`" in text, name
+
+
+def test_bypass_reinforce_names_its_objective_and_refuses_another():
+    """rollout_correction's loss_type: reinforce writes policy_objective: reinforce (not NeMo-RL's disable_ppo_ratio);
+    a policy_objective of the section naming another objective is refused rather than winning silently."""
+    rc = {"bypass_mode": True, "loss_type": "reinforce"}
+    keys = plugin_section_keys({"rollout_correction": rc})
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **keys)
+    assert (cfg.effective_objective, cfg.objective_switch, cfg.disable_ppo_ratio) == ("reinforce", None, False)
+    assert plugin_section_keys({"rollout_correction": rc, "policy_objective": "reinforce"}) == keys
+    with pytest.raises(VerlConfigError, match="loss_type: reinforce .* and policy_objective='sapo' both choose"):
+        plugin_section_keys({"rollout_correction": rc, "policy_objective": "sapo"})

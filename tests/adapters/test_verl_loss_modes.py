@@ -111,7 +111,8 @@ def test_mode_keys_read_verl_settings():
     assert dro.dro_beta == 0.3
     gspo = verl_config({"loss_mode": "gspo"}, ACTOR, "seq-mean-token-mean", 8, False)
     assert gspo.ratio_level == "sequence_token" and gspo.max_log_ratio == 10.0 and gspo.token_log_ratio_clamp is None
-    assert verl_config({"loss_mode": "cispo"}, ACTOR, "token-mean", 8, False).use_cispo
+    cispo = verl_config({"loss_mode": "cispo"}, ACTOR, "token-mean", 8, False)
+    assert cispo.policy_objective == "cispo" and not cispo.use_cispo  # the plugin's key, not NeMo-RL's switch
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Every numeric key of ClippedPGLossConfig: accepted inside its interval and on a closed end, refused on an open end
 and just outside, with a message naming the key, the interval and a fix; docs/config.md lists the same intervals; the
-real configs (NeMo-RL golden cases, recipes) lie inside."""
+real configs (NeMo-RL golden cases, recipes) lie inside. The keys enumerated are this package's (BUILTIN_RANGES): an
+installed package's objective brings keys of its own, which its own tests check."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
-from helpers.config_cases import ACTIVATING_KEYS
+from helpers.config_cases import ACTIVATING_KEYS, BUILTIN_FIELDS, BUILTIN_RANGES
 from helpers.golden_utils import load_cases
 from omegaconf import OmegaConf
 
@@ -31,8 +32,9 @@ def _refused(key: str, value: float) -> str:
 
 
 def test_every_numeric_field_has_a_range():
-    numeric = {n for n, f in ClippedPGLossConfig.model_fields.items() if {"float", "int"} & _types(f.annotation)}
-    assert numeric == set(NUMERIC_RANGES) == set(ACTIVATING_KEYS)
+    fields = ClippedPGLossConfig.model_fields
+    numeric = {n for n in BUILTIN_FIELDS if {"float", "int"} & _types(fields[n].annotation)}
+    assert numeric == set(BUILTIN_RANGES) == set(ACTIVATING_KEYS)
 
 
 def _types(annotation) -> set[str]:
@@ -43,7 +45,7 @@ def _cases() -> list[tuple[str, float, bool]]:
     """(key, value, accepted) at and around each finite end (one step out: 1e-6, or 1 for an integer key), plus one
     interior point."""
     out = []
-    for key, r in NUMERIC_RANGES.items():
+    for key, r in BUILTIN_RANGES.items():
         step = 1 if "float" not in _types(ClippedPGLossConfig.model_fields[key].annotation) else 1e-6
         for end, is_open, outward in ((r.low, r.low_open, -1.0), (r.high, r.high_open, +1.0)):
             if end is None:
@@ -113,13 +115,13 @@ def test_docs_list_the_same_intervals():
             for key in re.findall(r"`([a-z0-9_]+)`", keys):
                 assert key not in listed, f"{key} listed twice"
                 listed[key] = interval
-    assert listed == {k: r.interval() for k, r in NUMERIC_RANGES.items()}
+    assert listed == {k: r.interval() for k, r in BUILTIN_RANGES.items()}
 
 
 def test_the_json_schema_carries_each_interval_and_its_why():
     properties = ClippedPGLossConfig.model_json_schema()["properties"]
     bound = {"low": ("minimum", "exclusiveMinimum"), "high": ("maximum", "exclusiveMaximum")}
-    for key, r in NUMERIC_RANGES.items():
+    for key, r in BUILTIN_RANGES.items():
         want = {"why": r.why, "fix": r.fix}
         for end, (closed, opened) in bound.items():
             if getattr(r, end) is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pydantic
 import pytest
-from helpers.config_cases import ACTIVATING_KEYS
+from helpers.config_cases import ACTIVATING_KEYS, BUILTIN_RANGES
 
 from nemo_is_plugin.adapters.verl.config import VerlConfigError, plugin_section_keys, rollout_correction_keys
 from nemo_is_plugin.config import ConfigError, ConfigValidationError, ConfigValidationTypeError
@@ -25,7 +25,7 @@ def _is_config_type_error(exc: Exception) -> bool:
     return all(isinstance(exc, kind) for kind in kinds)
 
 
-@pytest.mark.parametrize("key", sorted(NUMERIC_RANGES))
+@pytest.mark.parametrize("key", sorted(BUILTIN_RANGES))
 @pytest.mark.parametrize("flag", [True, False])
 def test_a_boolean_for_a_numeric_key_is_a_type_error_naming_the_key(key, flag):
     exc = _error(lambda: ClippedPGLossConfig(**ACTIVATING_KEYS[key], **{key: flag}))

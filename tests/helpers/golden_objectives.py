@@ -73,12 +73,14 @@ def verl_metrics(case: dict, out: SurrogateOut, curr: torch.Tensor, inputs: dict
     ppo_kl = _masked_mean(-(curr.detach() - inputs["old_log_prob"]), mask)
     if mode == "dro":
         return {"actor/ppo_kl": ppo_kl}
+    none = torch.zeros_like(curr, dtype=torch.bool)  # verl's 0 where the objective has no such clip
     if mode == "geo_mean":
         clipfrac, lower = out.clipped_high, out.clipped_low
     elif mode in ("dppo_tv", "dppo_kl", "vanilla"):
         clipfrac, lower = out.clipped, out.dual_clipped
-    else:  # gspo, cispo, sapo report no lower fraction; sapo no clip fraction
-        clipfrac, lower = out.clipped, torch.zeros_like(out.clipped)
+    else:  # gspo, cispo, sapo report no lower fraction; sapo (a soft gate) no clip fraction
+        clipfrac, lower = out.clipped, None
+    clipfrac, lower = (none if x is None else x for x in (clipfrac, lower))
     return {
         "actor/pg_clipfrac": _masked_mean(clipfrac, mask),
         "actor/ppo_kl": ppo_kl,

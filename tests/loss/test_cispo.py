@@ -87,4 +87,4 @@ def test_refusals_name_the_field_and_the_fix(kwargs, message):
 
 def test_cispo_reads_max_log_ratio_and_the_clip_bounds():
     cfg = ClippedPGLossConfig(policy_objective="cispo", ratio_clip_min=1.0, ratio_clip_max=5.0, max_log_ratio=1.0)
-    assert objective_of(cfg).token_ratio(cfg) and not objective_of(cfg).differentiates_ratio(cfg)
+    assert cfg.effective_ratio_level == "token" and not objective_of(cfg).differentiates_ratio(cfg)

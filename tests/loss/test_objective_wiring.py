@@ -155,9 +155,19 @@ def test_objective_with_is_weights_equals_the_written_out_composition(name):
     torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-14)
     valid = (inputs.token_mask * inputs.sample_mask[:, None]) != 0
     n = valid.sum().item()
-    for metric, flag in (("clip_fraction", sur.clipped), ("clip_fraction_high", sur.clipped_high)):
-        assert metrics[metric] == pytest.approx((flag & valid).sum().item() / n, rel=1e-8)  # counts + 1e-8
-    assert metrics["clip_fraction_low"] == pytest.approx((sur.clipped_low & valid).sum().item() / n, rel=1e-8)
+    for metric, flag in (
+        ("clip_fraction", sur.clipped),
+        ("clip_fraction_high", sur.clipped_high),
+        ("clip_fraction_low", sur.clipped_low),
+        ("clip_fraction_dual", sur.dual_clipped),
+    ):
+        if flag is None:  # an objective without that clip reports no such fraction
+            assert metric not in metrics, (name, metric)
+        else:
+            assert metrics[metric] == pytest.approx((flag & valid).sum().item() / n, rel=1e-8)  # counts + 1e-8
+    # a ratio metric only where the objective has a ratio (named by policy_objective: no NeMo-RL switch)
+    assert ("probs_ratio" in metrics) == (sur.ratio is not None), name
+    assert ("probs_ratio_clamped" in metrics) == (sur.clipped_ratio is not None), name
 
 
 def test_the_trust_regions_really_bite_in_this_batch():

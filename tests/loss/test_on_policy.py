@@ -26,7 +26,8 @@ def test_on_policy_surrogate_by_hand():
     assert torch.equal(out.ratio, torch.ones(2, dtype=F64)) and torch.equal(out.loss.detach(), -adv)
     (grad,) = torch.autograd.grad(out.loss.sum(), c)
     assert torch.equal(grad, -adv)  # d/dc of -A exp(c - sg c) = -A
-    assert not (out.clipped.any() or out.dual_clipped.any())  # never clipped; -A * 1 < -A * 3 for A < 0
+    assert out.clipped is None and out.clipped_ratio is None  # no clip; only the dual clip, inactive here
+    assert not out.dual_clipped.any()  # -A * 1 < -A * 3 for A < 0
 
 
 @pytest.mark.parametrize(
@@ -54,7 +55,11 @@ def test_force_on_policy_ratio_and_the_name_compute_the_same_bits():
     by_key = loss_and_grad(dict(force_on_policy_ratio=True, ratio_clip_c=2.0), inputs, layout)
     by_name = loss_and_grad(dict(policy_objective="on_policy", ratio_clip_c=2.0), inputs, layout)
     assert torch.equal(by_key[0], by_name[0]) and torch.equal(by_key[1], by_name[1])
-    assert by_key[2] == by_name[2]
+    # NeMo-RL's switch also reports probs_ratio_clamped (NeMo-RL's ratios_clamped = ratios = 1); the name, whose
+    # objective clamps nothing, does not
+    clamped = {"probs_ratio_clamped", "probs_ratio_clamped_min", "probs_ratio_clamped_max"}
+    assert set(by_key[2]) - set(by_name[2]) == clamped and {k: by_key[2][k] for k in by_name[2]} == by_name[2]
+    assert [by_key[2][k] for k in sorted(clamped)] == [by_key[2]["probs_ratio" + k[19:]] for k in sorted(clamped)]
 
 
 def test_nemo_rl_precedence_and_show_effective():

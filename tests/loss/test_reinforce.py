@@ -20,7 +20,8 @@ def test_reinforce_surrogate_by_hand():
     adv = torch.tensor([1.0, -1.0, -1.0], dtype=F64)
     out = reinforce_surrogate(c, adv, dual_clip=None)
     assert torch.equal(out.loss.detach(), torch.tensor([0.5, -2.0, -4.0], dtype=F64))
-    assert torch.equal(out.ratio, c.detach())  # NeMo-RL reports the log-prob as the 'ratio'
+    assert out.ratio is None and out.clipped_ratio is None  # no ratio: its log-prob is not one
+    assert out.clipped is None and not out.dual_clipped.any()  # only the dual clip, inactive without ratio_clip_c
     # NeMo-RL's dual clip after REINFORCE (A < 0): min(-A c, -A 3) = min(c, 3) here: never binds for c < 0
     capped = reinforce_surrogate(c, adv, dual_clip=3.0)
     assert torch.equal(capped.loss.detach(), out.loss.detach()) and not capped.dual_clipped.any()
@@ -45,7 +46,16 @@ def test_disable_ppo_ratio_and_the_name_compute_the_same_bits():
     by_key = loss_and_grad(dict(disable_ppo_ratio=True, **kwargs), inputs, layout)
     by_name = loss_and_grad(dict(policy_objective="reinforce", **kwargs), inputs, layout)
     assert torch.equal(by_key[0], by_name[0]) and torch.equal(by_key[1], by_name[1])
-    assert by_key[2] == by_name[2]
+    # the metrics agree but for NeMo-RL's ratio metrics: reported under NeMo-RL's switch as NeMo-RL does (its
+    # "ratio" is the log-prob), and not under the name, whose objective has no ratio
+    nemo_rl_names = {f"probs_ratio{c}{e}" for c in ("", "_clamped") for e in ("", "_min", "_max")}
+    assert set(by_key[2]) - set(by_name[2]) == nemo_rl_names and set(by_name[2]) <= set(by_key[2])
+    assert {k: by_key[2][k] for k in by_name[2]} == by_name[2]
+    c, m = inputs.curr_logprobs, inputs.token_mask
+    mean = (c * m).sum() / (m.sum() + 1e-8)
+    for name in ("probs_ratio", "probs_ratio_clamped"):
+        assert by_key[2][name] == pytest.approx(mean.item(), rel=1e-12)
+        assert by_key[2][f"{name}_min"] == c[m != 0].min().item() and by_key[2][f"{name}_max"] == c[m != 0].max()
 
 
 def test_nemo_rl_key_selects_reinforce_and_its_ignored_clip_bounds_pass():

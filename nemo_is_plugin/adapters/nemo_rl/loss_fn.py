@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import torch
 from pydantic import BaseModel
 
+from nemo_is_plugin.adapters.host_vocabulary import host_section_keys
 from nemo_is_plugin.adapters.nemo_rl.protocol import LossInputType, LossType, MetricNormalizer
 from nemo_is_plugin.adapters.nemo_rl.startup import check_switch_in_effect
 from nemo_is_plugin.adapters.nemo_rl.step_metrics import (
@@ -140,7 +141,10 @@ class NeMoRLLossFn:
         logprob_chunk_size: int | None = None,
     ):
         section = given_keys(cfg)
-        self._section = {**section, "name": section.get("name") or DEFAULT_LOSS_NAME}
+        name = section.get("name") or DEFAULT_LOSS_NAME
+        if name == DEFAULT_LOSS_NAME:  # the plugin's keys (another registered loss reads its own)
+            section = host_section_keys(section, "NeMo-RL")
+        self._section = {**section, "name": name}
         self.use_fused_linear_logprobs = bool(use_fused_linear_logprobs)
         self.input_type = LossInputType(input_type.value if hasattr(input_type, "value") else str(input_type).lower())
         if self.input_type not in (LossInputType.LOGPROB, LossInputType.LOGIT):

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from nemo_is_plugin.adapters.host_vocabulary import host_section_keys
 from nemo_is_plugin.adapters.sampler_checks import SLIME_NAMES, check_sampler, slime_sampling
 from nemo_is_plugin.adapters.shared import MissingPluginConfigError
 from nemo_is_plugin.config import ConfigError
@@ -142,7 +143,7 @@ def plugin_keys(args: Any, entry: str) -> dict[str, Any]:
             raise SlimeConfigError(f"args.{ARGS_KEY} must be a mapping of plugin keys or a recipe path, got {own!r}")
         keys.update(to_loss_mapping(dict(own), section=section) if section in own else dict(own))
     keys.pop("name", None)
-    return keys
+    return host_section_keys(keys, "slime", also=())
 
 
 def tis_keys(args: Any, kind: str = "tis") -> dict[str, Any]:
@@ -254,7 +255,12 @@ def policy_config(args: Any, user: Mapping[str, Any]) -> ClippedPGLossConfig:
     if estimator == "gspo":
         base["ratio_level"] = "sequence"
     elif estimator == "cispo":
-        base["use_cispo"] = True
+        if user.get("policy_objective", "cispo") != "cispo":
+            raise SlimeConfigError(
+                f"--advantage-estimator cispo and policy_objective={user['policy_objective']!r} both choose the "
+                "objective: keep one"
+            )
+        base["policy_objective"] = "cispo"
         if base.pop("ratio_clip_c") is not None:
             warnings.warn("--eps-clip-c is ignored with --advantage-estimator cispo, as slime ignores it", stacklevel=3)
     elif estimator not in ADVANTAGE_ONLY_ESTIMATORS:

@@ -72,7 +72,6 @@ from nemo_is_plugin.distributed.parallel.groups import ParallelGroups, ProcessGr
 from nemo_is_plugin.loss import ClippedPGLoss
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.correction import ISCorrection, compute_is_correction
-from nemo_is_plugin.loss.objectives import objective_of
 from nemo_is_plugin.loss.roles import Roles
 from nemo_is_plugin.loss.terms import TermInputs, TokenTerms, is_correction_kwargs, term_inputs, token_terms
 
@@ -273,11 +272,15 @@ def slime_metrics(
     ``sum_of_sample_mean``."""
     cfg, sur, corr = t.config, terms.surrogate, t.correction
     with torch.no_grad():
-        token_ratio = objective_of(cfg).token_ratio(cfg)
-        ppo_kl = (t.pi_old - c.detach()) if token_ratio else -torch.log(sur.ratio)
-        out = {"pg_clipfrac": reduce(sur.clipped.to(c.dtype)), "ppo_kl": reduce(ppo_kl)}
+        # slime's ppo_kl: log pi_old - log pi per token; minus the log of the objective's ratio where that is not a
+        # token's own (a sequence ratio level: GSPO's, as slime's GSPO reports it)
+        sequence_ratio = sur.ratio if cfg.effective_ratio_level != "token" else None
+        ppo_kl = t.pi_old - c.detach() if sequence_ratio is None else -torch.log(sequence_ratio)
+        out = {} if sur.clipped is None else {"pg_clipfrac": reduce(sur.clipped.to(c.dtype))}
+        out["ppo_kl"] = reduce(ppo_kl)
         for name, flag in (("low", sur.clipped_low), ("high", sur.clipped_high), ("dual", sur.dual_clipped)):
-            out[f"{PLUGIN_PREFIX}clip_fraction_{name}"] = reduce(flag.to(c.dtype))
+            if flag is not None:  # the clip indicators the objective has
+                out[f"{PLUGIN_PREFIX}clip_fraction_{name}"] = reduce(flag.to(c.dtype))
         if roles.mu is not None:
             out["train_rollout_logprob_abs_diff"] = reduce((roles.mismatch_prev - roles.mu).abs())
         if corr is not None:
@@ -286,7 +289,7 @@ def slime_metrics(
         opd = batch_tokens("opd_reverse_kl", batch, shard, c)
         if opd is not None:
             out["opd_reverse_kl"] = reduce(opd)
-    out.update(objective_metrics(objective_of(cfg), terms.objective, t.layout, t.valid, reduce, PLUGIN_PREFIX))
+    out.update(objective_metrics(cfg.objective, terms.objective, t.layout, t.valid, reduce, PLUGIN_PREFIX))
     return out
 
 

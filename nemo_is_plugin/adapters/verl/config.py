@@ -268,7 +268,7 @@ def rollout_correction_keys(rollout_correction: Any) -> dict[str, Any]:
         keys["old_policy_logprobs"] = "generation"
         if loss_type == "reinforce":
             # verl's REINFORCE: -w * A * log pi, no PPO ratio and no dual clip
-            keys.update(disable_ppo_ratio=True, ratio_clip_c=None)
+            keys.update(policy_objective="reinforce", ratio_clip_c=None)
     elif loss_type != "ppo_clip":
         _ignored("loss_type", "verl reads it in bypass mode only (bypass_mode: false here)")
     if rc["score_centering"]:  # f follows from the IS truncation above; the plugin's contradictions say what composes
@@ -359,15 +359,30 @@ def plugin_section_keys(section: Any) -> dict[str, Any]:
     keys = _items(section)
     keys.pop("name", None)
     rc = keys.pop("rollout_correction", None)
-    if rc is None:
-        return keys
-    if isinstance(rc, str):
-        mapped = preset_keys(rc)
-    else:
-        rc = _items(rc)
-        preset = rc.pop("preset", None)
-        mapped = preset_keys(preset, **rc) if preset is not None else rollout_correction_keys(rc)
+    return keys if rc is None else with_rollout_correction(rc, keys)
+
+
+def with_rollout_correction(rc: Any, keys: dict[str, Any]) -> dict[str, Any]:
+    """A section's plugin ``keys`` overlaid on its ``rollout_correction`` entry's (they win), both choosing the
+    objective refused: the one merge every host's section uses (:mod:`nemo_is_plugin.adapters.host_vocabulary`)."""
+    mapped = rollout_correction_entry_keys(rc)
+    chosen = mapped.get("policy_objective")
+    if chosen is not None and keys.get("policy_objective", chosen) != chosen:
+        raise VerlConfigError(
+            f"rollout_correction's loss_type: {chosen} (policy_objective {chosen!r}) and policy_objective="
+            f"{keys['policy_objective']!r} both choose the objective: keep one"
+        )
     return {**mapped, **keys}
+
+
+def rollout_correction_entry_keys(rc: Any) -> dict[str, Any]:
+    """A ``rollout_correction`` entry (a preset name, a mapping of verl's keys, or ``{preset: name, <preset
+    keyword>: value}``) as plugin keys."""
+    if isinstance(rc, str):
+        return preset_keys(rc)
+    rc = _items(rc)
+    preset = rc.pop("preset", None)
+    return preset_keys(preset, **rc) if preset is not None else rollout_correction_keys(rc)
 
 
 __all__ = [
@@ -384,5 +399,7 @@ __all__ = [
     "preset_keys",
     "preset_settings",
     "rejection_rules",
+    "rollout_correction_entry_keys",
     "rollout_correction_keys",
+    "with_rollout_correction",
 ]

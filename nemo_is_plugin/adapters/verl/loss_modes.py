@@ -9,7 +9,7 @@ verl mode   plugin keys                                  from verl's settings
 =========== ============================================ ==========================================================
 vanilla     PPO clip                                     clip_ratio_low/high (else clip_ratio), clip_ratio_c
 gspo        ratio_level sequence_token, log r <= 10      clip_ratio_low/high; no token clamp, no dual clip
-cispo       use_cispo (objective cispo)                  clip_ratio_low/high
+cispo       policy_objective cispo                       clip_ratio_low/high
 dppo_tv/kl  policy_objective dppo_tv / dppo_kl           dppo_delta_low/high = clip_ratio_low/high, dppo_ratio_cap =
                                                          clip_ratio_c (verl: config.get("clip_ratio_c", 20.0); an
                                                          ActorConfig always has it, default 3.0)
@@ -48,8 +48,6 @@ REFUSED_LOSS_MODES = {
 }
 VERL_DPPO_DEFAULT_CAP = 20.0  # verl's DPPO losses: config.get("clip_ratio_c", 20.0)
 VERL_GSPO_MAX_LOG_RATIO = 10.0  # verl's GSPO caps the combined sequence log-ratio at 10
-# PPO clip keys that actor_keys sets for vanilla; the other modes carry their own trust region instead.
-PPO_CLIP_KEYS = ("ratio_clip_min", "ratio_clip_max", "ratio_clip_c")
 # The clip ratios every mode may read (verl's clip_ratio_low / _high default to clip_ratio).
 CLIP_RATIO_FIELDS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
 VERL_METRIC_NAMES = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
@@ -63,14 +61,15 @@ ModeKeys = Callable[[float, float, Mapping[str, Any]], dict[str, Any]]
 class VerlMode:
     """One of verl 0.9.1's policy losses (``verl/trainer/ppo/core_algos.py``) as the plugin computes it.
 
-    name: verl's ``loss_mode``. objective: the plugin objective it computes (the config's ``effective_objective``:
-    ``policy_objective``, or the one NeMo-RL's switch selects, e.g. ``use_cispo`` -> ``cispo``). keys(low, high,
-    reads): the plugin keys,
+    name: verl's ``loss_mode``. objective: the plugin objective it computes (the config's ``effective_objective``,
+    which its keys name with ``policy_objective``). keys(low, high, reads): the plugin keys,
     from the clip ratios (clip_ratio_low / _high, else clip_ratio, else 0.2) and ``reads``: the values of the verl
     fields the mode reads beyond them (``reads`` here: dotted path from the actor config -> default; a required one has
     default None). forced_aggregation: the aggregation verl's loss uses whatever ``loss_agg_mode`` says.
     metrics / clamped_kl: the ``actor/`` metrics verl's loss returns, and whether its ppo_kl clamps each token's
     log-ratio to +-20 first. clipfrac_metrics: the plugin metrics that are verl's pg_clipfrac / pg_clipfrac_lower.
+    weights_level: the ``is_correction_level`` at which the plugin applies verl's own ``rollout_is_weights`` when verl
+    owns the correction (weights-only mode): per token, or per sequence as their geometric mean (verl's geo_mean).
     all_rows: verl's loss is a plain mean over the micro-batch's rows (empty ones included) without global counts.
     signature: the resolved config's attributes that tell the mode apart from the others of its objective (the
     reverse map, :func:`verl_loss_mode_of`).
@@ -84,6 +83,7 @@ class VerlMode:
     metrics: tuple[str, ...] = VERL_METRIC_NAMES
     clamped_kl: bool = True
     clipfrac_metrics: tuple[str, str] = DEFAULT_CLIPFRAC_METRICS
+    weights_level: str = "token"
     all_rows: bool = False
     signature: tuple[tuple[str, Any], ...] = ()
 
@@ -149,7 +149,7 @@ VERL_MODES: dict[str, VerlMode] = {
         ),
         VerlMode(
             "cispo",
-            lambda low, high, r: {"ratio_clip_min": low, "ratio_clip_max": high, "use_cispo": True},
+            lambda low, high, r: {"policy_objective": "cispo", "ratio_clip_min": low, "ratio_clip_max": high},
             objective="cispo",
         ),
         _dppo("dppo_tv"),
@@ -172,6 +172,7 @@ VERL_MODES: dict[str, VerlMode] = {
             forced_aggregation="seq-mean-token-mean",
             clamped_kl=False,
             clipfrac_metrics=("clip_fraction_high", "clip_fraction_low"),  # geo_mean counts its clip by advantage sign
+            weights_level="sequence_mean",  # verl's geo_mean applies its weights per sequence, their geometric mean
             all_rows=True,
         ),
         VerlMode(
@@ -200,6 +201,8 @@ VERL_CLIPFRAC_METRICS = {
     m.objective: m.clipfrac_metrics for m in VERL_MODES.values() if m.clipfrac_metrics != DEFAULT_CLIPFRAC_METRICS
 }
 VERL_ALL_ROWS_OBJECTIVES = tuple(m.objective for m in VERL_MODES.values() if m.all_rows)
+# objective -> the level of verl's own IS weights under it (weights-only mode); "token" for the others
+VERL_WEIGHTS_LEVEL = {m.objective: m.weights_level for m in VERL_MODES.values() if m.weights_level != "token"}
 
 
 def check_loss_mode(loss_mode: str, loss_agg_mode: str) -> None:
@@ -260,7 +263,6 @@ __all__ = [
     "CLIP_RATIO_FIELDS",
     "FORCED_AGGREGATION",
     "MODE_READS",
-    "PPO_CLIP_KEYS",
     "REFUSED_LOSS_MODES",
     "VERL_ALL_ROWS_OBJECTIVES",
     "VERL_CLIPFRAC_METRICS",
@@ -270,6 +272,7 @@ __all__ = [
     "VERL_METRIC_NAMES",
     "VERL_MODES",
     "VERL_MODE_METRICS",
+    "VERL_WEIGHTS_LEVEL",
     "VerlMode",
     "check_loss_mode",
     "loss_mode_keys",

@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from nemo_is_plugin.adapters.shared import MissingPluginConfigError, given_keys, reads_rollout_logprobs, renormalize
+from nemo_is_plugin.adapters.host_vocabulary import host_section_keys
+from nemo_is_plugin.adapters.shared import MissingPluginConfigError, given_keys, reads_rollout_logprobs
 from nemo_is_plugin.adapters.verl.config import (
     VERL_AGG_MODES,
     VERL_LOG_RATIO_CLAMP,
@@ -56,21 +57,30 @@ from nemo_is_plugin.adapters.verl.config import (
 )
 from nemo_is_plugin.adapters.verl.correction import generation_logprobs, rollout_logprobs
 from nemo_is_plugin.adapters.verl.loss_modes import (
-    VERL_METRIC_NAMES,
     VERL_MODES,
+    VERL_WEIGHTS_LEVEL,
     verl_mode_of,
     verl_mode_settings,
 )
-from nemo_is_plugin.adapters.verl.metrics import for_verl_step, plugin_metrics, rollout_corr_metrics, verl_statistics
-from nemo_is_plugin.adapters.verl.score_centering import VERL_SC_METRICS, head_inputs, verl_centering_statistics
+from nemo_is_plugin.adapters.verl.policy_call import (
+    METRIC_PREFIX,
+    VerlSetting,
+    global_counts,
+    local_metrics,
+    local_statistics,
+    run_loss,
+    verl_loss,
+    verl_metric_dict,
+    verl_values,
+)
+from nemo_is_plugin.adapters.verl.score_centering import head_inputs
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
-from nemo_is_plugin.loss.objectives import objective_of_keys, unread_clip_keys
+from nemo_is_plugin.loss.objectives.nemo_rl_switches import effective_objective_of_keys, unread_clip_keys
 
 VERL_LOSS_NAME = "nemo_is.clipped_pg"
 CONFIG_ENV = "NEMO_IS_LOSS_CONFIG"
 SECTION_ENV = "NEMO_IS_LOSS_SECTION"
 PLUGIN_SECTION = "nemo_is"  # actor_rollout_ref.actor.policy_loss.nemo_is
-METRIC_PREFIX = "actor/nemo_is/"
 __all__ = [
     "CONFIG_ENV",
     "METRIC_PREFIX",
@@ -105,7 +115,7 @@ def _user_keys(config: Any, section: str) -> dict[str, Any]:
         return given_keys(config)
     from nemo_is_plugin.adapters.recipes import to_loss_mapping
 
-    return plugin_section_keys(to_loss_mapping(config, section=section))
+    return host_section_keys(plugin_section_keys(to_loss_mapping(config, section=section)), "verl", also=("loss_mode",))
 
 
 def verl_config(
@@ -121,7 +131,7 @@ def verl_config(
     if loss_mode != "vanilla" and "policy_objective" in user:
         raise VerlConfigError(
             f"the plugin section sets both loss_mode={loss_mode!r} (verl's vocabulary) and policy_objective="
-            f"{user['policy_objective']!r} (the plugin's): keep one"
+            f"{user['policy_objective']!r} (the plugin's, or rollout_correction's loss_type): keep one"
         )
     base = actor_keys(actor, loss_agg_mode, loss_mode)
     if {"ratio_clip_c", "log_ratio_clip_low", "log_ratio_clip_high"} & set(user):
@@ -136,8 +146,8 @@ def verl_config(
     if agg == "seq-mean-token-sum-norm" and merged.get("loss_aggregation_norm") is None:
         factor = loss_scale_factor(actor)
         merged["loss_aggregation_norm"] = float(horizon if factor is None else factor)
-    if weights_only:  # verl's geo_mean applies its weights per sequence, as their geometric mean
-        level = objective_of_keys(merged).host_is_level
+    if weights_only:  # at the level verl applies its weights under this objective (geo_mean: per sequence)
+        level = VERL_WEIGHTS_LEVEL.get(effective_objective_of_keys(merged), "token")
         merged.update(use_importance_sampling_correction=True, is_correction_level=level)
     cfg = ClippedPGLossConfig(**merged)
     if cfg.effective_kl_penalty != 0:
@@ -228,6 +238,12 @@ class VerlPolicyLoss:
         keys: Mapping[str, Any] | None = None,
     ):
         """The ``ClippedPGLoss`` for these verl settings (cached per distinct setting)."""
+        return self._setting(actor, loss_agg_mode, horizon, keys).loss(weights_only)
+
+    def _setting(
+        self, actor: Any, loss_agg_mode: str, horizon: int, keys: Mapping[str, Any] | None = None
+    ) -> VerlSetting:
+        """The losses of one distinct verl setting: resolved once per call, cached per setting."""
         from nemo_is_plugin.loss import ClippedPGLoss
 
         keys = self.keys_for(actor) if keys is None else keys
@@ -235,10 +251,13 @@ class VerlPolicyLoss:
         # otherwise, so that variable-length micro-batches share one loss.
         if loss_agg_mode != "seq-mean-token-sum-norm" or loss_scale_factor(actor) is not None:
             horizon = 0
-        # verl_mode_settings: every verl field a loss mode's keys are built from (derived from loss_modes.VERL_MODES)
-        key = (loss_agg_mode, horizon, weights_only, loss_scale_factor(actor), verl_mode_settings(actor), _frozen(keys))
+        # verl_mode_settings: every verl field a loss mode's keys are built from (derived from loss_modes.VERL_MODES),
+        # so the actor of the setting's first call builds what any call of it would
+        key = (loss_agg_mode, horizon, loss_scale_factor(actor), verl_mode_settings(actor), _frozen(keys))
         if key not in self._losses:
-            self._losses[key] = ClippedPGLoss(verl_config(keys, actor, loss_agg_mode, horizon, weights_only))
+            self._losses[key] = VerlSetting(
+                lambda weights_only: ClippedPGLoss(verl_config(keys, actor, loss_agg_mode, horizon, weights_only))
+            )
         return self._losses[key]
 
     def __call__(
@@ -253,115 +272,66 @@ class VerlPolicyLoss:
         rollout_log_probs: torch.Tensor | None = None,
         **extra: Any,
     ):
-        from nemo_is_plugin.loss import LossInputs
         from nemo_is_plugin.loss.layout import TokenLayout
 
-        mask = response_mask.bool()
         b, t = log_prob.shape
-        keys = self.keys_for(config)
-        plugin_cfg = self.resolve(config, loss_agg_mode, t, keys=keys).config
-        head = head_inputs(plugin_cfg.score_centering, extra)  # verl's head fields (adapters/verl/score_centering.py)
+        setting = self._setting(config, loss_agg_mode, t)
         # the plugin reads log mu (it owns the correction, or bypass mode: pi_old = mu) and reports verl's rollout_corr/
         # statistics, as verl's own bypass loss does; else verl's weights, if any, multiply the loss
-        reads_mu = reads_rollout_logprobs(plugin_cfg)
+        reads_mu = reads_rollout_logprobs(setting.loss(False).config)
         weights_only = not reads_mu and rollout_is_weights is not None
-        loss_fn = (
-            self.resolve(config, loss_agg_mode, t, weights_only, keys)
-            if weights_only
-            else self.resolve(config, loss_agg_mode, t, keys=keys)
-        )
-        gen = rollout_logprobs(
-            plugin_cfg,
-            reads_mu,
-            weights_only,
-            old_log_prob,
-            mask,
-            rollout_is_weights,
-            rollout_log_probs,
-            loss_name=VERL_LOSS_NAME,
-        )
-
-        m = mask.to(log_prob.dtype)
+        loss_fn = setting.loss(weights_only)
         # verl's own metrics of the mode this config computes (vanilla's for a config no verl mode computes)
         mode = verl_mode_of(loss_fn.config) or VERL_MODES["vanilla"]
-        # The local counts and verl's ppo_kl stay on the device until the loss's metrics are read (one host sync).
-        # ppo_kl: some verl modes clamp log pi - log pi_old to +-20 first.
-        with torch.no_grad():
-            log_ratio = log_prob - old_log_prob
-            if mode.clamped_kl:
-                log_ratio = log_ratio.clamp(-VERL_LOG_RATIO_CLAMP, VERL_LOG_RATIO_CLAMP)
-            own = {
-                "local_toks": m.sum(),
-                "local_seqs": (m.sum(-1) > 0).sum(),
-                "ppo_kl": (-log_ratio * m).sum() / (m.sum() + 1e-8),
-            }
+        m = response_mask.bool().to(log_prob.dtype)
+        own = local_statistics(log_prob, old_log_prob, m, mode)
         # verl's geo_mean: a plain mean over the micro-batch's rows, empty ones included, when no global count is given
-        all_rows = b if mode.all_rows else None
-        info_tok, info_seq = self._global_counts(config, loss_agg_mode, all_rows)
-        inputs = LossInputs(
+        counts = global_counts(config, loss_agg_mode, b if mode.all_rows else None)
+        rollout = (rollout_is_weights, rollout_log_probs, reads_mu, weights_only)
+        inputs = self._loss_inputs(loss_fn.config, old_log_prob, log_prob, advantages, m, rollout, own, counts, extra)
+        run = run_loss(loss_fn, inputs, TokenLayout.padded(b, t, device=log_prob.device), own, reads_mu)
+        loss, local = verl_loss(run, loss_agg_mode, config), local_metrics(run, counts)
+        if self._tuple is None:
+            self._tuple = _returns_tuple()
+        if self._tuple:  # verl <= 0.5: (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
+            return (loss, *(torch.tensor(v, device=log_prob.device) for v in verl_values(local, mode, run.ppo_kl)))
+        return loss, verl_metric_dict(run, local, mode, loss_fn.config, b, reads_mu)
+
+    @staticmethod
+    def _loss_inputs(
+        cfg: ClippedPGLossConfig,
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        m: torch.Tensor,
+        rollout: tuple[torch.Tensor | None, torch.Tensor | None, bool, bool],
+        own: Mapping[str, torch.Tensor],
+        counts: tuple[float | None, float | None],
+        extra: Mapping[str, Any],
+    ) -> Any:
+        """The loss's aligned inputs from verl's tensors: log mu as the rollout settings give it
+        (:func:`~nemo_is_plugin.adapters.verl.correction.rollout_logprobs`; ``rollout``: verl's weights and rollout
+        log-probs, whether the plugin reads mu, whether verl's weights apply), verl's head fields, and the global
+        counts (``counts``, else this micro-batch's ``own`` ones)."""
+        from nemo_is_plugin.loss import LossInputs
+
+        weights, rollout_log_probs, reads_mu, weights_only = rollout
+        gen = rollout_logprobs(
+            cfg, reads_mu, weights_only, old_log_prob, m.bool(), weights, rollout_log_probs, loss_name=VERL_LOSS_NAME
+        )
+        info_tok, info_seq = counts
+        return LossInputs(
             curr_logprobs=log_prob,
             prev_logprobs=old_log_prob,
             generation_logprobs=gen,
             reference_logprobs=None,
             advantages=advantages,
             token_mask=m,
-            sample_mask=torch.ones(b, dtype=m.dtype, device=m.device),
+            sample_mask=torch.ones(m.shape[0], dtype=m.dtype, device=m.device),
             global_valid_seqs=own["local_seqs"] if info_seq is None else info_seq,
             global_valid_toks=own["local_toks"] if info_tok is None else info_tok,
-            head=head,
+            head=head_inputs(cfg.score_centering, extra),  # verl's head fields (adapters/verl/score_centering.py)
         )
-        terms = loss_fn.terms(inputs, TokenLayout.padded(b, t, device=log_prob.device))
-        own.update(verl_centering_statistics(terms, None if head is None else head.trainer_head))
-        parts = loss_fn.reduce(terms)
-        if reads_mu:  # verl's rollout_corr/ statistics from the loss's own IS correction (read in the same host sync)
-            own.update(verl_statistics(terms))
-        metrics, read = loss_fn.metrics(terms, parts, read_with=own)
-        loss = parts.loss
-        local_toks, local_seqs, ppo_kl = read.pop("local_toks"), read.pop("local_seqs"), read.pop("ppo_kl")
-        verl_sc = {name: read.pop(name) for name in VERL_SC_METRICS if name in read}
-        n_tok = local_toks if info_tok is None else info_tok
-        n_seq = local_seqs if info_seq is None else info_seq
-        if loss_agg_mode == "token-sum":
-            # verl's token-sum is the local sum times dp_size (DP averages gradients); the plugin's is the local sum
-            loss = loss * int(dict(_get(config, "global_batch_info", {}) or {}).get("dp_size") or 1)
-        local = renormalize(metrics, tokens=(n_tok, local_toks), seqs=(n_seq, local_seqs))
-        clipfrac, lower = mode.clipfrac_metrics
-        if self._tuple is None:
-            self._tuple = _returns_tuple()
-        if self._tuple:
-            as_tensor = lambda v: torch.tensor(v, device=log_prob.device)  # noqa: E731
-            return (
-                loss,
-                as_tensor(local.get(clipfrac, 0.0)),
-                as_tensor(ppo_kl),
-                as_tensor(local.get(lower, 0.0)),
-            )
-        out = {f"{METRIC_PREFIX}{k}": v for k, v in plugin_metrics(local, metrics.denominators).items()}
-        verl_values = dict(zip(VERL_METRIC_NAMES, (local.get(clipfrac, 0.0), ppo_kl, local.get(lower, 0.0))))
-        out.update({name: verl_values[name] for name in mode.metrics})
-        if reads_mu:  # the plugin measured the true mismatch: verl's rollout_corr/ names where the quantity is the same
-            seqs = dict(seqs_with_tokens=local_seqs, seq_count=local_seqs)
-            corr = rollout_corr_metrics(local, loss_fn.config, rows=b, **seqs)
-            corr.update(read)  # verl's statistics the loss's metrics do not carry (verl_metrics.verl_statistics)
-            out.update(for_verl_step(corr))  # the extrema named for verl's mean over micro-batches
-        out.update(verl_sc)
-        return loss, out
-
-    @staticmethod
-    def _global_counts(config: Any, agg: str, all_rows: int | None = None) -> tuple[float | None, float | None]:
-        """verl's ``agg_loss`` divisors (tokens, sequences): ``global / dp_size`` from ``global_batch_info``, else None
-        (the local counts); without ``global_batch_size`` the sequence divisor is ``all_rows`` when given (verl's
-        ``geo_mean``, which reads no ``global_batch_info`` and so needs none at any DP size)."""
-        info = dict(_get(config, "global_batch_info", {}) or {})
-        dp = int(info.get("dp_size") or 1)
-        toks, seqs = info.get("batch_num_tokens"), info.get("global_batch_size")
-        if dp > 1 and toks is None and agg == "token-mean":
-            raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
-        if dp > 1 and seqs is None and all_rows is None and agg not in ("token-mean", "token-sum"):
-            raise ValueError("global_batch_size is required when dp_size > 1")
-        n_tok = float(toks) / dp if toks is not None else None
-        n_seq = float(seqs) / dp if seqs is not None else None if all_rows is None else float(all_rows)
-        return n_tok, n_seq
 
 
 def register_verl_loss(name: str = VERL_LOSS_NAME, config: Any = None, *, section: str = "loss_fn") -> VerlPolicyLoss:

@@ -80,6 +80,7 @@ def sequence_ratios(batch: DriftBatch, drift: float, clip: float) -> dict[str, t
         layout = TokenLayout.padded(*batch.shape, device=curr.device)
         gspo = policy_log_ratio("sequence", curr, anchor, mask, layout)[:, 0].exp()
         gmpo = gmpo_surrogate(curr, anchor, batch.advantages, mask, layout, clip_low=clip, clip_high=clip)
+        assert gmpo.clipped_ratio is not None  # GMPO's clipped sequence ratio
         return {"token": (curr - anchor).exp(), "gspo": gspo, "gmpo": gmpo.clipped_ratio[:, 0]}
 
 

@@ -192,7 +192,7 @@ def run_drift_sweep(
             # is flat (grad P = 0 exactly).
             pull = float((g * g_drift).sum() / drift_norm) if drift_norm > 0 else 0.0
             for key, value in (
-                ("clip_fraction", metrics["clip_fraction"]),
+                ("clip_fraction", metrics.get("clip_fraction", 0.0)),  # none: it drops no token (SAPO, GPG, DRO)
                 ("deviation", float((g - g_pg).norm()) / pg_norm),
                 ("grad_norm", float(g.norm())),
                 ("pull_back", pull),

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from nemo_is_plugin.config.keys import KeySection, LossKeys
+from nemo_is_plugin.config.keys import KeySection
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.objectives.nemo_rl_switches import (
     DEFAULT_OBJECTIVE,
@@ -29,6 +29,7 @@ from nemo_is_plugin.loss.objectives.nemo_rl_switches import (
     NEMO_RL_SWITCHES,
     RATIO_SWITCHES,
     effective_objective,
+    nemo_rl_key_refusals,
     selecting_switch,
 )
 from nemo_is_plugin.loss.ratios import token_log_ratio
@@ -55,21 +56,25 @@ class ObjectiveBook(Protocol):
 OBJECTIVE_LOG_RATIO_CLAMP = 20.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SurrogateOut:
-    """loss: Float[*T] per-token loss (to be minimised). ratio / clipped_ratio: Float[*T] (detached, for metrics).
-    clipped / clipped_low / clipped_high / dual_clipped: Bool[*T] indicators (CTPO's definitions for PPO's clip):
-    clipped = the objective dropped or clipped the token (verl's ``pg_clipfrac``); high = that with A > 0, the ratio
-    above its bound; low = that with A < 0 (A <= 0 for the trust masks); dual = the dual clip, or DPPO's ratio cap, is
-    active."""
+    """An objective's per-token result, built by keyword: its loss, and the ratio and clip indicators its metrics read
+    where the objective has them (None: it has none; the shared metrics then report nothing under that name).
+
+    loss: Float[*T] per-token loss (to be minimised). ratio: Float[*T] the policy ratio its loss reads (detached), None
+    for an objective without one (REINFORCE, GPG read log pi itself). clipped_ratio: Float[*T] the ratio after the
+    objective's clip (detached; None: no clipped ratio). clipped / clipped_low / clipped_high / dual_clipped: Bool[*T]
+    indicators (CTPO's definitions for PPO's clip): clipped = the objective dropped or clipped the token (verl's
+    ``pg_clipfrac``); high = that with A > 0, the ratio above its bound; low = that with A < 0 (A <= 0 for the trust
+    masks); dual = the dual clip, or DPPO's ratio cap, is active. None: the objective has no such clip."""
 
     loss: torch.Tensor
-    ratio: torch.Tensor
-    clipped_ratio: torch.Tensor
-    clipped: torch.Tensor
-    clipped_low: torch.Tensor
-    clipped_high: torch.Tensor
-    dual_clipped: torch.Tensor
+    ratio: torch.Tensor | None = None
+    clipped_ratio: torch.Tensor | None = None
+    clipped: torch.Tensor | None = None
+    clipped_low: torch.Tensor | None = None
+    clipped_high: torch.Tensor | None = None
+    dual_clipped: torch.Tensor | None = None
 
 
 @dataclass
@@ -109,21 +114,18 @@ class ObjectiveOut:
 
 
 class PolicyObjective:
-    """One ``policy_objective``. Subclasses set the class attributes and override :meth:`surrogate`; the other hooks
-    have defaults that do nothing.
+    """One ``policy_objective``: its formula and what follows from it, nothing of any host. Subclasses set the class
+    attributes and override :meth:`surrogate`; the other hooks have defaults.
 
     name: the value of ``policy_objective``. keys: its :class:`KeySection` (None: no keys of its own). required: keys
     that must be set with it. ratio_levels: the ``ratio_level`` values it accepts when one is set (none: the key must
     stay unset); ratio: what it uses instead, for that refusal. summary: one line of the key's description.
+    pi_old_is_current: the old log-probs are the current ones, detached (the on-policy ratio): the batch's
+    ``prev_logprobs`` are not read, and the IS weights compare sg(c) with mu.
 
-    NeMo-RL's keys of PPO's ratio (generic keys, NeMo-RL's schema): clip_keys: those of :data:`NEMO_RL_CLIP_KEYS` it
-    reads; switches: those of :data:`RATIO_SWITCHES` it accepts set (the others are refused with it); nemo_rl_ignores:
-    clip keys NeMo-RL's switch that selects it leaves unread without a word (REINFORCE's and the on-policy ratio's
-    ``ratio_clip_min`` / ``_max``), accepted when it is selected that way and refused when it is named.
-    pi_old_is_current: the old log-probs are the current ones, detached (NeMo-RL's ``force_on_policy_ratio``): the
-    batch's ``prev_logprobs`` are not read, and the IS weights compare sg(c) with mu. centres_score: score centering
-    composes with it (its gradient weights a token's own score by a function of that token's ratio and IS weight).
-    host_is_level: the ``is_correction_level`` at which it takes a host's own IS weights (verl's weights-only mode).
+    What a host needs to know of an objective lives with that host, keyed by objective name: NeMo-RL's clip keys and
+    switches (:data:`~nemo_is_plugin.loss.objectives.nemo_rl_switches.NEMO_RL_RATIO_KEYS`, read by the loss's
+    NeMo-RL-shaped config), verl's modes and the level of verl's own IS weights (``adapters/verl/loss_modes.py``).
     """
 
     name: ClassVar[str] = ""
@@ -132,12 +134,7 @@ class PolicyObjective:
     ratio_levels: ClassVar[tuple[str, ...]] = ()
     ratio: ClassVar[str] = "no policy ratio"
     summary: ClassVar[str] = ""
-    clip_keys: ClassVar[tuple[str, ...]] = ()
-    switches: ClassVar[tuple[str, ...]] = ()
-    nemo_rl_ignores: ClassVar[tuple[str, ...]] = ()
     pi_old_is_current: ClassVar[bool] = False
-    centres_score: ClassVar[bool] = False
-    host_is_level: ClassVar[str] = "token"
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         """The per-token loss and its indicators (module docstring)."""
@@ -178,14 +175,10 @@ class PolicyObjective:
         """The policy ratio in words, where the objective defines its own; None: the configured ratio level."""
         return None
 
-    def token_ratio(self, cfg: ObjectiveConfig) -> bool:
-        """True when the log of the ratio it reports is a token's own c - a (hosts' ``ppo_kl`` reads a - c then)."""
-        return cfg.effective_ratio_level == "token"
-
     def score_centering_refusals(self, cfg: ObjectiveConfig) -> list[str]:
-        """Why ``score_centering`` does not compose with this objective (checked with ``score_centering: true``)."""
-        if self.centres_score:
-            return []
+        """Why ``score_centering`` does not compose with this objective (checked with ``score_centering: true``). By
+        default it does not: an objective with which it composes (its gradient weights a token's own score by a
+        function of that token's ratio and IS weight) overrides this."""
         return [
             "score_centering centres the score of PPO / REINFORCE's token policy gradient; policy_objective="
             f"{self.name!r} weights a token's score by its own gate or trust mask, which the head coefficients do not "
@@ -231,28 +224,14 @@ def register_objective(cls: type[PolicyObjective]) -> type[PolicyObjective]:
 
 
 def objective_of(cfg: ObjectiveConfig) -> PolicyObjective:
-    """The registered objective a config computes (:func:`effective_objective`): the one lookup."""
-    return OBJECTIVES[effective_objective(cfg.policy_objective, cfg)]
-
-
-def objective_of_keys(keys: Mapping[str, Any]) -> PolicyObjective:
-    """The objective a mapping of ``loss_fn`` keys selects (an adapter's keys before the config is built)."""
-    return OBJECTIVES[effective_objective(keys.get("policy_objective", DEFAULT_OBJECTIVE), keys)]
-
-
-def unread_clip_keys(keys: Mapping[str, Any]) -> tuple[str, ...]:
-    """NeMo-RL's clip keys (:data:`NEMO_RL_CLIP_KEYS`) that the objective ``keys`` select refuses: what an adapter
-    leaves out of the host's clip settings (verl's ``clip_ratio*``, slime's ``--eps-clip*``) when that objective
-    replaces PPO's clip."""
-    objective = objective_of_keys(keys)
-    switch = selecting_switch(keys.get("policy_objective", DEFAULT_OBJECTIVE), keys)
-    ignored = objective.nemo_rl_ignores if switch is not None else ()
-    return tuple(k for k in NEMO_RL_CLIP_KEYS if k not in objective.clip_keys and k not in ignored)
+    """The registered objective of a config: the one lookup, of the name the config resolved once when it was
+    validated (``effective_objective``; ``ClippedPGLossConfig.objective`` is this)."""
+    return OBJECTIVES[cfg.effective_objective]
 
 
 def chosen_as(cfg: ObjectiveConfig) -> str:
     """How the config chose its objective, for messages: ``policy_objective='x'`` or ``use_cispo=true (cispo)``."""
-    switch, name = selecting_switch(cfg.policy_objective, cfg), objective_of(cfg).name
+    switch, name = cfg.objective_switch, cfg.effective_objective
     return f"policy_objective={name!r}" if switch is None else f"{switch}=true (policy_objective {name!r})"
 
 
@@ -278,7 +257,7 @@ def objective_contradictions(cfg: ObjectiveConfig) -> list[str]:
         if chosen not in readers
         for msg in section.unread(cfg, readers, chosen)
     ]
-    out += nemo_rl_key_refusals(cfg, objective)
+    out += nemo_rl_key_refusals(cfg)
     for key in objective.required:
         if getattr(cfg, key) is None:
             out.append(f"{chosen_as(cfg)} needs {key} (see docs/objectives.md)")
@@ -286,38 +265,6 @@ def objective_contradictions(cfg: ObjectiveConfig) -> list[str]:
         out.append(f"{chosen_as(cfg)} uses {objective.ratio}: unset ratio_level={cfg.ratio_level!r}")
     out += objective.refusals(cfg)
     return out + (objective.score_centering_refusals(cfg) if cfg.score_centering else [])
-
-
-def nemo_rl_key_refusals(cfg: ObjectiveConfig, objective: PolicyObjective) -> list[str]:
-    """NeMo-RL's clip keys set away from their defaults and ratio switches set that ``objective`` does not read (its
-    ``clip_keys`` / ``switches``; ``nemo_rl_ignores`` pass when a NeMo-RL switch selected it, as in NeMo-RL)."""
-    switch, name = selecting_switch(cfg.policy_objective, cfg), objective.name
-    fields = LossKeys.model_fields  # the clip keys are generic keys: their defaults are NeMo-RL's
-    out = []
-    for key in NEMO_RL_CLIP_KEYS:
-        if key in objective.clip_keys or (switch is not None and key in objective.nemo_rl_ignores):
-            continue
-        if getattr(cfg, key) != fields[key].default:
-            out.append(
-                f"{key} is incompatible with {switch}=true (policy_objective {name!r} does not read it): unset {key}"
-                if switch is not None
-                else f"{key} configures PPO's ratio clip, which policy_objective={name!r} does not have: unset {key} "
-                "(or use policy_objective: ppo_clip)"
-            )
-    for key in RATIO_SWITCHES:
-        if key == switch or key in objective.switches or not getattr(cfg, key):
-            continue
-        out.append(
-            f"{key}=true is incompatible with {switch}=true (policy_objective {name!r}); turn one of them off"
-            if switch is not None
-            else f"{key}=true chooses another policy ratio than policy_objective={name!r}'s: set it false"
-        )
-    return out
-
-
-def none_like(like: torch.Tensor) -> torch.Tensor:
-    """An all-False indicator shaped like ``like``."""
-    return torch.zeros_like(like, dtype=torch.bool)
 
 
 def max_unclipped_on_tie(unclipped: torch.Tensor, clipped: torch.Tensor) -> torch.Tensor:
@@ -352,8 +299,9 @@ def masked_ratio_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, ma
     """-A r on kept tokens (prime-rl ``ipo``, CPPO): the ratio's own gradient, no truncation."""
     ratio = torch.exp(log_ratio)
     loss = -advantages * ratio * mask.keep.to(ratio.dtype)
-    r = ratio.detach()
-    return SurrogateOut(loss, r, r, ~mask.keep, mask.masked_low, mask.masked_high, none_like(r))
+    return SurrogateOut(
+        loss=loss, ratio=ratio.detach(), clipped=~mask.keep, clipped_low=mask.masked_low, clipped_high=mask.masked_high
+    )
 
 
 __all__ = [
@@ -375,11 +323,8 @@ __all__ = [
     "effective_objective",
     "max_unclipped_on_tie",
     "nemo_rl_key_refusals",
-    "none_like",
     "objective_of",
-    "objective_of_keys",
     "register_objective",
     "selecting_switch",
     "split_by_sign",
-    "unread_clip_keys",
 ]

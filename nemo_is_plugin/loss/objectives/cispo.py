@@ -25,7 +25,6 @@ from nemo_is_plugin.loss.objectives.base import (
     PolicyObjective,
     SurrogateOut,
     chosen_as,
-    none_like,
     register_objective,
 )
 from nemo_is_plugin.loss.objectives.ppo_clip import PPOClipKeys, format_number, ratio_score_centering_refusals
@@ -47,14 +46,13 @@ def cispo_surrogate(
     clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = -advantages * clipped_ratio.detach() * curr
     r = ratio.detach()
-    return SurrogateOut(
-        loss,
-        r,
-        clipped_ratio.detach(),
-        (r != clipped_ratio.detach()),
-        (r < 1 - clip_low) & (advantages < 0),
-        (r > 1 + clip_high) & (advantages > 0),
-        none_like(r),
+    return SurrogateOut(  # no dual clip (refused with CISPO)
+        loss=loss,
+        ratio=r,
+        clipped_ratio=clipped_ratio.detach(),
+        clipped=(r != clipped_ratio.detach()),
+        clipped_low=(r < 1 - clip_low) & (advantages < 0),
+        clipped_high=(r > 1 + clip_high) & (advantages > 0),
     )
 
 
@@ -65,9 +63,6 @@ class CISPO(PolicyObjective):
     ratio_levels = ("token",)
     ratio = "the token ratio"
     summary = "'cispo' (CISPO: -A sg(clip r) log pi; NeMo-RL's use_cispo)"
-    clip_keys = ("ratio_clip_min", "ratio_clip_max")
-    switches = ("use_cispo",)
-    centres_score = True
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         cfg, c = t.config, t.curr
@@ -82,9 +77,6 @@ class CISPO(PolicyObjective):
         )
         sur = cispo_surrogate(log_r, c, t.advantages, clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max)
         return ObjectiveOut(sur)
-
-    def token_ratio(self, cfg: ObjectiveConfig) -> bool:
-        return True
 
     def refusals(self, cfg: ObjectiveConfig) -> list[str]:
         out = []

@@ -20,10 +20,18 @@ from nemo_is_plugin.config.rejection_rule import RejectionRule
 class ObjectiveConfig(Protocol):
     """The config as an objective's hooks receive it (read-only): ``policy_objective``, the generic keys of PPO's
     ratio and clip, and the derived choices (``LossKeys``'s ``effective_*`` properties) that objectives read.
-    NeMo-RL's ratio switches (``use_cispo``, ...) are read by name (``getattr``) by the registry."""
+    NeMo-RL's ratio switches (``use_cispo``, ...) are read by name (``getattr``) by the registry.
+    ``effective_objective`` / ``objective_switch``: the objective computed and the NeMo-RL switch that selected it
+    (None: ``policy_objective`` names it), resolved once when the config was validated."""
 
     @property
     def policy_objective(self) -> str: ...
+
+    @property
+    def effective_objective(self) -> str: ...
+
+    @property
+    def objective_switch(self) -> str | None: ...
 
     @property
     def ratio_clip_min(self) -> float: ...

@@ -120,7 +120,13 @@ def divergence_pg_surrogate(
     keep = mask.keep.to(curr.dtype)
     loss = -advantages * weight * curr * keep
     return SurrogateOut(
-        loss, ratio, weight, ~mask.keep, mask.masked_low, mask.masked_high, (ratio > ratio_cap) & mask.keep
+        loss=loss,
+        ratio=ratio,
+        clipped_ratio=weight,
+        clipped=~mask.keep,
+        clipped_low=mask.masked_low,
+        clipped_high=mask.masked_high,
+        dual_clipped=(ratio > ratio_cap) & mask.keep,
     )
 
 

@@ -17,7 +17,6 @@ from nemo_is_plugin.loss.objectives.base import (
     ObjectiveOut,
     PolicyObjective,
     SurrogateOut,
-    none_like,
     register_objective,
 )
 
@@ -45,9 +44,7 @@ def dro_surrogate(curr: torch.Tensor, anchor: torch.Tensor, advantages: torch.Te
         raise ValueError(f"DRO needs beta > 0 (verl policy_loss.dro_beta); got {beta}")
     d = curr - anchor
     loss = -(curr * advantages - 0.5 * beta * d * d)
-    r = torch.exp(d.detach())
-    none = none_like(r)
-    return SurrogateOut(loss, r, r, none, none, none, none)
+    return SurrogateOut(loss=loss, ratio=torch.exp(d.detach()))  # a penalty on log r: nothing clipped
 
 
 @register_objective

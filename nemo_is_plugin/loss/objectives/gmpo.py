@@ -29,12 +29,15 @@ from nemo_is_plugin.loss.objectives.base import (
     PolicyObjective,
     SurrogateOut,
     max_unclipped_on_tie,
-    none_like,
     register_objective,
 )
 
 if TYPE_CHECKING:
     from nemo_is_plugin.loss.objectives.config_view import ObjectiveConfig
+
+
+# GMPO's loss is one value per sequence: its IS weight is one per sequence too, the geometric mean of the tokens'.
+GMPO_IS_LEVEL = "sequence_mean"
 
 
 class GmpoKeys(KeySection):
@@ -85,14 +88,13 @@ def gmpo_surrogate(
     loss = layout.to_tokens(-seq_adv * seq_ratio)
     clipped = (d != clamped).detach()
     r = torch.exp(d.detach())
-    return SurrogateOut(
-        loss,
-        r,
-        layout.to_tokens(seq_ratio.detach()),
-        clipped & (advantages != 0),
-        clipped & (advantages < 0),
-        clipped & (advantages > 0),
-        none_like(r),
+    return SurrogateOut(  # no dual clip
+        loss=loss,
+        ratio=r,
+        clipped_ratio=layout.to_tokens(seq_ratio.detach()),
+        clipped=clipped & (advantages != 0),
+        clipped_low=clipped & (advantages < 0),
+        clipped_high=clipped & (advantages > 0),
     )
 
 
@@ -103,7 +105,6 @@ class Gmpo(PolicyObjective):
     required = ("gmpo_clip_low", "gmpo_clip_high")
     ratio = "its own per-sequence geometric mean"
     summary = "'gmpo' (geometric-mean sequence ratio)"
-    host_is_level = "sequence_mean"  # one IS weight per sequence, their geometric mean (verl's geo_mean)
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         keys = GmpoKeys.of(t.config)
@@ -125,7 +126,7 @@ class Gmpo(PolicyObjective):
                 f"{cfg.effective_loss_aggregation!r} would weight sequences by their length: set loss_aggregation: "
                 "seq-mean-token-mean"
             )
-        if cfg.use_importance_sampling_correction and cfg.effective_is_level != self.host_is_level:
+        if cfg.use_importance_sampling_correction and cfg.effective_is_level != GMPO_IS_LEVEL:
             out.append(
                 f"policy_objective='gmpo' needs one IS weight per sequence, the geometric mean (as verl's geo_mean): "
                 f"set is_correction_level: sequence_mean (got {cfg.effective_is_level!r})"
@@ -149,4 +150,4 @@ class Gmpo(PolicyObjective):
         return "per sequence: the geometric mean of the token ratios (policy_objective='gmpo')"
 
 
-__all__ = ["Gmpo", "GmpoKeys", "gmpo_surrogate"]
+__all__ = ["GMPO_IS_LEVEL", "Gmpo", "GmpoKeys", "gmpo_surrogate"]

@@ -1,6 +1,7 @@
 """``gpg``: GPG's plain policy gradient, L = -A c with no ratio at all (verl ``gpg``; verl-project/verl
-``verl/trainer/ppo/core_algos.py`` ``compute_policy_loss_gpg`` @ 1dda039b). The reported ratio is the log-prob, as
-REINFORCE's; nothing is clipped. No keys; ``ratio_level``, PPO's clip and the dual clip are refused with it.
+``verl/trainer/ppo/core_algos.py`` ``compute_policy_loss_gpg`` @ 1dda039b). It has no ratio and clips nothing, so it
+reports neither ``probs_ratio`` nor clip fractions. No keys; ``ratio_level``, PPO's clip and the dual clip are refused
+with it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from nemo_is_plugin.loss.objectives.base import (
     ObjectiveOut,
     PolicyObjective,
     SurrogateOut,
-    none_like,
     register_objective,
 )
 
@@ -24,9 +24,7 @@ if TYPE_CHECKING:
 
 def gpg_surrogate(curr: torch.Tensor, advantages: torch.Tensor) -> SurrogateOut:
     """-A c. curr: Float[*T] (requires grad)."""
-    c = curr.detach()
-    none = none_like(c)
-    return SurrogateOut(-advantages * curr, c, c, none, none, none, none)
+    return SurrogateOut(loss=-advantages * curr)  # no ratio, nothing clipped
 
 
 @register_objective

@@ -27,7 +27,6 @@ from nemo_is_plugin.loss.objectives.base import (
     PolicyObjective,
     SurrogateOut,
     chosen_as,
-    none_like,
     register_objective,
 )
 from nemo_is_plugin.loss.objectives.ppo_clip import apply_dual_clip, format_number
@@ -41,9 +40,7 @@ def on_policy_surrogate(curr: torch.Tensor, advantages: torch.Tensor, *, dual_cl
     curr, advantages: Float[*T]."""
     ratio = torch.exp(curr - curr.detach())
     loss, dual = apply_dual_clip(-advantages * ratio, advantages, dual_clip)
-    r = ratio.detach()
-    none = none_like(r)
-    return SurrogateOut(loss, r, r, none, none, none, dual)
+    return SurrogateOut(loss=loss, ratio=ratio.detach(), dual_clipped=dual)
 
 
 @register_objective
@@ -52,11 +49,7 @@ class OnPolicy(PolicyObjective):
     ratio_levels = ("token", "sequence")
     ratio = "the ratio fixed to 1 (exp(c - sg c))"
     summary = "'on_policy' (ratio 1 with the policy gradient, pi_old = sg pi; NeMo-RL's force_on_policy_ratio)"
-    clip_keys = ("ratio_clip_c",)
-    switches = ("force_on_policy_ratio", "disable_ppo_ratio", "sequence_level_importance_ratios")
-    nemo_rl_ignores = ("ratio_clip_min", "ratio_clip_max")
     pi_old_is_current = True
-    centres_score = True
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         return ObjectiveOut(on_policy_surrogate(t.curr, t.advantages, dual_clip=t.config.ratio_clip_c))
@@ -65,6 +58,9 @@ class OnPolicy(PolicyObjective):
         if cfg.bypasses_prev:
             return [f"old_policy_logprobs='generation' and {chosen_as(cfg)} both choose pi_old; keep one"]
         return []
+
+    def score_centering_refusals(self, cfg: ObjectiveConfig) -> list[str]:
+        return []  # its gradient is a token's own score times -A (the ratio is 1): the head coefficients model it
 
     def describe(self, cfg: ObjectiveConfig) -> str:
         dual = f", dual clip c = {format_number(cfg.ratio_clip_c)}" if cfg.ratio_clip_c is not None else ""

@@ -8,11 +8,12 @@ log-space:     L = max(-A r, -A exp(clamp(log r, -eps_low s_t, eps_high s_t))); 
                with s_t = n_t ** power and n_t the 1-based position among unmasked tokens (CTPO; power 0 = fixed)
 
 NeMo-RL's switches of this objective are objectives of their own, selected by those switches while
-``policy_objective`` is ``ppo_clip`` (``base.NEMO_RL_SWITCHES``): ``cispo`` (``use_cispo``), ``reinforce``
+``policy_objective`` is ``ppo_clip`` (``nemo_rl_switches.NEMO_RL_SWITCHES``): ``cispo`` (``use_cispo``), ``reinforce``
 (``disable_ppo_ratio``), ``on_policy`` (``force_on_policy_ratio``).
 
 Keys: NeMo-RL's (``ratio_clip_min`` / ``_max`` / ``_c``) stay in NeMo-RL's block of ``config/keys.py``: they are
-NeMo-RL's schema, kept whole; each objective says which of them it reads (``PolicyObjective.clip_keys``). This
+NeMo-RL's schema, kept whole; which of them each objective reads is NeMo-RL's table
+(``nemo_rl_switches.NEMO_RL_RATIO_KEYS``), not the objective's. This
 module's section holds the plugin's own clip keys (CTPO's log-space clip and the log-ratio cap), which ``cispo`` reads
 too (its ``max_log_ratio``; it refuses the log-space ones); every other objective refuses them
 (:meth:`PPOClipKeys.unread`).
@@ -28,7 +29,6 @@ from pydantic import Field
 from nemo_is_plugin.config.field_types import NumericRange
 from nemo_is_plugin.config.keys import KeySection, RatioLevel
 from nemo_is_plugin.loss.objectives.base import (
-    NEMO_RL_CLIP_KEYS,
     ObjectiveInputs,
     ObjectiveOut,
     PolicyObjective,
@@ -100,7 +100,7 @@ class PPOClipKeys(KeySection):
     @classmethod
     def unread(cls, cfg: Any, readers: list[str], chosen: str) -> list[str]:
         """Another objective replaces PPO's clip: these keys are refused with it (NeMo-RL's clip keys and switches:
-        ``base.nemo_rl_key_refusals``)."""
+        ``nemo_rl_switches.nemo_rl_key_refusals``)."""
         return [
             f"{key} configures PPO's ratio clip, which {chosen_as(cfg)} does not have: unset {key} (or use "
             "policy_objective: ppo_clip)"
@@ -141,13 +141,13 @@ def ratio_clip_surrogate(
     loss, dual = apply_dual_clip(max_unclipped_on_tie(loss1, loss2), advantages, dual_clip)
     r = ratio.detach()
     return SurrogateOut(
-        loss,
-        r,
-        clipped_ratio.detach(),
-        (loss2 > loss1).detach(),
-        (r < 1 - clip_low) & (advantages < 0),
-        (r > 1 + clip_high) & (advantages > 0),
-        dual,
+        loss=loss,
+        ratio=r,
+        clipped_ratio=clipped_ratio.detach(),
+        clipped=(loss2 > loss1).detach(),
+        clipped_low=(r < 1 - clip_low) & (advantages < 0),
+        clipped_high=(r > 1 + clip_high) & (advantages > 0),
+        dual_clipped=dual,
     )
 
 
@@ -172,13 +172,13 @@ def log_space_clip_surrogate(
     loss, dual = apply_dual_clip(max_unclipped_on_tie(loss1, loss2), advantages, cap)
     lr = log_ratio.detach()
     return SurrogateOut(
-        loss,
-        ratio.detach(),
-        clipped_ratio.detach(),
-        (loss2 > loss1).detach(),
-        (lr < lo) & (advantages < 0),
-        (lr > hi) & (advantages > 0),
-        dual,
+        loss=loss,
+        ratio=ratio.detach(),
+        clipped_ratio=clipped_ratio.detach(),
+        clipped=(loss2 > loss1).detach(),
+        clipped_low=(lr < lo) & (advantages < 0),
+        clipped_high=(lr > hi) & (advantages > 0),
+        dual_clipped=dual,
     )
 
 
@@ -193,9 +193,6 @@ class PPOClip(PolicyObjective):
     keys = PPOClipKeys
     ratio_levels = get_args(RatioLevel)
     summary = "'ppo_clip' (PPO's ratio clip, NeMo-RL's; in ratio or log space, dual clip)"
-    clip_keys = NEMO_RL_CLIP_KEYS
-    switches = ("sequence_level_importance_ratios",)
-    centres_score = True
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         cfg, keys, c, adv = t.config, PPOClipKeys.of(t.config), t.curr, t.advantages

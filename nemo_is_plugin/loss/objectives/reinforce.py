@@ -3,8 +3,9 @@
     L = -A log pi;  with ``ratio_clip_c`` NeMo-RL's dual clip still applies (A < 0): L = min(L, -A c)
 
 Selected by ``policy_objective: reinforce``, or by NeMo-RL's ``disable_ppo_ratio: true`` while ``policy_objective``
-is ``ppo_clip`` (NVIDIA-NeMo/RL ``nemo_rl/algorithms/loss/loss_functions.py`` @ 7ea279ab: the "ratio" is then the
-log-prob itself, and its metrics report it so; verl's ``rollout_correction.loss_type: reinforce`` in bypass mode).
+is ``ppo_clip`` (NVIDIA-NeMo/RL ``nemo_rl/algorithms/loss/loss_functions.py`` @ 7ea279ab: its "ratio" is then the
+log-prob itself, which NeMo-RL's ``probs_ratio`` metrics report under that switch, and only then; verl's
+``rollout_correction.loss_type: reinforce`` in bypass mode).
 
 Keys: ``ratio_clip_c`` (the dual clip). NeMo-RL ignores ``ratio_clip_min`` / ``_max`` under ``disable_ppo_ratio``, so
 they are accepted then (NeMo-RL configs carry them); named as ``policy_objective: reinforce`` they are refused, as
@@ -22,7 +23,6 @@ from nemo_is_plugin.loss.objectives.base import (
     ObjectiveOut,
     PolicyObjective,
     SurrogateOut,
-    none_like,
     register_objective,
 )
 from nemo_is_plugin.loss.objectives.ppo_clip import apply_dual_clip, format_number
@@ -32,12 +32,11 @@ if TYPE_CHECKING:
 
 
 def reinforce_surrogate(curr: torch.Tensor, advantages: torch.Tensor, *, dual_clip: float | None) -> SurrogateOut:
-    """L = -A log pi; the reported 'ratio' is the log-prob (NeMo-RL's ``probs_ratio`` under ``disable_ppo_ratio``);
-    the dual clip still applies. curr, advantages: Float[*T]."""
+    """L = -A log pi, no ratio (NeMo-RL's metrics under ``disable_ppo_ratio`` report the log-prob as its ratio: the
+    loss's NeMo-RL metrics do so, :func:`~nemo_is_plugin.loss.metrics.nemo_rl_ratios`); the dual clip still applies.
+    curr, advantages: Float[*T]."""
     loss, dual = apply_dual_clip(-advantages * curr, advantages, dual_clip)
-    c = curr.detach()
-    none = none_like(c)
-    return SurrogateOut(loss, c, c, none, none, none, dual)
+    return SurrogateOut(loss=loss, dual_clipped=dual)
 
 
 @register_objective
@@ -46,16 +45,12 @@ class Reinforce(PolicyObjective):
     ratio_levels = ("token",)
     ratio = "no policy ratio (-A log pi)"
     summary = "'reinforce' (REINFORCE: -A log pi; NeMo-RL's disable_ppo_ratio)"
-    clip_keys = ("ratio_clip_c",)
-    switches = ("disable_ppo_ratio", "sequence_level_importance_ratios")
-    nemo_rl_ignores = ("ratio_clip_min", "ratio_clip_max")
-    centres_score = True
 
     def surrogate(self, t: ObjectiveInputs) -> ObjectiveOut:
         return ObjectiveOut(reinforce_surrogate(t.curr, t.advantages, dual_clip=t.config.ratio_clip_c))
 
-    def token_ratio(self, cfg: ObjectiveConfig) -> bool:
-        return True
+    def score_centering_refusals(self, cfg: ObjectiveConfig) -> list[str]:
+        return []  # its gradient is a token's own score times -A: the head coefficients model it
 
     def describe(self, cfg: ObjectiveConfig) -> str:
         dual = f", dual clip c = {format_number(cfg.ratio_clip_c)}" if cfg.ratio_clip_c is not None else ""

@@ -21,7 +21,6 @@ from nemo_is_plugin.loss.objectives.base import (
     ObjectiveOut,
     SurrogateOut,
     TokenRatioObjective,
-    none_like,
     register_objective,
 )
 
@@ -63,9 +62,7 @@ def sapo_surrogate(
         torch.full_like(ratio, tau_neg),
     )
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    r = ratio.detach()
-    none = none_like(r)
-    return SurrogateOut(-gate * advantages, r, gate.detach(), none, none, none, none)
+    return SurrogateOut(loss=-gate * advantages, ratio=ratio.detach())  # a soft gate: nothing clipped
 
 
 @register_objective
