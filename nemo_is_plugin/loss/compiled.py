@@ -53,6 +53,10 @@ def epilogue(loss: ClippedPGLoss) -> Epilogue:
         assert values is not None  # the loss always reports metrics
         return parts.loss, torch.cat([values, *(c.detach().double().reshape(1) for c in checks)])
 
+    # A code object of its own per loss: dynamo keeps its compiled graphs per code object (at most
+    # torch._dynamo.config.cache_size_limit of them, 8), so losses of several configs in one process would otherwise
+    # share, and overflow, one cache; then a config would recompile on every call, or run eagerly.
+    run.__code__ = run.__code__.replace()
     return run
 
 
