@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.device_guard import count_host_syncs
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
-from helpers.device_guard import count_host_syncs
 from nemo_is_plugin import build_loss_fn
 from nemo_is_plugin.apps.bench.jobs import BENCH_LOSS_CONFIG
 from nemo_is_plugin.apps.bench.problem import make_problem
