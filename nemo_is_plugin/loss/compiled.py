@@ -25,6 +25,7 @@ yet: docs/performance.md). A config the graph cannot hold is said once (a warnin
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -60,6 +61,23 @@ def epilogue(loss: ClippedPGLoss) -> Epilogue:
     return run
 
 
+def config_snapshot(config: Any) -> Any:
+    """``config`` with the package's properties on it read once: an instance of a subclass of its class (every
+    ``isinstance`` and field read as before) whose properties return those values. Dynamo then reads constants instead
+    of tracing a property that builds a pydantic model (``rejection_rules``), which it cannot. The compiled loss sees
+    the config as it was when the loss was compiled."""
+    cls = type(config)
+    values = {}
+    for name in dir(cls):
+        prop = getattr(cls, name, None)
+        if isinstance(prop, property) and prop.fget is not None and prop.fget.__module__.startswith("nemo_is_plugin."):
+            values[name] = getattr(config, name)
+    namespace: dict[str, Any] = {n: property(lambda _self, _v=v: _v) for n, v in values.items()}
+    namespace.update(__module__=__name__, __qualname__=f"{cls.__qualname__}Snapshot")
+    snapshot_cls = type(f"{cls.__name__}Snapshot", (cls,), namespace)
+    return snapshot_cls.model_construct(**{name: getattr(config, name) for name in cls.model_fields})
+
+
 def compile_blocker(layout: TokenLayout) -> str | None:
     """Why the compiled epilogue cannot run on ``layout``; None when it can."""
     if type(layout) is not TokenLayout:
@@ -77,7 +95,9 @@ class CompiledLoss:
     def __init__(self, loss: ClippedPGLoss, **compile_options: Any):
         self.loss, self.config = loss, loss.config
         options = {"dynamic": True, "fullgraph": True, **compile_options}
-        self.compiled: Epilogue | None = torch.compile(epilogue(loss), **options)
+        traced = copy.copy(loss)
+        traced.config = config_snapshot(loss.config)
+        self.compiled: Epilogue | None = torch.compile(epilogue(traced), **options)
         # metric names and denominators per input structure, from a shape-only trace (no values, no host read)
         self._names: dict[tuple, tuple[list[str], dict[str, Denominator]]] = {}
 

@@ -108,6 +108,7 @@ def compiled_case(name: str) -> tuple[CompiledLoss, list[int], tuple]:
     config, dtype = CASES[name]
     loss = CompiledLoss(build_loss_fn(config))
     result, sources = run_and_get_code(run, loss, call_args(4, 65, dtype))
+    assert loss.compiled is not None  # compiled: not fallen back to the eager loss
     return loss, [kernel_calls(src) for src in sources], result
 
 
