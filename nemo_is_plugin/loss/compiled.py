@@ -61,6 +61,10 @@ def epilogue(loss: ClippedPGLoss) -> Epilogue:
     return run
 
 
+def _constant(value: Any) -> Callable[[Any], Any]:
+    return lambda _self: value
+
+
 def config_snapshot(config: Any) -> Any:
     """``config`` with the package's properties on it read once: an instance of a subclass of its class (every
     ``isinstance`` and field read as before) whose properties return those values. Dynamo then reads constants instead
@@ -72,9 +76,9 @@ def config_snapshot(config: Any) -> Any:
         prop = getattr(cls, name, None)
         if isinstance(prop, property) and prop.fget is not None and prop.fget.__module__.startswith("nemo_is_plugin."):
             values[name] = getattr(config, name)
-    namespace: dict[str, Any] = {n: property(lambda _self, _v=v: _v) for n, v in values.items()}
+    namespace: dict[str, Any] = {n: property(_constant(v)) for n, v in values.items()}
     namespace.update(__module__=__name__, __qualname__=f"{cls.__qualname__}Snapshot")
-    snapshot_cls = type(f"{cls.__name__}Snapshot", (cls,), namespace)
+    snapshot_cls: Any = type(f"{cls.__name__}Snapshot", (cls,), namespace)
     return snapshot_cls.model_construct(**{name: getattr(config, name) for name in cls.model_fields})
 
 
