@@ -174,15 +174,20 @@ _OBJECTIVE_KEYS: dict[str, dict[str, Any]] = {
     "dppo_tv": dict(dppo_delta_low=0.2, dppo_delta_high=0.28),
     "dppo_kl": dict(dppo_delta_low=0.2, dppo_delta_high=0.28),
     "dro": dict(dro_beta=0.1),
-    "gmpo": dict(gmpo_clip_low=0.4, gmpo_clip_high=0.4, loss_aggregation="seq-mean-token-mean"),
+    "gmpo": dict(
+        gmpo_clip_low=0.4,
+        gmpo_clip_high=0.4,
+        loss_aggregation="seq-mean-token-mean",
+        is_correction_level="sequence_mean",
+    ),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", sorted(OBJECTIVES))
 def test_every_objective_is_one_graph(objective):
-    """Every objective, with token TIS on: the epilogue traces as one graph (``fullgraph``: a break raises) and,
-    run by dynamo's eager backend, equals the eager loss in float64."""
+    """Every objective, with TIS on (token level; GMPO: sequence_mean, which it requires): the epilogue traces as one
+    graph (``fullgraph``: a break raises) and, run by dynamo's eager backend, equals the eager loss in float64."""
     config = dict(policy_objective=objective, **_OBJECTIVE_KEYS.get(objective, {}), **_IS)
     config.update(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0)
     loss = CompiledLoss(build_loss_fn(config), backend="eager")
