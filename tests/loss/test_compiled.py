@@ -102,14 +102,21 @@ def run(loss_fn: Any, args: dict[str, Any]) -> tuple[torch.Tensor, dict[str, flo
 
 
 @functools.cache
-def compiled_case(name: str) -> tuple[CompiledLoss, list[int], tuple]:
+def compiled_case(name: str) -> tuple[CompiledLoss, list[int], tuple, list[tuple]]:
     """The case's compiled loss, compiled once per session by its first call (forward + backward), with the kernel
-    calls of its generated graphs and that first call's result."""
+    calls of its generated graphs, that first call's result, and, right after it, the compiled and eager results at
+    two other batch and sequence lengths with the number of graphs dynamo compiled for them (expected 0)."""
     config, dtype = CASES[name]
     loss = CompiledLoss(build_loss_fn(config))
     result, sources = run_and_get_code(run, loss, call_args(4, 65, dtype))
     assert loss.compiled is not None  # compiled: not fallen back to the eager loss
-    return loss, [kernel_calls(src) for src in sources], result
+    graphs = counters["stats"]["unique_graphs"]
+    reshaped = []
+    for batch, seq_len, seed in ((3, 41, 1), (7, 130, 2)):
+        args = call_args(batch, seq_len, dtype, seed)
+        reshaped.append((run(build_loss_fn(config), args), run(loss, args)))
+    recompiles = counters["stats"]["unique_graphs"] - graphs
+    return loss, [kernel_calls(src) for src in sources], result, [*reshaped, recompiles]
 
 
 def assert_same(eager: tuple, compiled: tuple, dtype: torch.dtype) -> None:
@@ -127,38 +134,36 @@ def assert_same(eager: tuple, compiled: tuple, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_equals_eager(name):
     _, dtype = CASES[name]
-    loss, _, first = compiled_case(name)
+    _, _, first, _ = compiled_case(name)
     assert_same(run(build_loss_fn(CASES[name][0]), call_args(4, 65, dtype)), first, dtype)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_no_recompile_as_batch_and_sequence_lengths_change(name):
-    config, dtype = CASES[name]
-    loss, _, _ = compiled_case(name)
-    graphs = counters["stats"]["unique_graphs"]
-    for batch, seq_len, seed in ((3, 41, 1), (7, 130, 2)):
-        args = call_args(batch, seq_len, dtype, seed)
-        assert_same(run(build_loss_fn(config), args), run(loss, args), dtype)
-    assert counters["stats"]["unique_graphs"] == graphs
+    *reshaped, recompiles = compiled_case(name)[3]
+    assert recompiles == 0
+    for eager, compiled in reshaped:
+        assert_same(eager, compiled, CASES[name][1])
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_one_host_read_and_at_most_40_ops_per_call(name):
     config, dtype = CASES[name]
-    loss, graph_kernels, _ = compiled_case(name)
+    loss, graph_kernels, _, _ = compiled_case(name)
     assert len(graph_kernels) == 2  # one forward and one backward graph: no graph break
     outside_region(loss)
+    args = call_args(4, 65, dtype)
     with count_host_syncs() as syncs, LaunchCounter() as ops:
-        run(loss, call_args(4, 65, dtype))
+        run(loss, args)
     assert len(syncs) == 1  # the metrics and the inputs' checks, read together
     assert 0 < ops.count + sum(graph_kernels) <= 40
     with count_host_syncs() as eager_syncs, LaunchCounter() as eager_ops:
-        run(build_loss_fn(config), call_args(4, 65, dtype))
+        run(build_loss_fn(config), args)
     assert len(eager_syncs) == 2 and eager_ops.count > 10 * (ops.count + sum(graph_kernels))
 
 
 def test_bad_inputs_raise_as_in_eager():
-    loss, _, _ = compiled_case("bench_f32")
+    loss = compiled_case("bench_f32")[0]
     args = call_args(4, 65, torch.float32)
     args["data"] = {**args["data"], "prev_logprobs": args["data"]["prev_logprobs"].clone()}
     args["data"]["prev_logprobs"][1, 5] = math.nan
