@@ -1,6 +1,6 @@
 """Kernel-launching ops and host syncs per loss call, counted on CPU: the numbers docs/gpu_runs.md quotes.
 
-    python tools/launch_count.py [--json]
+    python tools/launch_count.py [--json] [--compiled] [--device cuda]
 
 Run it by path with ``PYTHONPATH`` pointing at the checkout to measure (``PYTHONPATH=/path/to/other/checkout python
 tools/launch_count.py``): the package measured is whichever ``nemo_is_plugin`` that imports, while the counters are this
@@ -17,13 +17,31 @@ exactly and the same every run. Per config, on one small problem (4 sequences x 
 
 Ops are counted by a ``TorchDispatchMode``: every aten op whose overload is not a view (``OpOverload.is_view``).
 The shapes do not change the counts (no per-sequence or per-chunk loop other than the 8 chunks).
+
+``--compiled`` adds the compiled epilogue (``nemo_is_plugin/loss/compiled.py``, ``CompiledLoss``) on the same call:
+
+- ``compiled``, ``compiled+bwd``: on a CPU, the non-view aten ops run outside the compiled graph (input alignment,
+  layout, the one read; counted by the same dispatch mode, which is switched off while the compiled graph runs: a
+  dispatch mode cannot run inside ``torch.compile``) **plus** the kernel calls in inductor's generated wrapper of the
+  forward graph (and of the backward graph for ``+bwd``): each call of a generated C++ kernel (``cpp_fused_*``), of an
+  ``extern_kernels`` op or of an aten op the wrapper falls back to, counted once per line of the straight-line
+  ``call()`` (no loops there). On a CUDA device the wrapper launches one Triton kernel per generated-kernel call, so the
+  CPU count stands for the number of launches on a GPU up to inductor's CUDA fusion choices, which may differ from its
+  CPU choices (the CUDA count below is the measured one).
+- On a CUDA device (``--device cuda``) both paths are counted by ``torch.profiler``: the device kernels and memory
+  operations each call launches (profiler events on the CUDA device), no dispatch mode involved.
+- ``syncs_compiled``: host synchronisations of the compiled call (+bwd), by ``count_host_syncs``.
+
+The first compiled call per config compiles (minutes on 2 CPU cores, seconds once inductor's FX graph cache holds it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +57,7 @@ from nemo_is_plugin.apps.bench.jobs import BENCH_LOSS_CONFIG  # noqa: E402
 from nemo_is_plugin.apps.bench.loss_gradient_timing import CONFIGS as TIMED_CONFIGS  # noqa: E402
 from nemo_is_plugin.apps.bench.problem import make_problem  # noqa: E402
 from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss  # noqa: E402
+from nemo_is_plugin.loss.compiled import CompiledLoss  # noqa: E402
 from nemo_is_plugin.loss.separable import TokenLossGradient  # noqa: E402
 
 CHUNKS = 8
@@ -107,22 +126,120 @@ def count_config(config: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+# one kernel call per line of inductor's generated ``call()``: a generated C++ / Triton kernel, an extern op, an aten op
+_KERNEL_CALL = re.compile(
+    r"^(?:\w+(?:, \w+)* = )?(?:cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|aten\.[\w.]+|torch\.ops\.[\w.]+)\("
+)
+
+
+def kernel_calls(source: str) -> int:
+    """Kernel calls in one generated wrapper module's ``call()`` (straight-line code: each line runs once per call)."""
+    body = source[source.index("def call(") :] if "def call(" in source else ""
+    body = body.split("\n\n\n")[0]
+    return sum(1 for line in body.splitlines() if _KERNEL_CALL.match(line.strip()))
+
+
+def compiled_graph_kernels(loss: CompiledLoss, call: Callable[[], None]) -> list[int]:
+    """Run ``call`` once, compiling ``loss``'s epilogue afresh, and count the kernel calls of each generated graph
+    (forward, then backward when ``call`` runs one)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    _, sources = run_and_get_code(call)
+    return [kernel_calls(src) for src in sources]
+
+
+def outside_region(loss: CompiledLoss) -> None:
+    """Make ``loss``'s compiled graph run with every dispatch mode switched off (the op counter counts what runs
+    around it; the graph's own kernels are counted from its generated code)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    graph = loss.compiled
+    assert graph is not None
+
+    def run(*args):
+        with _disable_current_modes():
+            return graph(*args)
+
+    loss.compiled = run
+
+
+def cuda_launches(call: Callable[[], None]) -> int:
+    """Device kernels and memory operations that ``call`` launches, by ``torch.profiler`` (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def loss_call(loss_fn: Any, p: Any, x0: torch.Tensor, backward: bool) -> Callable[[], None]:
+    def call() -> None:
+        x = x0.clone().requires_grad_(True)
+        loss, _ = loss_fn(
+            next_token_logprobs=x,
+            data=p.data,
+            global_valid_seqs=p.global_valid_seqs,
+            global_valid_toks=p.global_valid_toks,
+        )
+        if backward:
+            loss.backward()
+
+    return call
+
+
+def count_compiled(config: dict[str, Any], device: str = "cpu") -> dict[str, int]:
+    """The eager and the compiled epilogue of ``config`` on the same problem: CPU counts as the module docstring says,
+    CUDA counts by the profiler."""
+    p = make_problem(4, 65, 32, 256, base_logprobs="model", device=torch.device(device))
+    eager = build_loss_fn(config)
+    compiled = CompiledLoss(build_loss_fn(config))
+    x0 = p.data["prev_logprobs"][:, 1:].to(torch.float32).clone()
+    out: dict[str, int] = {}
+    if device == "cuda":
+        for name, fn in (("eager", eager), ("compiled", compiled)):
+            for suffix, backward in (("", False), ("+bwd", True)):
+                call = loss_call(fn, p, x0, backward)
+                call()  # compiles, warms up
+                out[f"cuda_{name}{suffix}"] = cuda_launches(call)
+        return out
+    graphs = compiled_graph_kernels(compiled, loss_call(compiled, p, x0, True))
+    outside_region(compiled)
+    for label, backward in (("compiled", False), ("compiled+bwd", True)):
+        with count_host_syncs() as syncs, LaunchCounter() as ops:
+            loss_call(compiled, p, x0, backward)()
+        out[label] = ops.count + (sum(graphs) if backward else graphs[0])
+        out[f"syncs_{label}"] = len(syncs)
+    out["graph_kernels_fwd"], out["graph_kernels_bwd"] = graphs[0], sum(graphs[1:])
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, int]]:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    parser.add_argument("--compiled", action="store_true", help="count the compiled epilogue too (compiles per config)")
+    parser.add_argument("--device", default="cpu", help="cuda: count launches with the profiler (needs a GPU)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    result = {name: count_config(config) for name, config in CONFIGS.items()}
+    if args.device == "cuda":
+        result = {name: count_compiled(config, "cuda") for name, config in CONFIGS.items()}
+    else:
+        result = {name: count_config(config) for name, config in CONFIGS.items()}
+        if args.compiled:
+            for name, config in CONFIGS.items():
+                result[name].update(count_compiled(config))
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         import nemo_is_plugin
 
-        print(f"non-view aten ops and host syncs per call, {nemo_is_plugin.__file__}")
+        print(f"non-view aten ops and host syncs per call ({args.device}), {nemo_is_plugin.__file__}")
         columns = list(next(iter(result.values())))
-        print(f"{'config':<16}" + "".join(f"{c:>20}" for c in columns))
+        print(f"{'config':<16}" + "".join(f"{c:>22}" for c in columns))
         for name, counts in result.items():
-            print(f"{name:<16}" + "".join(f"{counts[c]:>20}" for c in columns))
+            print(f"{name:<16}" + "".join(f"{counts[c]:>22}" for c in columns))
     return result
 
 

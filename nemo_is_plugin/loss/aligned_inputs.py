@@ -10,7 +10,7 @@ import torch
 
 from nemo_is_plugin.loss.config_model import ClippedPGLossConfig
 from nemo_is_plugin.loss.input_validation import loss_input_checks
-from nemo_is_plugin.loss.input_values import POSITIVE_LOGPROB_TOLERANCE
+from nemo_is_plugin.loss.input_values import POSITIVE_LOGPROB_TOLERANCE, PendingInputChecks
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.score_centering import ScoreCenteringHead, check_head_shapes, head_value_checks
 
@@ -94,6 +94,23 @@ def align_nemo_rl_inputs(
 ) -> tuple[LossInputs, TokenLayout]:
     """Validate a NeMo-RL call's arguments for ``cfg`` and align them: ``[B, S]`` data -> ``[B, S-1]`` token tensors
     (``layout`` None: the padded layout of ``next_token_logprobs``)."""
+    inputs, layout, pending = align_nemo_rl_inputs_unread(
+        cfg, next_token_logprobs, data, global_valid_seqs, global_valid_toks, layout
+    )
+    pending.run()  # the one host read of the inputs' values
+    return inputs, layout
+
+
+def align_nemo_rl_inputs_unread(
+    cfg: ClippedPGLossConfig,
+    next_token_logprobs: torch.Tensor,
+    data: Mapping[str, torch.Tensor],
+    global_valid_seqs: torch.Tensor | float,
+    global_valid_toks: torch.Tensor | float,
+    layout: TokenLayout | None = None,
+) -> tuple[LossInputs, TokenLayout, PendingInputChecks]:
+    """:func:`align_nemo_rl_inputs` with the inputs' value checks returned unread (shapes, dtypes and keys checked):
+    the compiled epilogue (``loss/compiled.py``) reads them with the metrics, in the call's one host read."""
     pending = loss_input_checks(
         next_token_logprobs,
         data,
@@ -132,5 +149,4 @@ def align_nemo_rl_inputs(
         tolerance = POSITIVE_LOGPROB_TOLERANCE.get(sampler_head.dtype, 1e-4)
         # read with the inputs' own checks: score centering adds no host read
         pending.add(head_value_checks(counted, sampler_head, trainer_head, names, tolerance))
-    pending.run()  # the one host read of the inputs' values
-    return LossInputs.from_tokens(curr, sliced, data, global_valid_seqs, global_valid_toks), layout
+    return LossInputs.from_tokens(curr, sliced, data, global_valid_seqs, global_valid_toks), layout, pending

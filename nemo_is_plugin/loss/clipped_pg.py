@@ -215,6 +215,13 @@ class ClippedPGLoss:
     ) -> tuple[MetricValues, dict[str, float]]:
         """The loss's metrics from its terms, read in one host synchronisation; ``read_with``: a caller's own 0-d
         tensors read in the same synchronisation and returned beside the metrics (not among them)."""
+        book = self.metric_book(terms, parts, extra_metric_sums=extra_metric_sums)
+        return self.checked_metrics(terms, *book.read(*book.stacked(read_with)))
+
+    def metric_book(
+        self, terms: LossTerms, parts: LossParts, *, extra_metric_sums: Mapping[str, torch.Tensor] | None = None
+    ) -> MetricBook:
+        """The loss's metrics as device tensors in a :class:`MetricBook`, not read (no host synchronisation)."""
         cfg, t, src = self.config, terms.term_inputs, terms.loss_inputs
         corr, sur, c_in, g = terms.correction, terms.surrogate, src.curr_logprobs, t.mu
         book = MetricBook(t.layout, t.valid, terms.n_tok, terms.n_seq)
@@ -270,7 +277,14 @@ class ClippedPGLoss:
         cfg.objective.report(book, terms.tokens.objective, terms.sample_mask)
         for name, value in (extra_metric_sums or {}).items():
             book.add_sum(name, value, Denominator.NONE)
-        metrics, read = book.finish_reading(read_with)
+        return book
+
+    def checked_metrics(
+        self, terms: LossTerms, metrics: MetricValues, read: dict[str, float]
+    ) -> tuple[MetricValues, dict[str, float]]:
+        """The metrics read from a :meth:`metric_book` (and the caller's own values ``read``), after the host-side
+        checks on them: a non-finite loss refused, the tolerated input anomalies warned about."""
+        cfg, t = self.config, terms.term_inputs
         if terms.curr.device.type != "meta":  # a shape-only trace has no values
             anchor = "generation_logprobs" if cfg.bypasses_prev else "prev_logprobs"
             check_finite_loss(

@@ -53,6 +53,22 @@ class PendingInputChecks:
         first, then the deferred ones in order)."""
         _check_values(self.checks, self.deferred)
 
+    def scalars(self) -> list[torch.Tensor]:
+        """The 0-d device reductions that :meth:`raise_if_bad` reads, in its order (no host read): a caller reads
+        them with values of its own (the compiled epilogue: with the metrics) and passes their values back."""
+        return [s for _, t, kind in self.checks for s in _reductions(t, kind)] + [d.scalar for d in self.deferred]
+
+    def raise_if_bad(self, values: list[float]) -> None:
+        """Raise for the first bad input, given the values of :meth:`scalars` (read by the caller)."""
+        spans, start = [], 0
+        for _, t, kind in self.checks:
+            n = _reduction_count(t, kind)
+            spans.append((start, n))
+            start += n
+        _raise_for_bad_values(self.checks, spans, values)
+        for d, value in zip(self.deferred, values[start:]):
+            d.raise_if_bad(value)
+
 
 def _reductions(t: torch.Tensor, kind: str) -> list[torch.Tensor]:
     """Scalars, still on device, that reveal every bad value of ``t`` (empty tensors have none)."""
@@ -66,6 +82,13 @@ def _reductions(t: torch.Tensor, kind: str) -> list[torch.Tensor]:
         return [((t != 0) & (t != 1)).any()]  # NaN != 0 and NaN != 1, so NaN is caught here too
     # NaN propagates through max; +inf shows as max; -inf as min.
     return [t.max(), t.min()]
+
+
+def _reduction_count(t: torch.Tensor, kind: str) -> int:
+    """How many scalars :func:`_reductions` gives for ``t`` (computed from its shape and dtype: no device work)."""
+    if t.numel() == 0 or (kind == "mask" and t.dtype == torch.bool):
+        return 0
+    return 2 if kind not in ("count", "mask") else 1
 
 
 def _check_values(checks: list[tuple[str, torch.Tensor, str]], deferred: list[DeferredCheck]) -> None:

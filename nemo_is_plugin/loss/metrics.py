@@ -246,6 +246,12 @@ class MetricBook:
     def finish_reading(self, read_with: Mapping[str, torch.Tensor] | None) -> tuple[MetricValues, dict[str, float]]:
         """The metrics, and a caller's own 0-d tensors ``read_with`` (not metrics: returned apart and not reduced over
         CP), read from the device together: the call's one host synchronisation."""
+        return self.read(*self.stacked(read_with))
+
+    def stacked(self, read_with: Mapping[str, torch.Tensor] | None) -> tuple[list[str], list[str], torch.Tensor | None]:
+        """Every deferred reduction done and the values stacked in one float64 vector, still on the device (no host
+        read): (metric names, ``read_with``'s names, the values in that order; None without any). The compiled
+        epilogue (``loss/compiled.py``) returns this vector from its graph and reads it with :meth:`read`."""
         self._compute_means()
         self._compute_extrema()
         names: list[str] = []
@@ -261,12 +267,18 @@ class MetricBook:
         own = list(read_with or {})
         if own and read_with is not None:
             parts.append(torch.stack([read_with[k].detach().double().reshape(()) for k in own]))
-        if not parts:
+        return names, own, torch.cat(parts) if parts else None
+
+    def read(
+        self, names: list[str], own: list[str], values: torch.Tensor | None, *, host: list[float] | None = None
+    ) -> tuple[MetricValues, dict[str, float]]:
+        """:meth:`stacked`'s vector read on the host: the metrics and the caller's own values. ``host``: the vector's
+        values when the caller read them already (with more values of its own, in the same synchronisation)."""
+        if values is None:
             return MetricValues({}, {}), {}
-        values = torch.cat(parts)
         if values.device.type == "meta":  # a shape-only trace: no values to read
             return MetricValues(dict.fromkeys(names, math.nan), self.denominators), dict.fromkeys(own, math.nan)
-        read = values.tolist()  # the call's one host sync
+        read = values.tolist() if host is None else host  # the call's one host sync
         return MetricValues(dict(zip(names, read)), self.denominators), dict(zip(own, read[len(names) :]))
 
 

@@ -5,7 +5,8 @@ Two sections, each between its own ``<!-- gpu-NAME:start -->`` / ``<!-- gpu-NAME
 page title: ``head`` (``python -m tools.bench_docs head`` on the ``results.json`` of ``nemo-is bench --device cuda``),
 ``model-step`` (``... model-step`` on ``nemo-is bench --model-step --device cuda``'s ``model_step.json``) and
 ``host-heads`` (``host_heads_section.py``). Each states the device, the torch / triton (/ megatron-core) versions and
-the date.
+the date. ``epilogue-launches`` is carried the same way: the compiled loss epilogue's launch counts and host time
+(``tools/launch_count.py --compiled``, ``tools/epilogue_host_time.py``), written by hand from those tools' output.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from nemo_is_plugin.apps.bench.report import (
     write_json,
 )
 
-SECTIONS = ("head", "model-step", "host-heads")  # host-heads: host_heads_section.py
+SECTIONS = ("head", "model-step", "host-heads", "epilogue-launches")  # host-heads: host_heads_section.py
 PAGE_TITLE = "# Performance of the log-prob + loss path"
 
 

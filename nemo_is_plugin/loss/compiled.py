@@ -1,0 +1,196 @@
+"""The loss epilogue compiled: the loss and its metrics, forward and backward, as a few fused kernels and one host read.
+
+On a GPU the eager loss (:class:`~nemo_is_plugin.loss.clipped_pg.ClippedPGLoss`) is hundreds of small kernels on
+``[N]`` token vectors, each a launch the CPU pays for (docs/gpu_runs.md), plus two host reads (the inputs' value checks,
+the metrics). :class:`CompiledLoss` runs the same code, the eager functions themselves, through ``torch.compile``
+(inductor) as one graph per configuration: the per-token terms, the loss, every metric stacked in one float64 vector
+and the inputs' value-check reductions, forward and (AOTAutograd) backward. Nothing is copied: the eager path is the
+reference, and it stays the path of what the graph does not cover (below).
+
+- **Shapes**: ``dynamic=True``: one compile per configuration and input structure (which optional inputs are present,
+  their dtypes), none as the batch or sequence lengths change (``tests/loss/test_compiled.py`` asserts it with
+  ``torch._dynamo``'s compile counter). Sizes 0 and 1 are specialised by torch, so a batch of 1 sequence, or of 1
+  token per sequence, is one more compile.
+- **Host reads**: one per call. The metrics' vector and the inputs' check reductions come out of the graph together
+  and are read with one ``tolist()``; then the inputs' checks raise as eager would (the same messages; the bad entry
+  located on the error path only), and a non-finite loss is diagnosed by rerunning the eager loss, which raises.
+- **Covered**: single-process layouts (padded and packed :class:`~nemo_is_plugin.loss.layout.TokenLayout`, no
+  context-parallel group, no DP batch group), NeMo-RL's call with ``next_token_logprobs``. Not covered, run eagerly
+  with a one-time warning naming the reason (never silently): a context-parallel or batch-grouped layout (their metric
+  reductions are collectives), ``logits=`` calls, and ``compute`` with a caller's precomputed IS correction.
+
+Selection: explicit, ``CompiledLoss(build_loss_fn(section))``; nothing selects it automatically (no GPU has run it
+yet: docs/performance.md). A config the graph cannot hold is said once (a warning naming the reason) and runs eagerly.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from nemo_is_plugin.common.once import warn_once
+from nemo_is_plugin.loss.aligned_inputs import LossInputs, align_nemo_rl_inputs_unread
+from nemo_is_plugin.loss.clipped_pg import ClippedPGLoss
+from nemo_is_plugin.loss.denominator import Denominator
+from nemo_is_plugin.loss.layout import TokenLayout
+from nemo_is_plugin.loss.metrics import MetricValues
+from nemo_is_plugin.loss.output_checks import warn_input_anomalies
+
+Epilogue = Callable[[LossInputs, TokenLayout, list[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def epilogue(loss: ClippedPGLoss) -> Epilogue:
+    """The graph ``torch.compile`` sees: ``(inputs, layout, check tensors) -> (loss, values)``, ``values`` the metrics'
+    float64 vector (:meth:`~nemo_is_plugin.loss.metrics.MetricBook.stacked`) followed by the inputs' check reductions
+    (:meth:`~nemo_is_plugin.loss.input_values.PendingInputChecks.scalars`, computed inside the graph)."""
+
+    def run(inputs: LossInputs, layout: TokenLayout, checks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        terms = loss.terms(inputs, layout)
+        parts = loss.reduce(terms)
+        _, _, values = loss.metric_book(terms, parts).stacked(None)
+        assert values is not None  # the loss always reports metrics
+        return parts.loss, torch.cat([values, *(c.detach().double().reshape(1) for c in checks)])
+
+    # A code object of its own per loss: dynamo keeps its compiled graphs per code object (at most
+    # torch._dynamo.config.cache_size_limit of them, 8), so losses of several configs in one process would otherwise
+    # share, and overflow, one cache; then a config would recompile on every call, or run eagerly.
+    run.__code__ = run.__code__.replace()
+    return run
+
+
+def _constant(value: Any) -> Callable[[Any], Any]:
+    return lambda _self: value
+
+
+def config_snapshot(config: Any) -> Any:
+    """``config`` with the package's properties on it read once: an instance of a subclass of its class (every
+    ``isinstance`` and field read as before) whose properties return those values. Dynamo then reads constants instead
+    of tracing a property that builds a pydantic model (``rejection_rules``), which it cannot. The compiled loss sees
+    the config as it was when the loss was compiled."""
+    cls = type(config)
+    values = {}
+    for name in dir(cls):
+        prop = getattr(cls, name, None)
+        if isinstance(prop, property) and prop.fget is not None and prop.fget.__module__.startswith("nemo_is_plugin."):
+            values[name] = getattr(config, name)
+    namespace: dict[str, Any] = {n: property(_constant(v)) for n, v in values.items()}
+    namespace.update(__module__=__name__, __qualname__=f"{cls.__qualname__}Snapshot")
+    snapshot_cls: Any = type(f"{cls.__name__}Snapshot", (cls,), namespace)
+    return snapshot_cls.model_construct(**{name: getattr(config, name) for name in cls.model_fields})
+
+
+def compile_blocker(layout: TokenLayout) -> str | None:
+    """Why the compiled epilogue cannot run on ``layout``; None when it can."""
+    if type(layout) is not TokenLayout:
+        return f"a {type(layout).__name__} (its metric reductions are collectives)"
+    if layout._batch_group is not None:
+        return "a layout with a DP batch group (its batch statistics are all-reduced)"
+    return None
+
+
+class CompiledLoss:
+    """``loss`` with its epilogue compiled: called like :class:`ClippedPGLoss` (NeMo-RL's signature), same loss,
+    gradient and metrics, one host read per call. ``compile_options``: passed to ``torch.compile`` (``dynamic=True``
+    and ``fullgraph=True`` by default: a graph break is an error, not a silent split)."""
+
+    def __init__(self, loss: ClippedPGLoss, **compile_options: Any):
+        self.loss, self.config = loss, loss.config
+        options = {"dynamic": True, "fullgraph": True, **compile_options}
+        traced = copy.copy(loss)
+        traced.config = config_snapshot(loss.config)
+        self.compiled: Epilogue | None = torch.compile(epilogue(traced), **options)
+        # metric names and denominators per input structure, from a shape-only trace (no values, no host read)
+        self._names: dict[tuple, tuple[list[str], dict[str, Denominator]]] = {}
+
+    def __getattr__(self, name: str) -> Any:  # prepare, compute, metric_denominators, ...: the eager loss's
+        return getattr(self.loss, name)
+
+    def __call__(
+        self,
+        next_token_logprobs: torch.Tensor,
+        data: Mapping[str, torch.Tensor],
+        global_valid_seqs: torch.Tensor | float,
+        global_valid_toks: torch.Tensor | float,
+        *,
+        layout: TokenLayout | None = None,
+        logits: torch.Tensor | None = None,
+        **kw: Any,
+    ) -> tuple[torch.Tensor, MetricValues]:
+        def eager(reason: str) -> tuple[torch.Tensor, MetricValues]:
+            warn_once(f"compiled epilogue: {reason}", f"compiled epilogue: {reason}; this call runs the eager loss")
+            return self.loss(
+                next_token_logprobs, data, global_valid_seqs, global_valid_toks, layout=layout, logits=logits, **kw
+            )
+
+        if logits is not None:
+            return eager("logits= calls are not compiled (pass next_token_logprobs)")
+        if layout is not None and (why := compile_blocker(layout)) is not None:
+            return eager(f"not compiled on {why}")
+        inputs, layout, pending = align_nemo_rl_inputs_unread(
+            self.config, next_token_logprobs, data, global_valid_seqs, global_valid_toks, layout
+        )
+        return self.compute_unread(inputs, layout, pending.scalars(), pending.raise_if_bad)
+
+    def compute_unread(
+        self,
+        inputs: LossInputs,
+        layout: TokenLayout,
+        checks: list[torch.Tensor],
+        raise_if_bad: Callable[[list[float]], None],
+    ) -> tuple[torch.Tensor, MetricValues]:
+        """The compiled loss of aligned inputs whose value checks ``checks`` are not read yet: one host read of the
+        metrics and the checks together; ``raise_if_bad(check values)`` raises for a bad input first."""
+        device = inputs.curr_logprobs.device
+        for name in ("global_valid_seqs", "global_valid_toks"):  # a Python number would be a compile-time constant
+            count = getattr(inputs, name)
+            if not isinstance(count, torch.Tensor):
+                setattr(inputs, name, torch.as_tensor(count, dtype=torch.float64, device=device))
+        names, denominators = self._metric_names(inputs, layout)
+        if self.compiled is None:
+            return self._eager_unread(inputs, layout, checks, raise_if_bad)
+        try:
+            loss, values = self.compiled(inputs, layout, checks)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as err:
+            self.compiled = None  # said once, then eager for the rest of this loss's life
+            warn_once(f"compiled epilogue {id(self)}", f"compiled epilogue: cannot compile this config ({err}); eager")
+            return self._eager_unread(inputs, layout, checks, raise_if_bad)
+        host = values.tolist()  # the call's one host read
+        raise_if_bad(host[len(names) :])
+        metrics = MetricValues(dict(zip(names, host)), denominators)
+        if not math.isfinite(metrics.get("loss", 0.0)) or metrics.get("probs_ratio_max") == math.inf:
+            self.loss.compute(inputs, layout)  # error path only: the eager loss diagnoses the overflow, and raises
+        warn_input_anomalies(metrics)
+        return loss, metrics
+
+    def _eager_unread(self, inputs, layout, checks, raise_if_bad) -> tuple[torch.Tensor, MetricValues]:
+        raise_if_bad(torch.stack([c.detach().double().reshape(()) for c in checks]).tolist() if checks else [])
+        return self.loss.compute(inputs, layout)
+
+    def _metric_names(self, inputs: LossInputs, layout: TokenLayout) -> tuple[list[str], dict[str, Denominator]]:
+        key = tuple(None if v is None else (v.dtype, v.dim()) for v in _tensors(inputs)) + (layout.is_padded,)
+        if key not in self._names:
+            meta = LossInputs(**{k: _on_meta(v) for k, v in vars(inputs).items()})
+            meta_layout = TokenLayout(
+                _on_meta(layout.seq_index),
+                _on_meta(layout.position),
+                layout.num_seqs,
+                padded=layout.is_padded,
+                in_order=True,
+            )
+            terms = self.loss.terms(meta, meta_layout)
+            book = self.loss.metric_book(terms, self.loss.reduce(terms))
+            names, _, _ = book.stacked(None)
+            self._names[key] = (names, book.denominators)
+        return self._names[key]
+
+
+def _tensors(inputs: LossInputs) -> list[torch.Tensor | None]:
+    return [v if isinstance(v, torch.Tensor) else None for v in vars(inputs).values()]
+
+
+def _on_meta(v: Any) -> Any:
+    return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
