@@ -26,8 +26,9 @@ yet: docs/performance.md). A config the graph cannot hold is said once (a warnin
 from __future__ import annotations
 
 import copy
+import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -92,6 +93,9 @@ def compile_blocker(layout: TokenLayout) -> str | None:
     return None
 
 
+_EAGER_CALL = inspect.signature(ClippedPGLoss.__call__)  # the one signature both calls take
+
+
 class CompiledLoss:
     """``loss`` with its epilogue compiled: called like :class:`ClippedPGLoss` (NeMo-RL's signature), same loss,
     gradient and metrics, one host read per call. ``compile_options``: passed to ``torch.compile`` (``dynamic=True``
@@ -109,29 +113,24 @@ class CompiledLoss:
     def __getattr__(self, name: str) -> Any:  # prepare, compute, metric_denominators, ...: the eager loss's
         return getattr(self.loss, name)
 
-    def __call__(
-        self,
-        next_token_logprobs: torch.Tensor,
-        data: Mapping[str, torch.Tensor],
-        global_valid_seqs: torch.Tensor | float,
-        global_valid_toks: torch.Tensor | float,
-        *,
-        layout: TokenLayout | None = None,
-        logits: torch.Tensor | None = None,
-        **kw: Any,
-    ) -> tuple[torch.Tensor, MetricValues]:
+    def __call__(self, *args: Any, **kw: Any) -> tuple[torch.Tensor, MetricValues]:
+        """:meth:`ClippedPGLoss.__call__`'s arguments (NeMo-RL's, with ``layout`` and ``logits``), bound by its own
+        signature, and passed on to it unchanged where this call runs the eager loss."""
+
         def eager(reason: str) -> tuple[torch.Tensor, MetricValues]:
             warn_once(f"compiled epilogue: {reason}", f"compiled epilogue: {reason}; this call runs the eager loss")
-            return self.loss(
-                next_token_logprobs, data, global_valid_seqs, global_valid_toks, layout=layout, logits=logits, **kw
-            )
+            return self.loss(*args, **kw)
 
-        if logits is not None:
+        call = _EAGER_CALL.bind(self.loss, *args, **kw)
+        call.apply_defaults()
+        a = call.arguments
+        layout: TokenLayout | None = a["layout"]
+        if a["logits"] is not None:
             return eager("logits= calls are not compiled (pass next_token_logprobs)")
         if layout is not None and (why := compile_blocker(layout)) is not None:
             return eager(f"not compiled on {why}")
         inputs, layout, pending = align_nemo_rl_inputs_unread(
-            self.config, next_token_logprobs, data, global_valid_seqs, global_valid_toks, layout
+            self.config, a["next_token_logprobs"], a["data"], a["global_valid_seqs"], a["global_valid_toks"], layout
         )
         return self.compute_unread(inputs, layout, pending.scalars(), pending.raise_if_bad)
 
