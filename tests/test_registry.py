@@ -23,6 +23,32 @@ from nemo_is_plugin.loss.registry import (
 SCRATCH = "tests.scratch_loss"
 
 
+@pytest.fixture(autouse=True)
+def _unread_entry_points(monkeypatch):
+    """Each test starts before the registry's first read of the installed entry points (its cache)."""
+    monkeypatch.setattr(registry, "_INSTALLED", None)
+
+
+def test_installed_entry_points_are_read_once_and_again_on_a_miss(monkeypatch):
+    reads: list[str] = []
+    late = EntryPoint("their.late_loss", "json:dumps", registry.ENTRY_POINT_GROUP)
+    installed: list[EntryPoint] = []
+
+    def counted(group):
+        reads.append(group)
+        return list(installed)
+
+    monkeypatch.setattr(registry, "entry_points", counted)
+    for _ in range(3):
+        assert get_loss(DEFAULT_LOSS_NAME) is ClippedPGLoss
+    assert len(reads) == 1  # one scan of the installed distributions, not one per lookup
+    installed.append(late)  # a package installed after the first read: a lookup of its name reads again
+    assert get_loss("their.late_loss") is json.dumps
+    assert len(reads) == 2
+    with pytest.raises(UnknownLossError):
+        get_loss("their.missing_loss")
+
+
 def test_the_packages_own_loss_resolves_without_installed_metadata(monkeypatch):
     assert DEFAULT_LOSS_NAME in registered_names()
     assert get_loss("nemo_is.clipped_pg") is ClippedPGLoss
@@ -101,7 +127,7 @@ def test_split_name():
 
 def test_broken_entry_point_names_the_entry_point(monkeypatch):
     broken = EntryPoint("tests.broken", "nemo_is_plugin.does_not_exist:Loss", registry.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(registry, "_entry_points", lambda: {"tests.broken": broken})
+    monkeypatch.setattr(registry, "_entry_points", lambda reread=False: {"tests.broken": broken})
     assert "tests.broken" in registered_names()
     with pytest.raises(ImportError, match=r"entry point 'nemo_is_plugin.does_not_exist:Loss' .* failed to load"):
         get_loss("tests.broken")
