@@ -26,6 +26,7 @@ yet: docs/performance.md). A config the graph cannot hold is said once (a warnin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable
@@ -144,10 +145,13 @@ class CompiledLoss:
         """The compiled loss of aligned inputs whose value checks ``checks`` are not read yet: one host read of the
         metrics and the checks together; ``raise_if_bad(check values)`` raises for a bad input first."""
         device = inputs.curr_logprobs.device
-        for name in ("global_valid_seqs", "global_valid_toks"):  # a Python number would be a compile-time constant
-            count = getattr(inputs, name)
-            if not isinstance(count, torch.Tensor):
-                setattr(inputs, name, torch.as_tensor(count, dtype=torch.float64, device=device))
+        seqs, toks = inputs.global_valid_seqs, inputs.global_valid_toks
+        if not (isinstance(seqs, torch.Tensor) and isinstance(toks, torch.Tensor)):
+            # a Python number would be a compile-time constant; the caller's inputs are left as they are
+            def as_count(c: torch.Tensor | float) -> torch.Tensor:
+                return torch.as_tensor(c, dtype=torch.float64, device=device) if not isinstance(c, torch.Tensor) else c
+
+            inputs = dataclasses.replace(inputs, global_valid_seqs=as_count(seqs), global_valid_toks=as_count(toks))
         names, denominators = self._metric_names(inputs, layout)
         if self.compiled is None:
             return self._eager_unread(inputs, layout, checks, raise_if_bad)
