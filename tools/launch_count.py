@@ -38,10 +38,11 @@ The first compiled call per config compiles (minutes on 2 CPU cores, seconds onc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +57,10 @@ from nemo_is_plugin import build_loss_fn  # noqa: E402
 from nemo_is_plugin.apps.bench.jobs import BENCH_LOSS_CONFIG  # noqa: E402
 from nemo_is_plugin.apps.bench.loss_gradient_timing import CONFIGS as TIMED_CONFIGS  # noqa: E402
 from nemo_is_plugin.apps.bench.problem import make_problem  # noqa: E402
-from nemo_is_plugin.distributed.entry_points.fused_linear_loss import fused_linear_pg_loss  # noqa: E402
-from nemo_is_plugin.loss.compiled import CompiledLoss  # noqa: E402
-from nemo_is_plugin.loss.separable import TokenLossGradient  # noqa: E402
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import chunk_step, fused_linear_pg_loss  # noqa: E402
+from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials  # noqa: E402
+from nemo_is_plugin.loss.compiled import CompiledFunction, CompiledLoss, PreparedInputs  # noqa: E402
+from nemo_is_plugin.loss.separable import PrefixCarry, TokenLossGradient  # noqa: E402
 
 CHUNKS = 8
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -139,29 +141,47 @@ def kernel_calls(source: str) -> int:
     return sum(1 for line in body.splitlines() if _KERNEL_CALL.match(line.strip()))
 
 
-def compiled_graph_kernels(loss: CompiledLoss, call: Callable[[], None]) -> list[int]:
-    """Run ``call`` once, compiling ``loss``'s epilogue afresh, and count the kernel calls of each generated graph
-    (forward, then backward when ``call`` runs one)."""
-    from torch._inductor.utils import run_and_get_code
+class GraphKernels:
+    """The kernel calls of the compiled graphs run inside :func:`compiled_graphs_counted`."""
 
-    torch._dynamo.reset()
-    _, sources = run_and_get_code(call)
-    return [kernel_calls(src) for src in sources]
+    def __init__(self) -> None:
+        self.kernels = 0
 
 
-def outside_region(loss: CompiledLoss) -> None:
-    """Make ``loss``'s compiled graph run with every dispatch mode switched off (the op counter counts what runs
-    around it; the graph's own kernels are counted from its generated code)."""
+@contextlib.contextmanager
+def compiled_graphs_counted() -> Iterator[GraphKernels]:
+    """While inside: each call of an inductor graph (``CompiledFxGraph``: a forward or a backward) adds the kernel
+    calls of its generated code (:func:`kernel_calls` of its ``source_code``) to the yielded tally and runs with every
+    dispatch mode switched off, and so does each call of a :class:`CompiledFunction` (dynamo cannot trace under a
+    dispatch mode). A :class:`LaunchCounter` around the call then counts what runs outside the graphs."""
+    from torch._inductor.output_code import CompiledFxGraph
     from torch.utils._python_dispatch import _disable_current_modes
 
-    graph = loss.compiled
-    assert graph is not None
+    tally = GraphKernels()
+    graph_call, function_call = CompiledFxGraph.__call__, CompiledFunction.__call__
 
-    def run(*args):
+    def counted_graph(self: Any, inputs: Any) -> Any:
+        tally.kernels += kernel_calls(self.source_code)
         with _disable_current_modes():
-            return graph(*args)
+            return graph_call(self, inputs)
 
-    loss.compiled = run
+    def modeless_function(self: Any, *args: Any) -> Any:
+        with _disable_current_modes():
+            return function_call(self, *args)
+
+    CompiledFxGraph.__call__, CompiledFunction.__call__ = counted_graph, modeless_function  # type: ignore[method-assign]
+    try:
+        yield tally
+    finally:
+        CompiledFxGraph.__call__, CompiledFunction.__call__ = graph_call, function_call  # type: ignore[method-assign]
+
+
+def count_with_graphs(call: Callable[[], None]) -> tuple[int, int, int]:
+    """``(ops outside the graphs + the graphs' kernel calls, host syncs, the graphs' kernel calls)`` of ``call``
+    (compiled beforehand: a call that compiles counts the compiler's own ops)."""
+    with compiled_graphs_counted() as graphs, count_host_syncs() as syncs, LaunchCounter() as ops:
+        call()
+    return ops.count + graphs.kernels, len(syncs), graphs.kernels
 
 
 def cuda_launches(call: Callable[[], None]) -> int:
@@ -190,29 +210,73 @@ def loss_call(loss_fn: Any, p: Any, x0: torch.Tensor, backward: bool) -> Callabl
     return call
 
 
+def fused_call(loss_fn: Any, p: Any) -> Callable[[], None]:
+    """``fused_linear_pg_loss`` forward + backward over :data:`CHUNKS` chunks (the single pass for these configs)."""
+
+    def call() -> None:
+        h, w = p.hidden.clone().requires_grad_(True), p.weight.clone().requires_grad_(True)
+        loss, _ = fused_linear_pg_loss(
+            loss_fn,
+            h,
+            w,
+            p.target,
+            p.data,
+            p.global_valid_seqs,
+            p.global_valid_toks,
+            chunk_size=p.target.numel() // CHUNKS,
+        )
+        loss.backward()
+
+    return call
+
+
+def chunk_step_call(loss_fn: CompiledLoss, p: Any, x0: torch.Tensor) -> Callable[[], None]:
+    """One chunk's ``[n]`` step of the single pass (``chunk_step``: log-probs from the merged partials and dL/dc)
+    through the compiled loss, on the first of :data:`CHUNKS` chunks."""
+    prepared = PreparedInputs.of(loss_fn, x0, p.data, p.global_valid_seqs, p.global_valid_toks)
+    inputs = loss_fn.with_count_tensors(prepared.inputs)
+    token_grad = loss_fn.token_gradient(inputs, prepared.layout)
+    step = loss_fn.compiled_function(chunk_step)
+    c = x0.reshape(-1)
+    first = slice(0, c.numel() // CHUNKS)
+    merged = SoftmaxPartials(torch.zeros_like(c[first]), torch.ones_like(c[first]), c[first].clone(), None)
+    out = torch.empty_like(c[first])
+
+    def call() -> None:
+        token_grad.prefix = None if token_grad.prefix is None else PrefixCarry(loss_fn.config, prepared.layout)
+        t, a, prefix = token_grad.chunk_inputs(first)
+        step(t, a, prefix, merged, None, None, out, None)
+
+    return call
+
+
 def count_compiled(config: dict[str, Any], device: str = "cpu") -> dict[str, int]:
-    """The eager and the compiled epilogue of ``config`` on the same problem: CPU counts as the module docstring says,
-    CUDA counts by the profiler."""
+    """The eager and the compiled loss of ``config`` on the same problem (the epilogue, one chunk's step, the fused
+    single pass): CPU counts as the module docstring says, CUDA counts by the profiler."""
     p = make_problem(4, 65, 32, 256, base_logprobs="model", device=torch.device(device))
     eager = build_loss_fn(config)
     compiled = CompiledLoss(build_loss_fn(config))
     x0 = p.data["prev_logprobs"][:, 1:].to(torch.float32).clone()
     out: dict[str, int] = {}
+    calls = {
+        "compiled": lambda fn: loss_call(fn, p, x0, False),
+        "compiled+bwd": lambda fn: loss_call(fn, p, x0, True),
+        f"compiled_fused_{CHUNKS}_chunks": lambda fn: fused_call(fn, p),
+    }
     if device == "cuda":
-        for name, fn in (("eager", eager), ("compiled", compiled)):
-            for suffix, backward in (("", False), ("+bwd", True)):
-                call = loss_call(fn, p, x0, backward)
+        for label, make in calls.items():
+            for name, fn in (("eager", eager), ("compiled", compiled)):
+                call = make(fn)
                 call()  # compiles, warms up
-                out[f"cuda_{name}{suffix}"] = cuda_launches(call)
+                out[f"cuda_{name}_{label}"] = cuda_launches(call)
         return out
-    graphs = compiled_graph_kernels(compiled, loss_call(compiled, p, x0, True))
-    outside_region(compiled)
-    for label, backward in (("compiled", False), ("compiled+bwd", True)):
-        with count_host_syncs() as syncs, LaunchCounter() as ops:
-            loss_call(compiled, p, x0, backward)()
-        out[label] = ops.count + (sum(graphs) if backward else graphs[0])
-        out[f"syncs_{label}"] = len(syncs)
-    out["graph_kernels_fwd"], out["graph_kernels_bwd"] = graphs[0], sum(graphs[1:])
+    for label, make in calls.items():
+        call = make(compiled)
+        call()  # compiles (minutes on a loaded CPU, seconds from inductor's cache)
+        out[label], out[f"syncs_{label}"], _ = count_with_graphs(call)
+    step = chunk_step_call(compiled, p, x0)
+    step()
+    out["compiled_chunk_step"], _, _ = count_with_graphs(step)
     return out
 
 

@@ -29,7 +29,8 @@ import copy
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,11 +39,13 @@ from nemo_is_plugin.common.once import warn_once
 from nemo_is_plugin.loss.aligned_inputs import LossInputs, align_nemo_rl_inputs_unread
 from nemo_is_plugin.loss.clipped_pg import ClippedPGLoss
 from nemo_is_plugin.loss.denominator import Denominator
+from nemo_is_plugin.loss.input_values import PendingInputChecks
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.metrics import MetricValues
 from nemo_is_plugin.loss.output_checks import warn_input_anomalies
+from nemo_is_plugin.loss.separable import TokenLossGradient, batch_constants
 
-Epilogue = Callable[[LossInputs, TokenLayout, list[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+Epilogue = Callable[[LossInputs, TokenLayout, "PendingInputChecks | None"], tuple[torch.Tensor, torch.Tensor]]
 
 
 def epilogue(loss: ClippedPGLoss) -> Epilogue:
@@ -50,16 +53,27 @@ def epilogue(loss: ClippedPGLoss) -> Epilogue:
     float64 vector (:meth:`~nemo_is_plugin.loss.metrics.MetricBook.stacked`) followed by the inputs' check reductions
     (:meth:`~nemo_is_plugin.loss.input_values.PendingInputChecks.scalars`, computed inside the graph)."""
 
-    def run(inputs: LossInputs, layout: TokenLayout, checks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        inputs: LossInputs, layout: TokenLayout, pending: PendingInputChecks | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         terms = loss.terms(inputs, layout)
         parts = loss.reduce(terms)
         _, _, values = loss.metric_book(terms, parts).stacked(None)
         assert values is not None  # the loss always reports metrics
+        checks = [] if pending is None else pending.scalars()  # the inputs' check reductions, in the same graph
         return parts.loss, torch.cat([values, *(c.detach().double().reshape(1) for c in checks)])
 
-    # A code object of its own per loss: dynamo keeps its compiled graphs per code object (at most
-    # torch._dynamo.config.cache_size_limit of them, 8), so losses of several configs in one process would otherwise
-    # share, and overflow, one cache; then a config would recompile on every call, or run eagerly.
+    return run
+
+
+def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` behind a code object of its own: dynamo keeps its compiled graphs per code object (at most
+    ``torch._dynamo.config.cache_size_limit`` of them, 8), so the losses of several configs in one process would
+    otherwise share, and overflow, one cache; then a config would recompile on every call, or run eagerly."""
+
+    def run(*args: Any) -> Any:
+        return fn(*args)
+
     run.__code__ = run.__code__.replace()
     return run
 
@@ -104,12 +118,13 @@ class CompiledLoss:
 
     def __init__(self, loss: ClippedPGLoss, **compile_options: Any):
         self.loss, self.config = loss, loss.config
-        options = {"dynamic": True, "fullgraph": True, **compile_options}
-        traced = copy.copy(loss)
-        traced.config = config_snapshot(loss.config)
-        self.compiled: Epilogue | None = torch.compile(epilogue(traced), **options)
+        self.options = {"dynamic": True, "fullgraph": True, **compile_options}
+        self.traced = copy.copy(loss)  # the loss the graphs trace: its config's properties read once
+        self.traced.config = config_snapshot(loss.config)
+        self.compiled = CompiledFunction(epilogue(self.traced), self.options)
         # metric names and denominators per input structure, from a shape-only trace (no values, no host read)
         self._names: dict[tuple, tuple[list[str], dict[str, Denominator]]] = {}
+        self._functions: dict[Callable[..., Any], CompiledFunction] = {}
 
     def __getattr__(self, name: str) -> Any:  # prepare, compute, metric_denominators, ...: the eager loss's
         return getattr(self.loss, name)
@@ -133,45 +148,68 @@ class CompiledLoss:
         inputs, layout, pending = align_nemo_rl_inputs_unread(
             self.config, a["next_token_logprobs"], a["data"], a["global_valid_seqs"], a["global_valid_toks"], layout
         )
-        return self.compute_unread(inputs, layout, pending.scalars(), pending.raise_if_bad)
+        return self.compute_unread(inputs, layout, pending)
 
     def compute_unread(
         self,
         inputs: LossInputs,
         layout: TokenLayout,
-        checks: list[torch.Tensor],
-        raise_if_bad: Callable[[list[float]], None],
+        pending: PendingInputChecks | None = None,
     ) -> tuple[torch.Tensor, MetricValues]:
-        """The compiled loss of aligned inputs whose value checks ``checks`` are not read yet: one host read of the
-        metrics and the checks together; ``raise_if_bad(check values)`` raises for a bad input first."""
-        device = inputs.curr_logprobs.device
-        seqs, toks = inputs.global_valid_seqs, inputs.global_valid_toks
-        if not (isinstance(seqs, torch.Tensor) and isinstance(toks, torch.Tensor)):
-            # a Python number would be a compile-time constant; the caller's inputs are left as they are
-            def as_count(c: torch.Tensor | float) -> torch.Tensor:
-                return torch.as_tensor(c, dtype=torch.float64, device=device) if not isinstance(c, torch.Tensor) else c
-
-            inputs = dataclasses.replace(inputs, global_valid_seqs=as_count(seqs), global_valid_toks=as_count(toks))
+        """The compiled loss of aligned inputs whose value checks ``pending`` are not read yet (their reductions run
+        in the graph): one host read of the metrics and the checks together; a bad input raises first, as in
+        eager."""
+        inputs = self.with_count_tensors(inputs)
         names, denominators = self._metric_names(inputs, layout)
-        if self.compiled is None:
-            return self._eager_unread(inputs, layout, checks, raise_if_bad)
-        try:
-            loss, values = self.compiled(inputs, layout, checks)
-        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as err:
-            self.compiled = None  # said once, then eager for the rest of this loss's life
-            warn_once(f"compiled epilogue {id(self)}", f"compiled epilogue: cannot compile this config ({err}); eager")
-            return self._eager_unread(inputs, layout, checks, raise_if_bad)
+        if self.compiled.compiled is None:  # dynamo could not compile this config: said once, eager since
+            return self._eager_unread(inputs, layout, pending)
+        loss, values = self.compiled(inputs, layout, pending)
         host = values.tolist()  # the call's one host read
-        raise_if_bad(host[len(names) :])
+        if pending is not None:
+            pending.raise_if_bad(host[len(names) :])
         metrics = MetricValues(dict(zip(names, host)), denominators)
         if not math.isfinite(metrics.get("loss", 0.0)) or metrics.get("probs_ratio_max") == math.inf:
             self.loss.compute(inputs, layout)  # error path only: the eager loss diagnoses the overflow, and raises
         warn_input_anomalies(metrics)
         return loss, metrics
 
-    def _eager_unread(self, inputs, layout, checks, raise_if_bad) -> tuple[torch.Tensor, MetricValues]:
-        raise_if_bad(torch.stack([c.detach().double().reshape(()) for c in checks]).tolist() if checks else [])
+    def _eager_unread(self, inputs, layout, pending) -> tuple[torch.Tensor, MetricValues]:
+        if pending is not None:
+            pending.run()
         return self.loss.compute(inputs, layout)
+
+    # ------------------------------------------------------------------ the parts the fused single pass compiles
+    def compiles(self, layout: TokenLayout) -> bool:
+        """Whether this loss's graphs run on ``layout`` (a one-time warning naming the reason when not)."""
+        why = compile_blocker(layout)
+        if why is not None:
+            warn_once(f"compiled loss: {why}", f"compiled loss: not compiled on {why}; the eager loss runs")
+        return why is None and self.compiled.compiled is not None
+
+    @staticmethod
+    def with_count_tensors(inputs: LossInputs) -> LossInputs:
+        """``inputs`` with Python-number global counts as 0-d float64 tensors (a number would be a compile-time
+        constant: a recompile per value); the caller's inputs are left as they are."""
+        seqs, toks = inputs.global_valid_seqs, inputs.global_valid_toks
+        if isinstance(seqs, torch.Tensor) and isinstance(toks, torch.Tensor):
+            return inputs
+        device = inputs.curr_logprobs.device
+
+        def as_count(c: torch.Tensor | float) -> torch.Tensor:
+            return c if isinstance(c, torch.Tensor) else torch.as_tensor(c, dtype=torch.float64, device=device)
+
+        return dataclasses.replace(inputs, global_valid_seqs=as_count(seqs), global_valid_toks=as_count(toks))
+
+    def compiled_function(self, fn: Callable[..., Any]) -> CompiledFunction:
+        """``fn`` compiled with this loss's options, once per loss (its own graph cache)."""
+        if fn not in self._functions:
+            self._functions[fn] = CompiledFunction(fn, self.options)
+        return self._functions[fn]
+
+    def token_gradient(self, inputs: LossInputs, layout: TokenLayout) -> TokenLossGradient:
+        """:meth:`TokenLossGradient.build` with the batch constants computed by one compiled graph (their config is
+        the snapshot the graphs read, so a chunk step compiled on them reads constants too)."""
+        return TokenLossGradient.build(self.traced, inputs, layout, self.compiled_function(batch_constants))
 
     def _metric_names(self, inputs: LossInputs, layout: TokenLayout) -> tuple[list[str], dict[str, Denominator]]:
         key = tuple(None if v is None else (v.dtype, v.dim()) for v in _tensors(inputs)) + (layout.is_padded,)
@@ -191,9 +229,72 @@ class CompiledLoss:
         return self._names[key]
 
 
-def _tensors(inputs: LossInputs) -> list[torch.Tensor | None]:
-    return [v if isinstance(v, torch.Tensor) else None for v in vars(inputs).values()]
+class CompiledFunction:
+    """``torch.compile`` of ``fn`` (behind a code object of its own); a config dynamo cannot compile is said once (a
+    warning with the reason) and runs ``fn`` eagerly from then on."""
+
+    def __init__(self, fn: Callable[..., Any], options: Mapping[str, Any]):
+        self.fn = fn
+        self.compiled: Callable[..., Any] | None = torch.compile(own_code(fn), **options)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as err:
+                self.compiled = None
+                name = getattr(self.fn, "__qualname__", repr(self.fn))
+                warn_once(f"compiled {name} {id(self)}", f"compiled {name}: cannot compile ({err}); eager from now on")
+        return self.fn(*args)
+
+
+@dataclass
+class PreparedInputs:
+    """A NeMo-RL call's arguments aligned (:meth:`of`): for a :class:`CompiledLoss` with the inputs' value checks
+    ``pending`` (read with the metrics, in the call's one host read), for an eager loss already checked (``pending``
+    None)."""
+
+    inputs: LossInputs
+    layout: TokenLayout
+    pending: PendingInputChecks | None = None
+
+    @classmethod
+    def of(
+        cls,
+        loss_fn: ClippedPGLoss | CompiledLoss,
+        next_token_logprobs: torch.Tensor,
+        data: Mapping[str, torch.Tensor],
+        global_valid_seqs: torch.Tensor | float,
+        global_valid_toks: torch.Tensor | float,
+        layout: TokenLayout | None = None,
+    ) -> PreparedInputs:
+        args = (next_token_logprobs, data, global_valid_seqs, global_valid_toks, layout)
+        if isinstance(loss_fn, CompiledLoss):
+            return cls(*align_nemo_rl_inputs_unread(loss_fn.config, *args))
+        return cls(*loss_fn.prepare(*args))
+
+    def read_checks(self) -> None:
+        """Read the pending checks now (one host read; eager paths) and raise for a bad input; no-op without."""
+        if self.pending is not None:
+            self.pending.run()
+            self.pending = None
+
+
+def _tensors(inputs: Any) -> list[torch.Tensor | None]:
+    """The tensors of ``inputs``' fields, a record's (the score-centering head's) in its place; None elsewhere."""
+    out: list[torch.Tensor | None] = []
+    for v in vars(inputs).values():
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            out.extend(_tensors(v))
+        else:
+            out.append(v if isinstance(v, torch.Tensor) else None)
+    return out
 
 
 def _on_meta(v: Any) -> Any:
-    return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
+    """``v`` on the meta device: a tensor, or the tensors of a record (score centering's ``ScoreCenteringHead``)."""
+    if isinstance(v, torch.Tensor):
+        return torch.empty_like(v, device="meta")
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return dataclasses.replace(v, **{f.name: _on_meta(getattr(v, f.name)) for f in dataclasses.fields(v)})
+    return v

@@ -42,6 +42,7 @@ slice of ``[0, N)``; chunks are visited in order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,13 +93,105 @@ def single_pass_blocker(config: ClippedPGLossConfig, layout: TokenLayout) -> str
 
 
 @dataclass
+class ChunkPrefix:
+    """The cumulative ratio's state for one chunk: the chunk's sequence ids ``seq [n]`` and the running sums of the
+    earlier chunks ``carry [num_seqs]`` (fp64), with the ratio's level and per-token clamp."""
+
+    level: str
+    token_clamp: float | None
+    seq: torch.Tensor
+    carry: torch.Tensor
+
+
+def prefix_scan(seq: torch.Tensor, x: torch.Tensor, carry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inclusive per-sequence prefix sums (fp64) of a chunk's ``x [n]`` (``seq [n]`` its tokens' sequence ids, each
+    sequence's tokens consecutive), continuing the earlier chunks' sums ``carry [num_seqs]``; returns ``(sums [n],
+    the carry after this chunk)``. No host sync: the segments come from comparisons of neighbouring sequence ids, the
+    carry is a scatter to unique slots."""
+    n, num_seqs = seq.shape[0], carry.shape[0]
+    x = x.double()
+    total = torch.cumsum(x, 0)
+    change = seq[1:] != seq[:-1]  # a new sequence starts at i + 1
+    starts = torch.cat([change.new_ones(1), change])
+    index = torch.arange(n, device=seq.device)
+    first = torch.cummax(torch.where(starts, index, 0), 0).values  # the chunk's first token of each segment
+    out = total - (total - x)[first] + carry[seq]
+    # each sequence's last token in the chunk hands its sum on; the other tokens write to slots past the carry
+    last = torch.cat([change, change.new_ones(1)])
+    slots = torch.cat([carry, out.new_empty(n)])
+    slots = slots.scatter(0, torch.where(last, seq, num_seqs + index), out)
+    return out, slots[:num_seqs]
+
+
+def chunk_terms(
+    t: TermInputs, c: torch.Tensor, trainer_head: torch.Tensor | None = None, prefix: ChunkPrefix | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` (+ the score-centering term of ``trainer_head [n, k]``) of one
+    chunk's constants ``t`` (``[n]``), by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms`: the loss is
+    ``sum_t a_t x_t`` plus the NLL term. Returns ``(x [n], the prefix carry after the chunk or None)``."""
+    carry: list[torch.Tensor] = []
+
+    def causal(p: torch.Tensor) -> torch.Tensor:
+        assert prefix is not None
+        d = token_log_ratio(c, p, prefix.token_clamp)
+        sums, after = prefix_scan(prefix.seq, where_mask(d, t.token_mask), prefix.carry)
+        carry.append(after)
+        return cumulative_anchor(prefix.level, sums.to(c.dtype), t.positions, t.token_mask)
+
+    x = token_terms(t, c, trainer_head=trainer_head, causal=None if prefix is None else causal).combined(t.kl_coef)
+    return x, carry[0] if carry else None
+
+
+def chunk_gradient(
+    t: TermInputs,
+    a: torch.Tensor,
+    c: torch.Tensor,
+    trainer_head: torch.Tensor | None = None,
+    prefix: ChunkPrefix | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(dL/dc [n], dL/d(trainer_head) [n, k] or None, the prefix carry after the chunk or None)`` of one chunk:
+    the vector-Jacobian product of :func:`chunk_terms` with the aggregation weights ``a [n]`` (``torch.func.vjp``,
+    which ``torch.compile`` traces into the same graph: no graph break, no host sync), plus the linear NLL term."""
+    leaves = (c.detach().to(a.dtype),) + (() if trainer_head is None else (trainer_head.detach().to(a.dtype),))
+
+    def terms(*x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        out, after = chunk_terms(t, x[0], x[1] if len(x) > 1 else None, prefix)
+        return out, () if after is None else (after,)  # vjp's aux: tensors only
+
+    vjp = torch.func.vjp(terms, *leaves, has_aux=True)
+    pull, aux = vjp[1], vjp[2]  # type: ignore[misc]  # torch types vjp without has_aux
+    carry = aux[0] if aux else None
+    grads = pull(a)
+    kept = a != 0  # the loss's where_mask: tokens with a = 0 add exactly 0, whatever inf/NaN their derivatives hold
+    grad = torch.where(kept, grads[0], 0.0)
+    head_grad = None if trainer_head is None else torch.where(kept.unsqueeze(-1), grads[1], 0.0)
+    nll_grad = positive_nll_gradient(t, slice(None), a.dtype)
+    if nll_grad is not None:
+        grad = grad + t.config.positive_example_nll_weight * nll_grad
+    return grad, head_grad, carry
+
+
+def batch_constants(
+    cfg: ClippedPGLossConfig, inputs: LossInputs, layout: TokenLayout
+) -> tuple[TermInputs, torch.Tensor]:
+    """The loss's batch constants flattened to ``[N]`` (:func:`~nemo_is_plugin.loss.terms.term_inputs`, the loss's
+    own binding) and the aggregation weights ``a [N]``, for log-probs of ``inputs.curr_logprobs``' shape and dtype."""
+    c = inputs.curr_logprobs.to(loss_dtype(inputs.curr_logprobs))
+    t = term_inputs(cfg, Roles.of_loss_inputs(cfg, inputs, layout, c), layout)
+    agg = aggregation_weights(cfg, t.token_mask, inputs.sample_mask.to(t.token_mask.dtype), layout, inputs)
+    return t.flat(), agg.reshape(-1)
+
+
+BatchConstants = Callable[[ClippedPGLossConfig, LossInputs, TokenLayout], tuple[TermInputs, torch.Tensor]]
+
+
+@dataclass
 class TokenLossGradient:
     """``dL/dc`` of the chunk ``sl`` from its log-probs ``c [n]``: ``grad(sl, c) -> [n]`` (fp32, or fp64).
 
     Build with :meth:`build`: ``constants`` are the loss's batch constants flattened to ``[N]``, ``agg_weight`` the
     aggregation's per-token weights; ``correction`` is the batch's IS correction (reused by the loss's metrics pass).
-    The gradient is autograd of :meth:`chunk_terms` (:func:`~nemo_is_plugin.loss.terms.token_terms`) weighted by
-    ``a``, plus the linear NLL term: no host synchronisation.
+    The gradient is :func:`chunk_gradient` of the chunk's constants (:meth:`chunk_inputs`).
     """
 
     constants: TermInputs
@@ -110,21 +203,18 @@ class TokenLossGradient:
         return self.constants.correction
 
     @classmethod
-    def build(cls, loss: ClippedPGLoss, inputs: LossInputs, layout: TokenLayout) -> TokenLossGradient:
-        """The per-token constants of ``loss`` on ``inputs`` (whose ``curr_logprobs`` only fix shape and dtype)."""
+    def build(
+        cls, loss: ClippedPGLoss, inputs: LossInputs, layout: TokenLayout, constants: BatchConstants | None = None
+    ) -> TokenLossGradient:
+        """The per-token constants of ``loss`` on ``inputs`` (whose ``curr_logprobs`` only fix shape and dtype), by
+        ``constants`` (:func:`batch_constants`, or a compiled form of it)."""
         cfg = loss.config
         why = single_pass_blocker(cfg, layout)
         if why is not None:
             raise ValueError(f"no chunk-by-chunk loss gradient: {why} (use the two-pass path)")
         with torch.no_grad():
-            c = inputs.curr_logprobs.to(loss_dtype(inputs.curr_logprobs))
-            t = term_inputs(cfg, Roles.of_loss_inputs(cfg, inputs, layout, c), layout)
-            agg = aggregation_weights(cfg, t.token_mask, inputs.sample_mask.to(t.token_mask.dtype), layout, inputs)
-        return cls(
-            constants=t.flat(),
-            agg_weight=agg.reshape(-1),
-            prefix=PrefixCarry(cfg, layout) if cfg.objective.causal(cfg) else None,
-        )
+            t, agg = (constants or batch_constants)(cfg, inputs, layout)
+        return cls(constants=t, agg_weight=agg, prefix=PrefixCarry(cfg, layout) if cfg.objective.causal(cfg) else None)
 
     def __call__(self, sl: slice, c: torch.Tensor) -> torch.Tensor:
         if self.constants.sampler_head is not None:
@@ -140,76 +230,54 @@ class TokenLossGradient:
         assert head is not None
         return grad, head
 
+    def chunk_inputs(self, sl: slice) -> tuple[TermInputs, torch.Tensor, ChunkPrefix | None]:
+        """The chunk's constants, aggregation weights and prefix state (chunks in order; :meth:`advance` after)."""
+        return self.constants.chunk(sl), self.agg_weight[sl], None if self.prefix is None else self.prefix.chunk(sl)
+
+    def advance(self, carry: torch.Tensor | None) -> None:
+        """Hand the chunk's prefix carry on to the next chunk (no-op without a cumulative ratio)."""
+        if self.prefix is not None and carry is not None:
+            self.prefix.carry = carry
+
     def _grads(self, sl: slice, c: torch.Tensor, trainer_head: torch.Tensor | None):
-        a = self.agg_weight[sl]
-        with torch.enable_grad():  # the fused forward runs without grad mode
-            leaf = c.detach().to(a.dtype).requires_grad_(True)
-            head = None if trainer_head is None else trainer_head.detach().to(a.dtype).requires_grad_(True)
-            leaves = [leaf] if head is None else [leaf, head]
-            grads = torch.autograd.grad(self.chunk_terms(sl, leaf, head), leaves, grad_outputs=a, allow_unused=True)
-        # the loss's where_mask: tokens with a = 0 add exactly 0, whatever inf/NaN their terms' derivatives hold
-        grad = torch.where(a != 0, grads[0], 0.0) if grads[0] is not None else torch.zeros_like(leaf)
-        head_grad = None
-        if head is not None:
-            g_head = torch.zeros_like(head) if grads[1] is None else grads[1]
-            head_grad = torch.where((a != 0).unsqueeze(-1), g_head, 0.0)
-        nll_grad = positive_nll_gradient(self.constants, sl, a.dtype)
-        if nll_grad is not None:
-            grad = grad + self.constants.config.positive_example_nll_weight * nll_grad
+        t, a, prefix = self.chunk_inputs(sl)
+        grad, head_grad, carry = chunk_gradient(t, a, c, trainer_head, prefix)
+        self.advance(carry)
         return grad, head_grad
 
     def chunk_terms(self, sl: slice, c: torch.Tensor, trainer_head: torch.Tensor | None = None) -> torch.Tensor:
-        """``x_t = w_t sur_t(c_t) + beta kl_t(c_t)`` (+ the score-centering term of ``trainer_head [n, k]``) of the
-        chunk ``sl`` (``[n]``), by the loss's own :func:`~nemo_is_plugin.loss.terms.token_terms`: the loss is
-        ``sum_t a_t x_t`` plus the NLL term."""
-        t, prefix = self.constants.chunk(sl), self.prefix
-        causal = None if prefix is None else (lambda p: prefix.anchor(sl, c, p, t.token_mask, t.positions))
-        return token_terms(t, c, trainer_head=trainer_head, causal=causal).combined(t.kl_coef)
+        """:func:`chunk_terms` of the chunk ``sl`` (the prefix state advances as in :meth:`_grads`)."""
+        t, _, prefix = self.chunk_inputs(sl)
+        x, carry = chunk_terms(t, c, trainer_head, prefix)
+        self.advance(carry)
+        return x
 
 
 class PrefixCarry:
-    """The cumulative ratio's anchor of a chunk from its log-probs and a per-sequence running sum of the earlier
-    chunks' (the layout holds whole sequences in memory order, so each sequence's tokens are consecutive).
-
-    ``anchor(sl, c, p, tm, positions)`` equals the value of :func:`~nemo_is_plugin.loss.ratios.policy_log_ratio` on
-    those tokens (before the ``max_log_ratio`` cap) provided every chunk is passed once, in order. No host sync: the
-    segments inside a chunk come from comparisons of neighbouring sequence ids, the carry is a scatter to unique
-    slots.
-    """
+    """The running per-sequence sums of the cumulative ratio from chunk to chunk (the layout holds whole sequences
+    in memory order, so each sequence's tokens are consecutive): :meth:`chunk` gives a chunk's
+    :class:`ChunkPrefix`; the anchor of :func:`chunk_terms` then equals the value of
+    :func:`~nemo_is_plugin.loss.ratios.policy_log_ratio` on those tokens (before the ``max_log_ratio`` cap) provided
+    every chunk is passed once, in order."""
 
     def __init__(self, config: ClippedPGLossConfig, layout: TokenLayout):
         self.level = config.effective_ratio_level
         self.token_clamp = config.token_log_ratio_clamp
         self.seq = layout.seq_index.reshape(-1)
-        self.num_seqs = layout.num_seqs
         self.carry = torch.zeros(layout.num_seqs, dtype=torch.float64, device=self.seq.device)
         self.next_start = 0
 
-    def anchor(self, sl: slice, c, p, tm, positions) -> torch.Tensor:
-        d = token_log_ratio(c, p, self.token_clamp)
-        prefix = self.scan(sl, where_mask(d, tm)).to(c.dtype)
-        return cumulative_anchor(self.level, prefix, positions, tm)
-
-    def scan(self, sl: slice, x: torch.Tensor) -> torch.Tensor:
-        """Inclusive per-sequence prefix sums (fp64) of the chunk's ``x [n]``, continuing the earlier chunks'."""
+    def chunk(self, sl: slice) -> ChunkPrefix:
+        """The state of chunk ``sl``, which must start where the previous one stopped."""
         if sl.start != self.next_start:
             raise RuntimeError(f"chunks must be scanned in order: expected start {self.next_start}, got {sl.start}")
         self.next_start = sl.stop
-        seq = self.seq[sl]
-        n = seq.shape[0]
-        x = x.double()
-        total = torch.cumsum(x, 0)
-        change = seq[1:] != seq[:-1]  # a new sequence starts at i + 1
-        starts = torch.cat([change.new_ones(1), change])
-        index = torch.arange(n, device=seq.device)
-        first = torch.cummax(torch.where(starts, index, 0), 0).values  # the chunk's first token of each segment
-        out = total - (total - x)[first] + self.carry[seq]
-        # each sequence's last token in the chunk hands its sum on; the other tokens write to slots past the carry
-        last = torch.cat([change, change.new_ones(1)])
-        slots = torch.cat([self.carry, out.new_empty(n)])
-        slots.scatter_(0, torch.where(last, seq, self.num_seqs + index), out)
-        self.carry = slots[: self.num_seqs]
-        return out
+        return ChunkPrefix(self.level, self.token_clamp, self.seq[sl], self.carry)
+
+    def scan(self, sl: slice, x: torch.Tensor) -> torch.Tensor:
+        """Inclusive per-sequence prefix sums (fp64) of the chunk's ``x [n]``, continuing the earlier chunks'."""
+        sums, self.carry = prefix_scan(self.chunk(sl).seq, x, self.carry)
+        return sums
 
 
 def aggregation_weights(
@@ -219,28 +287,39 @@ def aggregation_weights(
     layout: TokenLayout,
     inputs: LossInputs,
 ) -> torch.Tensor:
-    """``a_t = d aggregate(x) / d x_t`` (Float[*T]): the aggregation is linear in ``x``, so one autograd call on
-    ``x = 1`` gives its weights exactly, whatever the mode and layout (CP shares included)."""
-    with torch.enable_grad():
-        x = torch.ones(token_mask.shape, dtype=token_mask.dtype, device=token_mask.device, requires_grad=True)
-        agg = configured_aggregate(
+    """``a_t = d aggregate(x) / d x_t`` (Float[*T]): the aggregation is linear in ``x``, so one vector-Jacobian
+    product at ``x = 1`` gives its weights exactly, whatever the mode and layout (CP shares included). By
+    ``torch.func.vjp``: ``torch.compile`` traces it (``loss/compiled.py``), and it ignores the fused forward's no-grad
+    mode."""
+    seqs = torch.as_tensor(inputs.global_valid_seqs, dtype=token_mask.dtype, device=token_mask.device)
+    toks = torch.as_tensor(inputs.global_valid_toks, dtype=token_mask.dtype, device=token_mask.device)
+
+    def aggregate(x: torch.Tensor) -> torch.Tensor:
+        return configured_aggregate(
             cfg,
             x,
             token_mask,
             sample_mask,
             layout,
-            global_valid_toks=torch.as_tensor(inputs.global_valid_toks, dtype=x.dtype, device=x.device),
-            global_valid_seqs=torch.as_tensor(inputs.global_valid_seqs, dtype=x.dtype, device=x.device),
+            global_valid_toks=toks,
+            global_valid_seqs=seqs,
         )
-        (a,) = torch.autograd.grad(agg, x)
+
+    pull = torch.func.vjp(aggregate, torch.ones_like(token_mask))[1]
+    (a,) = pull(torch.ones((), dtype=token_mask.dtype, device=token_mask.device))
     return a
 
 
 __all__ = [
     "CAUSAL_LEVELS",
+    "ChunkPrefix",
     "PrefixCarry",
     "TokenLossGradient",
     "aggregation_weights",
+    "batch_constants",
+    "chunk_gradient",
+    "chunk_terms",
     "is_token_separable",
+    "prefix_scan",
     "single_pass_blocker",
 ]

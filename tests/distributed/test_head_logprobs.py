@@ -15,7 +15,7 @@ import torch
 from helpers.device_guard import assert_identical, count_host_syncs, run_guarded_and_plain
 from helpers.head_reference import head_ids_with_padding, head_loss, head_reference
 
-from nemo_is_plugin.distributed.entry_points.fused_linear_loss import _SinglePassFusedLoss
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import _SinglePassFusedLoss, token_grad_step
 from nemo_is_plugin.distributed.head.fused_linear import HeadOptions, fused_linear_logprobs
 from nemo_is_plugin.distributed.head.sequence_head import SequenceLayout, next_token_logprobs
 from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
@@ -151,7 +151,7 @@ def _single_pass(hidden, weight, target, ids, c_label, c_head, chunk_size, tempe
         return head_loss(lp, head, c_label, c_head).detach()
 
     opts = HeadOptions(None, chunk_size, 1.0 / temperature)
-    return _SinglePassFusedLoss.apply(hidden, weight, target, ids, token_grad, finish, opts), seen
+    return _SinglePassFusedLoss.apply(hidden, weight, target, ids, token_grad_step(token_grad), finish, opts), seen
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 1024])

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from helpers.head_reference import head_ids_with_padding, head_loss, head_reference
 
 from nemo_is_plugin.apps.bench.problem import vocab_shard
-from nemo_is_plugin.distributed.entry_points.fused_linear_loss import _SinglePassFusedLoss
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import _SinglePassFusedLoss, token_grad_step
 from nemo_is_plugin.distributed.entry_points.logit_loss import next_token_aligned
 from nemo_is_plugin.distributed.head.fused_linear import HeadOptions, fused_linear_logprobs
 from nemo_is_plugin.distributed.head.sequence_head import SequenceLayout, next_token_logprobs
@@ -116,7 +116,9 @@ def check_tp2_fused_single_pass(rank: int, world: int) -> None:
         return head_loss(lp, head, c_label, c_head).detach()
 
     opts = HeadOptions(GROUPS["pair"], 5, 1.0 / 0.8)
-    loss = _SinglePassFusedLoss.apply(h, w, target, ids, lambda sl, c, ch: (c_label[sl], c_head[sl]), finish, opts)
+    loss = _SinglePassFusedLoss.apply(
+        h, w, target, ids, token_grad_step(lambda sl, c, ch: (c_label[sl], c_head[sl])), finish, opts
+    )
     loss.backward()
     label, ref, dx, dw = _reference(hidden, weight, target, ids, c_label, c_head, 0.8)
     _close(seen["lp"], label)

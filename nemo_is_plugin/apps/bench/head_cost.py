@@ -30,7 +30,7 @@ import torch
 
 from nemo_is_plugin.apps.bench.device import BenchDevice, clocked
 from nemo_is_plugin.apps.bench.shapes import MODEL_SHAPES, QUICK_SHAPES, ModelShape
-from nemo_is_plugin.distributed.entry_points.fused_linear_loss import _SinglePassFusedLoss
+from nemo_is_plugin.distributed.entry_points.fused_linear_loss import _SinglePassFusedLoss, token_grad_step
 from nemo_is_plugin.distributed.head.fused_linear import HeadOptions, check_lm_head_call, fused_linear_logprobs
 from nemo_is_plugin.distributed.head.vocab_parallel import vocab_parallel_logprobs
 
@@ -124,7 +124,13 @@ def _jobs(bench: BenchDevice, shape: ModelShape, cfg: HeadCostConfig) -> dict[tu
                     return (c_label[sl], c_head[sl]) if head and c_head is not None else c_label[sl]
 
                 loss = _SinglePassFusedLoss.apply(
-                    h, w, target, ids, token_grad, lambda lp, head: lp.sum().detach(), HeadOptions(None, chunk, 1.0)
+                    h,
+                    w,
+                    target,
+                    ids,
+                    token_grad_step(token_grad),
+                    lambda lp, head: lp.sum().detach(),
+                    HeadOptions(None, chunk, 1.0),
                 )
                 loss.backward()
                 return

@@ -40,7 +40,7 @@ two-pass path. Cost model per chunk element (bf16, Triton): pass 1 reads 2 bytes
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -59,11 +59,13 @@ from nemo_is_plugin.distributed.parallel.data_parallel import with_data_parallel
 from nemo_is_plugin.distributed.parallel.groups import ProcessGroup
 from nemo_is_plugin.kernels.gemm import acc_dtype, compute_dtype
 from nemo_is_plugin.kernels.head_ids import dense_grad, head_logprobs, valid_head_grad
-from nemo_is_plugin.kernels.softmax_partials import finalize_partials
+from nemo_is_plugin.kernels.softmax_partials import SoftmaxPartials, finalize_partials
 from nemo_is_plugin.loss import ClippedPGLoss
-from nemo_is_plugin.loss.aligned_inputs import HEAD_KEYS, TRAINER_HEAD_KEY, LossInputs
+from nemo_is_plugin.loss.aligned_inputs import HEAD_KEYS, TRAINER_HEAD_KEY
+from nemo_is_plugin.loss.compiled import CompiledLoss, PreparedInputs
 from nemo_is_plugin.loss.layout import TokenLayout
-from nemo_is_plugin.loss.separable import TokenLossGradient, single_pass_blocker
+from nemo_is_plugin.loss.separable import ChunkPrefix, TokenLossGradient, chunk_gradient, single_pass_blocker
+from nemo_is_plugin.loss.terms import TermInputs
 
 
 def _is_one_on_cpu(s: torch.Tensor) -> bool:
@@ -77,14 +79,91 @@ def _scale_(grad: torch.Tensor | None, s: torch.Tensor, skip: bool) -> torch.Ten
     return grad if grad is None or skip else grad.mul_(s.to(grad.dtype))
 
 
+def _log_probs_into(
+    merged: SoftmaxPartials,
+    head_z: torch.Tensor | None,
+    head_valid: torch.Tensor | None,
+    logprob_out: torch.Tensor,
+    head_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The chunk's log-probs from the TP-merged partials, written into ``logprob_out`` (the head's, ``[n, k]``, into
+    ``head_out``): ``(log-probs [n], lse [n], head log-probs or None)``."""
+    lp, lse, _ = finalize_partials(merged)
+    logprob_out.copy_(lp)
+    if head_z is None or head_valid is None or head_out is None:
+        return lp, lse, None
+    trainer_head = head_logprobs(head_z, lse, head_valid)
+    head_out.copy_(trainer_head)
+    return lp, lse, trainer_head
+
+
+def _dense_head_grad(
+    g: torch.Tensor, g_head: torch.Tensor | None, head_valid: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(g + sum_k g_k, g_k)`` with the head's gradient zeroed at invalid ids (``(g, None)`` without a head)."""
+    if g_head is None or head_valid is None:
+        return g, None
+    g_head = valid_head_grad(g_head, head_valid, g.dtype)
+    return dense_grad(g, g_head), g_head
+
+
+def chunk_step(
+    t: TermInputs,
+    a: torch.Tensor,
+    prefix: ChunkPrefix | None,
+    merged: SoftmaxPartials,
+    head_z: torch.Tensor | None,
+    head_valid: torch.Tensor | None,
+    logprob_out: torch.Tensor,
+    head_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The ``[n]`` work of one chunk between pass 1 and pass 2: its log-probs (:func:`_log_probs_into`) and its loss
+    gradient (``separable.chunk_gradient`` on its constants ``t``, weights ``a`` and prefix state). Returns ``(lse,
+    g = dL/dc (+ sum_k dL/dc_k), dL/dc_k or None, the prefix carry or None)``. A function of tensors, so that a
+    compiled loss compiles it whole (one graph a chunk)."""
+    lp, lse, trainer_head = _log_probs_into(merged, head_z, head_valid, logprob_out, head_out)
+    g, g_head, carry = chunk_gradient(t, a, lp, trainer_head, prefix)
+    return lse, *_dense_head_grad(g, g_head, head_valid), carry
+
+
+ChunkStep = Callable[..., tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]
+
+
+def loss_gradient_step(token_grad: TokenLossGradient, step: Callable[..., Any] = chunk_step) -> ChunkStep:
+    """The single pass's step ``(sl, merged, head_z, head_valid, logprob_out, head_out) -> (lse, g, g_head)``:
+    ``step`` (:func:`chunk_step` or its compiled form) on the chunk's constants, the prefix carried on."""
+
+    def run(sl: slice, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        lse, g, g_head, carry = step(*token_grad.chunk_inputs(sl), *args)
+        token_grad.advance(carry)
+        return lse, g, g_head
+
+    return run
+
+
+def token_grad_step(token_grad: Callable[..., Any]) -> ChunkStep:
+    """A step from any ``token_grad(sl, c) -> dL/dc`` (with a head: ``token_grad(sl, c, trainer_head) -> (dL/dc,
+    dL/dc_k)``): the head-cost benchmark and the head's tests drive the single pass with fixed coefficients."""
+
+    def run(sl: slice, merged, head_z, head_valid, logprob_out, head_out):
+        lp, lse, trainer_head = _log_probs_into(merged, head_z, head_valid, logprob_out, head_out)
+        if trainer_head is None:
+            return lse, token_grad(sl, lp), None
+        g, g_head = token_grad(sl, lp, trainer_head)
+        return lse, *_dense_head_grad(g, g_head, head_valid)
+
+    return run
+
+
 class _SinglePassFusedLoss(torch.autograd.Function):
-    """The single pass. ``token_grad(sl, c)`` is ``dL/dc`` of the chunk's log-probs ``c [n]``; with ``head_ids``
-    ``token_grad(sl, c, trainer_head)`` returns ``(dL/dc, dL/d(trainer_head) [n, k])``, ``trainer_head`` the chunk's
-    head log-probs (same lse). ``finish(logprob, trainer_head)`` (``trainer_head`` None without ``head_ids``) returns
-    the loss value."""
+    """The single pass. ``step(sl, merged, head_z, head_valid, logprob_out, head_out) -> (lse, g, g_head)`` is
+    each chunk's ``[n]`` work between its passes (:func:`loss_gradient_step`, :func:`token_grad_step`);
+    ``finish(logprob, trainer_head)`` (``trainer_head`` None without ``head_ids``) returns the loss value.
+    ``read_upstream``: on a CPU, skip scaling the gradients by an upstream gradient of exactly 1 (one host read; a
+    compiled loss keeps its one read for the metrics)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, head_ids, token_grad, finish, opts: HeadOptions):
+    def forward(ctx, hidden, weight, target, head_ids, step, finish, opts: HeadOptions, read_upstream=True):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # a caller's main_grad buffer receives dW scaled by the upstream gradient, known in the backward only
         chunks = HeadChunks.build(hidden, weight, target, head_ids, dataclasses.replace(opts, grad_weight_out=None))
@@ -99,23 +178,15 @@ class _SinglePassFusedLoss(torch.autograd.Function):
             head_z = chunks.head_logits(sl, z)  # before pass 1 consumes z
             local = chunks.math.partials(z, lt, ow, col, inv_t)  # pass 1
             merged, head_z = reduce_partials_and_head(local, head_z, opts.tp_group)  # one all-reduce SUM
-            lp, lse, _ = finalize_partials(merged)
-            logprob[sl] = lp
-            g_head = None
-            if trainer_head is not None and head_z is not None and chunks.head is not None:
-                valid = chunks.head[2][sl]
-                trainer_head[sl] = chunk_trainer_head = head_logprobs(head_z, lse, valid)
-                g, g_head = token_grad(sl, lp, chunk_trainer_head)
-                g_head = valid_head_grad(g_head, valid, lp.dtype)
-                g = dense_grad(g, g_head)
-            else:
-                g = token_grad(sl, lp)
+            valid = None if chunks.head is None else chunks.head[2][sl]
+            head_out = None if trainer_head is None else trainer_head[sl]
+            lse, g, g_head = step(sl, merged, head_z, valid, logprob[sl], head_out)
             dz = chunks.math.single_pass_grad(z, local, lse, lt, ow, col, g, inv_t, inv_t)  # pass 2
             dz = chunks.add_head_grad_(sl, dz, g_head)
             chunks.chunk_grads(sl, dz, x_c, grad_x, grad_w)  # GEMMs 2 and 3
         ctx.grad_x = chunks.finish_grad_x(grad_x, hidden)
         del chunks
-        ctx.grad_weight_out = opts.grad_weight_out
+        ctx.grad_weight_out, ctx.read_upstream = opts.grad_weight_out, read_upstream
         if grad_w is None:
             ctx.grad_w = None
         elif opts.grad_weight_out is not None:
@@ -127,7 +198,7 @@ class _SinglePassFusedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        skip = _is_one_on_cpu(grad_loss)
+        skip = ctx.read_upstream and _is_one_on_cpu(grad_loss)
         grad_x = _scale_(ctx.grad_x, grad_loss, skip)
         grad_w = None
         if ctx.grad_weight_out is not None and ctx.grad_w is not None:
@@ -135,11 +206,11 @@ class _SinglePassFusedLoss(torch.autograd.Function):
         else:
             grad_w = _scale_(ctx.grad_w, grad_loss, skip)
         ctx.grad_x = ctx.grad_w = ctx.grad_weight_out = None
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def _with_head_placeholder(
-    loss_fn: ClippedPGLoss, data: Mapping[str, torch.Tensor], placeholder: torch.Tensor
+    loss_fn: ClippedPGLoss | CompiledLoss, data: Mapping[str, torch.Tensor], placeholder: torch.Tensor
 ) -> Mapping[str, torch.Tensor]:
     """Score centering: the head log-probs this entry point computes stand as zeros ``[B, T, k]`` while the inputs
     are prepared (shape and dtype only; without head ids ``prepare`` names what is missing)."""
@@ -150,7 +221,7 @@ def _with_head_placeholder(
 
 
 def fused_linear_pg_loss(
-    loss_fn: ClippedPGLoss,
+    loss_fn: ClippedPGLoss | CompiledLoss,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
@@ -195,7 +266,8 @@ def fused_linear_pg_loss(
     # shape and dtype only: the log-probs' dtype (fp64 for fp64 inputs, else fp32) sets the dL/dc arithmetic's
     placeholder = torch.zeros(target.shape, dtype=acc_dtype(compute_dtype(hidden)), device=hidden.device)
     data = _with_head_placeholder(loss_fn, data, placeholder)
-    inputs, layout = loss_fn.prepare(placeholder, data, global_valid_seqs, global_valid_toks, layout)
+    prepared = PreparedInputs.of(loss_fn, placeholder, data, global_valid_seqs, global_valid_toks, layout)
+    inputs, layout = prepared.inputs, prepared.layout
     # score centering: the sampler's head ids of each next-token position ([B, T, k], sliced like the log-probs)
     head_ids = inputs.head.head_ids if loss_fn.config.score_centering and inputs.head is not None else None
     layout = with_data_parallel(layout, dp_group)
@@ -224,11 +296,16 @@ def fused_linear_pg_loss(
     opts = HeadOptions(
         tp_group, chunk, 1.0 / temperature, backend, not sequence_parallel, grad_weight_dtype, grad_weight_out
     )
-    return _single_pass_loss(loss_fn, inputs, layout, hidden, weight, target, head_ids, opts)
+    prepared = dataclasses.replace(prepared, layout=layout)
+    return _single_pass_loss(loss_fn, prepared, hidden, weight, target, head_ids, opts)
 
 
 def _runs_single_pass(
-    loss_fn: ClippedPGLoss, layout: TokenLayout, single_pass: bool | None, hidden: torch.Tensor, weight: torch.Tensor
+    loss_fn: ClippedPGLoss | CompiledLoss,
+    layout: TokenLayout,
+    single_pass: bool | None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
 ) -> bool:
     """Whether the single pass runs: the config and layout allow it (``separable.single_pass_blocker``; with
     ``single_pass=True`` a ValueError with the reason otherwise), it is not turned off, and a gradient is wanted."""
@@ -240,19 +317,29 @@ def _runs_single_pass(
 
 
 def _single_pass_loss(
-    loss_fn: ClippedPGLoss,
-    inputs: LossInputs,
-    layout: TokenLayout,
+    loss_fn: ClippedPGLoss | CompiledLoss,
+    prepared: PreparedInputs,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
     head_ids: torch.Tensor | None,
     opts: HeadOptions,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The single pass: each chunk's ``dL/dc`` (and ``dL/dc_head``) from ``TokenLossGradient``; the loss value and
-    the metrics from :meth:`ClippedPGLoss.compute` on the final log-probs, with the IS correction the gradient was
-    built with."""
-    token_grad = TokenLossGradient.build(loss_fn, inputs, layout)
+    """The single pass: each chunk's ``dL/dc`` (and ``dL/dc_head``) from :func:`chunk_step`; the loss value and the
+    metrics from the loss on the final log-probs. With a :class:`CompiledLoss` (on a layout it compiles) the batch
+    constants, each chunk's step and the loss with its metrics are its compiled graphs, and the inputs' checks are
+    read with the metrics (one host read per call); else :meth:`ClippedPGLoss.compute`, with the IS correction the
+    gradient was built with."""
+    inputs, layout = prepared.inputs, prepared.layout
+    compiled = loss_fn if isinstance(loss_fn, CompiledLoss) and loss_fn.compiles(layout) else None
+    if compiled is not None:
+        inputs = compiled.with_count_tensors(inputs)
+        token_grad = compiled.token_gradient(inputs, layout)
+        step = loss_gradient_step(token_grad, compiled.compiled_function(chunk_step))
+    else:
+        prepared.read_checks()
+        token_grad = TokenLossGradient.build(loss_fn, inputs, layout)  # type: ignore[arg-type]
+        step = loss_gradient_step(token_grad)
     metrics: dict[str, Any] = {}
 
     def finish(logprob: torch.Tensor, trainer_head: torch.Tensor | None) -> torch.Tensor:
@@ -260,12 +347,15 @@ def _single_pass_loss(
         if trainer_head is not None and head is not None:
             head = dataclasses.replace(head, trainer_head=trainer_head)
         done = dataclasses.replace(inputs, curr_logprobs=logprob, head=head)
-        loss, m = loss_fn.compute(done, layout, is_correction=token_grad.correction)
+        if compiled is not None:
+            loss, m = compiled.compute_unread(done, layout, prepared.pending)
+        else:
+            loss, m = loss_fn.compute(done, layout, is_correction=token_grad.correction)
         metrics.update(m)
         return loss.detach()
 
-    chunk_grad = token_grad if head_ids is None else token_grad.with_head  # (dL/dc, dL/d(trainer_head)) per chunk
-    loss = _SinglePassFusedLoss.apply(hidden, weight, target, head_ids, chunk_grad, finish, opts)
+    read_upstream = compiled is None
+    loss = _SinglePassFusedLoss.apply(hidden, weight, target, head_ids, step, finish, opts, read_upstream)
     return loss, metrics
 
 

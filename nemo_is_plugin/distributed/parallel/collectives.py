@@ -25,13 +25,18 @@ def _is_trivial(group: ProcessGroup | None) -> bool:
     return group is None or dist.get_world_size(group) == 1
 
 
+# forward and setup_context apart: the form torch.func transforms (vjp) accept, so that a loss reduced over CP or DP
+# ranks can be differentiated by torch.func as by autograd (separable.aggregation_weights)
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         out = x.contiguous().clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.group = inputs[1]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -42,12 +47,16 @@ class _AllReduceSum(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.length = group, dim, x.shape[dim]
+    def forward(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x, group=group)
         return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, ctx.group, ctx.dim = inputs
+        ctx.length = x.shape[ctx.dim]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
