@@ -18,19 +18,27 @@ exactly and the same every run. Per config, on one small problem (4 sequences x 
 Ops are counted by a ``TorchDispatchMode``: every aten op whose overload is not a view (``OpOverload.is_view``).
 The shapes do not change the counts (no per-sequence or per-chunk loop other than the 8 chunks).
 
-``--compiled`` adds the compiled epilogue (``nemo_is_plugin/loss/compiled.py``, ``CompiledLoss``) on the same call:
+``--compiled`` adds the compiled loss (``nemo_is_plugin/loss/compiled.py``, ``CompiledLoss``) on the same problem:
 
-- ``compiled``, ``compiled+bwd``: on a CPU, the non-view aten ops run outside the compiled graph (input alignment,
-  layout, the one read; counted by the same dispatch mode, which is switched off while the compiled graph runs: a
-  dispatch mode cannot run inside ``torch.compile``) **plus** the kernel calls in inductor's generated wrapper of the
-  forward graph (and of the backward graph for ``+bwd``): each call of a generated C++ kernel (``cpp_fused_*``), of an
-  ``extern_kernels`` op or of an aten op the wrapper falls back to, counted once per line of the straight-line
-  ``call()`` (no loops there). On a CUDA device the wrapper launches one Triton kernel per generated-kernel call, so the
-  CPU count stands for the number of launches on a GPU up to inductor's CUDA fusion choices, which may differ from its
-  CPU choices (the CUDA count below is the measured one).
+- ``compiled``, ``compiled+bwd``: the loss call (its compiled epilogue), forward, and with its backward;
+- ``compiled_fused_8_chunks``: ``fused_linear_pg_loss(CompiledLoss(...))`` forward + backward over 8 chunks: the
+  batch constants, each chunk's ``[n]`` step (``chunk_step``: log-probs from the merged partials and dL/dc) and the
+  loss with its metrics are compiled graphs; the GEMMs and the chunk's two ``[n, V]`` passes run as in eager (on a
+  CPU the torch backend's passes, 7 and 8 aten ops a chunk; on CUDA one Triton kernel each);
+- ``compiled_chunk_step``: one chunk's step alone (the compiled counterpart of ``chunk_dLdc``);
+- ``graph_kernels_*``: the part of each count that is kernel calls of compiled graphs.
+
+A compiled count, on a CPU, is the non-view aten ops run outside the compiled graphs (counted by the same dispatch
+mode, switched off while a graph runs: a dispatch mode cannot run inside ``torch.compile``) **plus**, for each call of
+an inductor graph (forward or backward, ``CompiledFxGraph``), the kernel calls in its generated wrapper code: each call
+of a generated C++ kernel (``cpp_fused_*``), of an ``extern_kernels`` op or of an aten op the wrapper falls back to,
+counted once per line of the straight-line ``call()`` (no loops there). On a CUDA device the wrapper launches one
+Triton kernel per generated-kernel call, so the CPU count stands for the number of launches on a GPU up to inductor's
+CUDA fusion choices, which may differ from its CPU choices (the CUDA count below is the measured one).
+
 - On a CUDA device (``--device cuda``) both paths are counted by ``torch.profiler``: the device kernels and memory
   operations each call launches (profiler events on the CUDA device), no dispatch mode involved.
-- ``syncs_compiled``: host synchronisations of the compiled call (+bwd), by ``count_host_syncs``.
+- ``syncs_compiled*``: host synchronisations of the compiled calls, by ``count_host_syncs``.
 
 The first compiled call per config compiles (minutes on 2 CPU cores, seconds once inductor's FX graph cache holds it).
 """
@@ -273,7 +281,7 @@ def count_compiled(config: dict[str, Any], device: str = "cpu") -> dict[str, int
     for label, make in calls.items():
         call = make(compiled)
         call()  # compiles (minutes on a loaded CPU, seconds from inductor's cache)
-        out[label], out[f"syncs_{label}"], _ = count_with_graphs(call)
+        out[label], out[f"syncs_{label}"], out[f"graph_kernels_{label}"] = count_with_graphs(call)
     step = chunk_step_call(compiled, p, x0)
     step()
     out["compiled_chunk_step"], _, _ = count_with_graphs(step)

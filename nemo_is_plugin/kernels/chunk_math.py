@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -136,6 +137,20 @@ def _ran(backend: str) -> None:
         record.add(backend)
 
 
+def grad_from_exp_(
+    e: torch.Tensor,
+    local_max: torch.Tensor,
+    lse: torch.Tensor,
+    local_target: torch.Tensor,
+    owned: torch.Tensor,
+    grad_logprob: torch.Tensor,
+    out_scale: float,
+) -> torch.Tensor:
+    """Pass 2 of the torch single pass: ``softmax_grad_from_exp_`` on pass 1's ``e = exp(z - m)`` with the scale
+    ``exp(m - lse)`` that turns it into ``p``."""
+    return softmax_grad_from_exp_(e, torch.exp(local_max - lse), local_target, owned, grad_logprob, out_scale)
+
+
 class ChunkMath:
     """Pass 1 and pass 2 of one forward or backward call, with the workspaces the torch backend needs.
 
@@ -156,8 +171,14 @@ class ChunkMath:
         *,
         with_entropy: bool = False,
         fallback: bool = False,
+        compile_torch: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
     ):
         self.backend, self.fallback = backend, fallback
+        # the torch backend's single-pass math, through a compiler when given (a compiled loss's: one or two kernels
+        # a pass instead of 7-8 aten ops); the same functions either way
+        compiled = compile_torch or (lambda fn: fn)
+        self._partials_torch = compiled(chunk_partials_)
+        self._grad_from_exp_torch = compiled(grad_from_exp_)
         self.z_dtype, self.acc, self.device = z_dtype, acc, device
         self.rows, self.cols, self.with_entropy = rows, cols, with_entropy
         self._work: torch.Tensor | None = None
@@ -230,7 +251,7 @@ class ChunkMath:
         _ran("torch")
         work = self._fp_view(z, in_scale, z if writable else None)
         scratch = self._scratch_buf() if self.with_entropy else None
-        got = chunk_partials_(work, local_target, owned, self.with_entropy, scratch)
+        got = self._partials_torch(work, local_target, owned, self.with_entropy, scratch)
         self._exp = None if self.with_entropy else work
         if out is None:
             return got
@@ -265,7 +286,7 @@ class ChunkMath:
             )
         _ran("torch")
         e, self._exp = self._exp, None
-        grad = softmax_grad_from_exp_(e, torch.exp(local.max - lse), local_target, owned, grad_logprob, out_scale)
+        grad = self._grad_from_exp_torch(e, local.max, lse, local_target, owned, grad_logprob, out_scale)
         return grad if grad.data_ptr() == z.data_ptr() else z.copy_(grad)
 
     def logits_grad(

@@ -26,11 +26,14 @@ passes.
 the function the whole-batch loss computes them with) on a detached ``[n]`` leaf of the chunk's log-probs: one source
 of truth for every formula, and at a kink (a tie of min / max / clamp) the gradient is whatever subgradient autograd
 picks for the loss itself. It is a graph of a few dozen elementwise ops on ``[n]`` vectors, small next to the chunk's
-``[n x V]`` GEMMs (``python -m nemo_is_plugin.apps.bench.loss_gradient_timing`` measures both), built under
-``torch.enable_grad`` so that the fused forward (which runs without grad mode) can use it; no host synchronisation.
-The batch constants (:class:`~nemo_is_plugin.loss.terms.TermInputs`) are computed once per call, by the loss's own
-:func:`~nemo_is_plugin.loss.terms.loss_terms` binding; the IS correction among them is handed to the loss's metrics
-pass so that it is not computed twice.
+``[n x V]`` GEMMs (``python -m nemo_is_plugin.apps.bench.loss_gradient_timing`` measures both), taken with
+``torch.func.vjp`` (:func:`chunk_gradient`): it ignores the fused forward's no-grad mode, and ``torch.compile`` traces
+it into one graph with the terms (a compiled loss, ``loss/compiled.py``, runs a chunk's whole step as one or a few
+kernels); no host synchronisation. The batch constants (:class:`~nemo_is_plugin.loss.terms.TermInputs`) are computed
+once per call (:func:`batch_constants`), by the loss's own :func:`~nemo_is_plugin.loss.terms.term_inputs` binding; the
+IS correction among them is handed to the eager loss's metrics pass so that it is not computed twice. The
+cumulative ratio's running sums are a pure function of a chunk and the carry (:func:`prefix_scan`), held from chunk to
+chunk by :class:`PrefixCarry`.
 
 Score centering adds ``sum_t a_t sg(A_t) sum_v sg(c_tv) log p_tv`` over each token's k head log-probs, as local as
 the rest: :meth:`TokenLossGradient.with_head` gives the chunk's ``dL/dc_head [n, k]`` beside ``dL/dc [n]``, for the

@@ -32,6 +32,13 @@ scatter-adds.
 Parallelism: TP (vocab-sharded weight) and sequence parallelism; not CP (the batch would need the sharding that
 :class:`~nemo_is_plugin.distributed.entry_points.logit_loss.LogitClippedPGLoss` does: use that entry point under CP).
 
+Compiled (``fused_linear_pg_loss(CompiledLoss(loss_fn), ...)``, ``loss/compiled.py``): in the single pass the batch
+constants, each chunk's ``[n]`` step (:func:`chunk_step`: the log-probs from the merged partials and dL/dc, one graph
+compiled once for every chunk size) and the loss with its metrics are compiled graphs, and the inputs' value checks are
+read with the metrics: one host read per call, at the end of the forward (a bad input raises there, with eager's
+message). The GEMMs and the two ``[n, V]`` passes are unchanged. The two-pass path calls the compiled loss on the
+log-probs. Layouts the compiled loss does not take (a DP batch group) run eagerly after a one-time warning.
+
 Either way no more than one chunk of logits is alive. The loss value and the metrics are always
 :meth:`ClippedPGLoss.compute` on the final log-probs (reusing the IS correction the gradient was built with), as in the
 two-pass path. Cost model per chunk element (bf16, Triton): pass 1 reads 2 bytes, pass 2 reads 2 and writes 2.
@@ -336,6 +343,7 @@ def _single_pass_loss(
         inputs = compiled.with_count_tensors(inputs)
         token_grad = compiled.token_gradient(inputs, layout)
         step = loss_gradient_step(token_grad, compiled.compiled_function(chunk_step))
+        opts = dataclasses.replace(opts, compile_torch=compiled.compiled_function)  # the torch backend's passes
     else:
         prepared.read_checks()
         token_grad = TokenLossGradient.build(loss_fn, inputs, layout)  # type: ignore[arg-type]

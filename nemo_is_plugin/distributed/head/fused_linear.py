@@ -42,8 +42,9 @@ and its precision: :mod:`nemo_is_plugin.kernels.gemm`. No host synchronisation h
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -125,6 +126,8 @@ class HeadOptions:
     reduce_grad_hidden: bool = True
     grad_weight_dtype: torch.dtype | None = None
     grad_weight_out: torch.Tensor | None = None
+    # a compiler for the chunk's torch work beside the GEMMs (ChunkMath's passes, the head's gather and scatter)
+    compile_torch: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
 
 
 class HeadChunks:
@@ -146,8 +149,9 @@ class HeadChunks:
         self.dtype = compute_dtype(self.x)
         self.acc = acc_dtype(self.dtype)
         self.w = weight.to(self.dtype)  # no copy unless the CPU upcast applies
+        compiled = opts.compile_torch or (lambda fn: fn)
         self.local_t, self.owned = target_local, owned
-        self.target_column = owned_column(target_local, owned)
+        self.target_column = compiled(owned_column)(target_local, owned)
         self.head = head  # (local column, owned, valid) [N, k] of the head ids, or None
         self.opts = opts
         self.backend = resolve_backend(opts.backend, self.x.device, self.dtype)
@@ -161,18 +165,22 @@ class HeadChunks:
             self.vocab,
             with_entropy=with_entropy,
             fallback=opts.backend == "auto",
+            compile_torch=opts.compile_torch,
         )
         self.zbuf = torch.empty(rows, self.vocab, dtype=self.dtype, device=self.x.device)
+        self._head_logits, self._add_head_columns = compiled(head_logits), compiled(add_head_columns_)
 
     @classmethod
     def build(cls, hidden, weight, target, head_ids, opts: HeadOptions, *, with_entropy: bool = False) -> HeadChunks:
         """The chunks of a call: this rank's columns of the target ``[...]`` and of the head ids ``[..., k]``."""
+        compiled = opts.compile_torch or (lambda fn: fn)
         start, end = local_vocab_range(weight.shape[0], group_rank(opts.tp_group))
-        local_t, owned = localize_target(target.reshape(-1), start, end)
+        local_t, owned = compiled(localize_target)(target.reshape(-1), start, end)
         head = None
         if head_ids is not None:
             vocab = weight.shape[0] * group_size(opts.tp_group)
-            head = localize_head(head_ids.reshape(local_t.shape[0], head_ids.shape[-1]), start, end, vocab)
+            ids = head_ids.reshape(local_t.shape[0], head_ids.shape[-1])
+            head = compiled(localize_head)(ids, start, end, vocab)
         return cls(hidden, weight, local_t, owned, opts, with_entropy=with_entropy, head=head)
 
     def slices(self) -> Iterator[slice]:
@@ -183,14 +191,15 @@ class HeadChunks:
         before pass 1; None without head ids."""
         if self.head is None:
             return None
-        return head_logits(z, self.head[0][sl], self.head[1][sl], self.opts.inv_temperature, self.acc)
+        return self._head_logits(z, self.head[0][sl], self.head[1][sl], self.opts.inv_temperature, self.acc)
 
     def add_head_grad_(self, sl: slice, dz: torch.Tensor, grad_head: torch.Tensor | None) -> torch.Tensor:
         """Pass 2 ran with ``g_y + sum_k g_k``: move ``s g_k`` from the target column to the head ids' columns."""
         if self.head is None or grad_head is None:
             return dz
         lt, ow = self.local_t[sl], self.owned[sl]
-        return add_head_columns_(dz, lt, ow, self.head[0][sl], self.head[1][sl], grad_head, self.opts.inv_temperature)
+        inv_t = self.opts.inv_temperature
+        return self._add_head_columns(dz, lt, ow, self.head[0][sl], self.head[1][sl], grad_head, inv_t)
 
     def rows(self, sl: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(local target, owned, target column) of the chunk ``sl``."""
