@@ -1,6 +1,6 @@
 """Host time per loss call at small N, the eager loss against the compiled epilogue, in one run: the ratio.
 
-    python tools/epilogue_host_time.py [--rounds 7] [--calls 20] [--tokens 4x64] [--json]
+    python tools/epilogue_host_time.py [--rounds 7] [--calls 20] [--tokens 4x64] [--path loss|fused] [--json]
 
 At a few hundred tokens the loss's [N]-vector work is negligible and a call's time is the host's: Python, dispatch
 and, on a GPU, kernel launches (docs/gpu_runs.md), so this is the time the compiled path
@@ -8,7 +8,9 @@ and, on a GPU, kernel launches (docs/gpu_runs.md), so this is the time the compi
 ``ClippedPGLoss.__call__`` + backward, eager and compiled, on the same inputs (``make_problem``, log-probs from the
 model); ``calls`` calls per round, the median of ``rounds`` rounds of wall time per call (``time.perf_counter``),
 twice, interleaved (both paths see the same machine load), after one warm-up call (the compiled path's first call
-compiles: its time is reported apart, ``compile_s``). On a CPU the compiled graph's kernels are C++ (inductor), so the
+compiles: its time is reported apart, ``compile_s``). ``--path fused``: the fused LM-head single pass instead
+(``fused_linear_pg_loss`` forward + backward over 8 chunks, H = 32, V = 256: GEMMs of that size cost little, so the
+host's share is what the compiled path changes). On a CPU the compiled graph's kernels are C++ (inductor), so the
 time also includes arithmetic a GPU would do; the number says what the host saves per call, not what a GPU step saves.
 """
 
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nemo_is_plugin import build_loss_fn  # noqa: E402
 from nemo_is_plugin.apps.bench.problem import make_problem  # noqa: E402
 from nemo_is_plugin.loss.compiled import CompiledLoss  # noqa: E402
-from tools.launch_count import CONFIGS, loss_call  # noqa: E402
+from tools.launch_count import CONFIGS, fused_call, loss_call  # noqa: E402
 
 
 def per_call_seconds(call: Any, rounds: int, calls: int) -> float:
@@ -42,13 +44,16 @@ def per_call_seconds(call: Any, rounds: int, calls: int) -> float:
     return statistics.median(times)
 
 
-def time_config(config: dict[str, Any], batch: int, seq_len: int, rounds: int, calls: int) -> dict[str, float]:
+def time_config(
+    config: dict[str, Any], batch: int, seq_len: int, rounds: int, calls: int, path: str = "loss"
+) -> dict[str, float]:
     p = make_problem(batch, seq_len + 1, 32, 256, base_logprobs="model")
     x0 = p.data["prev_logprobs"][:, 1:].to(torch.float32).clone()
-    eager, compiled = (
-        loss_call(build_loss_fn(config), p, x0, True),
-        loss_call(CompiledLoss(build_loss_fn(config)), p, x0, True),
-    )
+
+    def make(loss_fn: Any) -> Any:
+        return fused_call(loss_fn, p) if path == "fused" else loss_call(loss_fn, p, x0, True)
+
+    eager, compiled = make(build_loss_fn(config)), make(CompiledLoss(build_loss_fn(config)))
     start = time.perf_counter()
     compiled()
     compile_s = time.perf_counter() - start
@@ -67,15 +72,18 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--tokens", default="4x64", help="BxT: sequences x log-prob positions")
+    parser.add_argument("--path", choices=("loss", "fused"), default="loss", help="the loss call, or the fused pass")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     batch, seq_len = (int(v) for v in args.tokens.split("x"))
     torch.manual_seed(0)
-    result = {name: time_config(config, batch, seq_len, args.rounds, args.calls) for name, config in CONFIGS.items()}
+    timing = (batch, seq_len, args.rounds, args.calls, args.path)
+    result = {name: time_config(config, *timing) for name, config in CONFIGS.items()}
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        print(f"host ms per loss call (+ backward), {batch}x{seq_len} tokens, torch {torch.__version__}")
+        what = "fused single pass" if args.path == "fused" else "loss call"
+        print(f"host ms per {what} (+ backward), {batch}x{seq_len} tokens, torch {torch.__version__}")
         print(f"{'config':<16}{'eager ms':>10}{'compiled ms':>13}{'eager/compiled':>16}{'compile s':>11}")
         for name, r in result.items():
             print(
