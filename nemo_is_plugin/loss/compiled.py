@@ -29,7 +29,7 @@ import copy
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ import torch
 from nemo_is_plugin.common.once import warn_once
 from nemo_is_plugin.loss.aligned_inputs import LossInputs, align_nemo_rl_inputs_unread
 from nemo_is_plugin.loss.clipped_pg import ClippedPGLoss
+from nemo_is_plugin.loss.correction import ISCorrection
 from nemo_is_plugin.loss.denominator import Denominator
 from nemo_is_plugin.loss.layout import TokenLayout
 from nemo_is_plugin.loss.metrics import MetricValues
@@ -107,7 +108,11 @@ class CompiledLoss:
         options = {"dynamic": True, "fullgraph": True, **compile_options}
         traced = copy.copy(loss)
         traced.config = config_snapshot(loss.config)
-        self.compiled: Epilogue | None = torch.compile(epilogue(traced), **options)
+        run = epilogue(traced)
+        # the epilogue's own code object: dynamo's compiled graphs of this loss are its cache entries (the tests count
+        # them to check one compile per configuration and input structure)
+        self.code = run.__code__
+        self.compiled: Epilogue | None = torch.compile(run, **options)
         # metric names and denominators per input structure, from a shape-only trace (no values, no host read)
         self._names: dict[tuple, tuple[list[str], dict[str, Denominator]]] = {}
 
@@ -119,7 +124,7 @@ class CompiledLoss:
         signature, and passed on to it unchanged where this call runs the eager loss."""
 
         def eager(reason: str) -> tuple[torch.Tensor, MetricValues]:
-            warn_once(f"compiled epilogue: {reason}", f"compiled epilogue: {reason}; this call runs the eager loss")
+            _say_eager(reason)
             return self.loss(*args, **kw)
 
         call = _EAGER_CALL.bind(self.loss, *args, **kw)
@@ -134,6 +139,25 @@ class CompiledLoss:
             self.config, a["next_token_logprobs"], a["data"], a["global_valid_seqs"], a["global_valid_toks"], layout
         )
         return self.compute_unread(inputs, layout, pending.scalars(), pending.raise_if_bad)
+
+    def compute(
+        self,
+        inputs: LossInputs,
+        layout: TokenLayout,
+        *,
+        is_correction: ISCorrection | None = None,
+        extra_metric_sums: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, MetricValues]:
+        """:meth:`ClippedPGLoss.compute` compiled: the loss and metrics of aligned inputs (no value checks, as the eager
+        ``compute`` makes none), one host read. A caller's precomputed ``is_correction`` or ``extra_metric_sums`` are
+        not graph inputs: that call runs the eager loss (said once)."""
+        if is_correction is not None or extra_metric_sums is not None:
+            _say_eager("compute with a precomputed is_correction or extra_metric_sums is not compiled")
+            return self.loss.compute(inputs, layout, is_correction=is_correction, extra_metric_sums=extra_metric_sums)
+        if (why := compile_blocker(layout)) is not None:
+            _say_eager(f"not compiled on {why}")
+            return self.loss.compute(inputs, layout)
+        return self.compute_unread(inputs, layout, [], _no_checks)
 
     def compute_unread(
         self,
@@ -191,9 +215,26 @@ class CompiledLoss:
         return self._names[key]
 
 
-def _tensors(inputs: LossInputs) -> list[torch.Tensor | None]:
-    return [v if isinstance(v, torch.Tensor) else None for v in vars(inputs).values()]
+def _say_eager(reason: str) -> None:
+    """Once per reason: why a call runs the eager loss (never silently)."""
+    warn_once(f"compiled epilogue: {reason}", f"compiled epilogue: {reason}; this call runs the eager loss")
+
+
+def _no_checks(values: list[float]) -> None:
+    """``compute``'s check callback: it has no value checks to raise for."""
+
+
+def _tensors(inputs: Any) -> list[torch.Tensor | None]:
+    """The tensors of ``inputs``' fields in order, None for any other value; a dataclass field (score centering's
+    head) contributes its own fields' (the metric names depend on which of them are present)."""
+    out: list[torch.Tensor | None] = []
+    for v in vars(inputs).values():
+        out.extend(_tensors(v) if dataclasses.is_dataclass(v) else [v if isinstance(v, torch.Tensor) else None])
+    return out
 
 
 def _on_meta(v: Any) -> Any:
+    """``v`` with every tensor, also those of a dataclass (score centering's head), as a meta tensor."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return dataclasses.replace(v, **{f.name: _on_meta(getattr(v, f.name)) for f in dataclasses.fields(v)})
     return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
