@@ -7,8 +7,8 @@ formulas. verl (tests/test_golden_verl.py): the weights and mask the loss applie
 ``rollout_corr/`` metrics from the loss's metrics and the raw IS-weight metrics. The verl suite's other tests check the
 mapping and the IS correction itself, not the loss: they are not repeated here.
 
-By default (``make test``): a sample with the ``aot_eager`` backend and one case of each suite with inductor; every
-other case is the opt-in sweep (``sweep`` marker, ``make test-sweep``)."""
+By default (``make test``): a sample with the ``aot_eager`` backend and one CTPO case with inductor; every other case,
+and a verl case with inductor, is the opt-in sweep (``sweep`` marker, ``make test-sweep``)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def test_verl_golden_case_compiled(case, monkeypatch):
         check_verl(case)
 
 
-@pytest.mark.parametrize("suite, case_id", [("ctpo", CTPO_INDUCTOR), ("verl", VERL_INDUCTOR)])
+# inductor compiles take 30-240 s each here: the verl one is in the sweep
+@pytest.mark.parametrize("suite, case_id", [("ctpo", CTPO_INDUCTOR), pytest.param("verl", VERL_INDUCTOR, marks=SWEEP)])
 def test_golden_case_inductor(suite, case_id, monkeypatch):
     module, check = (ctpo_suite, check_ctpo) if suite == "ctpo" else (verl_suite, check_verl)
     with compiled_suite(monkeypatch, module, "inductor"):

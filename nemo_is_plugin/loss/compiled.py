@@ -9,15 +9,20 @@ reference, and it stays the path of what the graph does not cover (below).
 
 - **Shapes**: ``dynamic=True``: one compile per configuration and input structure (which optional inputs are present,
   their dtypes), none as the batch or sequence lengths change (``tests/loss/test_compiled.py`` asserts it with
-  ``torch._dynamo``'s compile counter). Sizes 0 and 1 are specialised by torch, so a batch of 1 sequence, or of 1
-  token per sequence, is one more compile.
+  ``torch._dynamo``'s compile counter, ``tests/loss/test_compiled_configs.py`` for several configs in one process).
+  Sizes 0 and 1 are specialised by torch, so a batch of 1 sequence, or of 1 token per sequence, is one more compile.
+  dynamo also guards on how the tensors are laid out: a call whose inputs are views of larger tensors after calls
+  with fresh tensors (or the reverse), or strided slices after contiguous tensors, compiles one more graph (measured:
+  2-3 graphs for mixed kinds, then none). NeMo-RL's call slices every input ``[:, 1:]`` itself, the same kind each
+  call; a ``compute`` caller that mixes kinds pays one graph per kind (up to dynamo's limit of 8, then eager).
 - **Host reads**: one per call. The metrics' vector and the inputs' check reductions come out of the graph together
   and are read with one ``tolist()``; then the inputs' checks raise as eager would (the same messages; the bad entry
   located on the error path only), and a non-finite loss is diagnosed by rerunning the eager loss, which raises.
 - **Covered**: single-process layouts (padded and packed :class:`~nemo_is_plugin.loss.layout.TokenLayout`, no
-  context-parallel group, no DP batch group), NeMo-RL's call with ``next_token_logprobs``. Not covered, run eagerly
-  with a one-time warning naming the reason (never silently): a context-parallel or batch-grouped layout (their metric
-  reductions are collectives), ``logits=`` calls, and ``compute`` with a caller's precomputed IS correction.
+  context-parallel group, no DP batch group), NeMo-RL's call with ``next_token_logprobs``, ``compute`` on aligned
+  inputs (score centering's head included). Not covered, run eagerly with a one-time warning naming the reason (never
+  silently): a context-parallel or batch-grouped layout (their metric reductions are collectives), ``logits=`` calls,
+  and ``compute`` with a caller's precomputed IS correction or extra metric sums.
 
 Selection: explicit, ``CompiledLoss(build_loss_fn(section))``; nothing selects it automatically (no GPU has run it
 yet: docs/performance.md). A config the graph cannot hold is said once (a warning naming the reason) and runs eagerly.

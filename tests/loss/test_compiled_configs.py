@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 from loss.test_compiled import CASES, assert_same, call_args, run
 from nemo_is_plugin import build_loss_fn
+from nemo_is_plugin.common import once
 from nemo_is_plugin.loss.compiled import CompiledLoss
 
 SHAPES = ((4, 65), (3, 41), (7, 130), (5, 9))  # (batch, sequence length) of the calls, in this order
@@ -44,3 +45,19 @@ def test_a_recompile_would_be_caught():
         run(loss, call_args(4, 65, torch.float32))
         with pytest.raises(Exception, match="recompile_limit"):
             run(loss, call_args(4, 65, torch.float64))
+
+
+def test_compute_with_caller_terms_runs_the_eager_loss_and_says_so(monkeypatch):
+    """``compute`` with a caller's ``extra_metric_sums`` (not a graph input) is the eager loss's, with a warning."""
+    monkeypatch.setattr(once, "_WARNED", set())  # the warning is once per process: this test sees it
+    config, dtype = CASES["bench_f32"]
+    eager = build_loss_fn(config)
+    loss = CompiledLoss(eager, backend="eager")
+    args = call_args(4, 65, dtype)
+    inputs, layout = eager.prepare(args["next_token_logprobs"], args["data"], 1.0, 1.0)
+    extra = {"caller_sum": torch.tensor(2.5)}
+    with pytest.warns(UserWarning, match="extra_metric_sums is not compiled"):
+        got, metrics = loss.compute(inputs, layout, extra_metric_sums=extra)
+    want, want_metrics = eager.compute(inputs, layout, extra_metric_sums=extra)
+    assert torch.equal(got, want) and dict(metrics) == dict(want_metrics) and metrics["caller_sum"] == 2.5
+    assert graphs_of(loss) == 0  # nothing was compiled
