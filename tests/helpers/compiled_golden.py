@@ -1,4 +1,4 @@
-"""The golden suites through the compiled epilogue (nemo_is_plugin/loss/compiled.py): tests/test_golden_compiled*.py.
+"""The golden suites through the compiled epilogue (nemo_is_plugin/loss/compiled.py): tests/test_compiled_golden_*.py.
 
 Each golden suite's own check runs unchanged with the loss it builds replaced by that loss's :class:`CompiledLoss`
 (:func:`compiled_suite`: the suite module's ``build_loss_fn``, or the verl adapter's ``run_loss``, swapped with
