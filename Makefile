@@ -43,7 +43,7 @@ test: setup lint
 	$(MAKE) test-stacks
 
 # The opt-in exhaustive runs that `make test` skips (tests marked sweep; docs/testing.md): every golden case through
-# the compiled loss epilogue (aot_eager), about half an hour on 2 cores.
+# the compiled loss epilogue (aot_eager), about 50 min on 2 cores.
 test-sweep: setup
 	NEMO_IS_TEST_SWEEP=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -m sweep tests
 
