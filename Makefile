@@ -13,7 +13,7 @@ INSTALL_INPUTS := pyproject.toml setup.py nemo_is_plugin/adapters/nemo_rl/startu
 EXAMPLE_INPUTS := examples/tapered_reinforce/pyproject.toml
 STAMP := $(VENV)/.installed-$(shell cat $(INSTALL_INPUTS) $(EXAMPLE_INPUTS) $(LOCK) | cksum | cut -d' ' -f1)
 
-.PHONY: setup lint test demo bench bench-docs evidence lock clean golden golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo setup-stacks test-stacks lock-stacks golden-slime \
+.PHONY: setup lint test test-sweep demo bench bench-docs evidence lock clean golden golden-nemo-rl golden-nemo-rl-compat golden-verl golden-ctpo setup-stacks test-stacks lock-stacks golden-slime \
 	golden-verl-loss-modes golden-verl-score-centering
 
 # Every package at the exact version of $(LOCK), installed without resolution (--no-deps), then the project.
@@ -41,6 +41,11 @@ lint: setup
 test: setup lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests functional_tests
 	$(MAKE) test-stacks
+
+# The opt-in exhaustive runs that `make test` skips (tests marked sweep; docs/testing.md): every golden case through
+# the compiled loss epilogue (aot_eager), about 50 min on 2 cores.
+test-sweep: setup
+	NEMO_IS_TEST_SWEEP=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -m sweep tests
 
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/nemo-is demo

@@ -163,6 +163,7 @@ def compiled_graphs_counted() -> Iterator[GraphKernels]:
     dispatch mode switched off, and so does each call of a :class:`CompiledFunction` (dynamo cannot trace under a
     dispatch mode). A :class:`LaunchCounter` around the call then counts what runs outside the graphs."""
     from torch._inductor.output_code import CompiledFxGraph
+    from torch.overrides import _get_current_function_mode_stack
     from torch.utils._python_dispatch import _disable_current_modes
 
     tally = GraphKernels()
@@ -174,8 +175,16 @@ def compiled_graphs_counted() -> Iterator[GraphKernels]:
             return graph_call(self, inputs)
 
     def modeless_function(self: Any, *args: Any) -> Any:
-        with _disable_current_modes():
-            return function_call(self, *args)
+        # the torch-function modes too: dynamo guards on their stack (a counter's would be a recompile)
+        function_modes = _get_current_function_mode_stack()
+        for _ in function_modes:
+            torch._C._pop_torch_function_stack()
+        try:
+            with _disable_current_modes():
+                return function_call(self, *args)
+        finally:
+            for mode in function_modes:
+                torch._C._push_on_torch_function_stack(mode)
 
     CompiledFxGraph.__call__, CompiledFunction.__call__ = counted_graph, modeless_function  # type: ignore[method-assign]
     try:

@@ -9,15 +9,20 @@ reference, and it stays the path of what the graph does not cover (below).
 
 - **Shapes**: ``dynamic=True``: one compile per configuration and input structure (which optional inputs are present,
   their dtypes), none as the batch or sequence lengths change (``tests/loss/test_compiled.py`` asserts it with
-  ``torch._dynamo``'s compile counter). Sizes 0 and 1 are specialised by torch, so a batch of 1 sequence, or of 1
-  token per sequence, is one more compile.
+  ``torch._dynamo``'s compile counter, ``tests/loss/test_compiled_configs.py`` for several configs in one process).
+  Sizes 0 and 1 are specialised by torch, so a batch of 1 sequence, or of 1 token per sequence, is one more compile.
+  dynamo also guards on how the tensors are laid out: a call whose inputs are views of larger tensors after calls
+  with fresh tensors (or the reverse), or strided slices after contiguous tensors, compiles one more graph (measured:
+  2-3 graphs for mixed kinds, then none). NeMo-RL's call slices every input ``[:, 1:]`` itself, the same kind each
+  call; a ``compute`` caller that mixes kinds pays one graph per kind (up to dynamo's limit of 8, then eager).
 - **Host reads**: one per call. The metrics' vector and the inputs' check reductions come out of the graph together
   and are read with one ``tolist()``; then the inputs' checks raise as eager would (the same messages; the bad entry
   located on the error path only), and a non-finite loss is diagnosed by rerunning the eager loss, which raises.
 - **Covered**: single-process layouts (padded and packed :class:`~nemo_is_plugin.loss.layout.TokenLayout`, no
-  context-parallel group, no DP batch group), NeMo-RL's call with ``next_token_logprobs``. Not covered, run eagerly
-  with a one-time warning naming the reason (never silently): a context-parallel or batch-grouped layout (their metric
-  reductions are collectives), ``logits=`` calls, and ``compute`` with a caller's precomputed IS correction.
+  context-parallel group, no DP batch group), NeMo-RL's call with ``next_token_logprobs``, ``compute`` on aligned
+  inputs (score centering's head included). Not covered, run eagerly with a one-time warning naming the reason (never
+  silently): a context-parallel or batch-grouped layout (their metric reductions are collectives), ``logits=`` calls,
+  and ``compute`` with a caller's precomputed IS correction or extra metric sums.
 
 Selection: explicit, ``CompiledLoss(build_loss_fn(section))``; nothing selects it automatically (no GPU has run it
 yet: docs/performance.md). A config the graph cannot hold is said once (a warning naming the reason) and runs eagerly.
@@ -38,6 +43,7 @@ import torch
 from nemo_is_plugin.common.once import warn_once
 from nemo_is_plugin.loss.aligned_inputs import LossInputs, align_nemo_rl_inputs_unread
 from nemo_is_plugin.loss.clipped_pg import ClippedPGLoss
+from nemo_is_plugin.loss.correction import ISCorrection
 from nemo_is_plugin.loss.denominator import Denominator
 from nemo_is_plugin.loss.input_values import PendingInputChecks
 from nemo_is_plugin.loss.layout import TokenLayout
@@ -122,6 +128,7 @@ class CompiledLoss:
         self.traced = copy.copy(loss)  # the loss the graphs trace: its config's properties read once
         self.traced.config = config_snapshot(loss.config)
         self.compiled = CompiledFunction(epilogue(self.traced), self.options)
+        self.code = self.compiled.code  # the epilogue's code object: its cache entries are this loss's graphs
         # metric names and denominators per input structure, from a shape-only trace (no values, no host read)
         self._names: dict[tuple, tuple[list[str], dict[str, Denominator]]] = {}
         self._functions: dict[Callable[..., Any], CompiledFunction] = {}
@@ -134,7 +141,7 @@ class CompiledLoss:
         signature, and passed on to it unchanged where this call runs the eager loss."""
 
         def eager(reason: str) -> tuple[torch.Tensor, MetricValues]:
-            warn_once(f"compiled epilogue: {reason}", f"compiled epilogue: {reason}; this call runs the eager loss")
+            _say_eager(reason)
             return self.loss(*args, **kw)
 
         call = _EAGER_CALL.bind(self.loss, *args, **kw)
@@ -149,6 +156,25 @@ class CompiledLoss:
             self.config, a["next_token_logprobs"], a["data"], a["global_valid_seqs"], a["global_valid_toks"], layout
         )
         return self.compute_unread(inputs, layout, pending)
+
+    def compute(
+        self,
+        inputs: LossInputs,
+        layout: TokenLayout,
+        *,
+        is_correction: ISCorrection | None = None,
+        extra_metric_sums: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, MetricValues]:
+        """:meth:`ClippedPGLoss.compute` compiled: the loss and metrics of aligned inputs (no value checks, as the eager
+        ``compute`` makes none), one host read. A caller's precomputed ``is_correction`` or ``extra_metric_sums`` are
+        not graph inputs: that call runs the eager loss (said once)."""
+        if is_correction is not None or extra_metric_sums is not None:
+            _say_eager("compute with a precomputed is_correction or extra_metric_sums is not compiled")
+            return self.loss.compute(inputs, layout, is_correction=is_correction, extra_metric_sums=extra_metric_sums)
+        if (why := compile_blocker(layout)) is not None:
+            _say_eager(f"not compiled on {why}")
+            return self.loss.compute(inputs, layout)
+        return self.compute_unread(inputs, layout)
 
     def compute_unread(
         self,
@@ -235,7 +261,9 @@ class CompiledFunction:
 
     def __init__(self, fn: Callable[..., Any], options: Mapping[str, Any]):
         self.fn = fn
-        self.compiled: Callable[..., Any] | None = torch.compile(own_code(fn), **options)
+        run = own_code(fn)
+        self.code = run.__code__  # dynamo's compiled graphs of ``fn`` are this code object's cache entries
+        self.compiled: Callable[..., Any] | None = torch.compile(run, **options)
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:
@@ -280,21 +308,22 @@ class PreparedInputs:
             self.pending = None
 
 
+def _say_eager(reason: str) -> None:
+    """Once per reason: why a call runs the eager loss (never silently)."""
+    warn_once(f"compiled epilogue: {reason}", f"compiled epilogue: {reason}; this call runs the eager loss")
+
+
 def _tensors(inputs: Any) -> list[torch.Tensor | None]:
-    """The tensors of ``inputs``' fields, a record's (the score-centering head's) in its place; None elsewhere."""
+    """The tensors of ``inputs``' fields in order, None for any other value; a dataclass field (score centering's
+    head) contributes its own fields' (the metric names depend on which of them are present)."""
     out: list[torch.Tensor | None] = []
     for v in vars(inputs).values():
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            out.extend(_tensors(v))
-        else:
-            out.append(v if isinstance(v, torch.Tensor) else None)
+        out.extend(_tensors(v) if dataclasses.is_dataclass(v) else [v if isinstance(v, torch.Tensor) else None])
     return out
 
 
 def _on_meta(v: Any) -> Any:
-    """``v`` on the meta device: a tensor, or the tensors of a record (score centering's ``ScoreCenteringHead``)."""
-    if isinstance(v, torch.Tensor):
-        return torch.empty_like(v, device="meta")
+    """``v`` with every tensor, also those of a dataclass (score centering's head), as a meta tensor."""
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return dataclasses.replace(v, **{f.name: _on_meta(getattr(v, f.name)) for f in dataclasses.fields(v)})
-    return v
+    return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
