@@ -167,7 +167,10 @@ class HeadChunks:
             fallback=opts.backend == "auto",
             compile_torch=opts.compile_torch,
         )
-        self.zbuf = torch.empty(rows, self.vocab, dtype=self.dtype, device=self.x.device)
+        # compiled passes: one spare row, so that every chunk is a proper view of the buffer (dynamo guards on whether a
+        # view spans its base: a full chunk and the ragged last one would be two graphs, a recompile as lengths change)
+        spare = int(opts.compile_torch is not None)
+        self.zbuf = torch.empty(rows + spare, self.vocab, dtype=self.dtype, device=self.x.device)
         self._head_logits, self._add_head_columns = compiled(head_logits), compiled(add_head_columns_)
 
     @classmethod
