@@ -23,6 +23,10 @@ reference, and it stays the path of what the graph does not cover (below).
   inputs (score centering's head included). Not covered, run eagerly with a one-time warning naming the reason (never
   silently): a context-parallel or batch-grouped layout (their metric reductions are collectives), ``logits=`` calls,
   and ``compute`` with a caller's precomputed IS correction or extra metric sums.
+- **The fused single pass** (``fused_linear_pg_loss(CompiledLoss(...))``): :meth:`CompiledLoss.token_gradient` (the
+  batch constants, one graph) and :meth:`CompiledLoss.compiled_function` (each chunk's step, the torch backend's chunk
+  passes; one :class:`CompiledFunction` per function and loss, with its own graph cache) give the entry point its
+  graphs; the inputs' checks travel unread (:class:`PreparedInputs`) to the loss's one read at the end.
 
 Selection: explicit, ``CompiledLoss(build_loss_fn(section))``; nothing selects it automatically (no GPU has run it
 yet: docs/performance.md). A config the graph cannot hold is said once (a warning naming the reason) and runs eagerly.
