@@ -175,8 +175,7 @@ class CompiledLoss:
         if is_correction is not None or extra_metric_sums is not None:
             _say_eager("compute with a precomputed is_correction or extra_metric_sums is not compiled")
             return self.loss.compute(inputs, layout, is_correction=is_correction, extra_metric_sums=extra_metric_sums)
-        if (why := compile_blocker(layout)) is not None:
-            _say_eager(f"not compiled on {why}")
+        if not self.compiles(layout):
             return self.loss.compute(inputs, layout)
         return self.compute_unread(inputs, layout)
 
@@ -213,7 +212,7 @@ class CompiledLoss:
         """Whether this loss's graphs run on ``layout`` (a one-time warning naming the reason when not)."""
         why = compile_blocker(layout)
         if why is not None:
-            warn_once(f"compiled loss: {why}", f"compiled loss: not compiled on {why}; the eager loss runs")
+            _say_eager(f"not compiled on {why}")
         return why is None and self.compiled.compiled is not None
 
     @staticmethod
