@@ -39,9 +39,10 @@ read with the metrics: one host read per call, at the end of the forward (a bad 
 message). The GEMMs and the two ``[n, V]`` passes are unchanged. The two-pass path calls the compiled loss on the
 log-probs. Layouts the compiled loss does not take (a DP batch group) run eagerly after a one-time warning.
 
-Either way no more than one chunk of logits is alive. The loss value and the metrics are always
-:meth:`ClippedPGLoss.compute` on the final log-probs (reusing the IS correction the gradient was built with), as in the
-two-pass path. Cost model per chunk element (bf16, Triton): pass 1 reads 2 bytes, pass 2 reads 2 and writes 2.
+Either way no more than one chunk of logits is alive. The loss value and the metrics are always the loss on the final
+log-probs, as in the two-pass path: :meth:`ClippedPGLoss.compute` (reusing the IS correction the gradient was built
+with), or, with a compiled loss, its compiled epilogue (which computes the correction inside its graph). Cost model
+per chunk element (bf16, Triton): pass 1 reads 2 bytes, pass 2 reads 2 and writes 2.
 """
 
 from __future__ import annotations
